@@ -1,0 +1,9 @@
+"""flashmm: lossless speculative decoding for Hugging Face multimodal and text models."""
+from . import drafters
+from .api import SpeculativeModel, wrap
+from .config import SamplingParams, SpecConfig
+from .engine import GenerationStats
+from .tree import TokenTree
+
+__all__ = ["wrap", "SpeculativeModel", "GenerationStats", "SpecConfig", "SamplingParams", "TokenTree", "drafters"]
+__version__ = "0.1.0"

@@ -1,0 +1,51 @@
+"""KV-cache operations on Hugging Face ``DynamicCache`` objects.
+
+flashmm gives every target a full-length ``DynamicCache()`` (one plain layer per decoder
+layer, no sliding-window eviction): sliding windows are enforced by the attention mask, so
+the cache is always "prefix rows then tree rows" and keeping a path is a gather.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def new_cache() -> DynamicCache:
+    """An empty cache whose layers keep every row (masks, not eviction, enforce windows)."""
+    return DynamicCache()
+
+
+def cache_len(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def keep_rows(cache: DynamicCache, prefix_len: int, path: torch.Tensor) -> None:
+    """Keep rows [0, prefix_len) then rows prefix_len + path[b] of every layer, drop the rest.
+
+    path: LongTensor [B, L] of tree node indices (root first), identical length per row.
+    A chain accepted in order (path == arange) is a plain crop. Gather-then-assign: the
+    new tensors are built before the old ones are released, so overlapping source and
+    destination rows are safe.
+    """
+    bsz, length = path.shape
+    if bool((path == torch.arange(length, device=path.device)).all()):
+        crop(cache, prefix_len + length)
+        return
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        idx = (path.to(layer.keys.device) + prefix_len)[:, None, :, None]  # [B,1,L,1]
+        heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
+        kept_k = layer.keys.gather(2, idx.expand(bsz, heads, length, dim))
+        kept_v = layer.values.gather(2, idx.expand(bsz, heads, length, layer.values.shape[-1]))
+        layer.keys = torch.cat([layer.keys[:, :, :prefix_len], kept_k], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :prefix_len], kept_v], dim=2)
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Truncate every layer to its first ``length`` rows."""
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        layer.keys = layer.keys[:, :, :length]
+        layer.values = layer.values[:, :, :length]

@@ -1,0 +1,126 @@
+"""The drafter protocol: how any speculative method plugs into the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from ..config import SamplingParams
+from ..tree import TokenTree
+
+if TYPE_CHECKING:
+    from ..targets.base import Target
+
+
+@dataclass
+class Draft:
+    """A proposal to verify.
+
+    tokens:  LongTensor [B, N]; tokens[:, 0] is the root (the last committed token, whose KV is
+             not yet in the target cache), tokens[:, i] for i >= 1 the drafted token at node i.
+    tree:    TokenTree with N nodes (node 0 = root). A chain is TokenTree.chain(N - 1).
+    q_probs: FloatTensor [B, N, V] or None. q_probs[:, i] is the (already warped) draft
+             distribution from which the children of node i were drawn i.i.d.; None means the
+             children are deterministic (greedy / top-k / lookup), verified as such.
+    """
+
+    tokens: torch.Tensor
+    tree: TokenTree
+    q_probs: torch.Tensor | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.tree.num_nodes - 1
+
+
+@dataclass
+class SequenceStart:
+    """What a drafter learns when a new sequence starts (after the target's prefill).
+
+    input_ids:      LongTensor [B, T]; the prompt (multimodal placeholders already expanded).
+    hidden_states:  FloatTensor [B, T, d] or None; target last-layer features of the prompt
+                    (only filled when the drafter sets needs_hidden_states).
+    input_embeds:   FloatTensor [B, T, d] or None; the target's input embeddings of the prompt,
+                    visual features at the visual positions (multimodal targets; hidden drafters).
+    visual_spans:   list of (start, end) half-open index ranges of visual tokens in input_ids.
+    model_inputs:   the extra model inputs given to generate (pixel_values, image_grid_thw, ...).
+    """
+
+    input_ids: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+    input_embeds: torch.Tensor | None = None
+    visual_spans: list[tuple[int, int]] = field(default_factory=list)
+    model_inputs: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    """What the drafter learns after a verification step.
+
+    committed:     LongTensor [B, T']; all committed tokens so far (prompt + output), the last
+                   one being the new root (not yet in the target cache).
+    accepted_len:  int; drafted tokens accepted this step.
+    path:          LongTensor [B, accepted_len + 1]; accepted node indices (root first).
+    hidden_states: FloatTensor [B, accepted_len + 1, d] or None; target last-layer features at
+                   the accepted nodes (root first), when needs_hidden_states.
+    """
+
+    committed: torch.Tensor
+    accepted_len: int
+    path: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+
+
+class Drafter:
+    """Base class of every drafting method.
+
+    Subclasses set ``name`` (registry key) and implement ``propose``; ``bind`` validates the
+    pairing with a target once, ``begin`` starts a sequence, ``observe`` sees each step's
+    outcome (to adapt draft length, roll caches, or consume target features).
+    A drafter that returns a Draft with a single node (the root) drafts nothing: the engine
+    then does a plain decoding step, so a drafter never costs more than its own overhead.
+    """
+
+    name: ClassVar[str] = ""
+    needs_hidden_states: ClassVar[bool] = False
+
+    def bind(self, target: "Target") -> None:
+        """Check this drafter can serve ``target``; raise ValueError naming the mismatch."""
+
+    def begin(self, start: SequenceStart) -> None:
+        """A new sequence starts."""
+
+    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        """Draft at most ``max_tokens`` tokens after committed [B, T] (last = root)."""
+        raise NotImplementedError
+
+    def observe(self, step: StepResult) -> None:
+        """Learn what the target accepted."""
+
+
+def root_only(committed: torch.Tensor) -> Draft:
+    """The empty draft: just the root (a plain decoding step)."""
+    return Draft(tokens=committed[:, -1:], tree=TokenTree.chain(0), q_probs=None)
+
+
+_REGISTRY: dict[str, type[Drafter]] = {}
+
+
+def register(cls: type[Drafter]) -> type[Drafter]:
+    """Class decorator: make a drafter constructible by name in flashmm.wrap(model, "name")."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty `name` to be registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def drafter_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_drafter(name: str, **kwargs) -> Drafter:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter {name!r}; registered drafters: {drafter_names()}")
+    return _REGISTRY[name](**kwargs)

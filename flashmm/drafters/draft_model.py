@@ -1,0 +1,119 @@
+"""An independent smaller language model as the drafter (Leviathan et al., Chen et al.)."""
+from __future__ import annotations
+
+import torch
+
+from .. import cache as kv
+from ..config import SamplingParams
+from ..sampling import probs_from_logits, sample
+from ..tree import TokenTree
+from .base import Draft, Drafter, StepResult, register, root_only
+from .length import AdaptiveDraftLength
+
+
+@register
+class DraftModel(Drafter):
+    """Drafts with a small causal LM that shares the target's tokenizer.
+
+    Keeps its own KV cache of the committed tokens (rolled back to the common prefix each step).
+    Shape: a chain, or with ``tree_width`` > 1 a "sibling tree": every node on the main chain
+    also gets ``tree_width - 1`` alternative children (top-k when greedy — deterministic; i.i.d.
+    samples from q when sampling — verified with q by the multi-round rule).
+    Length: AdaptiveDraftLength picks the budget; drafting also stops early when the draft's top
+    probability falls below ``confidence`` (greedy only).
+    """
+
+    name = "draft_model"
+
+    def __init__(self, model: torch.nn.Module, max_draft_tokens: int = 8, tree_width: int = 1,
+                 confidence: float = 0.0, cost_per_token: float = 0.1, adaptive: bool = True):
+        if tree_width < 1:
+            raise ValueError(f"tree_width must be >= 1, got {tree_width}")
+        self.model = model
+        self.max_draft_tokens = max_draft_tokens
+        self.tree_width = tree_width
+        self.confidence = confidence
+        self.adaptive = adaptive
+        self.length = AdaptiveDraftLength(cost_per_token=cost_per_token)
+        self._cache = None
+        self._cached_ids: list[int] = []
+        self._last_depth = 0
+
+    def bind(self, target) -> None:
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        if vocab != target.vocab_size:
+            raise ValueError(
+                f"draft model vocabulary ({vocab}) differs from the target's ({target.vocab_size}); "
+                "a DraftModel must share the target's tokenizer")
+
+    def begin(self, start) -> None:
+        self._cache, self._cached_ids = kv.new_cache(), []
+        self.length.reset()
+
+    def _logits_after(self, ids: list[int], device) -> torch.Tensor:
+        """Bring the cache to ``ids`` and return the next-token logits [1, V] after the last one."""
+        common = 0
+        for a, b in zip(self._cached_ids, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # always feed at least the last token
+        kv.crop(self._cache, common)
+        feed = torch.tensor([ids[common:]], device=device)
+        out = self.model(input_ids=feed, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        self._cached_ids = list(ids)
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def propose(self, committed, max_tokens, sampling: SamplingParams, generator) -> Draft:
+        if committed.shape[0] != 1:
+            raise NotImplementedError("DraftModel drafts one sequence at a time")
+        width = self.tree_width
+        depth_budget = max_tokens // width
+        depth = self.length.choose(min(depth_budget, self.max_draft_tokens)) if self.adaptive \
+            else min(depth_budget, self.max_draft_tokens)
+        self._last_depth = 0
+        if depth <= 0:
+            return root_only(committed)
+        ids = committed[0].tolist()
+        parents, tokens, q_rows = [-1], [ids[-1]], []
+        chain_node = 0
+        for step in range(depth):
+            if step == 0:
+                logits = self._logits_after(ids, committed.device)
+            else:
+                logits = self._logits_after(ids + [tokens[n] for n in self._chain(parents, chain_node)],
+                                            committed.device)
+            q = probs_from_logits(logits, sampling)[0] if sampling.do_sample else logits[0].softmax(-1)
+            if sampling.do_sample:
+                children = sample(q.expand(width, -1), generator).tolist()
+            else:
+                children = q.topk(width).indices.tolist()
+                if float(q[children[0]]) < self.confidence:
+                    break
+            q_rows.append((chain_node, q))
+            first_child = len(tokens)
+            for c in children:
+                parents.append(chain_node)
+                tokens.append(c)
+            chain_node = first_child
+        self._last_depth = len(q_rows)
+        tree = TokenTree.from_parents(parents)
+        q_probs = None
+        if sampling.do_sample:
+            q_probs = torch.zeros(1, tree.num_nodes, logits.shape[-1], device=logits.device)
+            for node, q in q_rows:
+                q_probs[0, node] = q
+        return Draft(tokens=committed.new_tensor([tokens]), tree=tree, q_probs=q_probs)
+
+    @staticmethod
+    def _chain(parents: list[int], node: int) -> list[int]:
+        """Drafted nodes from the root's first child down to ``node`` (root excluded)."""
+        out = []
+        while node > 0:
+            out.append(node)
+            node = parents[node]
+        return out[::-1]
+
+    def observe(self, step: StepResult) -> None:
+        self.length.update(self._last_depth, step.accepted_len)

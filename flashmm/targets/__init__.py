@@ -1,0 +1,30 @@
+"""Model adapters. ``make_target`` picks the first registered adapter that claims the model."""
+from __future__ import annotations
+
+import torch
+
+from .base import Target, TargetOutput
+from .text import CausalLMTarget
+
+# (predicate, adapter class), most specific first; multimodal families register here.
+_ADAPTERS: list[tuple] = []
+
+
+def register_adapter(predicate):
+    """Class decorator: ``predicate(model) -> bool`` says whether the adapter serves a model."""
+    def deco(cls):
+        _ADAPTERS.append((predicate, cls))
+        return cls
+    return deco
+
+
+def make_target(model: torch.nn.Module, processor=None, attention: str = "auto") -> Target:
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"flashmm.wrap expects a Hugging Face model, got {type(model).__name__}")
+    for predicate, cls in _ADAPTERS:
+        if predicate(model):
+            return cls(model, processor=processor, attention=attention)
+    return CausalLMTarget(model, attention=attention)
+
+
+__all__ = ["Target", "TargetOutput", "CausalLMTarget", "make_target", "register_adapter"]

@@ -1,0 +1,64 @@
+"""The target-adapter protocol: everything the engine needs from a model, nothing more.
+
+Per-family knowledge (positions, visual spans, where hidden features come from) lives in one
+adapter per family; the engine only calls the methods below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..tree import TokenTree
+
+
+@dataclass
+class TargetOutput:
+    """logits: FloatTensor [B, N, V] (N = 1 after prefill: the last prompt position);
+    hidden_states: FloatTensor [B, N', d] last-layer features or None (prefill: all T prompt
+    positions; tree step: the N tree nodes)."""
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+
+
+class Target:
+    """A wrapped model plus its KV cache for one generation.
+
+    Lifecycle per sequence: prefill(...) once, then repeatedly forward_tree(tokens, tree)
+    (appends N nodes to the cache) and commit(path) (keeps only the accepted nodes).
+    """
+
+    model: torch.nn.Module
+    vocab_size: int
+    hidden_size: int
+
+    # --- sequence lifecycle -------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                want_hidden: bool, **model_inputs) -> TargetOutput:
+        """Run the prompt [B, T]; cache holds T positions afterwards; logits [B, 1, V]."""
+        raise NotImplementedError
+
+    def forward_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
+        """Score tokens [B, N] laid out as ``tree`` after the cache; cache grows by N."""
+        raise NotImplementedError
+
+    def commit(self, path: torch.Tensor) -> None:
+        """Keep the cache rows of the accepted nodes path [B, L] (root first) after the prefix."""
+        raise NotImplementedError
+
+    @property
+    def cache_len(self) -> int:
+        raise NotImplementedError
+
+    # --- facts drafters may need ----------------------------------------------------
+    def input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def output_embeddings(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    def prompt_features(self, input_ids: torch.Tensor, **model_inputs):
+        """(input_embeds [B,T,d] with visual features merged, visual_spans) for drafters that
+        need them; text targets return (embeddings, [])."""
+        return self.input_embeddings()(input_ids), []
