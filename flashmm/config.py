@@ -37,13 +37,14 @@ class SpecConfig:
       rejection sampling on a chain), "greedy", "chain", "tree", or "typical_lossy"
       (Medusa typical acceptance: NOT lossless; output distribution differs from the target).
     max_draft_tokens: upper bound on drafted tokens (tree nodes excluding the root) per step.
-    typical_epsilon / typical_delta: thresholds of the lossy typical-acceptance rule.
+    typical_epsilon / typical_delta: the lossy rule accepts x iff p(x) > min(epsilon, delta·exp(−H(p)));
+      defaults are Medusa's (posterior_threshold 0.09, posterior_alpha 0.3).
     """
 
     verifier: str = "auto"
     max_draft_tokens: int = 16
-    typical_epsilon: float = 0.3
-    typical_delta: float = 0.09
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
 
     def __post_init__(self):
         if self.verifier not in VERIFIERS:

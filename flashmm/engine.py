@@ -104,9 +104,10 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, m
                                     input_embeds=embeds, visual_spans=spans, model_inputs=model_inputs))
 
     while not finished:
-        budget = min(spec.max_draft_tokens, max_new_tokens - len(new) - 1)
         t0 = time.perf_counter()
-        draft = drafter.propose(committed, budget, sampling, generator)
+        # The budget is not cut near max_new_tokens: emission is truncated below instead, so
+        # tree-shaped drafts keep their width on the last step.
+        draft = drafter.propose(committed, spec.max_draft_tokens, sampling, generator)
         t1 = time.perf_counter()
         tree = draft.tree
         scored = target.forward_tree(draft.tokens, tree, want_hidden)

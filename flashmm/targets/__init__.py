@@ -28,3 +28,6 @@ def make_target(model: torch.nn.Module, processor=None, attention: str = "auto")
 
 
 __all__ = ["Target", "TargetOutput", "CausalLMTarget", "make_target", "register_adapter"]
+
+# Multimodal families register themselves (import after register_adapter exists).
+from . import llava, qwen_vl  # noqa: E402,F401

@@ -1,0 +1,63 @@
+"""Helpers shared by the benchmark scripts: machine description, timing, tables."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = dict(cpu=cpu, cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                torch=torch.__version__, python=platform.python_version())
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def timed(fn):
+    """(result, seconds) of fn(), synchronising CUDA around it."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    def fmt(x):
+        return f"{x:.3f}" if isinstance(x, float) else str(x)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(out_prefix: str, payload: dict, markdown: str) -> None:
+    path = Path(out_prefix)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str))
+    path.with_suffix(".md").write_text(markdown)
+    print(f"wrote {path.with_suffix('.json')} and {path.with_suffix('.md')}")

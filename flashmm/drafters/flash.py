@@ -1,0 +1,307 @@
+"""FLASH: latent-aware semi-autoregressive drafting for multimodal (and text) targets.
+
+Feature/token alignment (see flash_modules for the units): with committed tokens x_0 .. x_n
+(x_n = the root, not yet in the target cache) and target features f_0 .. f_{n-1} known, the
+drafter's context holds text units t = 0 .. n-1, unit t = fuse(E(x_{t+1}), f_t), plus the
+compressed visual units of the prompt. One SAR pass at unit n-1 yields f̂_n .. f̂_{n+K-1}; the
+target's LM head turns f̂_{n+i} into the draft distribution of x_{n+1+i} (tree depth i+1).
+Deeper drafts feed the K predicted (f̂_t, top-1 token x̂_{t+1}) pairs back as units and predict
+the next K. With tokens_per_step = 1 this is EAGLE-style autoregressive feature drafting.
+
+Tree: the K positions of one pass are conditioned only on the committed prefix (plus the top-1
+chain of earlier passes), so every node at depth j gets the same children: the top tokens of
+the depth-(j+1) distribution. The tree is a static shape (Medusa-style rank paths), a chain, or
+"dynamic": best-first expansion by cumulative draft probability up to the token budget.
+Children are deterministic, so q_probs is None and sampling is verified by the multi-round tree
+rule in its deterministic-children form (lossless).
+
+State per sequence: the drafter's own KV cache over committed units (extended incrementally at
+each proposal with the units the last verification made known); speculative units live only in
+a temporary cache during ``propose``.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import warnings
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import SamplingParams
+from ..tree import TokenTree
+from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
+from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units
+
+CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
+
+
+def head_logits(head: torch.nn.Module, features: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The target's LM head on features [..., d] → float32 logits [..., V] (final softcapping applied)."""
+    logits = head(features.to(head.weight.dtype)).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+@register
+class FlashDrafter(Drafter):
+    """The FLASH drafter.
+
+    net:          a FlashNet, a directory written by ``save_pretrained``, or None (an untrained
+                  net sized for the target is built at ``bind``, with a warning).
+    compression:  "learned" | "prune" | "merge" | "none" (visual tokens; see flash_modules).
+    tree:         "dynamic" (best-first by cumulative probability, budget = the engine's token
+                  budget or ``max_nodes``), "chain", or a list of rank paths (static shape).
+    depth:        deepest drafted position for "dynamic"/"chain" (default: the smallest multiple
+                  of K that is >= 5, i.e. one SAR pass for K = 5, five for K = 1).
+    top_k:        most children per node ("dynamic").
+    max_nodes:    extra cap on drafted tokens per step (None: the engine's budget).
+    min_path_prob: "dynamic" stops adding nodes whose cumulative probability is below this.
+    """
+
+    name = "flash"
+    needs_hidden_states = True
+
+    def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, compression: str = "learned",
+                 tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
+                 max_nodes: int | None = None, min_path_prob: float = 0.0):
+        if isinstance(net, (str, os.PathLike)):
+            net = FlashDrafter.from_pretrained(net).net
+        if net is not None and not isinstance(net, FlashNet):
+            raise TypeError(f"net must be a FlashNet, a checkpoint directory or None, got {type(net).__name__}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
+        if isinstance(tree, str):
+            if tree not in ("dynamic", "chain"):
+                raise ValueError(f"tree must be 'dynamic', 'chain' or a list of rank paths, got {tree!r}")
+        else:
+            tree = [list(map(int, p)) for p in tree]
+            if not tree or any(len(p) == 0 for p in tree):
+                raise ValueError("a static tree needs at least one non-empty rank path")
+            TokenTree.from_choices(tree)  # validates ranks
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.net = net
+        self.compression, self.tree, self.depth, self.top_k = compression, tree, depth, top_k
+        self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
+        self._head = self._embed = None
+        self._reset_sequence()
+
+    # ------------------------------------------------------------------ construction / persistence
+    @classmethod
+    def from_target(cls, model: torch.nn.Module, num_queries: int = 64, tokens_per_step: int = 5,
+                    sar_hidden_mult: int = 4, seed: int | None = None, **options) -> "FlashDrafter":
+        """An untrained drafter sized for ``model`` (a HF model; sizes from get_text_config())."""
+        cfg = FlashConfig.from_model(model, num_queries=num_queries, tokens_per_step=tokens_per_step,
+                                     sar_hidden_mult=sar_hidden_mult)
+        head = model.get_output_embeddings().weight
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            net = FlashNet(cfg)
+        return cls(net.to(head.device), **options)
+
+    def drafting_options(self) -> dict:
+        return dict(compression=self.compression, tree=self.tree, depth=self.depth, top_k=self.top_k,
+                    max_nodes=self.max_nodes, min_path_prob=self.min_path_prob)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write flash_config.json (sizes + drafting options) and flash_model.safetensors."""
+        if self.net is None:
+            raise ValueError("this drafter has no network yet (bind it to a target or use from_target)")
+        os.makedirs(directory, exist_ok=True)
+        meta = {"format": "flashmm-flash", "version": 1, "config": self.net.cfg.to_dict(),
+                "drafting": self.drafting_options()}
+        with open(os.path.join(directory, CONFIG_NAME), "w") as fh:
+            json.dump(meta, fh, indent=2)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.net.state_dict().items()}
+        save_file(state, os.path.join(directory, WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, device=None, **options) -> "FlashDrafter":
+        """Load what ``save_pretrained`` wrote; ``options`` override the saved drafting options."""
+        config_path = os.path.join(directory, CONFIG_NAME)
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"{config_path} not found: expected a directory written by "
+                                    "FlashDrafter.save_pretrained")
+        with open(config_path) as fh:
+            meta = json.load(fh)
+        if meta.get("format") != "flashmm-flash":
+            raise ValueError(f"{config_path} is not a flashmm FLASH drafter config")
+        net = FlashNet(FlashConfig.from_dict(meta["config"]))
+        net.load_state_dict(load_file(os.path.join(directory, WEIGHTS_NAME)))
+        if device is not None:
+            net = net.to(device)
+        return cls(net.eval(), **{**meta.get("drafting", {}), **options})
+
+    # ------------------------------------------------------------------ protocol
+    def bind(self, target) -> None:
+        head = target.output_embeddings()
+        if self.net is None:
+            warnings.warn("FlashDrafter has no trained weights: building an untrained drafter for this "
+                          "target (acceptance will be low; train one with `python -m flashmm.train flash`)",
+                          stacklevel=2)
+            self.net = FlashDrafter.from_target(target.model).net
+        cfg = self.net.cfg
+        if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"this FLASH drafter was built for a target with hidden size {cfg.hidden_size} and vocabulary "
+                f"{cfg.vocab_size}, but the target has hidden size {target.hidden_size} and vocabulary "
+                f"{target.vocab_size}; use a drafter trained for this model (FlashDrafter.from_target(model) "
+                "builds an untrained one, `python -m flashmm.train flash` trains it)")
+        self.net = self.net.to(head.weight.device).eval()
+        self._head, self._embed = head, target.input_embeddings()
+
+    def _reset_sequence(self) -> None:
+        self._past = None                      # (keys, values) [1, Hkv, U, hd] of committed units
+        self._num_units = 0
+        self._prompt_embeds = None             # [T, d]
+        self._pending = None                   # [P, d] features f_t for t >= _next_pos without a unit
+        self._next_pos = 0
+
+    @torch.no_grad()
+    def begin(self, start: SequenceStart) -> None:
+        if self.net is None or self._head is None:
+            raise RuntimeError("FlashDrafter.begin before bind(target)")
+        if start.hidden_states is None:
+            raise RuntimeError("FlashDrafter needs the target's hidden states (needs_hidden_states)")
+        if start.input_ids.shape[0] != 1:
+            raise NotImplementedError("FlashDrafter drafts one sequence at a time")
+        self._reset_sequence()
+        feats = start.hidden_states[0]                                          # [T, d]
+        embeds = start.input_embeds[0] if start.input_embeds is not None else self._embed(start.input_ids[0])
+        length = feats.shape[0]
+        units, _ = build_units(self.net, feats, embeds, length - 1, list(start.visual_spans),
+                               self.compression, query=feats[-1])
+        if units.shape[0]:
+            _, self._past = self._run(units[None], None)
+            self._num_units = units.shape[0]
+        self._prompt_embeds = embeds
+        self._pending = feats[length - 1:]
+        self._next_pos = length - 1
+
+    def observe(self, step: StepResult) -> None:
+        if step.hidden_states is None:
+            raise RuntimeError("FlashDrafter needs the target's hidden states at accepted nodes")
+        new = step.hidden_states[0]                                             # [accepted + 1, d]
+        self._pending = new if self._pending is None or self._pending.shape[0] == 0 \
+            else torch.cat([self._pending, new], dim=0)
+
+    @torch.no_grad()
+    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        if committed.shape[0] != 1:
+            raise NotImplementedError("FlashDrafter drafts one sequence at a time")
+        shape = self._shape_for(max_tokens)
+        root = committed.shape[1] - 1
+        predicted = self._sync(committed, root)                                 # [K, d]: f̂_root ..
+        if shape is None:
+            return root_only(committed)
+        depth = shape[1]
+        dists = self._draft_distributions(predicted, depth)                     # [depth, V]
+        return self._make_draft(committed, dists, shape)
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, units: torch.Tensor, past):
+        """units [1, T, d] after ``past`` (U units) → (predicted features [1, T, K, d], new past)."""
+        start = 0 if past is None else past[0].shape[2]
+        length = units.shape[1]
+        positions = torch.arange(start, start + length, device=units.device)
+        mask = torch.ones(length, start + length, dtype=torch.bool, device=units.device)
+        mask[:, start:] = torch.tril(mask[:, start:])
+        return self.net(units, positions, mask[None, None], past)
+
+    def _next_embeds(self, committed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of x_{t+1} for text positions t [P] → [P, d] (prompt rows merged)."""
+        following = positions + 1
+        embeds = self._embed(committed[0, following])
+        in_prompt = following < self._prompt_embeds.shape[0]
+        if bool(in_prompt.any()):
+            embeds = embeds.clone()
+            embeds[in_prompt] = self._prompt_embeds[following[in_prompt]].to(embeds.dtype)
+        return embeds
+
+    def _sync(self, committed: torch.Tensor, root: int) -> torch.Tensor:
+        """Add the text units n_pos .. root-1 to the committed cache; return f̂ [K, d] at unit root-1."""
+        count = root - self._next_pos
+        if count < 1 or self._pending is None or self._pending.shape[0] < count:
+            raise RuntimeError(
+                f"FlashDrafter is out of step with the target: {count} new positions but "
+                f"{0 if self._pending is None else self._pending.shape[0]} features (begin/observe not called?)")
+        positions = torch.arange(self._next_pos, root, device=committed.device)
+        units = self.net.text_units(self._next_embeds(committed, positions), self._pending[:count])
+        predicted, self._past = self._run(units[None], self._past)
+        self._num_units += count
+        self._pending = self._pending[count:]
+        self._next_pos = root
+        return predicted[0, -1]
+
+    def _draft_distributions(self, predicted: torch.Tensor, depth: int) -> torch.Tensor:
+        """Draft probabilities [depth, V] for depths 1..depth after the root (float32)."""
+        k = self.net.tokens_per_step
+        softcap = self.net.cfg.final_logit_softcapping
+        feats = [predicted]
+        probs = [head_logits(self._head, predicted, softcap).softmax(-1)]
+        past, have = self._past, k
+        while have < depth:
+            # feed the last K predicted features with the top-1 tokens they predict as units
+            tokens = probs[-1].argmax(-1)                                      # [K]
+            units = self.net.text_units(self._embed(tokens[None])[0], feats[-1])
+            predicted, past = self._run(units[None], past)
+            feats.append(predicted[0, -1])
+            probs.append(head_logits(self._head, feats[-1], softcap).softmax(-1))
+            have += k
+        return torch.cat(probs, dim=0)[:depth]
+
+    def _shape_for(self, max_tokens: int):
+        """(kind, depth, budget or paths) for this step, or None when nothing can be drafted."""
+        budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        if budget <= 0:
+            return None
+        if isinstance(self.tree, list):
+            paths = sorted({tuple(p[:d]) for p in self.tree for d in range(1, len(p) + 1)},
+                           key=lambda p: (len(p), p))[:budget]
+            return ("static", max(len(p) for p in paths), paths)
+        k = self.net.tokens_per_step
+        depth = self.depth if self.depth is not None else k * math.ceil(5 / k)
+        if self.tree == "chain":
+            depth = min(depth, budget)
+            return ("static", depth, [(0,) * d for d in range(1, depth + 1)])
+        return ("dynamic", min(depth, budget), budget)
+
+    def _make_draft(self, committed: torch.Tensor, dists: torch.Tensor, shape) -> Draft:
+        kind, depth, arg = shape
+        width = min(dists.shape[-1], self.top_k if kind == "dynamic" else 1 + max(max(p) for p in arg))
+        top_p, top_ids = dists.topk(width, dim=-1)                              # [depth, W]
+        paths = arg if kind == "static" else self._best_first(top_p.tolist(), depth, arg)
+        if not paths:
+            return root_only(committed)
+        tree = TokenTree.from_choices(paths)
+        ordered = sorted(set(paths), key=lambda p: (len(p), p))               # from_choices' node order
+        ids = top_ids.tolist()
+        tokens = [int(committed[0, -1])] + [ids[len(p) - 1][p[-1]] for p in ordered]
+        return Draft(tokens=committed.new_tensor([tokens]), tree=tree, q_probs=None)
+
+    def _best_first(self, top_p: list[list[float]], depth: int, budget: int) -> list[tuple[int, ...]]:
+        """The ``budget`` rank paths of highest cumulative probability (prefix-closed)."""
+        heap = [(-top_p[0][0], (0,), 1.0)]
+        chosen: list[tuple[int, ...]] = []
+        while heap and len(chosen) < budget:
+            neg, path, parent_score = heapq.heappop(heap)
+            score = -neg
+            if score < self.min_path_prob:
+                break
+            chosen.append(path)
+            level, rank = len(path), path[-1]
+            if level < depth:
+                heapq.heappush(heap, (-score * top_p[level][0], path + (0,), score))
+            if rank + 1 < len(top_p[level - 1]):
+                heapq.heappush(heap, (-parent_score * top_p[level - 1][rank + 1], path[:-1] + (rank + 1,),
+                                      parent_score))
+        return chosen

@@ -1,0 +1,184 @@
+"""What every vision-language target shares: visual-token masks and spans, prompt features,
+input checks, and processor/model agreement.
+
+A family adapter (llava.py, qwen_vl.py) subclasses ``VisualTarget`` and supplies
+``check_media`` (placeholders vs media, before any forward) and, where positions are not
+1-D, ``prompt_position_ids`` / ``tree_position_ids``. Tree steps after the prefill are pure
+text for every family, so they reuse CausalLMTarget's tree forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import cache as kv
+from .text import CausalLMTarget
+from .base import TargetOutput
+
+
+class MediaMismatchError(ValueError):
+    """The prompt's visual placeholders and the media given do not match."""
+
+
+class _EmbedsCaptured(Exception):
+    """Raised by the capture hook to stop a forward once the merged input embeddings exist."""
+
+    def __init__(self, embeds: torch.Tensor):
+        super().__init__("input embeddings captured")
+        self.embeds = embeds
+
+
+def token_runs(row: torch.Tensor) -> list[tuple[int, int]]:
+    """Half-open (start, end) ranges of the True runs of a BoolTensor [T]."""
+    flags = row.to(torch.int8)
+    edges = torch.diff(flags, prepend=flags.new_zeros(1), append=flags.new_zeros(1))
+    starts = (edges == 1).nonzero().flatten().tolist()
+    ends = (edges == -1).nonzero().flatten().tolist()
+    return list(zip(starts, ends))
+
+
+class VisualTarget(CausalLMTarget):
+    """Base adapter of a ``*ForConditionalGeneration`` vision-language model.
+
+    Subclasses set ``processor_classes`` (names of the transformers processor classes that
+    produce this model's inputs) and implement ``check_media``.
+    """
+
+    processor_classes: tuple[str, ...] = ()
+
+    def __init__(self, model: torch.nn.Module, processor=None, attention: str = "auto"):
+        super().__init__(model, attention=attention)
+        config = model.config
+        self.image_token_id = _config_id(config, "image_token_id", "image_token_index")
+        self.video_token_id = _config_id(config, "video_token_id", "video_token_index")
+        self.visual_token_ids = torch.tensor([t for t in (self.image_token_id, self.video_token_id) if t is not None])
+        if self.visual_token_ids.numel() == 0:
+            raise TypeError(f"{type(model).__name__}'s config names no image or video token id")
+        self.processor = processor
+        self._prompt_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (input_ids, input_embeds)
+        if processor is not None:
+            self.check_processor(processor)
+
+    # ------------------------------------------------------------------ facts for drafters
+    def visual_token_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] → BoolTensor [B, T], True at image and video placeholder tokens."""
+        return torch.isin(input_ids, self.visual_token_ids.to(input_ids.device))
+
+    def visual_spans(self, input_ids: torch.Tensor) -> list[tuple[int, int]]:
+        """Half-open (start, end) runs of visual tokens in input_ids [1, T] (one run per image,
+        per video, or per Qwen3-VL video frame group)."""
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"visual_spans takes one sequence [1, T], got {tuple(input_ids.shape)}")
+        return token_runs(self.visual_token_mask(input_ids)[0])
+
+    def prompt_features(self, input_ids: torch.Tensor, **model_inputs):
+        """(input_embeds [B, T, d]: the embeddings the language model consumed, visual features
+        merged at the visual positions; visual_spans). Reuses what the last prefill captured
+        when it saw the same prompt; otherwise runs the model's vision path only."""
+        cached = self._prompt_cache
+        if cached is not None and cached[0].shape == input_ids.shape and torch.equal(cached[0], input_ids):
+            embeds = cached[1]
+        else:
+            embeds = self._capture_embeds(input_ids, model_inputs)
+        return embeds, self.visual_spans(input_ids)
+
+    # ------------------------------------------------------------------ lifecycle
+    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+        """input_ids [1, T] with placeholders expanded, plus the processor's media tensors."""
+        self.check_media(input_ids, model_inputs)
+        model_inputs = self.model_kwargs(input_ids, attention_mask, model_inputs)
+        self._cache = kv.new_cache()
+        self._prompt_cache = None
+        captured = {}
+        handle = None
+        if want_hidden:  # keep the merged embeddings for prompt_features (no second vision pass)
+            def keep(module, args, kwargs):
+                captured["embeds"] = kwargs["inputs_embeds"].detach().clone()
+            handle = self.model.get_decoder().register_forward_pre_hook(keep, with_kwargs=True)
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self._cache,
+                             use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1, **model_inputs)
+        except ValueError as err:
+            # Counts the pre-checks cannot know (anyres tiles) are checked by the model itself.
+            if "tokens do not match" in str(err):
+                raise self._media_error("visual placeholders and media differ", f"the model's own count check failed ({err})") from err
+            raise
+        finally:
+            if handle is not None:
+                handle.remove()
+        if "embeds" in captured:
+            self._prompt_cache = (input_ids, captured["embeds"])
+        hidden = out.hidden_states[-1] if want_hidden else None
+        return TargetOutput(out.logits[:, -1:], hidden)
+
+    def release(self) -> None:
+        super().release()
+        self._prompt_cache = None
+
+    # ------------------------------------------------------------------ family hooks
+    def model_kwargs(self, input_ids: torch.Tensor, attention_mask, model_inputs: dict) -> dict:
+        """The extra forward arguments of the prefill (families add explicit position_ids)."""
+        return dict(model_inputs)
+
+    def check_media(self, input_ids: torch.Tensor, model_inputs: dict) -> None:
+        """Raise MediaMismatchError when placeholders and media disagree."""
+        raise NotImplementedError
+
+    def check_processor(self, processor) -> None:
+        """Raise ValueError when ``processor`` cannot have produced this model's inputs."""
+        name = type(processor).__name__
+        if self.processor_classes and not any(cls.__name__ in self.processor_classes
+                                              for cls in type(processor).__mro__):
+            raise ValueError(
+                f"processor {name} does not produce inputs for {type(self.model).__name__} "
+                f"(expected {' or '.join(self.processor_classes)}); load the processor of the same "
+                "checkpoint as the model: AutoProcessor.from_pretrained(<model checkpoint>)")
+        for kind, model_id in (("image", self.image_token_id), ("video", self.video_token_id)):
+            token = getattr(processor, f"{kind}_token", None)
+            if model_id is None or token is None:
+                continue
+            proc_id = getattr(processor, f"{kind}_token_id", None)
+            if proc_id is None:
+                proc_id = processor.tokenizer.convert_tokens_to_ids(token)
+            if proc_id != model_id:
+                raise ValueError(
+                    f"the processor's {kind} token {token!r} has id {proc_id} but the model's config expects "
+                    f"{kind}_token_id={model_id}: processor and model come from different checkpoints; load both "
+                    "from the same one")
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _media_error(what: str, detail: str) -> MediaMismatchError:
+        return MediaMismatchError(
+            f"{what}: {detail}. Build input_ids and the media tensors in one call of the model's processor, "
+            "processor(text=..., images=[...], videos=[...]), with one placeholder in the text per image or video")
+
+    def _capture_embeds(self, input_ids: torch.Tensor, model_inputs: dict) -> torch.Tensor:
+        """Run the model up to its language model and return the inputs_embeds it would get."""
+        self.check_media(input_ids, model_inputs)
+        kwargs = self.model_kwargs(input_ids, None, model_inputs)
+
+        def stop(module, args, kw):
+            raise _EmbedsCaptured(kw["inputs_embeds"].detach().clone())
+
+        handle = self.model.get_decoder().register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                self.model(input_ids=input_ids, use_cache=False, **kwargs)
+        except _EmbedsCaptured as captured:
+            return captured.embeds
+        finally:
+            handle.remove()
+        raise RuntimeError(f"{type(self.model).__name__} never called its language model")
+
+
+def _config_id(config, *names):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def count_runs(mask_row: torch.Tensor) -> list[int]:
+    """Lengths of the True runs of a BoolTensor [T]."""
+    return [end - start for start, end in token_runs(mask_row)]

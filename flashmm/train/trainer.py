@@ -1,0 +1,235 @@
+"""Self-distillation training of the FLASH drafter with accelerate (runs unchanged under
+``accelerate launch``: DDP, mixed precision and devices come from the accelerate config).
+
+Loss per sample, over text units t and SAR slots i (f̂_{t+1+i} predicted at unit t), for target
+positions j = t+1+i inside the answer (prompt_len <= j < L):
+    SmoothL1(f̂_j, f_j)  +  ce_weight · H(softmax(head(f_j)), softmax(head(f̂_j)))
+with the target's frozen LM head; input features get uniform noise U(-a, a)·rms(f_t)
+(a = ``feature_noise``); AdamW (β = 0.9, 0.95), gradient clipping, linear warmup then linear
+decay to 10 % of ``lr``. Checkpoints: ``out_dir/checkpoints/epoch-NNNN`` (accelerate state:
+weights, optimizer, scheduler, RNG) and the final drafter via ``save_pretrained(out_dir)``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..drafters.flash import FlashDrafter
+from ..drafters.flash_modules import COMPRESSIONS, FlashNet, build_units
+from .data import FeatureDataset, FeatureRecord, collate_records, record_features
+
+
+def _logits(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap) -> torch.Tensor:
+    """features [M, d] → float32 logits [M, V] through the frozen head (weights detached)."""
+    logits = F.linear(features.to(weight.dtype), weight, bias).float()
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+class FlashObjective(nn.Module):
+    """Wraps the FlashNet so one ``forward`` computes the training loss (DDP needs a forward)."""
+
+    def __init__(self, net: FlashNet, compression: str = "learned", ce_weight: float = 0.1,
+                 feature_noise: float = 0.1):
+        super().__init__()
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
+        self.net, self.compression = net, compression
+        self.ce_weight, self.feature_noise = ce_weight, feature_noise
+
+    def forward(self, batch: list[FeatureRecord], head_weight: torch.Tensor,
+                head_bias: torch.Tensor | None = None) -> dict:
+        """batch of records; head_weight [V, d] → dict(loss, feature_loss, ce_loss, accuracy [K], count)."""
+        net = self.net
+        device = next(net.parameters()).device
+        k = net.tokens_per_step
+        units, preds_index, targets = [], [], []
+        for b, rec in enumerate(batch):
+            feats = rec.hidden_states.to(device, torch.float32)                         # [L, d]
+            embeds = rec.input_embeds.to(device, torch.float32)
+            noisy = feats
+            if self.training and self.feature_noise > 0:
+                rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
+                noisy = feats + (torch.rand_like(feats) * 2 - 1) * self.feature_noise * rms
+            length = feats.shape[0]
+            seq, text_pos = build_units(net, noisy, embeds, length - 1, rec.visual_spans, self.compression,
+                                        query=noisy[rec.prompt_len - 1])
+            units.append(seq)
+            j = text_pos[:, None] + 1 + torch.arange(k)                                  # [U, K] target positions
+            valid = (text_pos[:, None] >= 0) & (j >= rec.prompt_len) & (j < length)
+            u_idx, slot = valid.nonzero(as_tuple=True)
+            preds_index.append(torch.stack([torch.full_like(u_idx, b), u_idx, slot], dim=1))
+            targets.append(feats[j[valid].to(device)])
+        width = max(u.shape[0] for u in units)
+        padded = torch.zeros(len(units), width, units[0].shape[-1], device=device, dtype=units[0].dtype)
+        key_ok = torch.zeros(len(units), width, dtype=torch.bool, device=device)
+        for b, u in enumerate(units):
+            padded[b, : u.shape[0]] = u
+            key_ok[b, : u.shape[0]] = True
+        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
+        mask = (causal[None] & key_ok[:, None, :])[:, None]                              # [B, 1, U, U]
+        preds, _ = net(padded, torch.arange(width, device=device), mask)                  # [B, U, K, d]
+        index = torch.cat(preds_index).to(device)
+        target = torch.cat(targets)                                                       # [M, d]
+        if index.shape[0] == 0:
+            zero = preds.sum() * 0.0
+            return dict(loss=zero, feature_loss=zero, ce_loss=zero, accuracy=torch.zeros(k), count=0)
+        pred = preds[index[:, 0], index[:, 1], index[:, 2]].float()                       # [M, d]
+        feature_loss = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+        softcap = net.cfg.final_logit_softcapping
+        weight = head_weight.detach()
+        bias = head_bias.detach() if head_bias is not None else None
+        with torch.no_grad():
+            target_logits = _logits(target, weight, bias, softcap)
+        pred_logits = _logits(pred, weight, bias, softcap)
+        ce_loss = -(target_logits.softmax(-1) * pred_logits.log_softmax(-1)).sum(-1).mean()
+        with torch.no_grad():
+            hit = (pred_logits.argmax(-1) == target_logits.argmax(-1)).float()
+            slots = index[:, 2]
+            accuracy = torch.stack([hit[slots == i].mean() if bool((slots == i).any()) else hit.new_zeros(())
+                                    for i in range(k)]).cpu()
+        loss = feature_loss + self.ce_weight * ce_loss
+        return dict(loss=loss, feature_loss=feature_loss.detach(), ce_loss=ce_loss.detach(), accuracy=accuracy,
+                    count=int(index.shape[0]))
+
+
+@dataclass
+class TrainResult:
+    """drafter: the trained FlashDrafter (eval mode); epoch_losses / step_losses: mean total loss
+    per epoch / per optimizer step (this process); epoch_accuracy: per-slot top-1 agreement with
+    the target per epoch; records: the recorded features."""
+
+    drafter: FlashDrafter
+    epoch_losses: list[float] = field(default_factory=list)
+    step_losses: list[float] = field(default_factory=list)
+    epoch_accuracy: list[list[float]] = field(default_factory=list)
+    records: list[FeatureRecord] = field(default_factory=list)
+
+
+def _latest_checkpoint(out_dir: str) -> str | None:
+    folder = os.path.join(out_dir, "checkpoints")
+    if not os.path.isdir(folder):
+        return None
+    found = sorted((int(m.group(1)), name) for name in os.listdir(folder) if (m := re.fullmatch(r"epoch-(\d+)", name)))
+    return os.path.join(folder, found[-1][1]) if found else None
+
+
+def evaluate_loss(drafter: FlashDrafter, model: nn.Module, records: list[FeatureRecord], batch_size: int = 8,
+                  compression: str | None = None) -> dict:
+    """Mean loss terms of ``drafter`` on recorded ``records`` (no noise, no gradients)."""
+    objective = FlashObjective(drafter.net, compression or drafter.compression).eval()
+    head = model.get_output_embeddings()
+    totals, count = {"loss": 0.0, "feature_loss": 0.0, "ce_loss": 0.0}, 0
+    with torch.no_grad():
+        for i in range(0, len(records), batch_size):
+            out = objective(records[i : i + batch_size], head.weight, head.bias)
+            for key in totals:
+                totals[key] += float(out[key]) * out["count"]
+            count += out["count"]
+    return {key: value / max(count, 1) for key, value in totals.items()}
+
+
+def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None = None, *,
+                features: list[FeatureRecord] | None = None, drafter: FlashDrafter | None = None,
+                out_dir: str | os.PathLike | None = None, epochs: int = 1, lr: float = 1e-3,
+                batch_size: int = 4, max_new_tokens: int = 64, num_queries: int = 64, tokens_per_step: int = 5,
+                compression: str = "learned", ce_weight: float = 0.1, feature_noise: float = 0.1,
+                weight_decay: float = 0.0, grad_clip: float = 0.5, warmup_steps: int = 0, seed: int = 0,
+                resume: bool = False, num_frames: int | None = None, fps: float | None = None,
+                build_inputs: Callable | None = None, progress: bool = True, accelerator=None) -> TrainResult:
+    """Train a FLASH drafter for ``model`` by self-distillation.
+
+    records: dicts as in flashmm.train.data (recorded with ``record_features``; cached under
+    ``out_dir/features``), or ``features`` already recorded. drafter: continue training this one
+    (default: ``FlashDrafter.from_target(model, num_queries, tokens_per_step, seed=seed)``).
+    resume: restart from the latest ``out_dir/checkpoints/epoch-*``.
+    """
+    from accelerate import Accelerator  # noqa: PLC0415
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed  # noqa: PLC0415
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    if accelerator is None:
+        accelerator = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    set_seed(seed)
+    out_dir = os.fspath(out_dir) if out_dir is not None else None
+    if resume and out_dir is None:
+        raise ValueError("resume=True needs out_dir (where the checkpoints are)")
+    if features is None:
+        if records is None:
+            raise ValueError("give records (dicts with prompt / image / video) or recorded features")
+        with accelerator.main_process_first():
+            features = record_features(model, processor, records, max_new_tokens=max_new_tokens,
+                                       cache_dir=os.path.join(out_dir, "features") if out_dir else None,
+                                       num_frames=num_frames, fps=fps, build_inputs=build_inputs,
+                                       progress=progress and accelerator.is_main_process)
+    if drafter is None:
+        drafter = FlashDrafter.from_target(model, num_queries=num_queries, tokens_per_step=tokens_per_step,
+                                           seed=seed, compression=compression)
+    objective = FlashObjective(drafter.net.float(), compression, ce_weight, feature_noise).train()
+    loader = torch.utils.data.DataLoader(FeatureDataset(features), batch_size=batch_size, shuffle=True,
+                                         collate_fn=collate_records,
+                                         generator=torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.AdamW(objective.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    total_steps = max(1, epochs * len(loader))
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return 1.0 - 0.9 * (step - warmup_steps) / max(1, total_steps - warmup_steps)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    objective, optimizer, loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
+    head = model.get_output_embeddings()
+    head_weight = head.weight.detach().to(accelerator.device)
+    head_bias = head.bias.detach().to(accelerator.device) if head.bias is not None else None
+
+    result = TrainResult(drafter=drafter, records=features)
+    start_epoch = 0
+    if resume:
+        latest = _latest_checkpoint(out_dir)
+        if latest is not None:
+            accelerator.load_state(latest)
+            with open(os.path.join(latest, "trainer_state.json")) as fh:
+                state = json.load(fh)
+            start_epoch = state["epoch"] + 1
+            result.epoch_losses, result.epoch_accuracy = state["epoch_losses"], state["epoch_accuracy"]
+
+    bar = tqdm(total=(epochs - start_epoch) * len(loader), desc="training FLASH",
+               disable=not (progress and accelerator.is_local_main_process))
+    for epoch in range(start_epoch, epochs):
+        objective.train()
+        losses, hits = [], []
+        for batch in loader:
+            out = objective(batch, head_weight, head_bias)
+            accelerator.backward(out["loss"])
+            if grad_clip:
+                accelerator.clip_grad_norm_(objective.parameters(), grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(float(out["loss"].detach()))
+            hits.append(out["accuracy"])
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}", acc0=f"{float(out['accuracy'][0]):.2f}")
+        result.step_losses += losses
+        result.epoch_losses.append(sum(losses) / max(len(losses), 1))
+        result.epoch_accuracy.append(torch.stack(hits).mean(0).tolist() if hits else [])
+        if out_dir is not None:
+            path = os.path.join(out_dir, "checkpoints", f"epoch-{epoch:04d}")
+            accelerator.save_state(path)
+            if accelerator.is_main_process:
+                with open(os.path.join(path, "trainer_state.json"), "w") as fh:
+                    json.dump(dict(epoch=epoch, epoch_losses=result.epoch_losses,
+                                   epoch_accuracy=result.epoch_accuracy), fh)
+    bar.close()
+    accelerator.wait_for_everyone()
+    drafter.net = accelerator.unwrap_model(objective).net.eval()
+    if out_dir is not None and accelerator.is_main_process:
+        drafter.save_pretrained(out_dir)
+    return result

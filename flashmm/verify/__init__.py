@@ -1,0 +1,83 @@
+"""Verifiers: pure functions of (draft tokens, tree, target scores, draft probs, randomness).
+
+Lossless: verify_greedy (greedy decoding), verify_chain, verify_tree (sampling).
+Lossy (named so): verify_typical_lossy.
+The engine calls only ``select_verifier(...)``'s uniform callable.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..config import VERIFIERS, SamplingParams, SpecConfig
+from ..sampling import probs_from_logits
+from ..tree import TokenTree
+from .base import VerifyResult
+from .greedy import verify_greedy
+from .rejection import draw_uniforms, sample_inverse_cdf, verify_chain, verify_tree
+from .typical import verify_typical_lossy
+
+__all__ = [
+    "VerifyResult", "Verifier", "select_verifier", "verify_greedy", "verify_chain", "verify_tree",
+    "verify_typical_lossy", "draw_uniforms", "sample_inverse_cdf",
+]
+
+# f(tokens [B, N], tree, target_logits [B, N, V], q_probs [B, N, V] | None, sampling,
+#   generator, config) -> VerifyResult
+Verifier = Callable[[torch.Tensor, TokenTree, torch.Tensor, "torch.Tensor | None", SamplingParams,
+                     "torch.Generator | None", "SpecConfig | None"], VerifyResult]
+
+
+def _greedy(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    return verify_greedy(tokens, tree, target_logits)
+
+
+def _chain(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    return verify_chain(tokens, tree, probs_from_logits(target_logits, sampling), q_probs, generator)
+
+
+def _tree(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    return verify_tree(tokens, tree, probs_from_logits(target_logits, sampling), q_probs, generator)
+
+
+def _auto_sampling(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    verify = verify_chain if tree.is_chain else verify_tree  # identical on chains; chain is cheaper
+    return verify(tokens, tree, probs_from_logits(target_logits, sampling), q_probs, generator)
+
+
+def _typical_lossy(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    config = config if config is not None else SpecConfig()
+    return verify_typical_lossy(tokens, tree, probs_from_logits(target_logits, sampling), generator,
+                                epsilon=config.typical_epsilon, delta=config.typical_delta)
+
+
+def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None) -> Verifier:
+    """Map SpecConfig.verifier to a callable with the uniform signature
+
+        f(tokens [B, N], tree, target_logits [B, N, V], q_probs [B, N, V] or None,
+          sampling: SamplingParams, generator, config: SpecConfig | None) -> VerifyResult
+
+    p = probs_from_logits(target_logits, sampling) (temperature → top-k → top-p); q_probs must
+    already be warped the same way by the drafter.
+
+    "auto":  greedy when not sampling, else multi-round tree (chain rejection on chains, which
+             is the same rule draw for draw).
+    "chain", "tree", "typical_lossy": as named when sampling; with do_sample=False every
+             verifier is greedy verification (the exact rule for greedy decoding).
+    "greedy": greedy; with do_sample=True this raises ValueError (it would emit argmax tokens,
+             not samples of the target).
+    tree (optional): when given, checked now ("chain" needs a chain); otherwise verify_chain
+             raises at call time on a non-chain tree.
+    """
+    if name not in VERIFIERS:
+        raise ValueError(f"unknown verifier {name!r}; choose one of {VERIFIERS}")
+    if not do_sample:
+        return _greedy
+    if name == "greedy":
+        raise ValueError("verifier='greedy' cannot verify sampled decoding (do_sample=True); "
+                         "use 'auto', 'tree' or 'chain'")
+    if name == "chain" and tree is not None and not tree.is_chain:
+        raise ValueError("verifier='chain' needs a chain-shaped draft; use 'tree' or 'auto' for trees")
+    return {"auto": _auto_sampling, "chain": _chain, "tree": _tree,
+            "typical_lossy": _typical_lossy}[name]

