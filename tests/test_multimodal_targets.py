@@ -151,7 +151,19 @@ def test_qwen_rope_delta_is_exercised(kind):
     tree = TokenTree.from_choices([[0], [1], [0, 0]])
     expected = inputs["input_ids"].shape[1] + int(delta) + tree.depth
     assert torch.equal(target.tree_position_ids(tree, target.cache_len, 1), expected.view(1, 1, -1).expand(3, 1, -1))
-    assert model.model.rope_deltas is None  # nothing read from or written to the model
+    assert model.model.rope_deltas is None  # nothing written to the model...
+
+    # ...and nothing read from it: a bogus cached rope_deltas changes nothing (chains and trees).
+    inputs, ref = case_inputs(kind, "two_images")
+    bogus = torch.tensor([[1000]])
+    model.model.rope_deltas = bogus
+    try:
+        for drafter in (PromptLookup(), OracleTree(ref)):
+            out = flashmm.wrap(model, drafter, processor=processor).generate(**inputs, max_new_tokens=MAX_NEW)
+            assert torch.equal(out, ref)
+        assert model.model.rope_deltas is bogus
+    finally:
+        model.model.rope_deltas = None
 
 
 # ------------------------------------------------------------------------------- prompt features

@@ -205,29 +205,37 @@ class VisualCompressor(nn.Module):
 def merge_adjacent(features: torch.Tensor, target: int) -> torch.Tensor:
     """Merge most-similar adjacent tokens (cosine) by size-weighted averaging until ``target`` remain.
 
-    features [N, d] → [target, d]. Rounds alternate between even and odd adjacent pairs (so the
-    pairs merged in one round never overlap) and merge the most similar of them, at most
-    N - target per round: deterministic, O(log N) rounds for large reductions.
+    features [N, d] → [target, d]. Each round takes adjacent pairs in order of decreasing
+    cosine similarity, skipping pairs that overlap one already taken, and merges up to half of
+    the remaining excess (at least one pair), then recomputes similarities: the sequential
+    "merge the most similar pair" rule in O(log N) rounds instead of N - target.
     """
+    target = max(int(target), 1)
     feats, sizes = features.float(), torch.ones(features.shape[0], dtype=torch.float32, device=features.device)
-    parity = 0
     while feats.shape[0] > target:
         n = feats.shape[0]
-        excess = n - target
-        left = torch.arange(parity, n - 1, 2, device=feats.device)              # pair (left, left+1)
-        parity ^= 1
-        if left.numel() == 0:
-            continue
-        sim = F.cosine_similarity(feats[left], feats[left + 1], dim=-1)          # [P]
-        chosen = left[sim.topk(min(excess, left.numel())).indices]
-        merged_into = torch.arange(n, device=feats.device)
-        merged_into[chosen + 1] = chosen                                        # right token joins left
-        weighted = torch.zeros_like(feats).index_add_(0, merged_into, feats * sizes[:, None])
-        total = torch.zeros_like(sizes).index_add_(0, merged_into, sizes)
+        quota = max(1, (n - target) // 2)
+        unit = F.normalize(feats, dim=-1)
+        sim = (unit[:-1] * unit[1:]).sum(-1)                                      # [N-1], pair (i, i+1)
+        taken: list[int] = []
+        blocked = set()
+        for i in torch.argsort(sim, descending=True, stable=True).tolist():
+            if i in blocked or i + 1 in blocked:
+                continue
+            taken.append(i)
+            blocked.update((i, i + 1))
+            if len(taken) == quota:
+                break
+        chosen = torch.tensor(taken, device=feats.device)
+        left, right = chosen, chosen + 1
+        total = sizes[left] + sizes[right]
+        feats = feats.clone()
+        feats[left] = (feats[left] * sizes[left, None] + feats[right] * sizes[right, None]) / total[:, None]
+        sizes = sizes.clone()
+        sizes[left] = total
         keep = torch.ones(n, dtype=torch.bool, device=feats.device)
-        keep[chosen + 1] = False
-        sizes = total[keep]
-        feats = weighted[keep] / sizes[:, None]
+        keep[right] = False
+        feats, sizes = feats[keep], sizes[keep]
     return feats.to(features.dtype)
 
 
@@ -296,7 +304,8 @@ def unit_layout(num_text: int, spans: list[tuple[int, int]]) -> list[tuple[str, 
 
 
 def build_units(net: FlashNet, features: torch.Tensor, input_embeds: torch.Tensor, num_text: int,
-                spans: list[tuple[int, int]], compression: str, query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                spans: list[tuple[int, int]], compression: str,
+                query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The unit sequence of one prompt (or a whole training sequence).
 
     features [L, d] (f_t), input_embeds [L', d] (L' >= num_text + 1; row t+1 is the input after

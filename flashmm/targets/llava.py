@@ -15,30 +15,16 @@ import math
 import torch
 
 from . import register_adapter
-from .visual import VisualTarget, count_runs
+from .visual import VisualTarget, count_runs, instance_of
 
 
-def _is_llava(model) -> bool:
-    from transformers import (LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
-                              LlavaOnevisionForConditionalGeneration)
-
-    return isinstance(model, (LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
-                              LlavaOnevisionForConditionalGeneration))
-
-
-@register_adapter(_is_llava)
+@register_adapter(instance_of("LlavaForConditionalGeneration"))
 class LlavaTarget(VisualTarget):
-    """Adapter for LlavaForConditionalGeneration, LlavaNext… and LlavaOnevision…."""
+    """LLaVA-1.5: a fixed number of tokens per image, checked exactly before the prefill."""
+
+    processor_classes = ("LlavaProcessor",)
 
     def __init__(self, model, processor=None, attention: str = "auto"):
-        from transformers import LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration
-
-        if isinstance(model, LlavaOnevisionForConditionalGeneration):
-            self.family, self.processor_classes = "onevision", ("LlavaOnevisionProcessor",)
-        elif isinstance(model, LlavaNextForConditionalGeneration):
-            self.family, self.processor_classes = "next", ("LlavaNextProcessor",)
-        else:
-            self.family, self.processor_classes = "llava", ("LlavaProcessor",)
         vision = model.config.vision_config
         self.patches_per_side = vision.image_size // vision.patch_size
         self.select_strategy = model.config.vision_feature_select_strategy
@@ -46,14 +32,10 @@ class LlavaTarget(VisualTarget):
 
     # ------------------------------------------------------------------ checks
     def check_media(self, input_ids: torch.Tensor, model_inputs: dict) -> None:
-        """Placeholders vs media. LLaVA-1.5 and OneVision video token counts are checked exactly;
-        for anyres images (NeXT, OneVision) one placeholder run per image is required and the
-        exact count is left to the model's own check."""
-        image_mask = input_ids == self.image_token_id
+        image_mask = input_ids == self.image_token_id  # [B, T]
         pixel_values = model_inputs.get("pixel_values")
         num_images = 0 if pixel_values is None else int(pixel_values.shape[0])
         num_tokens = int(image_mask.sum())
-        runs = sum((count_runs(row) for row in image_mask), [])
         what = "image placeholders and images differ"
         if num_tokens and not num_images:
             raise self._media_error(what, f"the prompt has {num_tokens} image tokens (id {self.image_token_id}) "
@@ -61,35 +43,26 @@ class LlavaTarget(VisualTarget):
         if num_images and not num_tokens:
             raise self._media_error(what, f"pixel_values hold {num_images} image(s) but the prompt has no image "
                                     f"tokens (id {self.image_token_id})")
-        if num_images and self.family == "llava":
-            per_image = self._tokens_per_image(pixel_values)
-            if num_tokens != num_images * per_image:
-                raise self._media_error(what, f"the prompt has {num_tokens} image tokens ({num_tokens / per_image:g} "
-                                        f"image(s) of {per_image} tokens) but pixel_values hold {num_images} image(s)")
-        elif num_images and len(runs) > num_images:
-            raise self._media_error(what, f"the prompt has {len(runs)} separate image placeholder runs but "
-                                    f"pixel_values hold {num_images} image(s)")
+        if num_images:
+            self.check_image_count(image_mask, pixel_values, num_images)
         if self.video_token_id is not None:
-            self._check_video(input_ids, model_inputs.get("pixel_values_videos"))
+            self.check_videos(input_ids, model_inputs.get("pixel_values_videos"))
 
-    def _check_video(self, input_ids: torch.Tensor, videos: torch.Tensor | None) -> None:
-        num_tokens = int((input_ids == self.video_token_id).sum())
-        what = "video placeholders and videos differ"
-        if videos is None:
-            if num_tokens:
-                raise self._media_error(what, f"the prompt has {num_tokens} video tokens (id {self.video_token_id}) "
-                                        "but no pixel_values_videos were given")
-            return
-        # OneVision: each frame is pooled 2x2, plus one newline feature per video
-        pooled = math.ceil(self.patches_per_side / 2) ** 2
-        expected = videos.shape[0] * (videos.shape[1] * pooled + 1)  # videos [V, frames, C, H, W]
-        if num_tokens != expected:
-            raise self._media_error(what, f"the prompt has {num_tokens} video tokens but pixel_values_videos hold "
-                                    f"{videos.shape[0]} video(s) of {videos.shape[1]} frames = {expected} tokens")
+    def check_image_count(self, image_mask: torch.Tensor, pixel_values: torch.Tensor, num_images: int) -> None:
+        """image_mask BoolTensor [B, T]; pixel_values [N, 3, H, W]."""
+        per_image = self._tokens_per_image(pixel_values)
+        num_tokens = int(image_mask.sum())
+        if num_tokens != num_images * per_image:
+            raise self._media_error("image placeholders and images differ",
+                                    f"the prompt has {num_tokens} image tokens ({num_tokens / per_image:g} image(s) "
+                                    f"of {per_image} tokens) but pixel_values hold {num_images} image(s)")
+
+    def check_videos(self, input_ids: torch.Tensor, videos: torch.Tensor | None) -> None:
+        """Families with video override this; here video tokens are not expected."""
 
     def _tokens_per_image(self, pixel_values: torch.Tensor) -> int:
-        """LLaVA-1.5: one token per patch plus the tower's CLS (CLIP: 1, SigLIP: 0); the "default"
-        strategy drops the first feature."""
+        """One token per patch plus the tower's CLS (CLIP: 1, SigLIP: 0); the "default" strategy
+        drops the first feature."""
         patch = self.model.config.vision_config.patch_size
         embeddings = getattr(self.model.model.vision_tower, "embeddings", None)
         cls_tokens = getattr(embeddings, "num_positions", 0) - getattr(embeddings, "num_patches", 0)
@@ -98,16 +71,59 @@ class LlavaTarget(VisualTarget):
 
     def check_processor(self, processor) -> None:
         super().check_processor(processor)
-        vision = self.model.config.vision_config
         patch = getattr(processor, "patch_size", None)
-        if patch is not None and patch != vision.patch_size:
-            raise ValueError(f"processor patch_size={patch} but the model's vision tower uses "
-                             f"{vision.patch_size}: load processor and model from the same checkpoint")
+        expected = self.model.config.vision_config.patch_size
+        if patch is not None and patch != expected:
+            raise ValueError(f"processor patch_size={patch} but the model's vision tower uses {expected}: "
+                             "load processor and model from the same checkpoint")
         strategy = getattr(processor, "vision_feature_select_strategy", None)
         if strategy is not None and strategy != self.select_strategy:
             raise ValueError(f"processor vision_feature_select_strategy={strategy!r} but the model's config says "
                              f"{self.select_strategy!r}: load processor and model from the same checkpoint")
+
+
+@register_adapter(instance_of("LlavaNextForConditionalGeneration"))
+class LlavaNextTarget(LlavaTarget):
+    """LLaVA-NeXT: anyres tiles (``image_sizes``) make the per-image count depend on the image's
+    size; before the prefill one placeholder run per image at most is required, and the model's
+    own feature/token count check (rephrased by VisualTarget.prefill) covers the rest."""
+
+    processor_classes = ("LlavaNextProcessor",)
+
+    def check_image_count(self, image_mask, pixel_values, num_images) -> None:
+        """image_mask [B, T]; pixel_values [N, tiles, 3, H, W]. Adjacent placeholders may merge
+        into one run, so fewer runs than images is not an error here."""
+        runs = sum((count_runs(row) for row in image_mask), [])
+        if len(runs) > num_images:
+            raise self._media_error("image placeholders and images differ",
+                                    f"the prompt has {len(runs)} separate image placeholder runs but pixel_values "
+                                    f"hold {num_images} image(s)")
+
+
+@register_adapter(instance_of("LlavaOnevisionForConditionalGeneration"))
+class LlavaOnevisionTarget(LlavaNextTarget):
+    """LLaVA-OneVision: anyres images as NeXT, plus videos ``pixel_values_videos`` [V, F, 3, H, W]
+    whose frames are pooled 2x2, with one newline feature per video (counted exactly)."""
+
+    processor_classes = ("LlavaOnevisionProcessor",)
+
+    def check_videos(self, input_ids: torch.Tensor, videos: torch.Tensor | None) -> None:
+        num_tokens = int((input_ids == self.video_token_id).sum())
+        what = "video placeholders and videos differ"
+        if videos is None:
+            if num_tokens:
+                raise self._media_error(what, f"the prompt has {num_tokens} video tokens (id {self.video_token_id}) "
+                                        "but no pixel_values_videos were given")
+            return
+        pooled = math.ceil(self.patches_per_side / 2) ** 2
+        expected = videos.shape[0] * (videos.shape[1] * pooled + 1)
+        if num_tokens != expected:
+            raise self._media_error(what, f"the prompt has {num_tokens} video tokens but pixel_values_videos hold "
+                                    f"{videos.shape[0]} video(s) of {videos.shape[1]} frames = {expected} tokens")
+
+    def check_processor(self, processor) -> None:
+        super().check_processor(processor)
         tokens = getattr(processor, "num_image_tokens", None)
-        if self.family == "onevision" and tokens is not None and tokens != self.patches_per_side ** 2:
+        if tokens is not None and tokens != self.patches_per_side ** 2:
             raise ValueError(f"processor num_image_tokens={tokens} but the model's vision tower yields "
                              f"{self.patches_per_side ** 2} per image tile: load both from the same checkpoint")

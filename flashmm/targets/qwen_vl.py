@@ -20,34 +20,18 @@ import torch
 from ..tree import TokenTree
 from . import register_adapter
 from .base import TargetOutput
-from .visual import VisualTarget, count_runs
-
-_CLASS_NAMES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+from .visual import VisualTarget, count_runs, instance_of
 
 
-def _qwen_classes() -> tuple[type, ...]:
-    import transformers
-
-    return tuple(getattr(transformers, name) for name in _CLASS_NAMES if hasattr(transformers, name))
-
-
-def _is_qwen_vl(model) -> bool:
-    return isinstance(model, _qwen_classes())
-
-
-@register_adapter(_is_qwen_vl)
+@register_adapter(instance_of("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"))
 class QwenVLTarget(VisualTarget):
-    """Adapter for Qwen2VL…, Qwen2_5_VL…, Qwen3VL(Moe)ForConditionalGeneration."""
+    """Qwen2-VL and Qwen2.5-VL: one placeholder run per image and per video."""
+
+    processor_classes = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+    frames_split = False  # Qwen3-VL: videos split into one run per temporal patch
 
     def __init__(self, model, processor=None, attention: str = "auto"):
-        name = type(model).__name__
-        # Qwen3-VL videos carry timestamps between frames: one placeholder run per temporal patch
-        self.frames_split = name.startswith("Qwen3")
-        self.processor_classes = (("Qwen3VLProcessor",) if self.frames_split
-                                  else ("Qwen2VLProcessor", "Qwen2_5_VLProcessor"))
-        vision = model.config.vision_config
-        self.merge = vision.spatial_merge_size
+        self.merge = model.config.vision_config.spatial_merge_size
         self._rope_delta: torch.Tensor | None = None  # LongTensor [B, 1] of the current sequence
         super().__init__(model, processor=processor, attention=attention)
 
@@ -138,3 +122,13 @@ class QwenVLTarget(VisualTarget):
             if value is not None and value != expected:
                 raise ValueError(f"processor's image_processor.{attr}={value} but the model's vision tower uses "
                                  f"{expected}: load processor and model from the same checkpoint")
+
+
+@register_adapter(instance_of("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"))
+class Qwen3VLTarget(QwenVLTarget):
+    """Qwen3-VL (and its MoE): timestamps are text between video frames, so a video is one
+    placeholder run per temporal patch; deepstack features are injected by the model's own
+    prefill forward."""
+
+    processor_classes = ("Qwen3VLProcessor",)
+    frames_split = True

@@ -8,11 +8,13 @@ text for every family, so they reuse CausalLMTarget's tree forward.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import cache as kv
-from .text import CausalLMTarget
 from .base import TargetOutput
+from .text import CausalLMTarget
 
 
 class MediaMismatchError(ValueError):
@@ -83,30 +85,29 @@ class VisualTarget(CausalLMTarget):
 
     # ------------------------------------------------------------------ lifecycle
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
-        """input_ids [1, T] with placeholders expanded, plus the processor's media tensors."""
+        """input_ids [1, T] with placeholders expanded, plus the processor's media tensors.
+
+        Checks placeholders against media first. With want_hidden the merged input embeddings
+        are kept for prompt_features, so hidden-state drafters cost no second vision pass.
+        """
         self.check_media(input_ids, model_inputs)
         model_inputs = self.model_kwargs(input_ids, attention_mask, model_inputs)
         self._cache = kv.new_cache()
         self._prompt_cache = None
-        captured = {}
-        handle = None
-        if want_hidden:  # keep the merged embeddings for prompt_features (no second vision pass)
-            def keep(module, args, kwargs):
-                captured["embeds"] = kwargs["inputs_embeds"].detach().clone()
-            handle = self.model.get_decoder().register_forward_pre_hook(keep, with_kwargs=True)
+        captured = []
+        watch = self._language_model_input(captured.append) if want_hidden else contextlib.nullcontext()
         try:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self._cache,
-                             use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1, **model_inputs)
+            with watch:
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self._cache,
+                                 use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1, **model_inputs)
         except ValueError as err:
             # Counts the pre-checks cannot know (anyres tiles) are checked by the model itself.
             if "tokens do not match" in str(err):
-                raise self._media_error("visual placeholders and media differ", f"the model's own count check failed ({err})") from err
+                raise self._media_error("visual placeholders and media differ",
+                                        f"the model's own count check failed ({err})") from err
             raise
-        finally:
-            if handle is not None:
-                handle.remove()
-        if "embeds" in captured:
-            self._prompt_cache = (input_ids, captured["embeds"])
+        if captured:
+            self._prompt_cache = (input_ids, captured[0])
         hidden = out.hidden_states[-1] if want_hidden else None
         return TargetOutput(out.logits[:, -1:], hidden)
 
@@ -153,22 +154,47 @@ class VisualTarget(CausalLMTarget):
             "processor(text=..., images=[...], videos=[...]), with one placeholder in the text per image or video")
 
     def _capture_embeds(self, input_ids: torch.Tensor, model_inputs: dict) -> torch.Tensor:
-        """Run the model up to its language model and return the inputs_embeds it would get."""
+        """Run the model only up to its language model; return the inputs_embeds [B, T, d] it gets."""
         self.check_media(input_ids, model_inputs)
         kwargs = self.model_kwargs(input_ids, None, model_inputs)
 
-        def stop(module, args, kw):
-            raise _EmbedsCaptured(kw["inputs_embeds"].detach().clone())
+        def stop(embeds):
+            raise _EmbedsCaptured(embeds)
 
-        handle = self.model.get_decoder().register_forward_pre_hook(stop, with_kwargs=True)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._language_model_input(stop):
                 self.model(input_ids=input_ids, use_cache=False, **kwargs)
         except _EmbedsCaptured as captured:
             return captured.embeds
+        raise RuntimeError(f"{type(self.model).__name__} never called its language model")
+
+    @contextlib.contextmanager
+    def _language_model_input(self, callback):
+        """While active, callback(inputs_embeds [B, T, d]) sees what the model hands its language
+        model (``get_decoder()``): token embeddings with the visual features merged in. The hook
+        lives only inside this block."""
+        def hook(module, args, kwargs):
+            embeds = kwargs.get("inputs_embeds")
+            if embeds is None:
+                raise RuntimeError(f"{type(self.model).__name__} called its language model without inputs_embeds")
+            callback(embeds.detach().clone())
+
+        handle = self.model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield
         finally:
             handle.remove()
-        raise RuntimeError(f"{type(self.model).__name__} never called its language model")
+
+
+def instance_of(*class_names: str):
+    """Adapter predicate: is the model an instance of one of these transformers classes (by name,
+    so classes a transformers version lacks are skipped)?"""
+    def predicate(model) -> bool:
+        import transformers
+
+        classes = tuple(getattr(transformers, name) for name in class_names if hasattr(transformers, name))
+        return isinstance(model, classes)
+    return predicate
 
 
 def _config_id(config, *names):

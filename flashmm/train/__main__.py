@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compression", default="learned", choices=["learned", "prune", "merge", "none"])
     p.add_argument("--num-frames", type=int, default=None, help="frames sampled per video (default 8)")
     p.add_argument("--fps", type=float, default=None, help="sample videos at this rate instead")
+    p.add_argument("--ce-max-rows", type=int, default=None,
+                   help="estimate the cross-entropy term on this many random rows per batch (large vocabularies)")
     p.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16, float16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                          num_queries=args.num_queries, tokens_per_step=args.tokens_per_step,
                          compression=args.compression, num_frames=args.num_frames, fps=args.fps,
-                         seed=args.seed, resume=args.resume, progress=not args.no_progress)
+                         ce_max_rows=args.ce_max_rows, seed=args.seed, resume=args.resume,
+                         progress=not args.no_progress)
     if result.epoch_losses:
         print(f"final epoch loss {result.epoch_losses[-1]:.4f}; drafter saved to {args.out}")
     return 0

@@ -36,12 +36,14 @@ class FlashObjective(nn.Module):
     """Wraps the FlashNet so one ``forward`` computes the training loss (DDP needs a forward)."""
 
     def __init__(self, net: FlashNet, compression: str = "learned", ce_weight: float = 0.1,
-                 feature_noise: float = 0.1):
+                 feature_noise: float = 0.1, ce_max_rows: int | None = None):
         super().__init__()
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
+        if ce_max_rows is not None and ce_max_rows < 1:
+            raise ValueError(f"ce_max_rows must be >= 1 or None, got {ce_max_rows}")
         self.net, self.compression = net, compression
-        self.ce_weight, self.feature_noise = ce_weight, feature_noise
+        self.ce_weight, self.feature_noise, self.ce_max_rows = ce_weight, feature_noise, ce_max_rows
 
     def forward(self, batch: list[FeatureRecord], head_weight: torch.Tensor,
                 head_bias: torch.Tensor | None = None) -> dict:
@@ -82,6 +84,10 @@ class FlashObjective(nn.Module):
             return dict(loss=zero, feature_loss=zero, ce_loss=zero, accuracy=torch.zeros(k), count=0)
         pred = preds[index[:, 0], index[:, 1], index[:, 2]].float()                       # [M, d]
         feature_loss = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+        if self.training and self.ce_max_rows is not None and pred.shape[0] > self.ce_max_rows:
+            # the head costs M x V: estimate the cross-entropy mean on a random subset of rows
+            rows = torch.randperm(pred.shape[0], device=device)[: self.ce_max_rows]
+            pred, target, index = pred[rows], target[rows], index[rows]
         softcap = net.cfg.final_logit_softcapping
         weight = head_weight.detach()
         bias = head_bias.detach() if head_bias is not None else None
@@ -140,7 +146,8 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
                 out_dir: str | os.PathLike | None = None, epochs: int = 1, lr: float = 1e-3,
                 batch_size: int = 4, max_new_tokens: int = 64, num_queries: int = 64, tokens_per_step: int = 5,
                 compression: str = "learned", ce_weight: float = 0.1, feature_noise: float = 0.1,
-                weight_decay: float = 0.0, grad_clip: float = 0.5, warmup_steps: int = 0, seed: int = 0,
+                weight_decay: float = 0.0, grad_clip: float = 0.5, warmup_steps: int = 0,
+                ce_max_rows: int | None = None, seed: int = 0,
                 resume: bool = False, num_frames: int | None = None, fps: float | None = None,
                 build_inputs: Callable | None = None, progress: bool = True, accelerator=None) -> TrainResult:
     """Train a FLASH drafter for ``model`` by self-distillation.
@@ -149,13 +156,18 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
     ``out_dir/features``), or ``features`` already recorded. drafter: continue training this one
     (default: ``FlashDrafter.from_target(model, num_queries, tokens_per_step, seed=seed)``).
     resume: restart from the latest ``out_dir/checkpoints/epoch-*``.
+    ce_max_rows: estimate the cross-entropy term on at most this many random (position, slot)
+    rows per batch (the LM head costs rows x vocabulary; large vocabularies on CPU).
     """
     from accelerate import Accelerator  # noqa: PLC0415
-    from accelerate.utils import DistributedDataParallelKwargs, set_seed  # noqa: PLC0415
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, set_seed  # noqa: PLC0415
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     if accelerator is None:
-        accelerator = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+        # seedable sampler: the shuffle order is a function of (seed, epoch), so a resumed run
+        # sees the same batches as an uninterrupted one
+        accelerator = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+                                  dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     set_seed(seed)
     out_dir = os.fspath(out_dir) if out_dir is not None else None
     if resume and out_dir is None:
@@ -171,7 +183,7 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
     if drafter is None:
         drafter = FlashDrafter.from_target(model, num_queries=num_queries, tokens_per_step=tokens_per_step,
                                            seed=seed, compression=compression)
-    objective = FlashObjective(drafter.net.float(), compression, ce_weight, feature_noise).train()
+    objective = FlashObjective(drafter.net.float(), compression, ce_weight, feature_noise, ce_max_rows).train()
     loader = torch.utils.data.DataLoader(FeatureDataset(features), batch_size=batch_size, shuffle=True,
                                          collate_fn=collate_records,
                                          generator=torch.Generator().manual_seed(seed))
@@ -204,6 +216,8 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
                disable=not (progress and accelerator.is_local_main_process))
     for epoch in range(start_epoch, epochs):
         objective.train()
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
         losses, hits = [], []
         for batch in loader:
             out = objective(batch, head_weight, head_bias)
