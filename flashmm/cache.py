@@ -42,6 +42,20 @@ def keep_rows(cache: DynamicCache, prefix_len: int, path: torch.Tensor) -> None:
         layer.values = torch.cat([layer.values[:, :, :prefix_len], kept_v], dim=2)
 
 
+def keep_rows_kernel(cache: DynamicCache, prefix_len: int, path: torch.Tensor) -> None:
+    """keep_rows with one Triton launch for all layers (flashmm.kernels.kv_keep: in place, loads
+    every source row before storing); falls back to keep_rows when layers differ in layout."""
+    from .kernels import kv_keep  # noqa: PLC0415 (triton loads on first use)
+
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    try:
+        kv_keep(tensors, prefix_len, path)
+    except ValueError:
+        keep_rows(cache, prefix_len, path)
+        return
+    crop(cache, prefix_len + path.shape[1])
+
+
 def crop(cache: DynamicCache, length: int) -> None:
     """Truncate every layer to its first ``length`` rows."""
     for layer in cache.layers:

@@ -84,7 +84,7 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, m
     """Generate for one sequence input_ids [1, T]; returns (new token ids, stats)."""
     stats = GenerationStats()
     start = time.perf_counter()
-    verifier = select_verifier(spec.verifier, sampling.do_sample)
+    verifier = select_verifier(spec.verifier, sampling.do_sample, backend=getattr(target, "backend", "torch"))
     want_hidden = drafter.needs_hidden_states
     new: list[int] = []
     if max_new_tokens == 0:

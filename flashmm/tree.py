@@ -12,7 +12,7 @@ Trees are shared by the whole batch (static shapes); per-row trees are a later e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 import torch
@@ -42,8 +42,9 @@ class TokenTree:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def chain(cls, num_draft: int) -> "TokenTree":
-        """The chain root → d1 → … → d_num_draft (num_draft + 1 nodes)."""
-        return cls(torch.arange(-1, num_draft, dtype=torch.long))
+        """The chain root → d1 → … → d_num_draft (num_draft + 1 nodes); one shared object per
+        length, so its derived masks and tables are computed once."""
+        return _chain(cls, num_draft)
 
     @classmethod
     def from_parents(cls, parents: Sequence[int] | torch.Tensor) -> "TokenTree":
@@ -150,6 +151,11 @@ class TokenTree:
         bias = torch.zeros(n, prefix_len + n, dtype=dtype)
         bias.masked_fill_(~allowed, torch.finfo(dtype).min)
         return bias.to(device)[None, None]
+
+
+@lru_cache(maxsize=256)
+def _chain(cls, num_draft: int) -> TokenTree:
+    return cls(torch.arange(-1, num_draft, dtype=torch.long))
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:

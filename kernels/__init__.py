@@ -4,10 +4,10 @@ Imported lazily: ``import flashmm.kernels`` does not import triton. Kernel modul
 first attribute access, so ``TRITON_INTERPRET=1`` (CPU testing) only has to be set before the
 first kernel is used.
 
-  tree_attention(q, k, v, tree_mask, prefix_len, ...)      kernels/tree_attention.py
-  verify_tree_greedy(tokens, parents, target_logits, ...)  kernels/verify_tree.py
-  verify_tree_sampling(tokens, parents, p, q, ...)         kernels/verify_tree.py
-  kv_keep(kv, prefix_len, path)                            kernels/kv_keep.py
+  tree_attention(q, k, v, tree_mask, prefix_len, ...)      kernels/attention.py
+  verify_tree_greedy(tokens, parents, target_logits, ...)  kernels/verification.py
+  verify_tree_sampling(tokens, parents, p, q, ...)         kernels/verification.py
+  kv_keep(kv, prefix_len, path)                            kernels/compaction.py
   enable_tree_attention(model), tree_attention_kwargs(...) kernels/hf_attention.py
 """
 from __future__ import annotations
@@ -15,20 +15,21 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "tree_attention": "tree_attention",
-    "tree_attention_ref": "tree_attention",
-    "dense_tree_mask": "tree_attention",
-    "verify_tree_greedy": "verify_tree",
-    "verify_tree_greedy_ref": "verify_tree",
-    "verify_tree_sampling": "verify_tree",
-    "verify_tree_sampling_ref": "verify_tree",
-    "draw_verify_randoms": "verify_tree",
-    "kv_keep": "kv_keep",
-    "kv_keep_ref": "kv_keep",
+    "tree_attention": "attention",
+    "tree_attention_ref": "attention",
+    "dense_tree_mask": "attention",
+    "verify_tree_greedy": "verification",
+    "verify_tree_greedy_ref": "verification",
+    "verify_tree_sampling": "verification",
+    "verify_tree_sampling_ref": "verification",
+    "draw_verify_randoms": "verification",
+    "kv_keep": "compaction",
+    "kv_keep_ref": "compaction",
     "enable_tree_attention": "hf_attention",
     "tree_attention_kwargs": "hf_attention",
     "resolve_backend": "hf_attention",
     "TreeAttentionArgs": "hf_attention",
+    "tree_attention_forward": "hf_attention",
     "ATTENTION_NAME": "hf_attention",
 }
 

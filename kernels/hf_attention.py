@@ -14,7 +14,7 @@ switches the model to it with ``model.set_attn_implementation``. The function:
   so no dense [B, 1, N, P + N] mask is built or validated; the attention function reads the
   tree from ``spec_tree``.
 
-Backends: "triton" (the kernel in tree_attention.py; CUDA, or CPU under TRITON_INTERPRET=1)
+Backends: "triton" (the kernel in attention.py; CUDA, or CPU under TRITON_INTERPRET=1)
 and "torch" (SDPA with the dense boolean mask); "auto" picks triton on CUDA.
 Sliding-window layers (the ``sliding_window`` kwarg models pass) hide prefix rows by position:
 key k is visible from node i iff (prefix_len + depth_i) - k < window.
@@ -154,11 +154,11 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                          f"{tuple(args.tree_mask.shape)} (is the cache length prefix_len?)")
     prefix_start = _query_prefix_start(args, sliding_window)
     if args.backend == "torch":
-        from .tree_attention import dense_tree_mask
+        from .attention import dense_tree_mask
         allowed = dense_tree_mask(args.tree_mask, args.prefix_len, prefix_start)[:, None]  # [B,1,N,P+N]
         return sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    from .tree_attention import tree_attention
+    from .attention import tree_attention
     out = query.new_empty(bsz, n, query.shape[1], query.shape[3])                       # [B, N, Hq, D]
     tree_attention(query, key, value, args.tree_mask, args.prefix_len, scaling, prefix_start,
                    out=out.transpose(1, 2))

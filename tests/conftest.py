@@ -1,8 +1,10 @@
 import os
 
-# Triton kernels run on CPU tensors through the interpreter; it must be set before triton loads.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-import torch  # noqa: E402
+# Without a GPU, Triton kernels run on CPU tensors through the interpreter; it must be set
+# before triton is first imported (flashmm.kernels imports it lazily).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(int(os.environ.get("FLASHMM_TEST_THREADS", "2")))

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flashmm.kernels.tree_attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
+from flashmm.kernels.attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
 from flashmm.tree import TokenTree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

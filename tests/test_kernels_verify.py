@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flashmm.kernels.verify_tree import (  # noqa: E402
+from flashmm.kernels.verification import (  # noqa: E402
     draw_verify_randoms, verify_tree_greedy, verify_tree_greedy_ref, verify_tree_sampling,
     verify_tree_sampling_ref,
 )

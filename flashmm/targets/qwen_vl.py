@@ -29,6 +29,7 @@ class QwenVLTarget(VisualTarget):
 
     processor_classes = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
     frames_split = False  # Qwen3-VL: videos split into one run per temporal patch
+    explicit_chain_positions = True  # M-RoPE offsets: never let the model derive positions
 
     def __init__(self, model, processor=None, attention: str = "auto"):
         self.merge = model.config.vision_config.spatial_merge_size
@@ -71,17 +72,6 @@ class QwenVLTarget(VisualTarget):
         self.check_media(input_ids, model_inputs)
         positions, self._rope_delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
         return super().prefill(input_ids, attention_mask, want_hidden, position_ids=positions, **model_inputs)
-
-    def forward_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
-        """tokens [B, N] → logits [B, N, V]; positions always explicit (M-RoPE offsets)."""
-        prefix_len = self.cache_len
-        self._tree_prefix_len = prefix_len
-        out = self.model(input_ids=tokens, past_key_values=self._cache, use_cache=True,
-                         attention_mask=self.tree_attention_mask(tree, prefix_len),
-                         position_ids=self.tree_position_ids(tree, prefix_len, tokens.shape[0]),
-                         output_hidden_states=want_hidden)
-        hidden = out.hidden_states[-1] if want_hidden else None
-        return TargetOutput(out.logits, hidden)
 
     # ------------------------------------------------------------------ checks
     def check_media(self, input_ids: torch.Tensor, model_inputs: dict) -> None:

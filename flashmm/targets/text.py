@@ -29,7 +29,10 @@ class CausalLMTarget(Target):
         self.text_config = model.config.get_text_config()
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.hidden_size = self.text_config.hidden_size
-        self.attention = attention
+        from ..kernels import resolve_backend  # noqa: PLC0415 (imports no triton)
+
+        self.backend = resolve_backend(attention, self.device)
+        self._previous_attention = None
         self._cache = None
         self._tree_prefix_len = None
         layer_types = getattr(self.text_config, "layer_types", None) or []
@@ -48,8 +51,20 @@ class CausalLMTarget(Target):
     def device(self) -> torch.device:
         return self.model.get_output_embeddings().weight.device
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+    #: chains are verified with the model's own causal mask unless positions are non-trivial
+    explicit_chain_positions = False
+
+    def start_sequence(self) -> None:
+        """A fresh cache; with the Triton backend, the model's attention switched to the tree
+        kernel for this generation only (release() restores the user's implementation)."""
         self._cache = kv.new_cache()
+        if self.backend == "triton" and self._previous_attention is None:
+            from ..kernels import enable_tree_attention  # noqa: PLC0415
+
+            self._previous_attention = enable_tree_attention(self.model)
+
+    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+        self.start_sequence()
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self._cache,
                          use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1, **model_inputs)
         hidden = out.hidden_states[-1] if want_hidden else None
@@ -60,21 +75,35 @@ class CausalLMTarget(Target):
         prefix_len = self.cache_len
         self._tree_prefix_len = prefix_len
         args = dict(input_ids=tokens, past_key_values=self._cache, use_cache=True,
-                    output_hidden_states=want_hidden)
-        if not tree.is_chain or self._window is not None:
-            # A chain needs nothing but the model's own causal mask; a tree needs ours.
-            args["attention_mask"] = self.tree_attention_mask(tree, prefix_len)
-            args["position_ids"] = self.tree_position_ids(tree, prefix_len, tokens.shape[0])
+                    output_hidden_states=want_hidden, **self.tree_forward_args(tree, prefix_len, tokens.shape[0]))
         out = self.model(**args)
         hidden = out.hidden_states[-1] if want_hidden else None
         return TargetOutput(out.logits, hidden)
 
+    def tree_forward_args(self, tree: TokenTree, prefix_len: int, batch_size: int) -> dict:
+        """Mask and position arguments of one tree forward (public model-forward kwargs only)."""
+        if self.backend == "triton":
+            from ..kernels import tree_attention_kwargs  # noqa: PLC0415
+
+            return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size),
+                        **tree_attention_kwargs(tree, prefix_len, batch_size, self.device, backend="triton"))
+        if tree.is_chain and self._window is None and not self.explicit_chain_positions:
+            return {}  # a chain needs nothing but the model's own causal mask
+        return dict(attention_mask=self.tree_attention_mask(tree, prefix_len),
+                    position_ids=self.tree_position_ids(tree, prefix_len, batch_size))
+
     def commit(self, path: torch.Tensor) -> None:
-        kv.keep_rows(self._cache, self._tree_prefix_len, path)
+        if self.backend == "triton":
+            kv.keep_rows_kernel(self._cache, self._tree_prefix_len, path)
+        else:
+            kv.keep_rows(self._cache, self._tree_prefix_len, path)
 
     def release(self) -> None:
-        """Drop the cache (frees memory between generations)."""
+        """Drop the cache and give the model back its own attention implementation."""
         self._cache = None
+        if self._previous_attention is not None:
+            self.model.set_attn_implementation(self._previous_attention)
+            self._previous_attention = None
 
     # ------------------------------------------------------------------ masks and positions
     def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int) -> torch.Tensor:

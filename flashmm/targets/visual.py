@@ -12,7 +12,6 @@ import contextlib
 
 import torch
 
-from .. import cache as kv
 from .base import TargetOutput
 from .text import CausalLMTarget
 
@@ -92,7 +91,7 @@ class VisualTarget(CausalLMTarget):
         """
         self.check_media(input_ids, model_inputs)
         model_inputs = self.model_kwargs(input_ids, attention_mask, model_inputs)
-        self._cache = kv.new_cache()
+        self.start_sequence()
         self._prompt_cache = None
         captured = []
         watch = self._language_model_input(captured.append) if want_hidden else contextlib.nullcontext()

@@ -52,7 +52,20 @@ def _typical_lossy(tokens, tree, target_logits, q_probs, sampling, generator, co
                                 epsilon=config.typical_epsilon, delta=config.typical_delta)
 
 
-def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None) -> Verifier:
+def _greedy_kernel(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    from ..kernels import verify_tree_greedy  # noqa: PLC0415 (triton loads on first use)
+
+    return verify_tree_greedy(tokens, tree, target_logits)
+
+
+def _tree_kernel(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    from ..kernels import verify_tree_sampling  # noqa: PLC0415
+
+    return verify_tree_sampling(tokens, tree, probs_from_logits(target_logits, sampling), q_probs, generator)
+
+
+def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None,
+                    backend: str = "torch") -> Verifier:
     """Map SpecConfig.verifier to a callable with the uniform signature
 
         f(tokens [B, N], tree, target_logits [B, N, V], q_probs [B, N, V] or None,
@@ -69,15 +82,19 @@ def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None) -
              not samples of the target).
     tree (optional): when given, checked now ("chain" needs a chain); otherwise verify_chain
              raises at call time on a non-chain tree.
+    backend: "triton" runs greedy and tree verification as one Triton program per sequence
+             (flashmm.kernels; same results, same random-draw contract), "torch" the functions here.
     """
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; choose one of {VERIFIERS}")
     if not do_sample:
-        return _greedy
+        return _greedy_kernel if backend == "triton" else _greedy
     if name == "greedy":
         raise ValueError("verifier='greedy' cannot verify sampled decoding (do_sample=True); "
                          "use 'auto', 'tree' or 'chain'")
     if name == "chain" and tree is not None and not tree.is_chain:
         raise ValueError("verifier='chain' needs a chain-shaped draft; use 'tree' or 'auto' for trees")
+    if backend == "triton" and name in ("auto", "tree"):
+        return _tree_kernel
     return {"auto": _auto_sampling, "chain": _chain, "tree": _tree,
             "typical_lossy": _typical_lossy}[name]

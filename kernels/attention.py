@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["tree_attention", "tree_attention_ref", "dense_tree_mask"]
+from ._device import check_runnable
+
+__all__ = ["tree_attention", "tree_attention_ref", "dense_tree_mask", "launch_config"]
 
 
 # ---------------------------------------------------------------------------- reference
@@ -96,7 +98,7 @@ def _tree_attention_kernel(
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    b = pid_bh // num_kv_heads
+    b = (pid_bh // num_kv_heads).to(tl.int64)    # batch offsets can pass 2^31 elements
     kvh = pid_bh % num_kv_heads
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)          # packed (node, head in group)
@@ -190,7 +192,7 @@ def _tree_attention_combine_kernel(
         acc += w[:, None] * tl.load(PartAcc + (s * total_rows + rows[:, None]) * BLOCK_D + offs_d[None, :],
                                     mask=row_ok[:, None], other=0.0)
     o = acc / tl.where(row_ok, l_sum, 1.0)[:, None]
-    b = rows // (num_q_heads * N)
+    b = (rows // (num_q_heads * N)).to(tl.int64)
     head = (rows // N) % num_q_heads
     node = rows % N
     tl.store(Out + b[:, None] * stride_ob + head[:, None] * stride_oh + node[:, None] * stride_on
@@ -206,6 +208,22 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1
+
+
+def launch_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict:
+    """Tile sizes, warps, stages and dot precision for ``rows`` = N * (Hq / Hkv) packed rows.
+
+    Checked for register spills by compiling for sm_90 (tests/test_kernels_compile.py): none
+    for fp16/bf16 at D <= 128. fp32 uses IEEE dots (exactness first) and smaller tiles.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    fp32 = dtype == torch.float32
+    max_m = 32 if fp32 and block_d >= 128 else 64
+    return dict(BLOCK_D=block_d, BLOCK_M=min(max_m, max(16, triton.next_power_of_2(rows))),
+                BLOCK_N=64 if block_d <= 128 and not fp32 else 32,
+                num_warps=4 if block_d <= 64 and not fp32 else 8,
+                num_stages=3 if block_d <= 128 and not fp32 else 2,
+                INPUT_PRECISION="ieee" if fp32 else "tf32")
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor,
@@ -244,6 +262,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
     if tree_mask.shape[1:] != (n, words) or tree_mask.shape[0] not in (1, bsz):
         raise ValueError(f"tree_mask must be [B, N, ceil(N/32)] = [{bsz}, {n}, {words}], "
                          f"got {tuple(tree_mask.shape)}")
+    if tree_mask.device != q.device or k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v and tree_mask must be on one device; got {q.device}, {k.device}, "
+                         f"{v.device}, {tree_mask.device}")
     tree_mask = tree_mask.expand(bsz, n, words)
     if prefix_start is not None:
         if prefix_start.ndim == 1:
@@ -257,11 +278,13 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
     if n == 0 or bsz == 0:
         return out
 
+    check_runnable(_tree_attention_kernel, q.device)
     group = hq // hkv
-    block_d = max(16, triton.next_power_of_2(d))
     rows = n * group
-    block_m = block_m or min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = block_n or (64 if block_d <= 128 else 32)
+    config = launch_config(q.dtype, d, rows)
+    block_d = config["BLOCK_D"]
+    block_m = block_m or config["BLOCK_M"]
+    block_n = block_n or config["BLOCK_N"]
     m_blocks = triton.cdiv(rows, block_m)
     programs = m_blocks * bsz * hkv
     if num_splits is None:
@@ -283,7 +306,6 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
     else:
         part_acc = part_m = part_l = out  # unused
     start = prefix_start if prefix_start is not None else tree_mask  # unused when absent
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (m_blocks, bsz * hkv, num_splits)
     _tree_attention_kernel[grid](
         q, k, v, tree_mask, start, out, part_acc, part_m, part_l,
@@ -293,8 +315,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
         *out.stride(),
         hkv, hq, n, prefix_len, d, chunk,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_PREFIX_START=prefix_start is not None, SPLIT=split, INPUT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        HAS_PREFIX_START=prefix_start is not None, SPLIT=split, INPUT_PRECISION=config["INPUT_PRECISION"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if split:
         block_r = 16

@@ -38,6 +38,8 @@ import triton.language as tl
 
 from flashmm.verify.base import VerifyResult
 
+from ._device import check_runnable
+
 __all__ = ["verify_tree_greedy", "verify_tree_sampling", "verify_tree_greedy_ref",
            "verify_tree_sampling_ref", "draw_verify_randoms"]
 
@@ -197,7 +199,7 @@ def _verify_greedy_kernel(
     N, V, PATH_LEN,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)            # row offsets of [B, N, V] can pass 2^31
     idx = tl.arange(0, BLOCK_N)
     par = tl.load(Parents + b * stride_parb + idx * stride_parn, mask=idx < N, other=-2).to(tl.int32)
     tok = tl.load(Tokens + b * stride_tb + idx * stride_tn, mask=idx < N, other=-1)
@@ -241,7 +243,7 @@ def _residual_pass(work, p_row, stride_pv, q_row, stride_qv, mass, V,
         if FIRST:
             r = tl.load(p_row + offs * stride_pv, mask=ok, other=0.0).to(tl.float32)
         else:
-            r = tl.load(work + offs, mask=ok, other=0.0)
+            r = tl.math.div_rn(tl.load(work + offs, mask=ok, other=0.0), mass)
         r = tl.maximum(r - qv, 0.0)
         tl.store(work + offs, r, mask=ok)
         total += tl.sum(r, 0)
@@ -279,11 +281,11 @@ def _verify_sampling_kernel(
     N, V, PATH_LEN,
     HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)            # row offsets of [B, N, V] can pass 2^31
     idx = tl.arange(0, BLOCK_N)
     par = tl.load(Parents + b * stride_parb + idx * stride_parn, mask=idx < N, other=-2).to(tl.int32)
     tok = tl.load(Tokens + b * stride_tb + idx * stride_tn, mask=idx < N, other=-1)
-    work = Work + b.to(tl.int64) * V
+    work = Work + b * V
     pidx = tl.arange(0, BLOCK_P)
     path = tl.where(pidx == 0, 0, -1).to(tl.int64)
     cur = tl.zeros([], tl.int32)
@@ -368,7 +370,8 @@ def _verify_sampling_kernel(
 
 # ---------------------------------------------------------------------------- launchers
 def _tree_inputs(tokens: torch.Tensor, parents, scores: torch.Tensor, name: str):
-    """Normalise (tokens, parents | TokenTree) and return (parents [N]|[B,N] on device, path_len)."""
+    """Validate; return (tokens, parents [N] | [B, N], parents' batch and node strides, path length),
+    tensors on the scores' device."""
     if hasattr(parents, "parents") and hasattr(parents, "max_depth"):   # a TokenTree
         max_depth, parents = parents.max_depth, parents.parents
     else:
@@ -381,10 +384,9 @@ def _tree_inputs(tokens: torch.Tensor, parents, scores: torch.Tensor, name: str)
         raise ValueError(f"parents must be [N] or [B, N] with N = {n}, got {tuple(parents.shape)}")
     if scores.ndim != 3 or tuple(scores.shape[:2]) != (bsz, n):
         raise ValueError(f"{name} must be [B, N, V] = [{bsz}, {n}, V], got {tuple(scores.shape)}")
-    if scores.device != tokens.device:
-        raise ValueError(f"{name} is on {scores.device} but tokens are on {tokens.device}")
-    parents = parents.to(tokens.device)
-    return parents, (0 if parents.ndim == 1 else parents.stride(0)), parents.stride(-1), max_depth + 1
+    parents = parents.to(scores.device)
+    return (tokens.to(scores.device), parents, 0 if parents.ndim == 1 else parents.stride(0),
+            parents.stride(-1), max_depth + 1)
 
 
 def _outputs(bsz: int, path_len: int, device, out):
@@ -407,8 +409,9 @@ def verify_tree_greedy(tokens: torch.Tensor, parents, target_logits: torch.Tenso
     target_logits: float [B, N, V] (any float dtype, any strides).
     out:           optional preallocated (path, accepted_len, next_token) to write into.
     """
-    parents, spb, spn, path_len = _tree_inputs(tokens, parents, target_logits, "target_logits")
+    tokens, parents, spb, spn, path_len = _tree_inputs(tokens, parents, target_logits, "target_logits")
     bsz, n = tokens.shape
+    check_runnable(_verify_greedy_kernel, tokens.device)
     path, accepted_len, next_token = _outputs(bsz, path_len, tokens.device, out)
     if bsz:
         _verify_greedy_kernel[(bsz,)](
@@ -438,7 +441,7 @@ def verify_tree_sampling(tokens: torch.Tensor, parents, p: torch.Tensor, q: torc
     uniforms:  float64 [B, N] is given (layout in the module docstring).
     out:       optional preallocated (path, accepted_len, next_token).
     """
-    parents, spb, spn, path_len = _tree_inputs(tokens, parents, p, "p")
+    tokens, parents, spb, spn, path_len = _tree_inputs(tokens, parents, p, "p")
     bsz, n = tokens.shape
     if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"p must be float32/float16/bfloat16 (computed in float32), got {p.dtype}")
@@ -449,6 +452,7 @@ def verify_tree_sampling(tokens: torch.Tensor, parents, p: torch.Tensor, q: torc
     if tuple(uniforms.shape) != (bsz, n):
         raise ValueError(f"uniforms must be [B, N] = [{bsz}, {n}], got {tuple(uniforms.shape)}")
     uniforms = uniforms.to(device=p.device, dtype=torch.float64)
+    check_runnable(_verify_sampling_kernel, p.device)
     path, accepted_len, next_token = _outputs(bsz, path_len, tokens.device, out)
     if bsz:
         vocab = p.shape[2]

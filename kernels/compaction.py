@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import check_runnable
+
 __all__ = ["kv_keep", "kv_keep_ref"]
 
 
@@ -91,6 +93,7 @@ def kv_keep(kv: Sequence[torch.Tensor] | torch.Tensor, prefix_len: int, path: to
     num_rows = path.shape[1]
     if num_rows == 0 or bsz == 0:
         return
+    check_runnable(_kv_keep_kernel, first.device)
     elem = first.element_size()
     deltas = [t.data_ptr() - first.data_ptr() for t in tensors]
     if any(delta % elem for delta in deltas):
