@@ -3,7 +3,8 @@ from . import drafters
 from .api import SpeculativeModel, wrap
 from .config import SamplingParams, SpecConfig
 from .engine import GenerationStats
+from .pipelines import CaptionPipeline, CaptionResult
 from .tree import TokenTree
 
-__all__ = ["wrap", "SpeculativeModel", "GenerationStats", "SpecConfig", "SamplingParams", "TokenTree", "drafters"]
+__all__ = ["CaptionPipeline", "CaptionResult", "wrap", "SpeculativeModel", "GenerationStats", "SpecConfig", "SamplingParams", "TokenTree", "drafters"]
 __version__ = "0.1.0"

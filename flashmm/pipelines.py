@@ -1,0 +1,410 @@
+"""CaptionPipeline: caption images and videos with a vision-language model and a drafter.
+
+    pipe = flashmm.CaptionPipeline("path/to/llava", drafter="path/to/flash_drafter")
+    for result in pipe(["cat.png", "clip.mp4"], max_new_tokens=64):
+        print(result.source, result.caption, result.stats["tau"] if result.ok else result.error)
+
+Per item: load the media (Pillow / decord), build a chat-formatted prompt with one placeholder
+per image (or video), run the model's processor, decode with speculative decoding (or the
+model's own ``generate`` when ``drafter=None``, for comparison), and return a CaptionResult.
+
+Videos: models whose processor has a video path (LLaVA-OneVision, Qwen-VL with a video
+processor) get the sampled frames as one video; LLaVA-1.5-class models (no video input), and
+processors built without a video processor, get the frames as N images, one placeholder each.
+
+Batching: the engine decodes one sequence at a time, so ``batch_size`` only groups media
+loading and preprocessing (``batch_size`` items are loaded and preprocessed, then decoded one
+after another). It bounds memory held by decoded media; it does not batch the forward passes.
+
+Errors: a file that is missing, unreadable, or of an unsupported type yields a result whose
+``error`` names the problem; the other items are still captioned (``raise_errors=True``
+re-raises instead).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, fields
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .api import wrap
+from .config import SpecConfig
+from .drafters.base import Drafter, drafter_names, make_drafter
+from .drafters.flash import CONFIG_NAME as FLASH_CONFIG_NAME
+from .drafters.flash import FlashDrafter
+from .engine import GenerationStats
+from .vision.media import VideoFrames, load_image, load_video
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v", ".mpg", ".mpeg", ".flv", ".wmv")
+DEFAULT_PROMPTS = {"image": "Describe the image.", "video": "Describe the video."}
+
+
+@dataclass
+class CaptionResult:
+    """One item's outcome.
+
+    source:       the file path given, or "<input i>" for an in-memory image / VideoFrames.
+    kind:         "image", "video", or "unknown" (unsupported / undecidable input).
+    caption:      decoded new text (special tokens skipped, stripped); None on error.
+    new_tokens:   number of generated tokens.
+    seconds:      wall time of decoding (the generate call), seconds.
+    load_seconds: wall time of loading + preprocessing the media, seconds.
+    num_frames:   frames sampled from a video (None for images).
+    token_ids:    the generated token ids (the caption before decoding).
+    stats:        GenerationStats.as_dict() of the item (tau, accepted_hist, target_forwards, ...);
+                  plain decoding (drafter=None) reports one target forward per token, tau = 1.
+    error:        "<ExceptionType>: message" when the item failed, else None.
+    """
+
+    source: str
+    kind: str
+    caption: str | None = None
+    new_tokens: int = 0
+    seconds: float = 0.0
+    load_seconds: float = 0.0
+    num_frames: int | None = None
+    token_ids: list[int] | None = None
+    stats: dict | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Prepared:
+    """An item after loading and preprocessing: processor outputs, or the error it met."""
+
+    result: CaptionResult
+    inputs: dict | None = None
+
+
+def media_kind(path: str | os.PathLike) -> str | None:
+    """"image" / "video" from the file suffix, or None when the suffix is not supported."""
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    return "image" if suffix in IMAGE_SUFFIXES else "video" if suffix in VIDEO_SUFFIXES else None
+
+
+def expand_paths(paths: Iterable[str | os.PathLike]) -> list[str]:
+    """Files as given, directories replaced by their media files (recursive, sorted, hidden
+    entries skipped); duplicates (same absolute path) dropped, order kept."""
+    out, seen = [], set()
+    for path in map(os.fspath, paths):
+        found = [path]
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, files in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                found += [os.path.join(root, f) for f in sorted(files)
+                          if not f.startswith(".") and media_kind(f) is not None]
+        for item in found:
+            key = os.path.abspath(item)
+            if key not in seen:
+                seen.add(key)
+                out.append(item)
+    return out
+
+
+def load_model(directory: str | os.PathLike, device=None, dtype=None) -> torch.nn.Module:
+    """A vision-language model from a local directory (``save_pretrained`` output): the class
+    comes from its config (AutoModelForImageTextToText's mapping). eval mode."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    directory = os.fspath(directory)
+    local = os.path.isdir(directory)
+    config = AutoConfig.from_pretrained(directory, local_files_only=local)
+    if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        raise ValueError(f"{directory!r} holds a {config.model_type!r} model, not a vision-language model "
+                         "(image-text-to-text); CaptionPipeline needs e.g. a LLaVA or Qwen-VL checkpoint")
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = AutoModelForImageTextToText.from_pretrained(directory, local_files_only=local, **kwargs)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def load_processor(directory: str | os.PathLike):
+    from transformers import AutoProcessor
+
+    directory = os.fspath(directory)
+    try:
+        return AutoProcessor.from_pretrained(directory, local_files_only=os.path.isdir(directory))
+    except Exception as err:
+        raise ValueError(f"cannot load the processor saved in {directory!r} ({type(err).__name__}: {err}); "
+                         "build it in code and pass CaptionPipeline(..., processor=...)") from err
+
+
+def resolve_drafter(drafter, device=None) -> Drafter | None:
+    """A Drafter instance, None, a registered name, or a directory holding a saved FlashDrafter."""
+    if drafter is None or isinstance(drafter, Drafter):
+        return drafter
+    if not isinstance(drafter, (str, os.PathLike)):
+        raise TypeError(f"drafter must be a Drafter, a registered name, a directory or None, got "
+                        f"{type(drafter).__name__}")
+    name = os.fspath(drafter)
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, FLASH_CONFIG_NAME)):
+            raise ValueError(f"drafter directory {name!r} has no {FLASH_CONFIG_NAME}: expected a directory "
+                             "written by FlashDrafter.save_pretrained")
+        return FlashDrafter.from_pretrained(name, device=device)
+    if name in drafter_names():
+        return make_drafter(name)
+    raise ValueError(f"drafter {name!r} is neither a directory nor a registered drafter name "
+                     f"{drafter_names()}")
+
+
+def chat_prompt(processor, text: str, images: int = 0, videos: int = 0) -> str:
+    """The prompt text with one image placeholder per image and one video placeholder per video.
+
+    Tries, in order: the processor's chat template with typed content parts (what real
+    LLaVA / Qwen-VL processors ship); a chat template (processor's, else tokenizer's) with the
+    placeholders inlined in string content; the LLaVA-1.5 format ``USER: <image>\\n... ASSISTANT:``.
+    The first rendering holding exactly the right placeholder counts is used.
+    """
+    image_token = getattr(processor, "image_token", None)
+    video_token = getattr(processor, "video_token", None)
+    if images and image_token is None:
+        raise ValueError(f"{type(processor).__name__} has no image_token: cannot place images in the prompt")
+    if videos and video_token is None:
+        raise ValueError(f"{type(processor).__name__} has no video_token: this model takes no video input")
+
+    def counts_ok(rendered) -> bool:
+        return (isinstance(rendered, str)
+                and (image_token is None or rendered.count(image_token) == images)
+                and (video_token is None or rendered.count(video_token) == videos))
+
+    inline = (image_token + "\n") * images + ((video_token or "") + "\n") * videos + text
+    candidates = []
+    if getattr(processor, "chat_template", None):
+        parts = [{"type": "image"}] * images + [{"type": "video"}] * videos + [{"type": "text", "text": text}]
+        candidates.append(lambda: processor.apply_chat_template(
+            [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False))
+        candidates.append(lambda: processor.apply_chat_template(
+            [{"role": "user", "content": inline}], add_generation_prompt=True, tokenize=False))
+    tokenizer = getattr(processor, "tokenizer", None)
+    if getattr(tokenizer, "chat_template", None):
+        candidates.append(lambda: tokenizer.apply_chat_template(
+            [{"role": "user", "content": inline}], add_generation_prompt=True, tokenize=False))
+    for render in candidates:
+        try:
+            rendered = render()
+        except Exception:  # a template that cannot render this content: try the next form
+            continue
+        if counts_ok(rendered):
+            return rendered
+    return f"USER: {inline} ASSISTANT:"
+
+
+def _video_metadata(video: VideoFrames):
+    """transformers VideoMetadata of already-sampled frames (so the processor samples no more)."""
+    from transformers.video_utils import VideoMetadata
+
+    indices = np.rint(video.timestamps * video.fps).astype(np.int64) if video.fps > 0 else np.arange(len(video))
+    total = getattr(video, "total_frames", None)
+    if total is None:  # estimate: sampled count x mean spacing (exact for even or fixed-rate sampling)
+        spacing = (indices[-1] - indices[0]) / (len(indices) - 1) if len(indices) > 1 else indices[0] + 1
+        total = max(int(round(len(indices) * max(spacing, 1))), int(indices[-1]) + 1)
+    return VideoMetadata(total_num_frames=total, fps=video.fps or None, frames_indices=indices.tolist(),
+                         height=video.frames.shape[1], width=video.frames.shape[2])
+
+
+class CaptionPipeline:
+    """Caption images and videos; speculative decoding when a drafter is given.
+
+    model_or_dir: a loaded HF vision-language model, or a directory written by save_pretrained
+                  (class picked from its config; processor loaded from the same directory).
+    drafter:      a Drafter, a registered name ("prompt_lookup", "flash"), a directory holding a
+                  saved FlashDrafter (flash_config.json), or None: the model's own ``generate``.
+    processor:    the model's processor (None: AutoProcessor from model_or_dir).
+    device, dtype: where / in what dtype to load a model given as a directory.
+    attention, **spec_config: passed to ``flashmm.wrap`` (SpecConfig fields: verifier,
+                  max_draft_tokens, ...).
+    """
+
+    def __init__(self, model_or_dir, drafter=None, processor=None, *, device=None, dtype=None,
+                 attention: str = "auto", **spec_config):
+        if isinstance(model_or_dir, (str, os.PathLike)):
+            model = load_model(model_or_dir, device=device, dtype=dtype)
+            if processor is None:
+                processor = load_processor(model_or_dir)
+        elif isinstance(model_or_dir, torch.nn.Module):
+            model = model_or_dir
+        else:
+            raise TypeError(f"model_or_dir must be a HF model or a directory, got {type(model_or_dir).__name__}")
+        if processor is None:
+            raise ValueError("a model given as an object needs its processor: CaptionPipeline(model, processor=...)")
+        unknown = set(spec_config) - {f.name for f in fields(SpecConfig)}
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; SpecConfig fields are "
+                            f"{sorted(f.name for f in fields(SpecConfig))}")
+        SpecConfig(**spec_config)  # validated even for plain decoding (drafter=None)
+        self.model, self.processor = model, processor
+        self.drafter = resolve_drafter(drafter, device=getattr(model, "device", None))
+        self.spec_model = None
+        if self.drafter is not None:
+            self.spec_model = wrap(model, self.drafter, processor=processor, attention=attention, **spec_config)
+        self.video_input = self._has_video_path()
+
+    def _has_video_path(self) -> bool:
+        """Does the model take videos (config video token) and can the processor make them?"""
+        config = self.model.config
+        has_token = any(getattr(config, n, None) is not None for n in ("video_token_id", "video_token_index"))
+        return (has_token and getattr(self.processor, "video_token", None) is not None
+                and getattr(self.processor, "video_processor", None) is not None)
+
+    # ------------------------------------------------------------------ public
+    def __call__(self, inputs, **options) -> list[CaptionResult]:
+        """Caption ``inputs`` (one item or a list of items); see ``stream`` for the options."""
+        return list(self.stream(inputs, **options))
+
+    def stream(self, inputs, prompt: str | None = None, max_new_tokens: int = 128, batch_size: int = 1,
+               num_frames: int | None = None, fps: float | None = None, do_sample: bool = False,
+               temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+               generator: torch.Generator | None = None, raise_errors: bool = False) -> Iterator[CaptionResult]:
+        """Yield one CaptionResult per item, in order, as each finishes.
+
+        inputs: an image path, a video path, a PIL image, a VideoFrames, or a list of these.
+        prompt: the instruction (None: "Describe the image." / "Describe the video.").
+        num_frames / fps: video frame sampling (at most one; default 8 frames evenly spread).
+        batch_size: items loaded and preprocessed together before they are decoded one by one.
+        """
+        if num_frames is not None and fps is not None:
+            raise ValueError("give at most one of num_frames or fps")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        items = [inputs] if isinstance(inputs, (str, os.PathLike, Image.Image, VideoFrames)) else list(inputs)
+        if num_frames is None and fps is None:
+            num_frames = 8
+        sampling = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                        top_k=top_k, top_p=top_p, generator=generator)
+        # options are checked above, when stream() is called; items are processed lazily below
+        return self._run(items, prompt, batch_size, num_frames, fps, sampling, raise_errors)
+
+    def _run(self, items: list, prompt, batch_size, num_frames, fps, sampling, raise_errors) -> Iterator[CaptionResult]:
+        for start in range(0, len(items), batch_size):
+            prepared = [self._prepare(start + i, item, prompt, num_frames, fps, raise_errors)
+                        for i, item in enumerate(items[start:start + batch_size])]
+            for entry in prepared:
+                if entry.inputs is not None:
+                    self._decode(entry, sampling, raise_errors)
+                    entry.inputs = None  # release the media tensors
+                yield entry.result
+
+    # ------------------------------------------------------------------ stages
+    def _prepare(self, index: int, item, prompt, num_frames, fps, raise_errors) -> _Prepared:
+        """Load the media and run the processor; errors become the result's ``error``."""
+        t0 = time.perf_counter()
+        source = os.fspath(item) if isinstance(item, (str, os.PathLike)) else f"<input {index}>"
+        result = CaptionResult(source=source, kind="unknown")
+        try:
+            media = self._load(item, result, num_frames, fps)
+            inputs = self._process(media, result.kind, prompt or DEFAULT_PROMPTS[result.kind])
+        except Exception as err:
+            if raise_errors:
+                raise
+            result.error = f"{type(err).__name__}: {err}"
+            return _Prepared(result)
+        finally:
+            result.load_seconds = time.perf_counter() - t0
+        return _Prepared(result, inputs)
+
+    def _load(self, item, result: CaptionResult, num_frames, fps):
+        """→ a PIL image or VideoFrames; sets result.kind / num_frames."""
+        if isinstance(item, Image.Image):
+            result.kind = "image"
+            return item.convert("RGB")
+        if isinstance(item, VideoFrames):
+            result.kind, result.num_frames = "video", len(item)
+            return item
+        if not isinstance(item, (str, os.PathLike)):
+            raise TypeError(f"unsupported input {type(item).__name__}: give a file path, a PIL image or "
+                            "VideoFrames")
+        kind = media_kind(item)
+        if kind is None:
+            suffix = os.path.splitext(os.fspath(item))[1] or "(none)"
+            raise ValueError(f"unsupported file type {suffix!r} for {os.fspath(item)!r}; supported images: "
+                             f"{' '.join(IMAGE_SUFFIXES)}; videos: {' '.join(VIDEO_SUFFIXES)}")
+        result.kind = kind
+        if kind == "image":
+            return load_image(item)
+        video = load_video(item, num_frames=num_frames, fps=fps)
+        result.num_frames = len(video)
+        return video
+
+    def _process(self, media, kind: str, prompt: str) -> dict:
+        """Processor outputs for one item, on the model's device (pixel values in its dtype)."""
+        if kind == "image":
+            text = chat_prompt(self.processor, prompt, images=1)
+            out = self.processor(text=text, images=[media], **self._text_kwargs(text))
+        elif self.video_input:
+            text = chat_prompt(self.processor, prompt, videos=1)
+            out = self.processor(text=text, videos=[media.frames], video_metadata=[_video_metadata(media)],
+                                 do_sample_frames=False, **self._text_kwargs(text))
+        else:  # no video path: the frames as images, one placeholder each
+            text = chat_prompt(self.processor, prompt, images=len(media))
+            out = self.processor(text=text, images=media.images(), **self._text_kwargs(text))
+        device, dtype = self.model.device, self.model.dtype
+        return {k: (v.to(device, dtype) if k.startswith("pixel_values") and v.is_floating_point() else v.to(device))
+                if isinstance(v, torch.Tensor) else v for k, v in dict(out).items()}
+
+    def _text_kwargs(self, text: str) -> dict:
+        """A chat template that already wrote the BOS token must not get a second one."""
+        bos = getattr(getattr(self.processor, "tokenizer", None), "bos_token", None)
+        kwargs = dict(return_tensors="pt")
+        if bos and text.startswith(bos):
+            kwargs["add_special_tokens"] = False
+        return kwargs
+
+    def _decode(self, entry: _Prepared, sampling: dict, raise_errors: bool) -> None:
+        inputs, result = entry.inputs, entry.result
+        prompt_len = inputs["input_ids"].shape[1]
+        t0 = time.perf_counter()
+        try:
+            if self.spec_model is not None:
+                out = self.spec_model.generate(**inputs, **sampling)
+                stats = self.spec_model.last_stats
+            else:
+                out = self.model.generate(**inputs, **self._plain_kwargs(sampling))
+                stats = None
+        except Exception as err:
+            if raise_errors:
+                raise
+            result.error = f"{type(err).__name__}: {err}"
+            return
+        result.seconds = time.perf_counter() - t0
+        new = out[0, prompt_len:]
+        if stats is None:
+            stats = _plain_stats(len(new), result.seconds)
+        new = new[: stats.new_tokens]
+        result.new_tokens = int(new.shape[0])
+        result.token_ids = new.tolist()
+        result.caption = self.processor.tokenizer.decode(new, skip_special_tokens=True).strip()
+        result.stats = stats.as_dict()
+
+    @staticmethod
+    def _plain_kwargs(sampling: dict) -> dict:
+        kwargs = dict(max_new_tokens=sampling["max_new_tokens"], do_sample=sampling["do_sample"])
+        if sampling["do_sample"]:
+            kwargs["temperature"] = sampling["temperature"]
+            kwargs.update({k: sampling[k] for k in ("top_k", "top_p") if sampling[k] is not None})
+        return kwargs
+
+
+def _plain_stats(new_tokens: int, seconds: float) -> GenerationStats:
+    """Stats of the model's own generate: the prefill emits the first token, then one forward per token."""
+    steps = max(new_tokens - 1, 0)
+    return GenerationStats(new_tokens=new_tokens, target_forwards=min(new_tokens, 1) + steps, verify_steps=steps,
+                           accepted_hist=Counter({0: steps}) if steps else Counter(), total_seconds=seconds)

@@ -1,0 +1,284 @@
+"""CaptionPipeline: loading from a saved directory (offline), images / videos / bad files in one
+call, captions token-identical to the model's own greedy ``generate`` through every drafter
+kind, video routing (frames as images vs the processor's video input), prompt forms."""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flashmm.drafters import FlashDrafter, PromptLookup
+from flashmm.pipelines import CaptionPipeline, CaptionResult, chat_prompt, expand_paths, resolve_drafter
+from flashmm.vision import load_image, load_video, save_video
+
+from mm_models import CLIP_SIDE, random_image, random_video, tiny_llava
+
+if os.environ.get("OMP_NUM_THREADS") == "1":
+    torch.set_num_threads(1)  # conftest asks for 2; on a shared CPU one is several times faster
+
+MAX_NEW = 10
+IMAGE_PROMPT, VIDEO_PROMPT = "Describe the image.", "Describe the video."
+
+
+@functools.lru_cache(maxsize=None)
+def llava():
+    return tiny_llava("llava")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A directory written by save_pretrained (model + processor)."""
+    model, processor = llava()
+    folder = tmp_path_factory.mktemp("llava")
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    random_image(1, (40, 40)).save(folder / "a.png")
+    random_image(2, (30, 50)).save(folder / "b.jpg")
+    save_video(random_video(3, 6, 32), folder / "clip.avi", fps=5)
+    (folder / "bad.png").write_bytes(b"these bytes are not a PNG file")
+    (folder / "notes.txt").write_text("not media")
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(key):
+    kind, source, frames = key
+    images = [load_image(source)] if kind == "image" else load_video(source, num_frames=frames).images()
+    return reference_ids(images, IMAGE_PROMPT if kind == "image" else VIDEO_PROMPT)
+
+
+def reference_ids(images: list[Image.Image], prompt: str) -> list[int]:
+    """The in-memory model's own greedy generate on a hand-built chat prompt (one <image> each)."""
+    model, processor = llava()
+    content = "<image>\n" * len(images) + prompt
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                   add_generation_prompt=True)
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def reference(kind: str, source, frames: int | None = None) -> list[int]:
+    return _reference((kind, str(source), frames))
+
+
+def decode(ids):
+    return llava()[1].tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def test_loads_from_directory_offline(saved, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("CaptionPipeline tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    model, processor = llava()
+    pipe = CaptionPipeline(saved)
+    assert type(pipe.model) is type(model) and type(pipe.processor) is type(processor)
+    assert pipe.drafter is None and pipe.spec_model is None
+    loaded = pipe.model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    image = random_image(5, (33, 47))
+    a = processor(text="USER: <image>\nHi ASSISTANT:", images=[image], return_tensors="pt")
+    b = pipe.processor(text="USER: <image>\nHi ASSISTANT:", images=[image], return_tensors="pt")
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+def test_mixed_inputs_good_items_captioned_bad_items_reported(saved, media):
+    pipe = CaptionPipeline(saved, drafter="prompt_lookup")
+    memory_image = random_image(7, (36, 28))
+    inputs = [memory_image, media / "a.png", media / "clip.avi", media / "bad.png", media / "notes.txt",
+              media / "missing.png", str(media / "b.jpg")]
+    results = pipe(inputs, max_new_tokens=MAX_NEW, num_frames=3)
+    assert [r.source for r in results] == ["<input 0>"] + [str(p) for p in inputs[1:]]
+    assert [r.kind for r in results] == ["image", "image", "video", "image", "unknown", "image", "image"]
+    good = [results[i] for i in (0, 1, 2, 6)]
+    assert all(r.ok and r.new_tokens == MAX_NEW and r.stats["new_tokens"] == MAX_NEW for r in good)
+    assert good[0].token_ids == reference_ids([memory_image], IMAGE_PROMPT)
+    assert good[1].token_ids == reference("image", media / "a.png")
+    assert good[2].token_ids == reference("video", media / "clip.avi", 3) and good[2].num_frames == 3
+    assert good[3].token_ids == reference("image", media / "b.jpg")
+    assert all(r.caption == decode(r.token_ids) for r in good)
+    bad, unsupported, missing = results[3], results[4], results[5]
+    assert bad.caption is None and "cannot read image" in bad.error and "bad.png" in bad.error
+    assert unsupported.caption is None and "unsupported file type '.txt'" in unsupported.error
+    assert missing.error.startswith("FileNotFoundError") and "missing.png" in missing.error
+    assert all(r.token_ids is None and r.stats is None for r in (bad, unsupported, missing))
+
+
+DRAFTERS = ["plain", "prompt_lookup", "flash_untrained", "flash_directory"]
+
+
+@pytest.mark.parametrize("drafter_kind", DRAFTERS)
+def test_captions_equal_model_generate(saved, media, drafter_kind, tmp_path):
+    model, processor = llava()
+    if drafter_kind == "plain":
+        drafter = None
+    elif drafter_kind == "prompt_lookup":
+        drafter = PromptLookup(max_ngram=2)
+    else:
+        drafter = FlashDrafter.from_target(model, seed=1, tokens_per_step=3)
+        if drafter_kind == "flash_directory":
+            drafter.save_pretrained(tmp_path / "drafter")
+            drafter = str(tmp_path / "drafter")
+    pipe = CaptionPipeline(model, drafter=drafter, processor=processor, max_draft_tokens=6)
+    if drafter_kind == "flash_directory":
+        assert isinstance(pipe.drafter, FlashDrafter)
+    results = pipe([media / "a.png", media / "clip.avi"], max_new_tokens=MAX_NEW, num_frames=2)
+    assert results[0].token_ids == reference("image", media / "a.png")
+    assert results[1].token_ids == reference("video", media / "clip.avi", 2)
+    for r in results:
+        assert r.caption == decode(r.token_ids) and r.seconds > 0
+        stats = r.stats
+        assert stats["new_tokens"] == MAX_NEW and stats["target_forwards"] == stats["verify_steps"] + 1
+        assert stats["accepted_tokens"] == sum(k * v for k, v in stats["accepted_hist"].items())
+        # every forward after the prefill emits accepted drafted tokens + 1 (the last may be cut)
+        assert stats["accepted_tokens"] + stats["verify_steps"] + 1 >= MAX_NEW
+        if drafter_kind == "plain":
+            assert stats["tau"] == 1.0 and stats["target_forwards"] == MAX_NEW
+
+
+def test_batch_size_groups_loading_not_decoding(saved, media, monkeypatch):
+    model, processor = llava()
+    pipe = CaptionPipeline(model, drafter="prompt_lookup", processor=processor)
+    items = [media / "a.png", media / "b.jpg", media / "bad.png", media / "a.png", media / "b.jpg"]
+    events = []
+    prepare, decode_one = pipe._prepare, pipe._decode
+
+    def spy_prepare(index, *args):
+        events.append(("load", index))
+        return prepare(index, *args)
+
+    def spy_decode(entry, *args):
+        events.append(("decode", entry.result.source))
+        return decode_one(entry, *args)
+
+    monkeypatch.setattr(pipe, "_prepare", spy_prepare)
+    monkeypatch.setattr(pipe, "_decode", spy_decode)
+    stream = pipe.stream(items, max_new_tokens=4, batch_size=2)
+    first = next(stream)  # the first group is loaded; its items are decoded (and yielded) one by one
+    assert events == [("load", 0), ("load", 1), ("decode", str(items[0]))]
+    rest = list(stream)
+    assert [e[0] for e in events] == ["load", "load", "decode", "decode", "load", "load", "decode",
+                                        "load", "decode"]  # bad.png: loaded, never decoded
+    batched = [first] + rest
+    single = pipe(items, max_new_tokens=4, batch_size=1)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    assert [r.ok for r in batched] == [True, True, False, True, True]
+
+
+def test_video_frame_sampling_options(saved, media):
+    model, processor = llava()
+    pipe = CaptionPipeline(model, processor=processor)
+    by_rate = pipe(media / "clip.avi", max_new_tokens=2, fps=2.5)[0]  # 6 frames at 5 fps → 0, 2, 4
+    assert by_rate.ok and by_rate.num_frames == 3
+    assert pipe(media / "clip.avi", max_new_tokens=2)[0].num_frames == 6  # default 8 → all 6
+    with pytest.raises(ValueError, match="at most one of num_frames or fps"):
+        pipe.stream(media / "clip.avi", num_frames=2, fps=1.0)  # raised at the call, not on iteration
+
+
+def test_raise_errors_reraises(media):
+    model, processor = llava()
+    pipe = CaptionPipeline(model, processor=processor)
+    with pytest.raises(ValueError, match="cannot read image"):
+        pipe([media / "a.png", media / "bad.png"], max_new_tokens=2, raise_errors=True)
+    result = pipe(media / "bad.png", max_new_tokens=2)
+    assert isinstance(result, list) and len(result) == 1 and isinstance(result[0], CaptionResult)
+
+
+class StubVideoProcessor:
+    """Stands in for a torchvision-backed video processor: resizes frames to the tile, [-1, 1]."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, videos, **kwargs):
+        self.calls.append((videos, kwargs))
+        stacks = [np.stack([np.asarray(Image.fromarray(f).resize((CLIP_SIDE, CLIP_SIDE))) for f in v]) for v in videos]
+        pixels = torch.from_numpy(np.stack(stacks)).permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
+        from transformers import BatchFeature
+        return BatchFeature({"pixel_values_videos": pixels})  # [V, F, 3, H, W]
+
+
+def test_video_models_get_the_processors_video_input(media):
+    model, processor = tiny_llava("llava_onevision")
+    pipe = CaptionPipeline(model, drafter="prompt_lookup", processor=processor)
+    assert not pipe.video_input  # no video processor: frames go in as images
+    as_images = pipe(media / "clip.avi", max_new_tokens=4, num_frames=2)[0]
+    assert as_images.ok
+    processor.video_processor = stub = StubVideoProcessor()
+    pipe = CaptionPipeline(model, drafter="prompt_lookup", processor=processor)
+    assert pipe.video_input
+    result = pipe(media / "clip.avi", max_new_tokens=MAX_NEW, num_frames=3)[0]
+    assert result.ok, result.error
+    (videos, kwargs), = stub.calls
+    frames = load_video(media / "clip.avi", num_frames=3).frames
+    assert len(videos) == 1 and np.array_equal(np.asarray(videos[0]), frames)
+    assert kwargs["do_sample_frames"] is False and kwargs["video_metadata"][0].frames_indices == [1, 3, 5]
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": "<video>\n" + VIDEO_PROMPT}],
+                                                   tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=text, videos=[frames], return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    assert result.token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+TYPED_TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}: {% for part in m['content'] %}"
+                  "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}"
+                  "{% endif %}{% endfor %} {% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def test_chat_prompt_forms():
+    _, processor = llava()
+    typed = copy.deepcopy(processor)
+    typed.chat_template = TYPED_TEMPLATE
+    assert chat_prompt(typed, "Say.", images=2) == "USER: <image><image>Say. ASSISTANT:"
+    # a text-only template (SmolLM2's, via the tokenizer) gets the placeholders inlined
+    inline = chat_prompt(processor, "Say.", images=3)
+    assert inline.count("<image>") == 3 and inline.endswith("<|im_start|>assistant\n")
+    assert "<image>\n<image>\n<image>\nSay.<|im_end|>" in inline
+    bare = copy.deepcopy(processor)
+    bare.tokenizer.chat_template = None
+    assert chat_prompt(bare, "Say.", images=1) == "USER: <image>\nSay. ASSISTANT:"
+    with pytest.raises(ValueError, match="no video_token"):
+        chat_prompt(processor, "Say.", videos=1)
+
+
+def test_drafter_and_model_errors(tmp_path, media):
+    model, processor = llava()
+    with pytest.raises(ValueError, match="registered drafter name"):
+        resolve_drafter("no_such_drafter")
+    with pytest.raises(ValueError, match="flash_config.json"):
+        resolve_drafter(str(tmp_path))
+    with pytest.raises(ValueError, match="needs its processor"):
+        CaptionPipeline(model)
+    with pytest.raises(TypeError, match="unknown option"):
+        CaptionPipeline(model, processor=processor, max_draft_tokenz=3)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path / "text_lm")
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        CaptionPipeline(tmp_path / "text_lm")
+
+
+def test_expand_paths(media, tmp_path):
+    nested = tmp_path / "set" / "sub"
+    nested.mkdir(parents=True)
+    random_image(0).save(nested / "z.png")
+    (tmp_path / "set" / ".hidden.png").write_bytes(b"x")
+    (tmp_path / "set" / "readme.md").write_text("x")
+    listed = expand_paths([media, tmp_path / "set", media / "a.png", media / "notes.txt"])
+    names = [p.split("/")[-1] for p in listed]
+    assert names == ["a.png", "b.jpg", "bad.png", "clip.avi", "z.png", "notes.txt"]
