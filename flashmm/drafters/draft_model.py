@@ -19,14 +19,16 @@ class DraftModel(Drafter):
     Shape: a chain, or with ``tree_width`` > 1 a "sibling tree": every node on the main chain
     also gets ``tree_width - 1`` alternative children (top-k when greedy — deterministic; i.i.d.
     samples from q when sampling — verified with q by the multi-round rule).
-    Length: AdaptiveDraftLength picks the budget; drafting also stops early when the draft's top
-    probability falls below ``confidence`` (greedy only).
+    Length: ``length`` (AdaptiveDraftLength; give one with the draft model's cost folded into
+    step_cost/token_cost) picks the depth; drafting also stops early when the draft's top
+    probability falls below ``confidence`` (greedy only). ``adaptive=False`` always drafts
+    ``max_draft_tokens``.
     """
 
     name = "draft_model"
 
     def __init__(self, model: torch.nn.Module, max_draft_tokens: int = 8, tree_width: int = 1,
-                 confidence: float = 0.0, cost_per_token: float = 0.1, adaptive: bool = True):
+                 confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None):
         if tree_width < 1:
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         self.model = model
@@ -34,7 +36,7 @@ class DraftModel(Drafter):
         self.tree_width = tree_width
         self.confidence = confidence
         self.adaptive = adaptive
-        self.length = AdaptiveDraftLength(cost_per_token=cost_per_token)
+        self.length = length or AdaptiveDraftLength()
         self._cache = None
         self._cached_ids: list[int] = []
         self._last_depth = 0
