@@ -33,14 +33,24 @@ def machine() -> dict:
 
 
 def timed(fn):
-    """(result, seconds) of fn(), synchronising CUDA around it."""
+    """(result, wall seconds) of fn(), synchronising CUDA around it."""
+    out, wall, _ = timed_with_cpu(fn)
+    return out, wall
+
+
+def timed_with_cpu(fn):
+    """(result, wall seconds, CPU seconds of this process) of fn(), synchronising CUDA around it.
+
+    On a shared CPU machine the process's CPU time is far less disturbed by other load than
+    wall time (with one torch thread it equals wall time on an idle machine); report both.
+    """
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, time.process_time() - c0
 
 
 def median(xs):
