@@ -157,6 +157,19 @@ def tiny_llava(kind: str = "llava", seed: int = 0):
 
 
 # ----------------------------------------------------------------------------------- Qwen-VL family
+@functools.lru_cache(maxsize=None)
+def cached_tiny_llava():
+    """One shared tiny LLaVA-1.5 (model, processor) per test session."""
+    return tiny_llava("llava")
+
+
+def save_model_dir(folder, model, processor):
+    """Write model + processor as a hub-style directory (save_pretrained); returns folder."""
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
 def tiny_qwen_vl(kind: str = "qwen2_vl", seed: int = 0):
     """(model, processor) for kind in QWEN_KINDS: M-RoPE text model, 2-block vision tower."""
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,

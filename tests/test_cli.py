@@ -2,7 +2,6 @@
 that skip done paths, recovery from an interrupted run (partial JSONL, cut last line)."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 
@@ -13,7 +12,7 @@ from flashmm import cli
 from flashmm.pipelines import CaptionPipeline
 from flashmm.vision import load_image, save_video
 
-from mm_models import random_image, random_video, tiny_llava
+from mm_models import cached_tiny_llava, random_image, random_video, save_model_dir
 
 if os.environ.get("OMP_NUM_THREADS") == "1":
     torch.set_num_threads(1)  # conftest asks for 2; on a shared CPU one is several times faster
@@ -21,18 +20,12 @@ if os.environ.get("OMP_NUM_THREADS") == "1":
 MAX_NEW = 6
 
 
-@functools.lru_cache(maxsize=None)
-def llava():
-    return tiny_llava("llava")
+llava = cached_tiny_llava
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    model, processor = llava()
-    folder = tmp_path_factory.mktemp("llava")
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    return str(folder)
+    return str(save_model_dir(tmp_path_factory.mktemp("llava"), *llava()))
 
 
 @pytest.fixture

@@ -13,18 +13,10 @@ if not torch.cuda.is_available():
 
 from flashmm.kernels.attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
 from flashmm.tree import TokenTree  # noqa: E402
+from tree_shapes import make_tree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-
-
-def make_tree(kind: str, n: int, gen: torch.Generator) -> TokenTree:
-    if kind == "chain":
-        return TokenTree.chain(n - 1)
-    if kind == "star":
-        return TokenTree.from_parents([-1] + [0] * (n - 1))
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    return TokenTree.from_parents(parents)
 
 
 def make_inputs(bsz, hkv, group, n, prefix, d, dtype, gen, hf_layout=False):

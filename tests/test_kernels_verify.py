@@ -18,17 +18,9 @@ from flashmm.kernels.verification import (  # noqa: E402
 )
 from flashmm.tree import TokenTree  # noqa: E402
 from flashmm.verify import draw_uniforms, verify_chain, verify_greedy, verify_tree  # noqa: E402
+from tree_shapes import make_tree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def make_tree(kind: str, n: int, gen: torch.Generator) -> TokenTree:
-    if kind == "chain":
-        return TokenTree.chain(n - 1)
-    if kind == "star":
-        return TokenTree.from_parents([-1] + [0] * (n - 1))
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    return TokenTree.from_parents(parents)
 
 
 def poisoned_out(bsz: int, tree: TokenTree):

@@ -17,7 +17,7 @@ from flashmm.drafters import FlashDrafter, PromptLookup
 from flashmm.pipelines import CaptionPipeline, CaptionResult, chat_prompt, expand_paths, resolve_drafter
 from flashmm.vision import load_image, load_video, save_video
 
-from mm_models import CLIP_SIDE, random_image, random_video, tiny_llava
+from mm_models import CLIP_SIDE, cached_tiny_llava, random_image, random_video, save_model_dir, tiny_llava
 
 if os.environ.get("OMP_NUM_THREADS") == "1":
     torch.set_num_threads(1)  # conftest asks for 2; on a shared CPU one is several times faster
@@ -26,19 +26,13 @@ MAX_NEW = 10
 IMAGE_PROMPT, VIDEO_PROMPT = "Describe the image.", "Describe the video."
 
 
-@functools.lru_cache(maxsize=None)
-def llava():
-    return tiny_llava("llava")
+llava = cached_tiny_llava
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A directory written by save_pretrained (model + processor)."""
-    model, processor = llava()
-    folder = tmp_path_factory.mktemp("llava")
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    return folder
+    return save_model_dir(tmp_path_factory.mktemp("llava"), *llava())
 
 
 @pytest.fixture(scope="module")
