@@ -65,19 +65,21 @@ class SpeculativeModel:
                 "(flashmm.CaptionPipeline does this for you)")
 
         rows, stats = [], GenerationStats()
-        for b in range(input_ids.shape[0]):
-            ids, mask = input_ids[b : b + 1], None
-            if attention_mask is not None:
-                keep = attention_mask[b].bool()
-                if not bool(keep.any()):
-                    raise ValueError(f"row {b} of attention_mask is all zeros (empty prompt)")
-                ids = ids[:, keep]  # drop padding: each row runs exactly as if alone
-            new, row_stats = generate_one(self.target, self.drafter, ids, max_new_tokens=max_new_tokens,
-                                          sampling=sampling, spec=self.spec, eos_token_ids=eos_ids,
-                                          generator=generator, model_inputs=model_inputs)
-            rows.append(new)
-            stats.merge(row_stats)
-        self.target.release()
+        try:
+            for b in range(input_ids.shape[0]):
+                ids = input_ids[b : b + 1]
+                if attention_mask is not None:
+                    keep = attention_mask[b].bool()
+                    if not bool(keep.any()):
+                        raise ValueError(f"row {b} of attention_mask is all zeros (empty prompt)")
+                    ids = ids[:, keep]  # drop padding: each row runs exactly as if alone
+                new, row_stats = generate_one(self.target, self.drafter, ids, max_new_tokens=max_new_tokens,
+                                              sampling=sampling, spec=self.spec, eos_token_ids=eos_ids,
+                                              generator=generator, model_inputs=model_inputs)
+                rows.append(new)
+                stats.merge(row_stats)
+        finally:
+            self.target.release()  # frees the cache; restores the model's attention implementation
         self.last_stats = stats
         width = max(len(r) for r in rows)
         out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + width), pad_token_id)
