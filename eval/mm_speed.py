@@ -281,7 +281,7 @@ def render_markdown(summary: dict, names: list[str], prefill: dict | None, info:
                          f"{m['exact_rate']:.0%}", m["decode_speedup"], m.get("bound", "-"),
                          s["t1_ms"] if name == "plain" else "", m.get("verify_ms", "-"), m.get("draft_ms", "-"),
                          m.get("drafted_per_step", "-")])
-    md = [f"# Multimodal speed: reference LMM, greedy\n", f"Machine: {info}\n", f"Command: `{command}`\n",
+    md = ["# Multimodal speed: reference LMM, greedy\n", f"Machine: {info}\n", f"Command: `{command}`\n",
           "speedup = tokens/s of the method / tokens/s of plain `model.generate` (end to end, prefill included), "
           "same run, interleaved per item; median = median per-item speedup; τ = tokens per verification "
           "forward (bonus included); exact = output identical to plain greedy; decode speedup = the same ratio "
@@ -347,7 +347,8 @@ def main(argv=None):
     ap.add_argument("--first-seed", type=int, default=0, help="benchmark seeds first_seed .. (keep < 1000)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prefill-repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: two OpenMP threads stall each other on a shared, loaded CPU)")
     ap.add_argument("--out", default="eval/results/mm_speed_reference")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
