@@ -298,9 +298,33 @@ def test_untrained_default_is_built_at_bind(text_target):
     assert torch.equal(sm.generate(ids, max_new_tokens=6), text_target.generate(ids, max_new_tokens=6, do_sample=False))
 
 
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_draft_vocab_is_lossless_and_only_drafts_its_tokens(text_target, k):
+    """A head restricted to a token subset drafts only those tokens, scores them exactly as the full
+    head does, and the output stays identical to the target's own greedy generate."""
+    vocab = list(range(0, 128, 3))
+    full, sub = drafter_for(text_target, k), drafter_for(text_target, k, draft_vocab=vocab[::-1] + [0])
+    assert sub.draft_vocab == vocab  # sorted, deduplicated
+    drafts = []
+    original = sub.propose
+    sub.propose = lambda *a, **kw: drafts.append(original(*a, **kw)) or drafts[-1]
+    ids = prompt(14, 4 + k)
+    out = flashmm.wrap(text_target, sub).generate(ids, max_new_tokens=MAX_NEW)
+    assert torch.equal(out, text_target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False))
+    assert drafts and all(set(d.tokens[0, 1:].tolist()) <= set(vocab) for d in drafts)
+    # the restricted head's rows are the full head's rows
+    flashmm.wrap(text_target, full).generate(ids, max_new_tokens=1)
+    rows = torch.tensor(vocab)
+    assert torch.equal(sub._head.weight, full._head.weight[rows])
+    with pytest.raises(ValueError, match="vocabulary has 128 tokens"):
+        flashmm.wrap(text_target, drafter_for(text_target, k, draft_vocab=[1, 500]))
+
+
 @pytest.mark.parametrize("bad, match", [(dict(compression="zip"), "compression"), (dict(tree="bushy"), "tree"),
                                         (dict(tree=[[0], []]), "non-empty"), (dict(depth=0), "depth"),
-                                        (dict(top_k=0), "top_k")])
+                                        (dict(top_k=0), "top_k"), (dict(draft_vocab=[]), "draft_vocab"),
+                                        (dict(draft_vocab=[-1, 2]), "draft_vocab")])
 def test_option_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         FlashDrafter(None, **bad)

@@ -61,6 +61,10 @@ class FlashDrafter(Drafter):
     top_k:        most children per node ("dynamic").
     max_nodes:    extra cap on drafted tokens per step (None: the engine's budget).
     min_path_prob: "dynamic" stops adding nodes whose cumulative probability is below this.
+    draft_vocab:  token ids the drafter may propose (None: the whole vocabulary). The draft head
+                  then scores only these rows of the target's LM head: K x |draft_vocab| instead
+                  of K x V multiply-adds per pass. Lossless whatever the subset (verification is
+                  exact and children are deterministic); tokens outside it are never drafted.
     """
 
     name = "flash"
@@ -68,7 +72,8 @@ class FlashDrafter(Drafter):
 
     def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, compression: str = "learned",
                  tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
-                 max_nodes: int | None = None, min_path_prob: float = 0.0):
+                 max_nodes: int | None = None, min_path_prob: float = 0.0,
+                 draft_vocab: Sequence[int] | None = None):
         if isinstance(net, (str, os.PathLike)):
             net = FlashDrafter.from_pretrained(net).net
         if net is not None and not isinstance(net, FlashNet):
@@ -87,10 +92,16 @@ class FlashDrafter(Drafter):
             raise ValueError(f"depth must be >= 1, got {depth}")
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if draft_vocab is not None:
+            draft_vocab = sorted({int(t) for t in draft_vocab})
+            if not draft_vocab or draft_vocab[0] < 0:
+                raise ValueError("draft_vocab must be a non-empty list of non-negative token ids (or None)")
         self.net = net
         self.compression, self.tree, self.depth, self.top_k = compression, tree, depth, top_k
         self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
+        self.draft_vocab = draft_vocab
         self._head = self._embed = None
+        self._vocab = None                     # LongTensor [V'] of draft_vocab on the head's device
         self._reset_sequence()
 
     # ------------------------------------------------------------------ construction / persistence
@@ -109,7 +120,7 @@ class FlashDrafter(Drafter):
 
     def drafting_options(self) -> dict:
         return dict(compression=self.compression, tree=self.tree, depth=self.depth, top_k=self.top_k,
-                    max_nodes=self.max_nodes, min_path_prob=self.min_path_prob)
+                    max_nodes=self.max_nodes, min_path_prob=self.min_path_prob, draft_vocab=self.draft_vocab)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write flash_config.json (sizes + drafting options) and flash_model.safetensors."""
@@ -156,7 +167,19 @@ class FlashDrafter(Drafter):
                 f"{target.vocab_size}; use a drafter trained for this model (FlashDrafter.from_target(model) "
                 "builds an untrained one, `python -m flashmm.train flash` trains it)")
         self.net = self.net.to(head.weight.device).eval()
-        self._head, self._embed = head, target.input_embeddings()
+        self._head, self._embed, self._vocab = head, target.input_embeddings(), None
+        if self.draft_vocab is not None:
+            if self.draft_vocab[-1] >= target.vocab_size:
+                raise ValueError(f"draft_vocab holds token id {self.draft_vocab[-1]} but the target's vocabulary "
+                                 f"has {target.vocab_size} tokens")
+            self._vocab = torch.tensor(self.draft_vocab, device=head.weight.device)
+            sub = torch.nn.Linear(head.in_features, len(self.draft_vocab), bias=head.bias is not None,
+                                  device=head.weight.device, dtype=head.weight.dtype)
+            with torch.no_grad():
+                sub.weight.copy_(head.weight[self._vocab])
+                if head.bias is not None:
+                    sub.bias.copy_(head.bias[self._vocab])
+            self._head = sub.requires_grad_(False)
 
     def _reset_sequence(self) -> None:
         self._past = None                      # (keys, values) [1, Hkv, U, hd] of committed units
@@ -209,13 +232,15 @@ class FlashDrafter(Drafter):
 
     # ------------------------------------------------------------------ internals
     def _run(self, units: torch.Tensor, past):
-        """units [1, T, d] after ``past`` (U units) → (predicted features [1, T, K, d], new past)."""
+        """units [1, T, d] after ``past`` (U units) → (predicted features [1, 1, K, d] at the last
+        unit, new past). Every caller reads the last unit only, so the SAR head runs there alone."""
         start = 0 if past is None else past[0].shape[2]
         length = units.shape[1]
         positions = torch.arange(start, start + length, device=units.device)
         mask = torch.ones(length, start + length, dtype=torch.bool, device=units.device)
         mask[:, start:] = torch.tril(mask[:, start:])
-        return self.net(units, positions, mask[None, None], past)
+        out, present = self.net.block(units, positions, mask[None, None], past)
+        return self.net.predict(out[:, -1:]), present
 
     def _next_embeds(self, committed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Input embeddings of x_{t+1} for text positions t [P] → [P, d] (prompt rows merged)."""
@@ -242,8 +267,13 @@ class FlashDrafter(Drafter):
         self._next_pos = root
         return predicted[0, -1]
 
+    def _token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft head's rows → token ids (identity without draft_vocab)."""
+        return index if self._vocab is None else self._vocab[index]
+
     def _draft_distributions(self, predicted: torch.Tensor, depth: int) -> torch.Tensor:
-        """Draft probabilities [depth, V] for depths 1..depth after the root (float32)."""
+        """Draft probabilities [depth, V'] for depths 1..depth after the root (float32; V' =
+        len(draft_vocab) or V, indexed by draft-head row)."""
         k = self.net.tokens_per_step
         softcap = self.net.cfg.final_logit_softcapping
         feats = [predicted]
@@ -251,7 +281,7 @@ class FlashDrafter(Drafter):
         past, have = self._past, k
         while have < depth:
             # feed the last K predicted features with the top-1 tokens they predict as units
-            tokens = probs[-1].argmax(-1)                                      # [K]
+            tokens = self._token_ids(probs[-1].argmax(-1))                     # [K]
             units = self.net.text_units(self._embed(tokens[None])[0], feats[-1])
             predicted, past = self._run(units[None], past)
             feats.append(predicted[0, -1])
@@ -279,6 +309,7 @@ class FlashDrafter(Drafter):
         kind, depth, arg = shape
         width = min(dists.shape[-1], self.top_k if kind == "dynamic" else 1 + max(max(p) for p in arg))
         top_p, top_ids = dists.topk(width, dim=-1)                              # [depth, W]
+        top_ids = self._token_ids(top_ids)
         paths = arg if kind == "static" else self._best_first(top_p.tolist(), depth, arg)
         if not paths:
             return root_only(committed)
