@@ -172,6 +172,43 @@ def test_subsampled_cross_entropy_is_unbiased():
     assert len({round(float(d["ce_loss"]), 6) for d in draws}) > 10  # really subsampled
 
 
+
+@pytest.mark.parametrize("slot_decay", [1.0, 0.5])
+def test_objective_matches_a_per_unit_brute_force(slot_decay):
+    """Loss terms == a float64 loop over every (text unit t, slot i) with a target inside the answer,
+    predictions from the full network forward of each record alone, slot i weighted decay**i."""
+    import torch.nn.functional as F
+
+    from flashmm.drafters.flash_modules import build_units
+
+    model = tiny_lm("llama", seed=6)
+    features = record_features(model, None, text_records(3, offset=20), max_new_tokens=9)
+    drafter = FlashDrafter.from_target(model, num_queries=4, tokens_per_step=3, seed=6)
+    head = model.get_output_embeddings().weight
+    net = drafter.net
+    out = FlashObjective(net, ce_weight=1.0, feature_noise=0.0, slot_decay=slot_decay).eval()(features, head)
+    feat_sum = ce_sum = weight_sum = 0.0
+    with torch.no_grad():
+        for rec in features:
+            f, length = rec.hidden_states.double(), rec.hidden_states.shape[0]
+            units, text_pos = build_units(net, rec.hidden_states, rec.input_embeds, length - 1, rec.visual_spans,
+                                          "learned", None)
+            preds, _ = net(units[None], torch.arange(units.shape[0]), None)
+            for u, t in enumerate(text_pos.tolist()):
+                for i in range(net.tokens_per_step):
+                    j = t + 1 + i
+                    if t < 0 or not rec.prompt_len <= j < length:
+                        continue
+                    w = slot_decay ** i
+                    p = preds[0, u, i].double()
+                    feat_sum += w * float(F.smooth_l1_loss(p, f[j]))
+                    ce_sum += w * float(-((head.double() @ f[j]).softmax(-1) * (head.double() @ p).log_softmax(-1)).sum())
+                    weight_sum += w
+    assert out["feature_loss"].item() == pytest.approx(feat_sum / weight_sum, rel=1e-4)
+    assert out["ce_loss"].item() == pytest.approx(ce_sum / weight_sum, rel=1e-4)
+    with pytest.raises(ValueError, match="slot_decay"):
+        FlashObjective(net, slot_decay=0.0)
+
 # ----------------------------------------------------------------------------------- data and media
 def test_read_jsonl_resolves_paths_and_names_bad_lines(tmp_path):
     good = tmp_path / "a.jsonl"

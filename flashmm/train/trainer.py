@@ -4,6 +4,7 @@
 Loss per sample, over text units t and SAR slots i (f̂_{t+1+i} predicted at unit t), for target
 positions j = t+1+i inside the answer (prompt_len <= j < L):
     SmoothL1(f̂_j, f_j)  +  ce_weight · H(softmax(head(f_j)), softmax(head(f̂_j)))
+(terms of SAR slot i weighted slot_decay**i, normalised)
 with the target's frozen LM head; input features get uniform noise U(-a, a)·rms(f_t)
 (a = ``feature_noise``); AdamW (β = 0.9, 0.95), gradient clipping, linear warmup then linear
 decay to 10 % of ``lr``. Checkpoints: ``out_dir/checkpoints/epoch-NNNN`` (accelerate state:
@@ -36,12 +37,15 @@ class FlashObjective(nn.Module):
     """Wraps the FlashNet so one ``forward`` computes the training loss (DDP needs a forward)."""
 
     def __init__(self, net: FlashNet, compression: str = "learned", ce_weight: float = 0.1,
-                 feature_noise: float = 0.1, ce_max_rows: int | None = None):
+                 feature_noise: float = 0.1, ce_max_rows: int | None = None, slot_decay: float = 1.0):
         super().__init__()
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
         if ce_max_rows is not None and ce_max_rows < 1:
             raise ValueError(f"ce_max_rows must be >= 1 or None, got {ce_max_rows}")
+        if not 0 < slot_decay <= 1:
+            raise ValueError(f"slot_decay must be in (0, 1], got {slot_decay}")
+        self.slot_decay = slot_decay
         self.net, self.compression = net, compression
         self.ce_weight, self.feature_noise, self.ce_max_rows = ce_weight, feature_noise, ce_max_rows
 
@@ -76,25 +80,32 @@ class FlashObjective(nn.Module):
             key_ok[b, : u.shape[0]] = True
         causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
         mask = (causal[None] & key_ok[:, None, :])[:, None]                              # [B, 1, U, U]
-        preds, _ = net(padded, torch.arange(width, device=device), mask)                  # [B, U, K, d]
+        outputs, _ = net.block(padded, torch.arange(width, device=device), mask)         # [B, U, d]
         index = torch.cat(preds_index).to(device)
         target = torch.cat(targets)                                                       # [M, d]
         if index.shape[0] == 0:
-            zero = preds.sum() * 0.0
+            zero = outputs.sum() * 0.0
             return dict(loss=zero, feature_loss=zero, ce_loss=zero, accuracy=torch.zeros(k), count=0)
-        pred = preds[index[:, 0], index[:, 1], index[:, 2]].float()                       # [M, d]
-        feature_loss = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+        # the SAR head runs only on units that have a target (prompt units have none)
+        has_target = torch.zeros(len(units), width, dtype=torch.bool, device=device)
+        has_target[index[:, 0], index[:, 1]] = True
+        row = has_target.flatten().cumsum(0).view(len(units), width) - 1                  # unit -> predicted row
+        preds = net.predict(outputs[has_target])                                          # [Nu, K, d]
+        pred = preds[row[index[:, 0], index[:, 1]], index[:, 2]].float()                  # [M, d]
+        weight_of = self.slot_decay ** index[:, 2].float()                                # [M]
+        feature_loss = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * weight_of).sum() / weight_of.sum()
         if self.training and self.ce_max_rows is not None and pred.shape[0] > self.ce_max_rows:
             # the head costs M x V: estimate the cross-entropy mean on a random subset of rows
             rows = torch.randperm(pred.shape[0], device=device)[: self.ce_max_rows]
-            pred, target, index = pred[rows], target[rows], index[rows]
+            pred, target, index, weight_of = pred[rows], target[rows], index[rows], weight_of[rows]
         softcap = net.cfg.final_logit_softcapping
         weight = head_weight.detach()
         bias = head_bias.detach() if head_bias is not None else None
         with torch.no_grad():
             target_logits = _logits(target, weight, bias, softcap)
         pred_logits = _logits(pred, weight, bias, softcap)
-        ce_loss = -(target_logits.softmax(-1) * pred_logits.log_softmax(-1)).sum(-1).mean()
+        ce_rows = -(target_logits.softmax(-1) * pred_logits.log_softmax(-1)).sum(-1)
+        ce_loss = (ce_rows * weight_of).sum() / weight_of.sum()
         with torch.no_grad():
             hit = (pred_logits.argmax(-1) == target_logits.argmax(-1)).float()
             slots = index[:, 2]
@@ -147,7 +158,7 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
                 batch_size: int = 4, max_new_tokens: int = 64, num_queries: int = 64, tokens_per_step: int = 5,
                 compression: str = "learned", ce_weight: float = 0.1, feature_noise: float = 0.1,
                 weight_decay: float = 0.0, grad_clip: float = 0.5, warmup_steps: int = 0,
-                ce_max_rows: int | None = None, seed: int = 0,
+                ce_max_rows: int | None = None, slot_decay: float = 1.0, seed: int = 0,
                 resume: bool = False, num_frames: int | None = None, fps: float | None = None,
                 build_inputs: Callable | None = None, progress: bool = True, accelerator=None) -> TrainResult:
     """Train a FLASH drafter for ``model`` by self-distillation.
@@ -158,6 +169,8 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
     resume: restart from the latest ``out_dir/checkpoints/epoch-*``.
     ce_max_rows: estimate the cross-entropy term on at most this many random (position, slot)
     rows per batch (the LM head costs rows x vocabulary; large vocabularies on CPU).
+    slot_decay: weight the SAR slot i's loss terms by slot_decay**i (1: all slots alike; < 1
+    favours the early slots, which every accepted draft goes through).
     """
     from accelerate import Accelerator  # noqa: PLC0415
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, set_seed  # noqa: PLC0415
@@ -183,7 +196,8 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
     if drafter is None:
         drafter = FlashDrafter.from_target(model, num_queries=num_queries, tokens_per_step=tokens_per_step,
                                            seed=seed, compression=compression)
-    objective = FlashObjective(drafter.net.float(), compression, ce_weight, feature_noise, ce_max_rows).train()
+    objective = FlashObjective(drafter.net.float(), compression, ce_weight, feature_noise, ce_max_rows,
+                               slot_decay).train()
     loader = torch.utils.data.DataLoader(FeatureDataset(features), batch_size=batch_size, shuffle=True,
                                          collate_fn=collate_records,
                                          generator=torch.Generator().manual_seed(seed))
