@@ -164,13 +164,16 @@ def resolve_drafter(drafter, device=None) -> Drafter | None:
                      f"{drafter_names()}")
 
 
-def chat_prompt(processor, text: str, images: int = 0, videos: int = 0) -> str:
+def chat_prompt(processor, text: str, images: int = 0, videos: int = 0, frame_labels: bool = False) -> str:
     """The prompt text with one image placeholder per image and one video placeholder per video.
 
     Tries, in order: the processor's chat template with typed content parts (what real
     LLaVA / Qwen-VL processors ship); a chat template (processor's, else tokenizer's) with the
     placeholders inlined in string content; the LLaVA-1.5 format ``USER: <image>\\n... ASSISTANT:``.
     The first rendering holding exactly the right placeholder counts is used.
+    frame_labels: the images are a video's frames given as images: each placeholder is written
+    as "Frame i: <image>" on its own line (a small LM reads labelled frames far more reliably
+    than a bare run of placeholders).
     """
     image_token = getattr(processor, "image_token", None)
     video_token = getattr(processor, "video_token", None)
@@ -184,10 +187,17 @@ def chat_prompt(processor, text: str, images: int = 0, videos: int = 0) -> str:
                 and (image_token is None or rendered.count(image_token) == images)
                 and (video_token is None or rendered.count(video_token) == videos))
 
-    inline = (image_token + "\n") * images + ((video_token or "") + "\n") * videos + text
+    if frame_labels:
+        inline = "".join(f"Frame {i + 1}: {image_token}\n" for i in range(images))
+        image_parts = [part for i in range(images) for part in (
+            {"type": "text", "text": f"Frame {i + 1}: "}, {"type": "image"}, {"type": "text", "text": "\n"})]
+    else:
+        inline = (image_token + "\n") * images
+        image_parts = [{"type": "image"}] * images
+    inline += ((video_token or "") + "\n") * videos + text
     candidates = []
     if getattr(processor, "chat_template", None):
-        parts = [{"type": "image"}] * images + [{"type": "video"}] * videos + [{"type": "text", "text": text}]
+        parts = image_parts + [{"type": "video"}] * videos + [{"type": "text", "text": text}]
         candidates.append(lambda: processor.apply_chat_template(
             [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False))
         candidates.append(lambda: processor.apply_chat_template(
@@ -354,7 +364,7 @@ class CaptionPipeline:
             out = self.processor(text=text, videos=[media.frames], video_metadata=[_video_metadata(media)],
                                  do_sample_frames=False, **self._text_kwargs(text))
         else:  # no video path: the frames as images, one placeholder each
-            text = chat_prompt(self.processor, prompt, images=len(media))
+            text = chat_prompt(self.processor, prompt, images=len(media), frame_labels=True)
             out = self.processor(text=text, images=media.images(), **self._text_kwargs(text))
         device, dtype = self.model.device, self.model.dtype
         return {k: (v.to(device, dtype) if k.startswith("pixel_values") and v.is_floating_point() else v.to(device))

@@ -243,6 +243,10 @@ def test_chat_prompt_forms():
     inline = chat_prompt(processor, "Say.", images=3)
     assert inline.count("<image>") == 3 and inline.endswith("<|im_start|>assistant\n")
     assert "<image>\n<image>\n<image>\nSay.<|im_end|>" in inline
+    framed = chat_prompt(processor, "Say.", images=2, frame_labels=True)
+    assert "Frame 1: <image>\nFrame 2: <image>\nSay.<|im_end|>" in framed
+    assert chat_prompt(typed, "Say.", images=2, frame_labels=True) == \
+        "USER: Frame 1: <image>\nFrame 2: <image>\nSay. ASSISTANT:"
     bare = copy.deepcopy(processor)
     bare.tokenizer.chat_template = None
     assert chat_prompt(bare, "Say.", images=1) == "USER: <image>\nSay. ASSISTANT:"
