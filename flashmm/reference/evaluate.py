@@ -25,17 +25,20 @@ VIDEO_PROMPT = "What is in the video?"
 
 
 def chat_text(processor, num_images: int, question: str) -> str:
-    """The chat-formatted prompt with ``num_images`` image placeholders, then the question."""
-    content = [{"type": "image"} for _ in range(num_images)]
-    content.append({"type": "text", "text": "\n" + question})
-    return processor.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True)
+    """The chat prompt CaptionPipeline writes: one image, or a video's frames as labelled images
+    ('Frame 1: <image>' ...; 6/8 vs 0-3/8 held-out clips named in a probe against a bare run)."""
+    from ..pipelines import chat_prompt  # noqa: PLC0415
+
+    return chat_prompt(processor, question, images=num_images, frame_labels=num_images > 1)
 
 
 @torch.no_grad()
-def caption(model, processor, images, question: str = IMAGE_PROMPT, max_new_tokens: int = 24) -> str:
-    """Greedy answer of ``model`` to ``question`` about ``images`` (one image or a video's frames)."""
+def caption(model, processor, images, question: str | None = None, max_new_tokens: int = 24) -> str:
+    """Greedy answer of ``model`` to ``question`` about ``images`` (one image, or a video's
+    frames as a list); the default question is IMAGE_PROMPT or VIDEO_PROMPT."""
     images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if question is None:
+        question = IMAGE_PROMPT if len(images) == 1 else VIDEO_PROMPT
     inputs = processor(images=images, text=chat_text(processor, len(images), question),
                        return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)

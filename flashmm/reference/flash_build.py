@@ -16,9 +16,9 @@ training text; ``record_batched`` decodes 16 prompts at a time and records the s
 FeatureRecords as ``flashmm.train.record_features``, cached under ``--work``), then
 ``flashmm.train.train_flash`` trains the drafter. The weights are stored in float16 (half the
 bytes; ``FlashDrafter.from_pretrained`` loads them back into float32 parameters; drafter
-precision never affects losslessness, which verification guarantees). ``draft_vocab.json``
-beside them lists the token ids worth drafting (every token of the recorded answers + the 4096
-lowest ids), for a draft head restricted to those rows.
+precision never affects losslessness, which verification guarantees). The saved drafting
+options include ``draft_vocab``: the token ids worth drafting (every token of the recorded
+answers + the 4096 lowest ids), so the draft head scores those rows only.
 
 Bit-for-bit reproducible from ``--seed`` on one machine type: the item stream is a function of
 the seed, torch runs deterministic algorithms with a fixed thread count (``--threads``).
@@ -42,7 +42,6 @@ from .scenes import COLOURS, SHAPES, make_scene, make_video
 
 TRAIN_SEED_BASE = 10_000   # training items use seeds >= this; benchmark items use seeds < 1000
 BUILD_INFO_FILE = "flash_build_info.json"
-DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 TASKS = ("image", "video", "vqa")
 CAPTION_PROMPTS = {"image": "Describe the image.", "video": "Describe the video."}
@@ -100,7 +99,7 @@ def item_inputs(processor, images: list, prompt: str) -> dict:
     ``flashmm.CaptionPipeline`` formats it (chat template, one placeholder per image/frame)."""
     from ..pipelines import chat_prompt  # noqa: PLC0415
 
-    text = chat_prompt(processor, prompt, images=len(images))
+    text = chat_prompt(processor, prompt, images=len(images), frame_labels=len(images) > 1)
     bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
     kwargs = dict(return_tensors="pt")
     if bos and text.startswith(bos):
@@ -213,21 +212,24 @@ def record_batched(model, processor, records: list[dict], max_new_tokens: int, b
 class FlashBuildConfig:
     """Hyper-parameters of the drafter build (defaults = the committed artefact).
 
-    threads: 1 by default: on a CPU shared with other jobs, two OpenMP threads stall each other
-    (measured here: a 6-token verification forward took a median 6 s with 2 threads vs 0.16 s
-    with 1 while other processes ran); the thread count is part of what makes runs bit-exact.
+    record_threads / threads: torch threads while recording the target's answers / while
+    training (both part of what makes runs bit-exact). Recording runs alone on the 2 cores;
+    training takes 1 so the K=5 and K=1 drafters train side by side on them (on a CPU shared
+    with other jobs two OpenMP threads stall each other).
+    num_queries: learned-compressor vectors per visual span (an image or a video frame: 64
+    tokens -> 8 units).
     tree / top_k / max_nodes: drafting options saved with the drafter (CPU verification is
     not free: a small dynamic tree beats the engine's default budget of 16 nodes).
     """
 
     seed: int = 0
-    images: int = 64
-    videos: int = 24
-    vqa: int = 64
+    images: int = 640
+    videos: int = 112
+    vqa: int = 480
     max_new_tokens: int = 64
     record_batch_size: int = 16
     tokens_per_step: int = 5
-    num_queries: int = 64
+    num_queries: int = 8
     compression: str = "learned"
     sar_hidden_mult: int = 2
     epochs: int = 20
@@ -236,7 +238,9 @@ class FlashBuildConfig:
     warmup_steps: int = 10
     ce_weight: float = 0.5
     ce_max_rows: int = 64
+    slot_decay: float = 0.8
     feature_noise: float = 0.1
+    record_threads: int = 2
     threads: int = 1
     draft_vocab_common: int = 4096
     tree: str = "dynamic"
@@ -248,7 +252,7 @@ class FlashBuildConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"FlashBuildConfig.{name} must be >= 0")
         for name in ("max_new_tokens", "tokens_per_step", "num_queries", "epochs", "batch_size", "threads",
-                     "record_batch_size"):
+                     "record_threads", "record_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FlashBuildConfig.{name} must be >= 1")
 
@@ -287,7 +291,7 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
     from ..train import train_flash  # noqa: PLC0415
     from .load import load_reference_llava  # noqa: PLC0415
 
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.record_threads)
     torch.use_deterministic_algorithms(True)
     start = time.time()
     model, processor = model_and_processor or load_reference_llava()
@@ -301,6 +305,7 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
     answer_tokens = sum(int(f.input_ids.shape[0] - f.prompt_len) for f in features)
     log(f"recorded {len(features)} sequences ({answer_tokens} answer tokens) in {record_seconds:.0f}s")
 
+    torch.set_num_threads(cfg.threads)
     t0 = time.time()
     drafter = FlashDrafter.from_target(model, num_queries=cfg.num_queries, tokens_per_step=cfg.tokens_per_step,
                                        sar_hidden_mult=cfg.sar_hidden_mult, seed=cfg.seed,
@@ -309,16 +314,16 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
     result = train_flash(model, processor, features=features, drafter=drafter, epochs=cfg.epochs, lr=cfg.lr,
                          batch_size=cfg.batch_size, compression=cfg.compression, ce_weight=cfg.ce_weight,
                          feature_noise=cfg.feature_noise, warmup_steps=cfg.warmup_steps,
-                         ce_max_rows=cfg.ce_max_rows, seed=cfg.seed, progress=True)
+                         ce_max_rows=cfg.ce_max_rows, slot_decay=cfg.slot_decay, seed=cfg.seed,
+                         progress=True)
     train_seconds = time.time() - t0
     for epoch, (loss, acc) in enumerate(zip(result.epoch_losses, result.epoch_accuracy)):
         log(f"epoch {epoch}: loss {loss:.4f}  top-1 agreement per slot {[round(a, 3) for a in acc]}")
 
     os.makedirs(out, exist_ok=True)
-    weights = save_half(result.drafter, out)
     vocab = draft_vocab(features, cfg.draft_vocab_common)
-    with open(os.path.join(out, DRAFT_VOCAB_FILE), "w") as f:
-        json.dump(vocab, f)
+    result.drafter.draft_vocab = vocab  # saved with the drafting options: from_pretrained drafts from it
+    weights = save_half(result.drafter, out)
     info = {"build": dataclasses.asdict(cfg), "torch": torch.__version__,
             "training_seeds": {"base": TRAIN_SEED_BASE + 1000 * cfg.seed,
                                "note": "benchmark (eval/mm_speed.py) seeds are < 1000"},

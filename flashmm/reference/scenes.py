@@ -187,14 +187,14 @@ def video_facts(seed: int, num_frames: int = 8, size: int = IMAGE_SIZE) -> dict:
     _finish(objects, rng)
     background = list(_background(rng))
     for k, obj in enumerate(objects):
-        direction = rng.choice(sorted(_MOTIONS) + ["still"])
-        dx, dy = _MOTIONS.get(direction, (0, 0))
         lo, hi = obj["radius"] + 2, size - obj["radius"] - 2
-        # travel 25-50 px along the chosen direction, staying inside the frame
         x0, y0 = obj["center"]
-        span = rng.uniform(25, 50)
-        x1 = float(np.clip(x0 + dx * span, lo, hi))
-        y1 = float(np.clip(y0 + dy * span, lo, hi))
+        room = {"right": hi - x0, "left": x0 - lo, "down": hi - y0, "up": y0 - lo}
+        # travel 25-50 px along a direction with that much room inside the frame
+        direction = rng.choice([d for d in sorted(_MOTIONS) if room[d] >= 25] + ["still"])
+        dx, dy = _MOTIONS.get(direction, (0, 0))
+        span = rng.uniform(25, min(50.0, room.get(direction, 50.0)))
+        x1, y1 = x0 + dx * span, y0 + dy * span
         obj["motion"] = "still" if direction == "still" else f"moves {direction}"
         obj["appears_at"] = rng.randint(1, num_frames // 2) if (k > 0 and rng.random() < 0.5) else 0
         obj["centers"] = [[round(x0 + (x1 - x0) * t / (num_frames - 1), 2),
@@ -221,3 +221,32 @@ def make_video(seed: int, num_frames: int = 8, size: int = IMAGE_SIZE) -> tuple[
     """
     facts = video_facts(seed, num_frames, size)
     return [render(f, f["noise_seed"]) for f in facts["frames"]], facts
+
+
+def write_examples(folder: str, seed: int = 0) -> dict:
+    """Write ``scene.png`` (make_scene(seed)), ``clip.avi`` (make_video(seed), 8 frames, MJPEG AVI
+    readable by decord) and their facts (``examples.json``) to ``folder``; returns the facts."""
+    import json
+    import os
+
+    from ..vision import save_video
+
+    os.makedirs(folder, exist_ok=True)
+    image, scene = make_scene(seed)
+    image.save(os.path.join(folder, "scene.png"))
+    frames, video = make_video(seed)
+    save_video(frames, os.path.join(folder, "clip.avi"), fps=4, quality=95)
+    facts = {"scene.png": scene, "clip.avi": {k: v for k, v in video.items() if k != "frames"}}
+    with open(os.path.join(folder, "examples.json"), "w") as f:
+        json.dump(facts, f, indent=1)
+    return facts
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write an example scene and clip")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(write_examples(args.out, args.seed))
