@@ -3,14 +3,16 @@
     python examples/caption_demo.py                                    # reference LMM, demo scenes
     python examples/caption_demo.py cat.png clip.mp4 --model DIR --drafter DIR_OR_NAME
 
-Without --model the reference LMM (SmolLM2-135M inside LLaVA, flashmm.reference) is used, if
-its assets are built; without paths a few procedural scenes and a clip are captioned. Each item
+Without --model the reference LMM (SmolLM2-135M inside LLaVA, flashmm.reference) and its FLASH
+drafter are used; without paths the image and 8-frame clip shipped in assets/reference_lmm/examples
+are captioned (or, with --model, procedural scenes written to a temporary folder). Each item
 is decoded twice, interleaved: plain ``model.generate`` and the speculative pipeline; the demo
 prints the caption, tau, the speedup and whether both outputs are token-identical.
 The same thing as a command: ``flashmm caption PATH... --model DIR --drafter ... --out out.jsonl``.
 """
 import argparse
 import glob
+import json
 import os
 import tempfile
 
@@ -59,10 +61,10 @@ def main():
     parser.add_argument("--drafter", help="FlashDrafter directory or drafter name (default: a FLASH drafter "
                                           "saved beside the reference assets, else prompt_lookup)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--num-frames", type=int, default=4)
+    parser.add_argument("--num-frames", type=int, default=8)
     args = parser.parse_args()
 
-    drafter = args.drafter
+    drafter, assets = args.drafter, None
     if args.model:
         model = pipelines.load_model(args.model)
         processor = pipelines.load_processor(args.model)
@@ -71,16 +73,21 @@ def main():
         if loaded is None:
             parser.error("no --model given and the reference LMM is not available")
         model, processor, assets = loaded
-        if drafter is None:
-            saved = sorted(glob.glob(os.path.join(assets, "**", "flash_config.json"), recursive=True))
-            drafter = os.path.dirname(saved[0]) if saved else None
+        if drafter is None and os.path.isfile(os.path.join(assets, "flash_drafter", "flash_config.json")):
+            drafter = os.path.join(assets, "flash_drafter")
     drafter = drafter or "prompt_lookup"
     print(f"model {type(model).__name__}, drafter {drafter}")
 
     plain = pipelines.CaptionPipeline(model, drafter=None, processor=processor)
     fast = pipelines.CaptionPipeline(model, drafter=drafter, processor=processor)
     with tempfile.TemporaryDirectory() as folder:
-        paths = pipelines.expand_paths(args.paths) if args.paths else demo_media(folder)
+        shipped = sorted(glob.glob(os.path.join(assets, "examples", "*.*"))) if not args.model else []
+        shipped = [p for p in shipped if pipelines.media_kind(p)]
+        paths = pipelines.expand_paths(args.paths) if args.paths else shipped or demo_media(folder)
+        truth = {}
+        if shipped and not args.paths:
+            with open(os.path.join(assets, "examples", "examples.json")) as fh:
+                truth = {name: facts["caption"] for name, facts in json.load(fh).items()}
         options = dict(max_new_tokens=args.max_new_tokens, num_frames=args.num_frames)
         plain_s = fast_s = 0.0
         for path in paths:
@@ -90,7 +97,8 @@ def main():
                 continue
             plain_s, fast_s = plain_s + base.seconds, fast_s + spec.seconds
             same = spec.token_ids == base.token_ids
-            print(f"{path}: {spec.caption!r}\n  tau {spec.stats['tau']:.2f}, {spec.new_tokens} tokens, "
+            known = truth.get(os.path.basename(path))
+            print(f"{path}{f' (truth: {known})' if known else ''}: {spec.caption!r}\n  tau {spec.stats['tau']:.2f}, {spec.new_tokens} tokens, "
                   f"{base.seconds / spec.seconds:.2f}x vs model.generate, identical: {same}")
     if fast_s:
         print(f"overall speedup over model.generate: {plain_s / fast_s:.2f}x")
