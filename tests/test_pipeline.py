@@ -50,13 +50,14 @@ def media(tmp_path_factory):
 def _reference(key):
     kind, source, frames = key
     images = [load_image(source)] if kind == "image" else load_video(source, num_frames=frames).images()
-    return reference_ids(images, IMAGE_PROMPT if kind == "image" else VIDEO_PROMPT)
+    return reference_ids(images, IMAGE_PROMPT if kind == "image" else VIDEO_PROMPT, frames=kind == "video")
 
 
-def reference_ids(images: list[Image.Image], prompt: str) -> list[int]:
-    """The in-memory model's own greedy generate on a hand-built chat prompt (one <image> each)."""
+def reference_ids(images: list[Image.Image], prompt: str, frames: bool = False) -> list[int]:
+    """The in-memory model's own greedy generate on a hand-built chat prompt (one <image> each; a
+    video's frames as labelled lines 'Frame i: <image>')."""
     model, processor = llava()
-    content = "<image>\n" * len(images) + prompt
+    content = "".join(f"Frame {i + 1}: <image>\n" if frames else "<image>\n" for i in range(len(images))) + prompt
     text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                    add_generation_prompt=True)
     inputs = processor(text=text, images=images, return_tensors="pt")
