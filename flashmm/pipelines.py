@@ -164,6 +164,16 @@ def resolve_drafter(drafter, device=None) -> Drafter | None:
                      f"{drafter_names()}")
 
 
+def text_kwargs(processor, text: str) -> dict:
+    """Processor keyword arguments for ``text`` (PyTorch tensors; a chat template that already
+    wrote the BOS token must not get a second one)."""
+    bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
+    kwargs = dict(return_tensors="pt")
+    if bos and text.startswith(bos):
+        kwargs["add_special_tokens"] = False
+    return kwargs
+
+
 def chat_prompt(processor, text: str, images: int = 0, videos: int = 0, frame_labels: bool = False) -> str:
     """The prompt text with one image placeholder per image and one video placeholder per video.
 
@@ -358,25 +368,18 @@ class CaptionPipeline:
         """Processor outputs for one item, on the model's device (pixel values in its dtype)."""
         if kind == "image":
             text = chat_prompt(self.processor, prompt, images=1)
-            out = self.processor(text=text, images=[media], **self._text_kwargs(text))
+            out = self.processor(text=text, images=[media], **text_kwargs(self.processor, text))
         elif self.video_input:
             text = chat_prompt(self.processor, prompt, videos=1)
             out = self.processor(text=text, videos=[media.frames], video_metadata=[_video_metadata(media)],
-                                 do_sample_frames=False, **self._text_kwargs(text))
+                                 do_sample_frames=False, **text_kwargs(self.processor, text))
         else:  # no video path: the frames as images, one placeholder each
             text = chat_prompt(self.processor, prompt, images=len(media), frame_labels=True)
-            out = self.processor(text=text, images=media.images(), **self._text_kwargs(text))
+            out = self.processor(text=text, images=media.images(), **text_kwargs(self.processor, text))
         device, dtype = self.model.device, self.model.dtype
         return {k: (v.to(device, dtype) if k.startswith("pixel_values") and v.is_floating_point() else v.to(device))
                 if isinstance(v, torch.Tensor) else v for k, v in dict(out).items()}
 
-    def _text_kwargs(self, text: str) -> dict:
-        """A chat template that already wrote the BOS token must not get a second one."""
-        bos = getattr(getattr(self.processor, "tokenizer", None), "bos_token", None)
-        kwargs = dict(return_tensors="pt")
-        if bos and text.startswith(bos):
-            kwargs["add_special_tokens"] = False
-        return kwargs
 
     def _decode(self, entry: _Prepared, sampling: dict, raise_errors: bool) -> None:
         inputs, result = entry.inputs, entry.result

@@ -6,7 +6,7 @@ trained here on procedural scenes (``scenes.py``) so its answers depend on the i
     model, processor = load_reference_llava()   # assets/reference_lmm + the GGUF (~20-35 s)
 
 Images: 128 x 128 after the processor, 64 visual tokens each. Videos: a list of >= 8 frames,
-each an image with its 64 tokens (``evaluate.chat_text`` writes the labelled-frame prompt).
+each an image with its 64 tokens (``flash_build.item_inputs`` writes the labelled-frame prompt).
 Rebuild the assets bit-for-bit: ``python -m flashmm.reference.build --out assets/reference_lmm``.
 """
 

@@ -18,18 +18,11 @@ import time
 
 import torch
 
-from .scenes import COLOURS, PLURALS, SHAPES, caption_words, make_scene, make_video
+from .flash_build import item_inputs
+from .scenes import COLOURS, PLURALS, caption_words, make_scene, make_video
 
 IMAGE_PROMPT = "What is in the image?"
 VIDEO_PROMPT = "What is in the video?"
-
-
-def chat_text(processor, num_images: int, question: str) -> str:
-    """The chat prompt CaptionPipeline writes: one image, or a video's frames as labelled images
-    ('Frame 1: <image>' ...; 6/8 vs 0-3/8 held-out clips named in a probe against a bare run)."""
-    from ..pipelines import chat_prompt  # noqa: PLC0415
-
-    return chat_prompt(processor, question, images=num_images, frame_labels=num_images > 1)
 
 
 @torch.no_grad()
@@ -39,8 +32,7 @@ def caption(model, processor, images, question: str | None = None, max_new_token
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     if question is None:
         question = IMAGE_PROMPT if len(images) == 1 else VIDEO_PROMPT
-    inputs = processor(images=images, text=chat_text(processor, len(images), question),
-                       return_tensors="pt")
+    inputs = item_inputs(processor, images, question)  # the prompt CaptionPipeline writes
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
+from .build import sha256
 from .scenes import COLOURS, SHAPES, make_scene, make_video
 
 TRAIN_SEED_BASE = 10_000   # training items use seeds >= this; benchmark items use seeds < 1000
@@ -97,14 +98,10 @@ def make_items(task: str, seeds, train: bool = False) -> list[dict]:
 def item_inputs(processor, images: list, prompt: str) -> dict:
     """Processor outputs (return_tensors="pt") for one prompt with its images, formatted as
     ``flashmm.CaptionPipeline`` formats it (chat template, one placeholder per image/frame)."""
-    from ..pipelines import chat_prompt  # noqa: PLC0415
+    from ..pipelines import chat_prompt, text_kwargs  # noqa: PLC0415
 
     text = chat_prompt(processor, prompt, images=len(images), frame_labels=len(images) > 1)
-    bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
-    kwargs = dict(return_tensors="pt")
-    if bos and text.startswith(bos):
-        kwargs["add_special_tokens"] = False
-    return dict(processor(text=text, images=images, **kwargs))
+    return dict(processor(text=text, images=images, **text_kwargs(processor, text)))
 
 
 def build_inputs(processor, record: dict, image, video) -> dict:
@@ -265,11 +262,6 @@ def draft_vocab(features, common_ids: int) -> list[int]:
     for f in features:
         ids.update(f.input_ids[f.prompt_len:].tolist())
     return sorted(ids)
-
-
-def sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def save_half(drafter, out: str) -> str:
