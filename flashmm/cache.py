@@ -23,9 +23,9 @@ def keep_rows(cache: DynamicCache, prefix_len: int, path: torch.Tensor) -> None:
     """Keep rows [0, prefix_len) then rows prefix_len + path[b] of every layer, drop the rest.
 
     path: LongTensor [B, L] of tree node indices (root first), identical length per row.
-    A chain accepted in order (path == arange) is a plain crop. Gather-then-assign: the
-    new tensors are built before the old ones are released, so overlapping source and
-    destination rows are safe.
+    A chain accepted in order (path == arange) is a plain crop. Otherwise the kept rows are
+    gathered into new tensors first, then written in place over rows prefix_len .. (so
+    overlapping source and destination rows are safe and the prefix is never copied).
     """
     bsz, length = path.shape
     if bool((path == torch.arange(length, device=path.device)).all()):
@@ -38,8 +38,9 @@ def keep_rows(cache: DynamicCache, prefix_len: int, path: torch.Tensor) -> None:
         heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
         kept_k = layer.keys.gather(2, idx.expand(bsz, heads, length, dim))
         kept_v = layer.values.gather(2, idx.expand(bsz, heads, length, layer.values.shape[-1]))
-        layer.keys = torch.cat([layer.keys[:, :, :prefix_len], kept_k], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :prefix_len], kept_v], dim=2)
+        layer.keys[:, :, prefix_len : prefix_len + length] = kept_k
+        layer.values[:, :, prefix_len : prefix_len + length] = kept_v
+    crop(cache, prefix_len + length)
 
 
 def keep_rows_kernel(cache: DynamicCache, prefix_len: int, path: torch.Tensor) -> None:

@@ -93,6 +93,24 @@ def test_dynamic_cache_layers():
         assert torch.equal(got.cpu(), want)
 
 
+def test_keep_rows_torch_path_in_place():
+    """flashmm.cache.keep_rows (the PyTorch path): prefix untouched, overlapping moves safe, cropped."""
+    from transformers import DynamicCache
+
+    from flashmm.cache import keep_rows
+    gen = torch.Generator().manual_seed(2)
+    cache = DynamicCache()
+    for layer in range(2):
+        cache.update(torch.randn(1, 2, 4 + 8, 16, generator=gen), torch.randn(1, 2, 4 + 8, 16, generator=gen), layer)
+    before = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+    path = torch.tensor([[0, 2, 3, 5, 7]])
+    keep_rows(cache, 4, path)
+    after = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    for got, old in zip(after, before):
+        assert got.shape[2] == 4 + 5
+        assert torch.equal(got, expected_rows(old, 4, path)[:, :, : 4 + 5])
+
+
 def test_input_validation():
     a = torch.zeros(1, 2, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="one shape"):
