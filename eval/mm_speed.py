@@ -330,11 +330,13 @@ def main(argv=None):
     ap.add_argument("--first-seed", type=int, default=0, help="benchmark seeds first_seed .. (keep < 1000)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prefill-repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: two OpenMP threads stall each other on a shared, loaded CPU)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's own, one per core, as a user runs it; the machine "
+                         "must be otherwise idle: OpenMP threads stall when another job holds a core)")
     ap.add_argument("--out", default="eval/results/mm_speed_reference")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     command = "python eval/mm_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
 
     from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
