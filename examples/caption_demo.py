@@ -98,7 +98,8 @@ def main():
             plain_s, fast_s = plain_s + base.seconds, fast_s + spec.seconds
             same = spec.token_ids == base.token_ids
             known = truth.get(os.path.basename(path))
-            print(f"{path}{f' (truth: {known})' if known else ''}: {spec.caption!r}\n  tau {spec.stats['tau']:.2f}, {spec.new_tokens} tokens, "
+            label = f"{path} (truth: {known})" if known else path
+            print(f"{label}: {spec.caption!r}\n  tau {spec.stats['tau']:.2f}, {spec.new_tokens} tokens, "
                   f"{base.seconds / spec.seconds:.2f}x vs model.generate, identical: {same}")
     if fast_s:
         print(f"overall speedup over model.generate: {plain_s / fast_s:.2f}x")

@@ -380,7 +380,6 @@ class CaptionPipeline:
         return {k: (v.to(device, dtype) if k.startswith("pixel_values") and v.is_floating_point() else v.to(device))
                 if isinstance(v, torch.Tensor) else v for k, v in dict(out).items()}
 
-
     def _decode(self, entry: _Prepared, sampling: dict, raise_errors: bool) -> None:
         inputs, result = entry.inputs, entry.result
         prompt_len = inputs["input_ids"].shape[1]

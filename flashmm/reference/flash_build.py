@@ -327,7 +327,8 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
             "epoch_losses": result.epoch_losses, "epoch_accuracy": result.epoch_accuracy,
             "record_seconds": round(record_seconds, 1), "train_seconds": round(train_seconds, 1),
             "feature_cache_files_before": cached,  # record_seconds covers only what was not cached
-            "draft_vocab_size": len(vocab), "weights_sha256": sha256(weights), "weights_bytes": os.path.getsize(weights),
+            "draft_vocab_size": len(vocab), "weights_sha256": sha256(weights),
+            "weights_bytes": os.path.getsize(weights),
             "parameters": sum(p.numel() for p in result.drafter.net.parameters())}
     with open(os.path.join(out, BUILD_INFO_FILE), "w") as f:
         json.dump(info, f, indent=2)
