@@ -41,7 +41,7 @@ from flashmm.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_ite
 
 PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
 TASK_ORDER = ("image", "video", "vqa", "photo")
-METHODS = ("flash", "flash_k1", "flash_none", "prompt_lookup")
+METHODS = ("flash", "flash_no_lookup", "flash_k1", "flash_none", "prompt_lookup")
 
 
 # ----------------------------------------------------------------------------------- items
@@ -317,6 +317,9 @@ def main(argv=None):
                          "compression='none', training-free)")
     ap.add_argument("--tree", default=None, help="override the drafters' tree: chain | dynamic")
     ap.add_argument("--max-nodes", type=int, default=None, help="override the drafters' per-step node cap")
+    ap.add_argument("--depth", type=int, default=None, help="override the drafters' deepest drafted position")
+    ap.add_argument("--lookup-tokens", type=int, default=None,
+                    help="override the drafters' n-gram lookup branch length (0: off)")
     ap.add_argument("--full-draft-head", action="store_true",
                     help="score the whole vocabulary in the FLASH draft head (default: the drafter's saved "
                          "draft_vocab, a lossless restriction to the tokens worth drafting)")
@@ -342,7 +345,8 @@ def main(argv=None):
     from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
 
     model, processor = load_reference_llava()
-    options = {k: v for k, v in (("tree", args.tree), ("max_nodes", args.max_nodes)) if v is not None}
+    options = {k: v for k, v in (("tree", args.tree), ("max_nodes", args.max_nodes),
+                                                      ("depth", args.depth), ("lookup_tokens", args.lookup_tokens)) if v is not None}
     if args.full_draft_head:
         options["draft_vocab"] = None
     flash = FlashDrafter.from_pretrained(args.flash, **options)
@@ -351,11 +355,15 @@ def main(argv=None):
     drafters = {"flash": flash}
     notes = [f"FLASH drafter: {args.flash} (K={flash.net.tokens_per_step}, num_queries="
              f"{flash.net.cfg.num_queries}, compression={flash.compression}, tree={flash.tree}, "
-             f"max_nodes={flash.max_nodes}, min_path_prob={flash.min_path_prob}); "
+             f"depth={flash.depth}, lookup_tokens={flash.lookup_tokens}, max_nodes={flash.max_nodes}, "
+             f"min_path_prob={flash.min_path_prob}); "
              f"max_draft_tokens={args.max_draft_tokens}.", vocab_note]
     wanted = set(args.methods.split(","))
     if wanted - set(METHODS):
         raise SystemExit(f"--methods: unknown {sorted(wanted - set(METHODS))}; choose from {METHODS}")
+    if "flash_no_lookup" in wanted and flash.lookup_tokens:
+        drafters["flash_no_lookup"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "lookup_tokens": 0})
+        notes.append("flash_no_lookup = the FLASH drafter without its n-gram lookup branch (lookup_tokens=0).")
     if "flash_k1" in wanted and os.path.isdir(args.flash_k1):
         drafters["flash_k1"] = FlashDrafter.from_pretrained(args.flash_k1, **options)
     elif "flash_k1" in wanted:

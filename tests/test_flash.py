@@ -14,6 +14,7 @@ import flashmm
 import flashmm.engine
 from flashmm.drafters.base import Draft
 from flashmm.drafters.flash import FlashDrafter
+from flashmm.drafters.prompt_lookup import PromptLookup
 from flashmm.drafters.flash_modules import FlashConfig, VisualCompressor, build_units, merge_adjacent, unit_layout
 from flashmm.sampling import warp_logits
 from flashmm.config import SamplingParams
@@ -78,7 +79,7 @@ class OracleFlash(FlashDrafter):
         self.log.append((committed.clone(), predicted.clone()))
         return predicted
 
-    def _make_draft(self, committed, dists, shape):
+    def _make_draft(self, committed, dists, shape, chain, max_tokens):
         n = committed.shape[1]
         cont = self.reference[0, n : n + self.chain].tolist()
         return Draft(tokens=committed.new_tensor([[int(committed[0, -1])] + cont]),
@@ -328,3 +329,76 @@ def test_draft_vocab_is_lossless_and_only_drafts_its_tokens(text_target, k):
 def test_option_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         FlashDrafter(None, **bad)
+
+
+# ----------------------------------------------------------------------------------- lookup branch
+def lz77_reference(ids, max_tokens, max_ngram=3, min_ngram=2):
+    """Latest match of the longest tail n-gram, continued one token at a time from the growing text."""
+    for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
+        starts = [s for s in range(len(ids) - n) if ids[s:s + n] == ids[len(ids) - n:]]
+        if starts:
+            text = list(ids)
+            for i in range(max_tokens):
+                text.append(text[starts[-1] + n + i])
+            return text[len(ids):], n
+    return [], 0
+
+
+def test_lookup_continuation_is_an_overlapping_copy():
+    g = torch.Generator().manual_seed(0)
+    finder = PromptLookup(max_ngram=3, min_ngram=2)
+    for trial in range(300):
+        ids = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        assert finder.find(ids, 7) == lz77_reference(ids, 7), ids
+    assert finder.find([9, 1, 2, 1, 2], 6) == ([1, 2, 1, 2, 1, 2], 2)  # period 2 drafts past the text's end
+
+
+def token_paths(draft):
+    tokens, parents = draft.tokens[0].tolist(), draft.tree.parents.tolist()
+    paths = {0: ()}
+    for node in range(1, len(tokens)):
+        paths[node] = paths[parents[node]] + (tokens[node],)
+    return paths
+
+
+@pytest.mark.parametrize("chain, budget", [([5, 6, 7, 8, 9, 10], 16), ([0, 1, 7, 8], 16), ([0, 1, 7, 8], 6),
+                                           ([0, 9], 3), ([], 5), ([9, 9, 9, 9, 9, 9, 9, 9], 4)])
+def test_lookup_chain_merges_into_the_flash_tree(chain, budget):
+    """The draft holds every prefix of the (budget-trimmed) chain, otherwise only FLASH nodes, and the
+    FLASH nodes it keeps are the highest-priority ones; siblings are distinct; within budget."""
+    drafter = FlashDrafter(None, top_k=2, max_nodes=8, lookup_tokens=8)
+    vocab, depth = 12, 3
+    g = torch.Generator().manual_seed(1)
+    dists = torch.rand(depth, vocab, generator=g)
+    dists[:, :2] += torch.tensor([2.0, 1.0])   # ranks 0 / 1 are tokens 0 / 1 at every depth
+    dists = dists / dists.sum(-1, keepdim=True)
+    committed = torch.tensor([[3, 4]])
+    shape = ("dynamic", depth, min(budget, 8))
+    draft = drafter._make_draft(committed, dists, shape, list(chain), budget)
+    paths = token_paths(draft)
+    nodes = list(paths.values())[1:]
+    assert len(nodes) == len(set(nodes)) <= budget                             # distinct siblings, in budget
+    top_p, top_ids = dists.topk(2, dim=-1)
+    priority = [tuple(int(top_ids[i][r]) for i, r in enumerate(p))
+                for p in drafter._best_first(top_p.tolist(), depth, min(budget, 8))]
+    kept_chain = [tuple(chain[:i]) for i in range(1, len(chain) + 1) if tuple(chain[:i]) in set(nodes)]
+    assert kept_chain == [tuple(chain[:i]) for i in range(1, len(kept_chain) + 1)]
+    assert len(kept_chain) == min(len(chain), budget)                          # the whole chain, or what fits
+    flash_only = [p for p in nodes if p not in set(kept_chain)]
+    assert set(flash_only) <= set(priority)
+    others = [p for p in priority if p not in set(kept_chain)]
+    assert set(flash_only) == set(others[:len(flash_only)])                     # highest priority kept
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_lookup_branch_greedy_exact_and_drafts_past_the_sar_depth(text_target, k):
+    ids = torch.cat([prompt(6, seed=3)] * 3, dim=1)                            # a repeated phrase
+    drafter = drafter_for(text_target, k, lookup_tokens=8)
+    drafts = []
+    original = drafter.propose
+    drafter.propose = lambda *a, **kw: drafts.append(original(*a, **kw)) or drafts[-1]
+    sm = flashmm.wrap(text_target, drafter, max_draft_tokens=12)
+    out = sm.generate(ids, max_new_tokens=MAX_NEW)
+    assert torch.equal(out, text_target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False))
+    assert all(d.num_draft_tokens <= 12 for d in drafts)
+    assert any(d.tree.max_depth > 5 for d in drafts)                           # the lookup path goes deeper

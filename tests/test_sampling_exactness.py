@@ -11,7 +11,7 @@ import torch
 
 import flashmm
 from flashmm.config import SamplingParams
-from flashmm.drafters import DraftModel, PromptLookup
+from flashmm.drafters import DraftModel, FlashDrafter, PromptLookup
 from flashmm.sampling import warp_logits
 
 from stats_utils import chi_square_pvalue
@@ -58,7 +58,9 @@ def histogram(sm) -> torch.Tensor:
     lambda t, d: DraftModel(d, max_draft_tokens=2, adaptive=False),               # chain, q given
     lambda t, d: DraftModel(d, max_draft_tokens=4, tree_width=2, adaptive=False),  # i.i.d. siblings
     lambda t, d: PromptLookup(),                                                   # deterministic, q None
-], ids=["draft_chain", "draft_tree", "prompt_lookup"])
+    lambda t, d: FlashDrafter.from_target(t, num_queries=2, tokens_per_step=2, seed=0, top_k=2, max_nodes=3,
+                                          lookup_tokens=3),                        # FLASH tree + lookup path
+], ids=["draft_chain", "draft_tree", "prompt_lookup", "flash_lookup"])
 def test_lossless(models, make):
     target, draft = models
     sm = flashmm.wrap(target, make(target, draft))

@@ -15,6 +15,12 @@ the depth-(j+1) distribution. The tree is a static shape (Medusa-style rank path
 Children are deterministic, so q_probs is None and sampling is verified by the multi-round tree
 rule in its deterministic-children form (lossless).
 
+Lookup branch (``lookup_tokens``): captions repeat themselves, and a K-token SAR pass cannot
+draft past depth K. When the last 3 (or 2) committed tokens occurred earlier in prompt + output,
+the tokens that followed that occurrence are merged into the tree as one more path (sharing the
+FLASH nodes it agrees with, then going as deep as the match does): no forward pass, and still
+deterministic, distinct children, so verification stays exact.
+
 State per sequence: the drafter's own KV cache over committed units (extended incrementally at
 each proposal with the units the last verification made known); speculative units live only in
 a temporary cache during ``propose``.
@@ -35,6 +41,7 @@ from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units
+from .prompt_lookup import PromptLookup
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
 
@@ -65,6 +72,9 @@ class FlashDrafter(Drafter):
                   then scores only these rows of the target's LM head: K x |draft_vocab| instead
                   of K x V multiply-adds per pass. Lossless whatever the subset (verification is
                   exact and children are deterministic); tokens outside it are never drafted.
+    lookup_tokens: up to this many tokens of an n-gram match (last 3 or 2 committed tokens seen
+                  earlier in prompt + output) added as one more tree path (0: off). Its new nodes
+                  count against the engine's budget; the FLASH nodes of lowest priority make room.
     """
 
     name = "flash"
@@ -73,7 +83,7 @@ class FlashDrafter(Drafter):
     def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, compression: str = "learned",
                  tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
                  max_nodes: int | None = None, min_path_prob: float = 0.0,
-                 draft_vocab: Sequence[int] | None = None):
+                 draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0):
         if isinstance(net, (str, os.PathLike)):
             net = FlashDrafter.from_pretrained(net).net
         if net is not None and not isinstance(net, FlashNet):
@@ -92,6 +102,8 @@ class FlashDrafter(Drafter):
             raise ValueError(f"depth must be >= 1, got {depth}")
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens must be >= 0, got {lookup_tokens}")
         if draft_vocab is not None:
             draft_vocab = sorted({int(t) for t in draft_vocab})
             if not draft_vocab or draft_vocab[0] < 0:
@@ -100,6 +112,8 @@ class FlashDrafter(Drafter):
         self.compression, self.tree, self.depth, self.top_k = compression, tree, depth, top_k
         self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
         self.draft_vocab = draft_vocab
+        self.lookup_tokens = lookup_tokens
+        self._lookup = PromptLookup(max_ngram=3, min_ngram=2, max_draft_tokens=lookup_tokens)
         self._head = self._embed = None
         self._vocab = None                     # LongTensor [V'] of draft_vocab on the head's device
         self._reset_sequence()
@@ -120,7 +134,8 @@ class FlashDrafter(Drafter):
 
     def drafting_options(self) -> dict:
         return dict(compression=self.compression, tree=self.tree, depth=self.depth, top_k=self.top_k,
-                    max_nodes=self.max_nodes, min_path_prob=self.min_path_prob, draft_vocab=self.draft_vocab)
+                    max_nodes=self.max_nodes, min_path_prob=self.min_path_prob, draft_vocab=self.draft_vocab,
+                    lookup_tokens=self.lookup_tokens)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write flash_config.json (sizes + drafting options) and flash_model.safetensors."""
@@ -228,7 +243,10 @@ class FlashDrafter(Drafter):
             return root_only(committed)
         depth = shape[1]
         dists = self._draft_distributions(predicted, depth)                     # [depth, V]
-        return self._make_draft(committed, dists, shape)
+        chain = []
+        if self.lookup_tokens:
+            chain, _ = self._lookup.find(committed[0].tolist(), min(self.lookup_tokens, max_tokens))
+        return self._make_draft(committed, dists, shape, chain, max_tokens)
 
     # ------------------------------------------------------------------ internals
     def _run(self, units: torch.Tensor, past):
@@ -305,19 +323,64 @@ class FlashDrafter(Drafter):
             return ("static", depth, [(0,) * d for d in range(1, depth + 1)])
         return ("dynamic", min(depth, budget), budget)
 
-    def _make_draft(self, committed: torch.Tensor, dists: torch.Tensor, shape) -> Draft:
+    def _make_draft(self, committed: torch.Tensor, dists: torch.Tensor, shape, chain: list[int],
+                    max_tokens: int) -> Draft:
         kind, depth, arg = shape
         width = min(dists.shape[-1], self.top_k if kind == "dynamic" else 1 + max(max(p) for p in arg))
         top_p, top_ids = dists.topk(width, dim=-1)                              # [depth, W]
-        top_ids = self._token_ids(top_ids)
+        ids = self._token_ids(top_ids).tolist()
         paths = arg if kind == "static" else self._best_first(top_p.tolist(), depth, arg)
-        if not paths:
+        paths, chain = self._fit_chain(list(paths), chain, ids, max_tokens)
+        if not paths and not chain:
             return root_only(committed)
-        tree = TokenTree.from_choices(paths)
         ordered = sorted(set(paths), key=lambda p: (len(p), p))               # from_choices' node order
-        ids = top_ids.tolist()
         tokens = [int(committed[0, -1])] + [ids[len(p) - 1][p[-1]] for p in ordered]
+        tree = TokenTree.from_choices(paths) if paths else TokenTree.chain(0)
+        if chain:
+            index = {p: i + 1 for i, p in enumerate(ordered)}
+            parents, parent = tree.parents.tolist(), 0
+            for step, token in enumerate(chain):                               # the shared prefix is in paths
+                path = self._chain_path(chain[:step + 1], ids)
+                if path in index:
+                    parent = index[path]
+                    continue
+                parents.append(parent)
+                tokens.append(token)
+                parent = len(parents) - 1
+            tree = TokenTree.from_parents(parents)
         return Draft(tokens=committed.new_tensor([tokens]), tree=tree, q_probs=None)
+
+    @staticmethod
+    def _chain_path(chain: list[int], ids: list[list[int]]) -> tuple[int, ...] | None:
+        """The rank path of the FLASH node holding ``chain`` (tokens after the root), or None."""
+        path = []
+        for level, token in enumerate(chain):
+            if level >= len(ids) or token not in ids[level]:
+                return None
+            path.append(ids[level].index(token))
+        return tuple(path)
+
+    def _fit_chain(self, paths: list[tuple[int, ...]], chain: list[int], ids: list[list[int]],
+                   max_tokens: int) -> tuple[list[tuple[int, ...]], list[int]]:
+        """Make room for the lookup chain's new nodes within ``max_tokens``: drop the FLASH nodes
+        chosen last (leaves first, never one the chain runs through); ``paths`` is in priority
+        order and prefix-closed, so what is left stays prefix-closed."""
+        if not chain:
+            return paths, chain
+        have = set(paths)
+        shared = 0
+        while shared < len(chain) and self._chain_path(chain[:shared + 1], ids) in have:
+            shared += 1
+        chain = chain[:max(shared, min(len(chain), max_tokens))]
+        keep = {self._chain_path(chain[:i], ids) for i in range(1, shared + 1)}
+        while len(paths) + len(chain) - shared > max_tokens:
+            drop = next((p for p in reversed(paths) if p not in keep
+                         and not any(q[:len(p)] == p and q != p for q in paths)), None)
+            if drop is None:
+                chain = chain[:max_tokens - len(paths) + shared]
+                break
+            paths.remove(drop)
+        return paths, chain
 
     def _best_first(self, top_p: list[list[float]], depth: int, budget: int) -> list[tuple[int, ...]]:
         """The ``budget`` rank paths of highest cumulative probability (prefix-closed)."""

@@ -38,14 +38,19 @@ class PromptLookup(Drafter):
             length.reset()
 
     def find(self, ids: list[int], max_tokens: int) -> tuple[list[int], int]:
-        """(continuation of the latest, longest n-gram match of the tail of ids, n)."""
+        """(continuation of the latest, longest n-gram match of the tail of ids, n).
+
+        The continuation is copied as an overlapping (LZ77-style) copy: when it reaches the end
+        of ``ids`` it goes on copying the tokens it has just produced, so text repeating with
+        period p drafts up to ``max_tokens`` tokens, not just p."""
         total = len(ids)
         for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
             tail = ids[total - n:]
             first = tail[0]
             for start in range(total - n - 1, -1, -1):  # latest match with a non-empty continuation
                 if ids[start] == first and ids[start:start + n] == tail:
-                    return ids[start + n:start + n + max_tokens], n
+                    period = total - n - start
+                    return [ids[start + n + i % period] for i in range(max_tokens)], n
         return [], 0
 
     def propose(self, committed, max_tokens, sampling, generator) -> Draft:

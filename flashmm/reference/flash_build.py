@@ -218,6 +218,8 @@ class FlashBuildConfig:
     tree / top_k / max_nodes: drafting options saved with the drafter (on the 2-core CPU a
     verification forward costs about the same for 4 to 12 drafted tokens and more beyond, so
     12 nodes, under the engine's default budget of 16). They do not affect training.
+    lookup_tokens: the n-gram lookup branch merged into each FLASH tree (drafting option: the
+    reference model's captions repeat phrases, and a lookup path drafts past the SAR depth).
     """
 
     seed: int = 0
@@ -244,6 +246,7 @@ class FlashBuildConfig:
     tree: str = "dynamic"
     top_k: int = 4
     max_nodes: int | None = 12
+    lookup_tokens: int = 8
 
     def __post_init__(self):
         for name in ("images", "videos", "vqa"):
@@ -305,7 +308,7 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
     drafter = FlashDrafter.from_target(model, num_queries=cfg.num_queries, tokens_per_step=cfg.tokens_per_step,
                                        sar_hidden_mult=cfg.sar_hidden_mult, seed=cfg.seed,
                                        compression=cfg.compression, tree=cfg.tree, top_k=cfg.top_k,
-                                       max_nodes=cfg.max_nodes)
+                                       max_nodes=cfg.max_nodes, lookup_tokens=cfg.lookup_tokens)
     result = train_flash(model, processor, features=features, drafter=drafter, epochs=cfg.epochs, lr=cfg.lr,
                          batch_size=cfg.batch_size, compression=cfg.compression, ce_weight=cfg.ce_weight,
                          feature_noise=cfg.feature_noise, warmup_steps=cfg.warmup_steps,
