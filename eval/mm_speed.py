@@ -345,8 +345,8 @@ def main(argv=None):
     from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
 
     model, processor = load_reference_llava()
-    options = {k: v for k, v in (("tree", args.tree), ("max_nodes", args.max_nodes),
-                                                      ("depth", args.depth), ("lookup_tokens", args.lookup_tokens)) if v is not None}
+    overrides = dict(tree=args.tree, max_nodes=args.max_nodes, depth=args.depth, lookup_tokens=args.lookup_tokens)
+    options = {k: v for k, v in overrides.items() if v is not None}
     if args.full_draft_head:
         options["draft_vocab"] = None
     flash = FlashDrafter.from_pretrained(args.flash, **options)
