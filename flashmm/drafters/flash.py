@@ -41,7 +41,7 @@ from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units
-from .prompt_lookup import PromptLookup
+from .prompt_lookup import ngram_continuation
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
 
@@ -113,7 +113,6 @@ class FlashDrafter(Drafter):
         self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
         self.draft_vocab = draft_vocab
         self.lookup_tokens = lookup_tokens
-        self._lookup = PromptLookup(max_ngram=3, min_ngram=2, max_draft_tokens=lookup_tokens)
         self._head = self._embed = None
         self._vocab = None                     # LongTensor [V'] of draft_vocab on the head's device
         self._reset_sequence()
@@ -245,7 +244,7 @@ class FlashDrafter(Drafter):
         dists = self._draft_distributions(predicted, depth)                     # [depth, V]
         chain = []
         if self.lookup_tokens:
-            chain, _ = self._lookup.find(committed[0].tolist(), min(self.lookup_tokens, max_tokens))
+            chain, _ = ngram_continuation(committed[0].tolist(), min(self.lookup_tokens, max_tokens), 3, 2)
         return self._make_draft(committed, dists, shape, chain, max_tokens)
 
     # ------------------------------------------------------------------ internals
@@ -330,20 +329,17 @@ class FlashDrafter(Drafter):
         top_p, top_ids = dists.topk(width, dim=-1)                              # [depth, W]
         ids = self._token_ids(top_ids).tolist()
         paths = arg if kind == "static" else self._best_first(top_p.tolist(), depth, arg)
-        paths, chain = self._fit_chain(list(paths), chain, ids, max_tokens)
+        chain = chain[:max_tokens]
+        paths, shared = self._fit_chain(list(paths), chain, ids, max_tokens)
         if not paths and not chain:
             return root_only(committed)
         ordered = sorted(set(paths), key=lambda p: (len(p), p))               # from_choices' node order
         tokens = [int(committed[0, -1])] + [ids[len(p) - 1][p[-1]] for p in ordered]
         tree = TokenTree.from_choices(paths) if paths else TokenTree.chain(0)
-        if chain:
-            index = {p: i + 1 for i, p in enumerate(ordered)}
-            parents, parent = tree.parents.tolist(), 0
-            for step, token in enumerate(chain):                               # the shared prefix is in paths
-                path = self._chain_path(chain[:step + 1], ids)
-                if path in index:
-                    parent = index[path]
-                    continue
+        if len(chain) > len(shared):                                           # new nodes below the shared ones
+            parents = tree.parents.tolist()
+            parent = ordered.index(shared[-1]) + 1 if shared else 0
+            for token in chain[len(shared):]:
                 parents.append(parent)
                 tokens.append(token)
                 parent = len(parents) - 1
@@ -351,36 +347,27 @@ class FlashDrafter(Drafter):
         return Draft(tokens=committed.new_tensor([tokens]), tree=tree, q_probs=None)
 
     @staticmethod
-    def _chain_path(chain: list[int], ids: list[list[int]]) -> tuple[int, ...] | None:
-        """The rank path of the FLASH node holding ``chain`` (tokens after the root), or None."""
-        path = []
-        for level, token in enumerate(chain):
-            if level >= len(ids) or token not in ids[level]:
-                return None
-            path.append(ids[level].index(token))
-        return tuple(path)
+    def _fit_chain(paths: list[tuple[int, ...]], chain: list[int], ids: list[list[int]],
+                   max_tokens: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """(FLASH paths kept, rank paths of the chain's leading tokens that are FLASH nodes).
 
-    def _fit_chain(self, paths: list[tuple[int, ...]], chain: list[int], ids: list[list[int]],
-                   max_tokens: int) -> tuple[list[tuple[int, ...]], list[int]]:
-        """Make room for the lookup chain's new nodes within ``max_tokens``: drop the FLASH nodes
-        chosen last (leaves first, never one the chain runs through); ``paths`` is in priority
-        order and prefix-closed, so what is left stays prefix-closed."""
-        if not chain:
-            return paths, chain
-        have = set(paths)
-        shared = 0
-        while shared < len(chain) and self._chain_path(chain[:shared + 1], ids) in have:
-            shared += 1
-        chain = chain[:max(shared, min(len(chain), max_tokens))]
-        keep = {self._chain_path(chain[:i], ids) for i in range(1, shared + 1)}
-        while len(paths) + len(chain) - shared > max_tokens:
-            drop = next((p for p in reversed(paths) if p not in keep
-                         and not any(q[:len(p)] == p and q != p for q in paths)), None)
-            if drop is None:
-                chain = chain[:max_tokens - len(paths) + shared]
+        The chain (no longer than ``max_tokens``) follows FLASH nodes while they hold its tokens;
+        room for its new nodes is made by dropping the FLASH nodes chosen last. ``paths`` is in
+        priority order with children after parents, so the last one off the chain is a leaf (a
+        node the chain runs through has only on-chain ancestors) and what is left stays
+        prefix-closed."""
+        have, shared = set(paths), []
+        for level, token in enumerate(chain[:len(ids)]):
+            if token not in ids[level]:
                 break
-            paths.remove(drop)
-        return paths, chain
+            path = (shared[-1] if shared else ()) + (ids[level].index(token),)
+            if path not in have:
+                break
+            shared.append(path)
+        on_chain = set(shared)
+        while len(paths) + len(chain) - len(shared) > max_tokens:
+            paths.remove(next(p for p in reversed(paths) if p not in on_chain))
+        return paths, shared
 
     def _best_first(self, top_p: list[list[float]], depth: int, budget: int) -> list[tuple[int, ...]]:
         """The ``budget`` rank paths of highest cumulative probability (prefix-closed)."""

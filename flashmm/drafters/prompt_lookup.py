@@ -8,6 +8,23 @@ from .base import Draft, Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength
 
 
+def ngram_continuation(ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """(continuation of the latest, longest n-gram match of the tail of ids, n), or ([], 0).
+
+    The continuation is copied as an overlapping (LZ77-style) copy: when it reaches the end
+    of ``ids`` it goes on copying the tokens it has just produced, so text repeating with
+    period p drafts up to ``max_tokens`` tokens, not just p."""
+    total = len(ids)
+    for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
+        tail = ids[total - n:]
+        first = tail[0]
+        for start in range(total - n - 1, -1, -1):  # latest match with a non-empty continuation
+            if ids[start] == first and ids[start:start + n] == tail:
+                period = total - n - start
+                return [ids[start + n + i % period] for i in range(max_tokens)], n
+    return [], 0
+
+
 @register
 class PromptLookup(Drafter):
     """Deterministic n-gram lookup over prompt + output (Saxena 2023; HF ``prompt_lookup_num_tokens``).
@@ -38,20 +55,8 @@ class PromptLookup(Drafter):
             length.reset()
 
     def find(self, ids: list[int], max_tokens: int) -> tuple[list[int], int]:
-        """(continuation of the latest, longest n-gram match of the tail of ids, n).
-
-        The continuation is copied as an overlapping (LZ77-style) copy: when it reaches the end
-        of ``ids`` it goes on copying the tokens it has just produced, so text repeating with
-        period p drafts up to ``max_tokens`` tokens, not just p."""
-        total = len(ids)
-        for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
-            tail = ids[total - n:]
-            first = tail[0]
-            for start in range(total - n - 1, -1, -1):  # latest match with a non-empty continuation
-                if ids[start] == first and ids[start:start + n] == tail:
-                    period = total - n - start
-                    return [ids[start + n + i % period] for i in range(max_tokens)], n
-        return [], 0
+        """(continuation of the latest, longest n-gram match of the tail of ids, n); see ngram_continuation."""
+        return ngram_continuation(ids, max_tokens, self.max_ngram, self.min_ngram)
 
     def propose(self, committed, max_tokens, sampling, generator) -> Draft:
         if committed.shape[0] != 1:
