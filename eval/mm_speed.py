@@ -5,7 +5,7 @@
 
 Tasks (flashmm.reference.flash_build formats every prompt exactly as training and
 CaptionPipeline do): image captioning and VQA on procedural scenes, video captioning (8 frames
-= 8 adjacent images, one visual span of 512 tokens), all from seeds < 1000 (the drafter trained
+given as 8 images, "Frame i:" lines: 8 visual spans of 64 tokens), all from seeds < 1000 (the drafter trained
 on seeds >= 10000), plus real photographs shipped by scikit-image (skimage/data).
 
 For every item the methods run back to back in a rotating order, greedy, so machine noise hits
@@ -41,7 +41,7 @@ from flashmm.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_ite
 
 PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
 TASK_ORDER = ("image", "video", "vqa", "photo")
-METHODS = ("flash", "flash_no_lookup", "flash_k1", "flash_none", "prompt_lookup")
+METHODS = ("flash", "flash_no_lookup", "flash_per_span", "flash_k1", "flash_none", "prompt_lookup")
 
 
 # ----------------------------------------------------------------------------------- items
@@ -176,19 +176,20 @@ def summarize(records: list[dict], names: list[str]) -> dict:
 
 # ----------------------------------------------------------------------------------- drafter prefill
 @torch.no_grad()
-def prefill_study(model, processor, items: list[dict], net, compressions=("learned", "none"),
-                  repeats: int = 3) -> dict:
-    """Time ``FlashDrafter.begin`` (the drafter's prefill over the prompt's units) per compression.
+def prefill_study(model, processor, items: list[dict], net, variants: dict, repeats: int = 3) -> dict:
+    """Time ``FlashDrafter.begin`` (the drafter's prefill over the prompt's units) per variant.
 
-    The target prefill and prompt features are computed once per item and shared; each begin is
+    variants: name -> FlashDrafter options (compression, pool_spans); one must be "none". The
+    target prefill and prompt features are computed once per item and shared; each begin is
     repeated ``repeats`` times in rotating order and the median kept. Returns per task (and
-    "all"): mean units and mean milliseconds per compression, and ratios against "none"."""
+    "all"): mean units and mean milliseconds per variant, and "none"'s over each."""
     from flashmm.targets import make_target  # noqa: PLC0415
 
     target = make_target(model, processor)
+    compressions = tuple(variants)
     drafters = {}
-    for c in compressions:
-        drafters[c] = FlashDrafter(net, compression=c)
+    for c, options in variants.items():
+        drafters[c] = FlashDrafter(net, **options)
         drafters[c].bind(target)
     rows = []
     for item in items:
@@ -290,14 +291,17 @@ def render_markdown(summary: dict, names: list[str], prefill: dict | None, info:
           "GenerationStats.\n", markdown_table(header, rows) + "\n"]
     if prefill is not None:
         comps = [k[:-3] for k in next(iter(prefill["by_task"].values())) if k.endswith("_ms")]
+        others = [c for c in comps if c != "none"]
         pheader = ["task", "n", "visual tokens"] + [f"{c} units" for c in comps] + [f"{c} ms" for c in comps] + \
-                  [f"none/{c} time" for c in comps if c != "none"]
+                  [f"none/{c} units" for c in others] + [f"none/{c} time" for c in others]
         prow = [[t, s["n"], s["visual_tokens"]] + [s[f"{c}_units"] for c in comps] + [s[f"{c}_ms"] for c in comps]
-                + [s.get(f"none_over_{c}_time", "-") for c in comps if c != "none"]
+                + [s[f"none_over_{c}_units"] for c in others] + [s[f"none_over_{c}_time"] for c in others]
                 for t, s in prefill["by_task"].items()]
         md += ["## Drafter prefill (FlashDrafter.begin over the prompt), per compression\n",
                "units = the drafter's context length after the prompt (text units + compressed visual units); "
-               "ms = median of the timed begin() calls per item, averaged over items.\n",
+               "ms = median of the timed begin() calls per item, averaged over items. learned = one learned "
+               "compression per visual span (image or frame), learned_poolP = the frames of a video pooled P at a "
+               "time by the same queries (FlashDrafter pool_spans), none = every visual token a unit.\n",
                markdown_table(pheader, prow) + "\n"]
     if notes:
         md += ["## Notes\n"] + [f"- {n}" for n in notes] + [""]
@@ -320,6 +324,8 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=None, help="override the drafters' deepest drafted position")
     ap.add_argument("--lookup-tokens", type=int, default=None,
                     help="override the drafters' n-gram lookup branch length (0: off)")
+    ap.add_argument("--pool-spans", type=int, default=None,
+                    help="override the drafters' pool_spans (video frames compressed together)")
     ap.add_argument("--full-draft-head", action="store_true",
                     help="score the whole vocabulary in the FLASH draft head (default: the drafter's saved "
                          "draft_vocab, a lossless restriction to the tokens worth drafting)")
@@ -345,7 +351,8 @@ def main(argv=None):
     from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
 
     model, processor = load_reference_llava()
-    overrides = dict(tree=args.tree, max_nodes=args.max_nodes, depth=args.depth, lookup_tokens=args.lookup_tokens)
+    overrides = dict(tree=args.tree, max_nodes=args.max_nodes, depth=args.depth, lookup_tokens=args.lookup_tokens,
+                     pool_spans=args.pool_spans)
     options = {k: v for k, v in overrides.items() if v is not None}
     if args.full_draft_head:
         options["draft_vocab"] = None
@@ -355,7 +362,8 @@ def main(argv=None):
     drafters = {"flash": flash}
     notes = [f"FLASH drafter: {args.flash} (K={flash.net.tokens_per_step}, num_queries="
              f"{flash.net.cfg.num_queries}, compression={flash.compression}, tree={flash.tree}, "
-             f"depth={flash.depth}, lookup_tokens={flash.lookup_tokens}, max_nodes={flash.max_nodes}, "
+             f"depth={flash.depth}, lookup_tokens={flash.lookup_tokens}, pool_spans={flash.pool_spans}, "
+             f"max_nodes={flash.max_nodes}, "
              f"min_path_prob={flash.min_path_prob}); "
              f"max_draft_tokens={args.max_draft_tokens}.", vocab_note]
     wanted = set(args.methods.split(","))
@@ -364,6 +372,10 @@ def main(argv=None):
     if "flash_no_lookup" in wanted and flash.lookup_tokens:
         drafters["flash_no_lookup"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "lookup_tokens": 0})
         notes.append("flash_no_lookup = the FLASH drafter without its n-gram lookup branch (lookup_tokens=0).")
+    if "flash_per_span" in wanted and flash.pool_spans > 1:
+        drafters["flash_per_span"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "pool_spans": 1})
+        notes.append(f"flash_per_span = the FLASH drafter compressing every video frame alone (pool_spans=1, "
+                     f"as in training) instead of {flash.pool_spans} frames together; images are one span either way.")
     if "flash_k1" in wanted and os.path.isdir(args.flash_k1):
         drafters["flash_k1"] = FlashDrafter.from_pretrained(args.flash_k1, **options)
     elif "flash_k1" in wanted:
@@ -371,7 +383,8 @@ def main(argv=None):
     if "flash_none" in wanted and args.flash_none:
         drafters["flash_none"] = FlashDrafter.from_pretrained(args.flash_none, **{**options, "compression": "none"})
     elif "flash_none" in wanted:
-        drafters["flash_none"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "compression": "none"})
+        drafters["flash_none"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "compression": "none",
+                                                                  "pool_spans": 1})
         notes.append("flash_none = the FLASH drafter's own weights run with compression='none' (training-free: "
                      "its visual-unit layer was trained on the learned compressor's outputs).")
     if "prompt_lookup" in wanted:
@@ -389,7 +402,11 @@ def main(argv=None):
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_text(json.dumps({"command": command, "records": records}, default=str))
     summary = summarize(records, names)
-    prefill = prefill_study(model, processor, items, flash.net, ("learned", "prune", "none"),
+    variants = {"learned": dict(compression="learned")}
+    if flash.pool_spans > 1:
+        variants[f"learned_pool{flash.pool_spans}"] = dict(compression="learned", pool_spans=flash.pool_spans)
+    variants.update(prune=dict(compression="prune"), none=dict(compression="none"))
+    prefill = prefill_study(model, processor, items, flash.net, variants,
                             args.prefill_repeats) if args.prefill_repeats > 0 else None
     info = machine()
     md = render_markdown(summary, names, prefill, info, command, notes)

@@ -15,7 +15,7 @@ import flashmm.engine
 from flashmm.drafters.base import Draft
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.prompt_lookup import PromptLookup
-from flashmm.drafters.flash_modules import FlashConfig, VisualCompressor, build_units, merge_adjacent, unit_layout
+from flashmm.drafters.flash_modules import FlashConfig, FlashNet, VisualCompressor, build_units, merge_adjacent, unit_layout
 from flashmm.sampling import warp_logits
 from flashmm.config import SamplingParams
 from flashmm.tree import TokenTree
@@ -252,6 +252,44 @@ def test_unit_layout():
         unit_layout(4, [(3, 3)])
 
 
+@pytest.mark.parametrize("compression", ["learned", "none"])
+def test_pooled_spans_compress_each_group_once(compression):
+    torch.manual_seed(3)
+    cfg = FlashConfig(hidden_size=16, vocab_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                      intermediate_size=32, num_queries=3, tokens_per_step=2)
+    net = FlashNet(cfg).double()
+    feats, embeds = torch.randn(15, 16, dtype=torch.float64), torch.randn(16, 16, dtype=torch.float64)
+    spans = [(2, 5), (6, 9), (10, 12)]
+    text = lambda *ts: net.text_units(embeds[[t + 1 for t in ts]], feats[list(ts)])  # noqa: E731
+    group = lambda *js: net.visual_units(net.compressor(torch.cat([feats[s:e] for s, e in (spans[j] for j in js)]),
+                                                       compression))  # noqa: E731
+    # written out by hand from the layout rule: a group's units sit where its last span sits
+    expected = {1: [text(0, 1), group(0), text(4, 5), group(1), text(8, 9), group(2), text(11, 12, 13)],
+                2: [text(0, 1, 4, 5), group(0, 1), text(8, 9), group(2), text(11, 12, 13)],
+                3: [text(0, 1, 4, 5, 8, 9), group(0, 1, 2), text(11, 12, 13)]}
+    for pool, pieces in expected.items():
+        units, text_pos = build_units(net, feats, embeds, 14, spans, compression, None, pool_spans=pool)
+        torch.testing.assert_close(units, torch.cat(pieces), rtol=0, atol=0)
+        assert text_pos[text_pos >= 0].tolist() == [0, 1, 4, 5, 8, 9, 11, 12, 13]
+    with pytest.raises(ValueError, match="pool_spans"):
+        build_units(net, feats, embeds, 14, spans, compression, None, pool_spans=0)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_greedy_exact_with_pooled_images(kind):
+    model, processor = mm.tiny_vlm(kind)
+    inputs = mm.make_inputs(processor, kind, images=3)
+    reference = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    units = {}
+    for pool in (1, 2):
+        drafter = drafter_for(model, 5, pool_spans=pool)
+        sm = flashmm.wrap(model, drafter, processor=processor)
+        assert torch.equal(sm.generate(**inputs, max_new_tokens=MAX_NEW), reference)
+        assert sm.last_stats.drafted_tokens > 0
+        units[pool] = drafter._num_units
+    assert units[2] == units[1] - 4  # spans 0 and 1 share their C = 4 units
+
+
 # ----------------------------------------------------------------------------------- persistence, binding
 def test_save_load_round_trip_gives_identical_drafts(text_target, tmp_path):
     drafter = drafter_for(text_target, 3, tree=STATIC_TREE, compression="prune")
@@ -325,7 +363,8 @@ def test_draft_vocab_is_lossless_and_only_drafts_its_tokens(text_target, k):
 @pytest.mark.parametrize("bad, match", [(dict(compression="zip"), "compression"), (dict(tree="bushy"), "tree"),
                                         (dict(tree=[[0], []]), "non-empty"), (dict(depth=0), "depth"),
                                         (dict(top_k=0), "top_k"), (dict(draft_vocab=[]), "draft_vocab"),
-                                        (dict(draft_vocab=[-1, 2]), "draft_vocab")])
+                                        (dict(draft_vocab=[-1, 2]), "draft_vocab"),
+                                        (dict(pool_spans=0), "pool_spans")])
 def test_option_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         FlashDrafter(None, **bad)

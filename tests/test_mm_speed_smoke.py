@@ -80,14 +80,18 @@ def test_benchmark_end_to_end(bench, tiny, tmp_path):
         r["flash"]["exact"] = False
     assert bench.summarize(broken, names)["all"]["flash"]["exact_rate"] == 0.0
 
-    prefill = bench.prefill_study(model, processor, items, net, ("learned", "none"), repeats=1)
+    variants = {"learned": dict(compression="learned"), "learned_pool4": dict(compression="learned", pool_spans=4),
+                "none": dict(compression="none")}
+    prefill = bench.prefill_study(model, processor, items, net, variants, repeats=1)
     video = [r for r in prefill["items"] if r["task"] == "video"][0]
     assert video["visual_tokens"] == 8 * 16  # 8 frames of 4x4 patches
-    # learned: each visual span becomes C = 4 units; none: one unit per visual token
+    # learned: each visual span becomes C = 4 units (pooled 4 frames at a time: 4 units per 4 frames);
+    # none: one unit per visual token
     assert video["none_units"] - video["learned_units"] == video["visual_tokens"] - 4 * video["visual_spans"]
+    assert video["learned_units"] - video["learned_pool4_units"] == 4 * video["visual_spans"] - 4 * 2
 
     md = bench.render_markdown(summary, names, prefill, {"cpu": "test"}, "cmd", ["a note"])
-    assert "| all |" in md and "flash_none" in md and "none/learned time" in md
+    assert "| all |" in md and "flash_none" in md and "none/learned time" in md and "none/learned_pool4 units" in md
     png = tmp_path / "hist.png"
     bench.histogram_png(summary, names[1:], str(png))
     assert Image.open(png).size == (760, 420)

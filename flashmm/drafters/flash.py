@@ -75,6 +75,9 @@ class FlashDrafter(Drafter):
     lookup_tokens: up to this many tokens of an n-gram match (last 3 or 2 committed tokens seen
                   earlier in prompt + output) added as one more tree path (0: off). Its new nodes
                   count against the engine's budget; the FLASH nodes of lowest priority make room.
+    pool_spans:   consecutive visual spans compressed together (a video given frame by frame as
+                  images: C units for every ``pool_spans`` frames instead of C per frame; see
+                  ``build_units``). 1: each span alone.
     """
 
     name = "flash"
@@ -83,7 +86,7 @@ class FlashDrafter(Drafter):
     def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, compression: str = "learned",
                  tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
                  max_nodes: int | None = None, min_path_prob: float = 0.0,
-                 draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0):
+                 draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0, pool_spans: int = 1):
         if isinstance(net, (str, os.PathLike)):
             net = FlashDrafter.from_pretrained(net).net
         if net is not None and not isinstance(net, FlashNet):
@@ -104,6 +107,8 @@ class FlashDrafter(Drafter):
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {lookup_tokens}")
+        if pool_spans < 1:
+            raise ValueError(f"pool_spans must be >= 1, got {pool_spans}")
         if draft_vocab is not None:
             draft_vocab = sorted({int(t) for t in draft_vocab})
             if not draft_vocab or draft_vocab[0] < 0:
@@ -112,7 +117,7 @@ class FlashDrafter(Drafter):
         self.compression, self.tree, self.depth, self.top_k = compression, tree, depth, top_k
         self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
         self.draft_vocab = draft_vocab
-        self.lookup_tokens = lookup_tokens
+        self.lookup_tokens, self.pool_spans = lookup_tokens, pool_spans
         self._head = self._embed = None
         self._vocab = None                     # LongTensor [V'] of draft_vocab on the head's device
         self._reset_sequence()
@@ -134,7 +139,7 @@ class FlashDrafter(Drafter):
     def drafting_options(self) -> dict:
         return dict(compression=self.compression, tree=self.tree, depth=self.depth, top_k=self.top_k,
                     max_nodes=self.max_nodes, min_path_prob=self.min_path_prob, draft_vocab=self.draft_vocab,
-                    lookup_tokens=self.lookup_tokens)
+                    lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write flash_config.json (sizes + drafting options) and flash_model.safetensors."""
@@ -215,9 +220,9 @@ class FlashDrafter(Drafter):
         embeds = start.input_embeds[0] if start.input_embeds is not None else self._embed(start.input_ids[0])
         length = feats.shape[0]
         units, _ = build_units(self.net, feats, embeds, length - 1, list(start.visual_spans),
-                               self.compression, query=feats[-1])
+                               self.compression, query=feats[-1], pool_spans=self.pool_spans)
         if units.shape[0]:
-            _, self._past = self._run(units[None], None)
+            self._past = self._run(units[None], None, predict=False)[1]
             self._num_units = units.shape[0]
         self._prompt_embeds = embeds
         self._pending = feats[length - 1:]
@@ -248,16 +253,18 @@ class FlashDrafter(Drafter):
         return self._make_draft(committed, dists, shape, chain, max_tokens)
 
     # ------------------------------------------------------------------ internals
-    def _run(self, units: torch.Tensor, past):
+    def _run(self, units: torch.Tensor, past, predict: bool = True):
         """units [1, T, d] after ``past`` (U units) → (predicted features [1, 1, K, d] at the last
-        unit, new past). Every caller reads the last unit only, so the SAR head runs there alone."""
+        unit, or None when not ``predict``; new past). Every caller reads the last unit only, so
+        the SAR head runs there alone (and not at all for the prompt: the first draft starts
+        from the unit of the token the prefill emits)."""
         start = 0 if past is None else past[0].shape[2]
         length = units.shape[1]
         positions = torch.arange(start, start + length, device=units.device)
         mask = torch.ones(length, start + length, dtype=torch.bool, device=units.device)
         mask[:, start:] = torch.tril(mask[:, start:])
         out, present = self.net.block(units, positions, mask[None, None], past)
-        return self.net.predict(out[:, -1:]), present
+        return (self.net.predict(out[:, -1:]) if predict else None), present
 
     def _next_embeds(self, committed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Input embeddings of x_{t+1} for text positions t [P] → [P, d] (prompt rows merged)."""

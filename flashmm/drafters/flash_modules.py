@@ -305,14 +305,19 @@ def unit_layout(num_text: int, spans: list[tuple[int, int]]) -> list[tuple[str, 
 
 def build_units(net: FlashNet, features: torch.Tensor, input_embeds: torch.Tensor, num_text: int,
                 spans: list[tuple[int, int]], compression: str,
-                query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                query: torch.Tensor | None, pool_spans: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The unit sequence of one prompt (or a whole training sequence).
 
     features [L, d] (f_t), input_embeds [L', d] (L' >= num_text + 1; row t+1 is the input after
     position t), num_text: how many text positions get units (those with a known next input).
+    pool_spans: consecutive visual spans compressed together (video frames given as images share
+    most of their content): spans j*P .. j*P+P-1 are concatenated and compressed as one, their
+    units placed where the group's last span sits; 1 compresses each span alone.
     Returns (units [U, d], text_pos LongTensor [U] with the text position of each unit, -1 for
     visual units).
     """
+    if pool_spans < 1:
+        raise ValueError(f"pool_spans must be >= 1, got {pool_spans}")
     pieces, text_pos = [], []
     run: list[int] = []
 
@@ -327,9 +332,12 @@ def build_units(net: FlashNet, features: torch.Tensor, input_embeds: torch.Tenso
         if kind == "text":
             run.append(i)
             continue
+        first, last = i - i % pool_spans, min(i - i % pool_spans + pool_spans, len(spans)) - 1
+        if i != last:
+            continue  # compressed with the rest of its group
         flush()
-        s, e = spans[i]
-        compressed = net.compressor(features[s:e], compression, query)
+        group = [features[s:e] for s, e in spans[first:last + 1]]
+        compressed = net.compressor(group[0] if len(group) == 1 else torch.cat(group), compression, query)
         pieces.append(net.visual_units(compressed))
         text_pos.extend([-1] * compressed.shape[0])
     flush()

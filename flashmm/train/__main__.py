@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-queries", type=int, default=64, help="compressed visual tokens per span")
     p.add_argument("--tokens-per-step", type=int, default=5, help="K, features predicted per SAR pass")
     p.add_argument("--compression", default="learned", choices=["learned", "prune", "merge", "none"])
+    p.add_argument("--pool-spans", type=int, default=1,
+                   help="visual spans compressed together (videos given frame by frame as images)")
     p.add_argument("--num-frames", type=int, default=None, help="frames sampled per video (default 8)")
     p.add_argument("--fps", type=float, default=None, help="sample videos at this rate instead")
     p.add_argument("--ce-max-rows", type=int, default=None,
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     result = train_flash(model, processor, records, out_dir=args.out, epochs=args.epochs, lr=args.lr,
                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                          num_queries=args.num_queries, tokens_per_step=args.tokens_per_step,
-                         compression=args.compression, num_frames=args.num_frames, fps=args.fps,
+                         compression=args.compression, pool_spans=args.pool_spans, num_frames=args.num_frames, fps=args.fps,
                          ce_max_rows=args.ce_max_rows, seed=args.seed, resume=args.resume,
                          progress=not args.no_progress)
     if result.epoch_losses:

@@ -37,7 +37,8 @@ class FlashObjective(nn.Module):
     """Wraps the FlashNet so one ``forward`` computes the training loss (DDP needs a forward)."""
 
     def __init__(self, net: FlashNet, compression: str = "learned", ce_weight: float = 0.1,
-                 feature_noise: float = 0.1, ce_max_rows: int | None = None, slot_decay: float = 1.0):
+                 feature_noise: float = 0.1, ce_max_rows: int | None = None, slot_decay: float = 1.0,
+                 pool_spans: int = 1):
         super().__init__()
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
@@ -46,7 +47,7 @@ class FlashObjective(nn.Module):
         if not 0 < slot_decay <= 1:
             raise ValueError(f"slot_decay must be in (0, 1], got {slot_decay}")
         self.slot_decay = slot_decay
-        self.net, self.compression = net, compression
+        self.net, self.compression, self.pool_spans = net, compression, pool_spans
         self.ce_weight, self.feature_noise, self.ce_max_rows = ce_weight, feature_noise, ce_max_rows
 
     def forward(self, batch: list[FeatureRecord], head_weight: torch.Tensor,
@@ -65,7 +66,7 @@ class FlashObjective(nn.Module):
                 noisy = feats + (torch.rand_like(feats) * 2 - 1) * self.feature_noise * rms
             length = feats.shape[0]
             seq, text_pos = build_units(net, noisy, embeds, length - 1, rec.visual_spans, self.compression,
-                                        query=noisy[rec.prompt_len - 1])
+                                        query=noisy[rec.prompt_len - 1], pool_spans=self.pool_spans)
             units.append(seq)
             j = text_pos[:, None] + 1 + torch.arange(k)                                  # [U, K] target positions
             valid = (text_pos[:, None] >= 0) & (j >= rec.prompt_len) & (j < length)
@@ -140,7 +141,7 @@ def _latest_checkpoint(out_dir: str) -> str | None:
 def evaluate_loss(drafter: FlashDrafter, model: nn.Module, records: list[FeatureRecord], batch_size: int = 8,
                   compression: str | None = None) -> dict:
     """Mean loss terms of ``drafter`` on recorded ``records`` (no noise, no gradients)."""
-    objective = FlashObjective(drafter.net, compression or drafter.compression).eval()
+    objective = FlashObjective(drafter.net, compression or drafter.compression, pool_spans=drafter.pool_spans).eval()
     head = model.get_output_embeddings()
     totals, count = {"loss": 0.0, "feature_loss": 0.0, "ce_loss": 0.0}, 0
     with torch.no_grad():
@@ -156,7 +157,7 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
                 features: list[FeatureRecord] | None = None, drafter: FlashDrafter | None = None,
                 out_dir: str | os.PathLike | None = None, epochs: int = 1, lr: float = 1e-3,
                 batch_size: int = 4, max_new_tokens: int = 64, num_queries: int = 64, tokens_per_step: int = 5,
-                compression: str = "learned", ce_weight: float = 0.1, feature_noise: float = 0.1,
+                compression: str = "learned", pool_spans: int = 1, ce_weight: float = 0.1, feature_noise: float = 0.1,
                 weight_decay: float = 0.0, grad_clip: float = 0.5, warmup_steps: int = 0,
                 ce_max_rows: int | None = None, slot_decay: float = 1.0, seed: int = 0,
                 resume: bool = False, num_frames: int | None = None, fps: float | None = None,
@@ -167,6 +168,7 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
     ``out_dir/features``), or ``features`` already recorded. drafter: continue training this one
     (default: ``FlashDrafter.from_target(model, num_queries, tokens_per_step, seed=seed)``).
     resume: restart from the latest ``out_dir/checkpoints/epoch-*``.
+    pool_spans: visual spans compressed together (``build_units``), saved with the drafter.
     ce_max_rows: estimate the cross-entropy term on at most this many random (position, slot)
     rows per batch (the LM head costs rows x vocabulary; large vocabularies on CPU).
     slot_decay: weight the SAR slot i's loss terms by slot_decay**i (1: all slots alike; < 1
@@ -195,9 +197,9 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
                                        progress=progress and accelerator.is_main_process)
     if drafter is None:
         drafter = FlashDrafter.from_target(model, num_queries=num_queries, tokens_per_step=tokens_per_step,
-                                           seed=seed, compression=compression)
+                                           seed=seed, compression=compression, pool_spans=pool_spans)
     objective = FlashObjective(drafter.net.float(), compression, ce_weight, feature_noise, ce_max_rows,
-                               slot_decay).train()
+                               slot_decay, pool_spans).train()
     loader = torch.utils.data.DataLoader(FeatureDataset(features), batch_size=batch_size, shuffle=True,
                                          collate_fn=collate_records,
                                          generator=torch.Generator().manual_seed(seed))
