@@ -5,8 +5,8 @@
 
 Tasks (flashmm.reference.flash_build formats every prompt exactly as training and
 CaptionPipeline do): image captioning and VQA on procedural scenes, video captioning (8 frames
-given as 8 images, "Frame i:" lines: 8 visual spans of 64 tokens), all from seeds < 1000 (the drafter trained
-on seeds >= 10000), plus real photographs shipped by scikit-image (skimage/data).
+given as 8 images on "Frame i:" lines: 8 visual spans of 64 tokens), all from seeds < 1000 (the
+drafter trained on seeds >= 10000), plus real photographs shipped by scikit-image (skimage/data).
 
 For every item the methods run back to back in a rotating order, greedy, so machine noise hits
 all of them alike; plain is also run with max_new_tokens=1 to time the prefill, which gives

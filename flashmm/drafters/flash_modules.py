@@ -332,7 +332,8 @@ def build_units(net: FlashNet, features: torch.Tensor, input_embeds: torch.Tenso
         if kind == "text":
             run.append(i)
             continue
-        first, last = i - i % pool_spans, min(i - i % pool_spans + pool_spans, len(spans)) - 1
+        first = i - i % pool_spans
+        last = min(first + pool_spans, len(spans)) - 1
         if i != last:
             continue  # compressed with the rest of its group
         flush()
