@@ -114,6 +114,20 @@ def test_incremental_state_matches_full_forward_text(text_target, k):
         torch.testing.assert_close(predicted, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_prompt_prefill_skips_the_sar_head(text_target):
+    """begin() only fills the drafter's cache: the first draft starts from the prefill's token."""
+    drafter = drafter_for(text_target, 5)
+    calls, after_begin = [], []
+    hook = drafter.net.sar.register_forward_hook(lambda *args: calls.append(1))
+    begin = drafter.begin
+    drafter.begin = lambda start: (begin(start), after_begin.append(len(calls)))
+    try:
+        flashmm.wrap(text_target, drafter).generate(prompt(12, seed=5), max_new_tokens=8)
+    finally:
+        hook.remove()
+    assert after_begin == [0] and calls  # none in the prefill, one per draft afterwards
+
+
 def test_incremental_state_matches_full_forward_llava():
     model, processor = mm.tiny_vlm("llava")
     inputs = mm.make_inputs(processor, "llava", images=1)
