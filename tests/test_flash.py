@@ -15,7 +15,8 @@ import flashmm.engine
 from flashmm.drafters.base import Draft
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.prompt_lookup import PromptLookup
-from flashmm.drafters.flash_modules import FlashConfig, FlashNet, VisualCompressor, build_units, merge_adjacent, unit_layout
+from flashmm.drafters.flash_modules import (FlashConfig, FlashNet, VisualCompressor, build_units, merge_adjacent,
+                                            unit_layout)
 from flashmm.sampling import warp_logits
 from flashmm.config import SamplingParams
 from flashmm.tree import TokenTree

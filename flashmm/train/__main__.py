@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     result = train_flash(model, processor, records, out_dir=args.out, epochs=args.epochs, lr=args.lr,
                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                          num_queries=args.num_queries, tokens_per_step=args.tokens_per_step,
-                         compression=args.compression, pool_spans=args.pool_spans, num_frames=args.num_frames, fps=args.fps,
+                         compression=args.compression, pool_spans=args.pool_spans,
+                         num_frames=args.num_frames, fps=args.fps,
                          ce_max_rows=args.ce_max_rows, seed=args.seed, resume=args.resume,
                          progress=not args.no_progress)
     if result.epoch_losses:

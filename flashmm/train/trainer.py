@@ -141,7 +141,8 @@ def _latest_checkpoint(out_dir: str) -> str | None:
 def evaluate_loss(drafter: FlashDrafter, model: nn.Module, records: list[FeatureRecord], batch_size: int = 8,
                   compression: str | None = None) -> dict:
     """Mean loss terms of ``drafter`` on recorded ``records`` (no noise, no gradients)."""
-    objective = FlashObjective(drafter.net, compression or drafter.compression, pool_spans=drafter.pool_spans).eval()
+    objective = FlashObjective(drafter.net, compression or drafter.compression,
+                               pool_spans=drafter.pool_spans).eval()
     head = model.get_output_embeddings()
     totals, count = {"loss": 0.0, "feature_loss": 0.0, "ce_loss": 0.0}, 0
     with torch.no_grad():
@@ -157,8 +158,8 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
                 features: list[FeatureRecord] | None = None, drafter: FlashDrafter | None = None,
                 out_dir: str | os.PathLike | None = None, epochs: int = 1, lr: float = 1e-3,
                 batch_size: int = 4, max_new_tokens: int = 64, num_queries: int = 64, tokens_per_step: int = 5,
-                compression: str = "learned", pool_spans: int = 1, ce_weight: float = 0.1, feature_noise: float = 0.1,
-                weight_decay: float = 0.0, grad_clip: float = 0.5, warmup_steps: int = 0,
+                compression: str = "learned", pool_spans: int = 1, ce_weight: float = 0.1,
+                feature_noise: float = 0.1, weight_decay: float = 0.0, grad_clip: float = 0.5, warmup_steps: int = 0,
                 ce_max_rows: int | None = None, slot_decay: float = 1.0, seed: int = 0,
                 resume: bool = False, num_frames: int | None = None, fps: float | None = None,
                 build_inputs: Callable | None = None, progress: bool = True, accelerator=None) -> TrainResult:
