@@ -381,7 +381,8 @@ def main(argv=None):
     elif "flash_k1" in wanted:
         notes.append(f"no K=1 drafter at {args.flash_k1}: row skipped.")
     if "flash_none" in wanted and args.flash_none:
-        drafters["flash_none"] = FlashDrafter.from_pretrained(args.flash_none, **{**options, "compression": "none"})
+        drafters["flash_none"] = FlashDrafter.from_pretrained(args.flash_none, **{**options, "compression": "none",
+                                                                                  "pool_spans": 1})
     elif "flash_none" in wanted:
         drafters["flash_none"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "compression": "none",
                                                                   "pool_spans": 1})
