@@ -14,8 +14,11 @@ t(1), the plain per-token decode time in the same run. Per task and method: τ (
 verification forward, bonus included), tokens/s, speedup over plain (total tokens / total
 time), the median per-item speedup, exact-match rate against plain greedy, per-step verify and
 draft times from GenerationStats, and the CPU bound τ·t(1) / (t(verify) + t(draft)) beside the
-measured decode-phase speedup (prefill excluded for both). Separately: the FLASH drafter's own
-prefill (``FlashDrafter.begin`` on the prompt) with each visual compression, timed directly.
+measured decode-phase speedup (prefill excluded for both). On CPU flashmm's tree forwards
+multiply through oneDNN (flashmm.onednn); two reference rows separate that from speculation:
+plain_onednn (the plain ``generate`` with every linear layer on oneDNN, prefill included) and
+flash_torch_linear (FLASH with the model's own linear layers). Separately: the FLASH drafter's
+own prefill (``FlashDrafter.begin`` on the prompt) with each visual compression, timed directly.
 Outputs: OUT.json, OUT.md and OUT_accept_hist.png (acceptance-length histogram, drawn with PIL).
 """
 from __future__ import annotations
@@ -37,11 +40,13 @@ from common import machine, markdown_table, median, timed, write_results  # noqa
 import flashmm  # noqa: E402
 from flashmm.drafters.base import SequenceStart  # noqa: E402
 from flashmm.drafters.flash import FlashDrafter  # noqa: E402
+from flashmm.onednn import OneDNNLinears, resolve_linear_backend  # noqa: E402
 from flashmm.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_items  # noqa: E402
 
 PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
 TASK_ORDER = ("image", "video", "vqa", "photo")
-METHODS = ("flash", "flash_no_lookup", "flash_per_span", "flash_k1", "flash_none", "prompt_lookup")
+METHODS = ("flash", "flash_no_lookup", "flash_per_span", "flash_k1", "flash_none", "prompt_lookup",
+           "plain_onednn", "flash_torch_linear")
 
 
 # ----------------------------------------------------------------------------------- items
@@ -78,16 +83,24 @@ def benchmark_items(images: int, videos: int, vqa: int, photos: int, first_seed:
 
 
 # ----------------------------------------------------------------------------------- methods
-def build_methods(model, processor, drafters: dict, **spec) -> tuple[dict, dict]:
+def build_methods(model, processor, drafters: dict, plain_onednn: bool = False, **spec) -> tuple[dict, dict]:
     """(callables name -> fn(inputs, max_new_tokens) -> ids, wrapped name -> SpeculativeModel).
 
-    drafters: name -> a flashmm Drafter (or registered name); spec: SpecConfig fields."""
+    drafters: name -> a flashmm Drafter (or registered name), or (drafter, flashmm.wrap options);
+    plain_onednn: add the plain ``generate`` with every linear layer on oneDNN; spec: SpecConfig fields."""
     def plain(inputs, n):
         return model.generate(**inputs, max_new_tokens=n, do_sample=False)
 
+    def plain_on_onednn(inputs, n):
+        with OneDNNLinears(model):
+            return plain(inputs, n)
+
     methods, wrapped = {"plain": plain}, {}
+    if plain_onednn:
+        methods["plain_onednn"] = plain_on_onednn
     for name, drafter in drafters.items():
-        sm = flashmm.wrap(model, drafter, processor=processor, **spec)
+        drafter, options = drafter if isinstance(drafter, tuple) else (drafter, {})
+        sm = flashmm.wrap(model, drafter, processor=processor, **options, **spec)
         wrapped[name] = sm
         methods[name] = (lambda sm: lambda inputs, n: sm.generate(**inputs, max_new_tokens=n))(sm)
     return methods, wrapped
@@ -390,7 +403,17 @@ def main(argv=None):
                      "its visual-unit layer was trained on the learned compressor's outputs).")
     if "prompt_lookup" in wanted:
         drafters["prompt_lookup"] = "prompt_lookup"
-    methods, wrapped = build_methods(model, processor, drafters, max_draft_tokens=args.max_draft_tokens)
+    on_onednn = resolve_linear_backend("auto", model) == "onednn"
+    if "flash_torch_linear" in wanted and on_onednn:
+        drafters["flash_torch_linear"] = (FlashDrafter(flash.net, **flash.drafting_options()), dict(linear="torch"))
+        notes.append("flash_torch_linear = FLASH with the model's own linear layers in the tree forwards "
+                     "(linear='torch'); every other flashmm row multiplies through oneDNN (linear='auto').")
+    if "plain_onednn" in wanted and on_onednn:
+        notes.append("plain_onednn = plain `model.generate` with every linear layer on oneDNN (flashmm.onednn."
+                     "OneDNNLinears, prefill included): the baseline given the same matrix multiply as flashmm; "
+                     "flash speedup / plain_onednn speedup = what speculation alone buys.")
+    methods, wrapped = build_methods(model, processor, drafters, plain_onednn="plain_onednn" in wanted and on_onednn,
+                                     max_draft_tokens=args.max_draft_tokens)
     names = list(methods)
 
     items, photo_source = benchmark_items(args.images, args.videos, args.vqa, args.photos, args.first_seed)
@@ -403,6 +426,9 @@ def main(argv=None):
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_text(json.dumps({"command": command, "records": records}, default=str))
     summary = summarize(records, names)
+    if "plain_onednn" in names and "flash" in names:
+        notes.append("flash over plain_onednn (speculation alone, end to end): " + ", ".join(
+            f"{task} {s['flash']['speedup'] / s['plain_onednn']['speedup']:.2f}x" for task, s in summary.items()))
     variants = {"learned": dict(compression="learned")}
     if flash.pool_spans > 1:
         variants[f"learned_pool{flash.pool_spans}"] = dict(compression="learned", pool_spans=flash.pool_spans)

@@ -21,7 +21,7 @@ class SpeculativeModel:
     """
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, processor=None, attention: str = "auto",
-                 **config):
+                 linear: str = "auto", **config):
         unknown = set(config) - _SPEC_FIELDS
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; SpecConfig fields are {sorted(_SPEC_FIELDS)}")
@@ -30,7 +30,7 @@ class SpeculativeModel:
         self.model = model
         self.processor = processor
         self.spec = SpecConfig(**config)
-        self.target = make_target(model, processor=processor, attention=attention)
+        self.target = make_target(model, processor=processor, attention=attention, linear=linear)
         self.drafter = drafter
         drafter.bind(self.target)
         self.last_stats: GenerationStats | None = None
@@ -90,14 +90,16 @@ class SpeculativeModel:
 
 
 def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attention: str = "auto",
-         **config) -> SpeculativeModel:
+         linear: str = "auto", **config) -> SpeculativeModel:
     """Wrap ``model`` for speculative decoding with ``drafter`` (an instance or a registered name).
 
     config: SpecConfig fields (verifier, max_draft_tokens, ...). ``attention`` picks the tree
-    attention path: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+    attention path: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". ``linear``
+    picks how the tree forwards' linear layers multiply: "auto" (oneDNN for an fp32 model on
+    CPU, see flashmm.onednn; torch elsewhere), "onednn" or "torch" (the model's own layers).
     """
     if isinstance(drafter, str):
         drafter = make_drafter(drafter)
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter must be a flashmm Drafter or a registered name, got {type(drafter).__name__}")
-    return SpeculativeModel(model, drafter, processor=processor, attention=attention, **config)
+    return SpeculativeModel(model, drafter, processor=processor, attention=attention, linear=linear, **config)

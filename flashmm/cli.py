@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="verification rule (auto); typical_lossy is NOT lossless")
     cap.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
                      help="tree attention: auto = Triton on CUDA, PyTorch elsewhere")
+    cap.add_argument("--linear", default="auto", choices=("auto", "onednn", "torch"),
+                     help="tree forwards' linear layers: auto = oneDNN for fp32 on CPU, the model's own elsewhere")
     cap.add_argument("--device", help="e.g. cuda, cpu (default: where the model loads)")
     cap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="model dtype (as saved)")
     cap.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -153,7 +155,7 @@ def _build_pipeline(args):
     drafter = None if args.drafter.lower() == "none" else args.drafter
     dtype = args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
     return CaptionPipeline(args.model, drafter=drafter, device=args.device, dtype=dtype, attention=args.attention,
-                           **spec)
+                           linear=args.linear, **spec)
 
 
 def _caption_all(pipe, todo: list[str], args) -> int:

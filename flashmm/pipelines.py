@@ -248,12 +248,12 @@ class CaptionPipeline:
                   saved FlashDrafter (flash_config.json), or None: the model's own ``generate``.
     processor:    the model's processor (None: AutoProcessor from model_or_dir).
     device, dtype: where / in what dtype to load a model given as a directory.
-    attention, **spec_config: passed to ``flashmm.wrap`` (SpecConfig fields: verifier,
+    attention, linear, **spec_config: passed to ``flashmm.wrap`` (SpecConfig fields: verifier,
                   max_draft_tokens, ...).
     """
 
     def __init__(self, model_or_dir, drafter=None, processor=None, *, device=None, dtype=None,
-                 attention: str = "auto", **spec_config):
+                 attention: str = "auto", linear: str = "auto", **spec_config):
         if isinstance(model_or_dir, (str, os.PathLike)):
             model = load_model(model_or_dir, device=device, dtype=dtype)
             if processor is None:
@@ -273,7 +273,8 @@ class CaptionPipeline:
         self.drafter = resolve_drafter(drafter, device=getattr(model, "device", None))
         self.spec_model = None
         if self.drafter is not None:
-            self.spec_model = wrap(model, self.drafter, processor=processor, attention=attention, **spec_config)
+            self.spec_model = wrap(model, self.drafter, processor=processor, attention=attention, linear=linear,
+                                   **spec_config)
         self.video_input = self._has_video_path()
 
     def _has_video_path(self) -> bool:

@@ -16,6 +16,7 @@ from PIL import Image
 
 import mm_models as mm
 from flashmm.drafters.flash import FlashDrafter
+from flashmm.onednn import onednn_available
 from flashmm.reference.flash_build import item_inputs, make_items, training_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +52,11 @@ def test_benchmark_end_to_end(bench, tiny, tmp_path):
     items = (make_items("image", [0]) + make_items("video", [1]) + make_items("vqa", [2]))
     net = FlashDrafter.from_target(model, num_queries=4, tokens_per_step=3, seed=0).net
     drafters = {"flash": FlashDrafter(net, tree="chain"), "flash_none": FlashDrafter(net, compression="none"),
-                "prompt_lookup": "prompt_lookup"}
-    methods, wrapped = bench.build_methods(model, processor, drafters, max_draft_tokens=8)
+                "prompt_lookup": "prompt_lookup",
+                "flash_torch_linear": (FlashDrafter(net, tree="chain"), dict(linear="torch"))}
+    methods, wrapped = bench.build_methods(model, processor, drafters, plain_onednn=onednn_available(),
+                                           max_draft_tokens=8)
+    assert wrapped["flash_torch_linear"].target.linear_backend == "torch"
     records = bench.run_benchmark(model, processor, items, methods, wrapped, MAX_NEW, progress=False)
     names = list(methods)
     assert len(records) == 3 and {r["task"] for r in records} == {"image", "video", "vqa"}

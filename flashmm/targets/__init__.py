@@ -18,13 +18,13 @@ def register_adapter(predicate):
     return deco
 
 
-def make_target(model: torch.nn.Module, processor=None, attention: str = "auto") -> Target:
+def make_target(model: torch.nn.Module, processor=None, attention: str = "auto", linear: str = "auto") -> Target:
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"flashmm.wrap expects a Hugging Face model, got {type(model).__name__}")
     for predicate, cls in _ADAPTERS:
         if predicate(model):
-            return cls(model, processor=processor, attention=attention)
-    return CausalLMTarget(model, attention=attention)
+            return cls(model, processor=processor, attention=attention, linear=linear)
+    return CausalLMTarget(model, attention=attention, linear=linear)
 
 
 __all__ = ["Target", "TargetOutput", "CausalLMTarget", "make_target", "register_adapter"]

@@ -24,11 +24,11 @@ class LlavaTarget(VisualTarget):
 
     processor_classes = ("LlavaProcessor",)
 
-    def __init__(self, model, processor=None, attention: str = "auto"):
+    def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
         vision = model.config.vision_config
         self.patches_per_side = vision.image_size // vision.patch_size
         self.select_strategy = model.config.vision_feature_select_strategy
-        super().__init__(model, processor=processor, attention=attention)
+        super().__init__(model, processor=processor, attention=attention, linear=linear)
 
     # ------------------------------------------------------------------ checks
     def check_media(self, input_ids: torch.Tensor, model_inputs: dict) -> None:

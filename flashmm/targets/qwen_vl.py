@@ -31,10 +31,10 @@ class QwenVLTarget(VisualTarget):
     frames_split = False  # Qwen3-VL: videos split into one run per temporal patch
     explicit_chain_positions = True  # M-RoPE offsets: never let the model derive positions
 
-    def __init__(self, model, processor=None, attention: str = "auto"):
+    def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
         self.merge = model.config.vision_config.spatial_merge_size
         self._rope_delta: torch.Tensor | None = None  # LongTensor [B, 1] of the current sequence
-        super().__init__(model, processor=processor, attention=attention)
+        super().__init__(model, processor=processor, attention=attention, linear=linear)
 
     # ------------------------------------------------------------------ positions
     def prompt_position_ids(self, input_ids: torch.Tensor, attention_mask, model_inputs: dict):

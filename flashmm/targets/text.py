@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from contextlib import nullcontext
+
 from .. import cache as kv
+from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..tree import TokenTree
 from .base import Target, TargetOutput
 
@@ -20,7 +23,7 @@ class CausalLMTarget(Target):
     Multimodal adapters subclass it and override ``prefill`` and ``tree_position_ids``.
     """
 
-    def __init__(self, model: torch.nn.Module, attention: str = "auto"):
+    def __init__(self, model: torch.nn.Module, attention: str = "auto", linear: str = "auto"):
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise TypeError(
                 f"{type(model).__name__} has no language-model head; flashmm needs a causal LM "
@@ -32,6 +35,8 @@ class CausalLMTarget(Target):
         from ..kernels import resolve_backend  # noqa: PLC0415 (imports no triton)
 
         self.backend = resolve_backend(attention, self.device)
+        self.linear_backend = resolve_linear_backend(linear, model)
+        self._linears = nullcontext()
         self._previous_attention = None
         self._cache = None
         self._tree_prefix_len = None
@@ -56,8 +61,11 @@ class CausalLMTarget(Target):
 
     def start_sequence(self) -> None:
         """A fresh cache; with the Triton backend, the model's attention switched to the tree
-        kernel for this generation only (release() restores the user's implementation)."""
+        kernel for this generation only (release() restores the user's implementation); with
+        the oneDNN linear backend, the layers its tree forwards route (see flashmm.onednn)."""
         self._cache = kv.new_cache()
+        if self.linear_backend == "onednn":
+            self._linears = OneDNNLinears(self.model)
         if self.backend == "triton" and self._previous_attention is None:
             from ..kernels import enable_tree_attention  # noqa: PLC0415
 
@@ -76,7 +84,8 @@ class CausalLMTarget(Target):
         self._tree_prefix_len = prefix_len
         args = dict(input_ids=tokens, past_key_values=self._cache, use_cache=True,
                     output_hidden_states=want_hidden, **self.tree_forward_args(tree, prefix_len, tokens.shape[0]))
-        out = self.model(**args)
+        with self._linears:
+            out = self.model(**args)
         hidden = out.hidden_states[-1] if want_hidden else None
         return TargetOutput(out.logits, hidden)
 

@@ -46,8 +46,9 @@ class VisualTarget(CausalLMTarget):
 
     processor_classes: tuple[str, ...] = ()
 
-    def __init__(self, model: torch.nn.Module, processor=None, attention: str = "auto"):
-        super().__init__(model, attention=attention)
+    def __init__(self, model: torch.nn.Module, processor=None, attention: str = "auto",
+                 linear: str = "auto"):
+        super().__init__(model, attention=attention, linear=linear)
         config = model.config
         self.image_token_id = _config_id(config, "image_token_id", "image_token_index")
         self.video_token_id = _config_id(config, "video_token_id", "video_token_index")

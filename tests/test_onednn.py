@@ -1,0 +1,90 @@
+"""oneDNN linear routing: products checked in float64, routing scoped to tree forwards, output exact."""
+import pytest
+import torch
+
+import flashmm
+import flashmm.onednn as onednn
+from flashmm.drafters import DraftModel, PromptLookup
+from flashmm.onednn import OneDNNLinears, resolve_linear_backend
+
+from text_models import prompt, tiny_lm
+
+needs_onednn = pytest.mark.skipif(not onednn.onednn_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 13, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_product_matches_float64(rows, bias):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(96, 160, bias=bias)
+    x = torch.randn(1, rows, 96)
+    exact = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+    with torch.no_grad(), OneDNNLinears(layer) as routed:
+        assert len(routed.routes) == 1
+        y = layer(x)
+        y_strided = layer(x.transpose(1, 2).contiguous().transpose(1, 2))  # same values, strided
+    assert y.shape == (1, rows, 160) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-5)
+    torch.testing.assert_close(y_strided, y, rtol=0, atol=0)
+
+
+@needs_onednn
+def test_routes_only_plain_fp32_layers_and_restores_them():
+    class Quantized(torch.nn.Linear):
+        pass
+
+    hooked = torch.nn.Linear(8, 8)
+    hooked.forward = lambda x: x  # what an accelerate offload hook does: an instance forward
+    model = torch.nn.ModuleDict(dict(plain=torch.nn.Linear(8, 8), sub=Quantized(8, 8), hooked=hooked,
+                                     bf16=torch.nn.Linear(8, 8).to(torch.bfloat16)))
+    routes = OneDNNLinears(model)
+    assert [layer for layer, _ in routes.routes] == [model["plain"]]
+    with routes:
+        assert "forward" in model["plain"].__dict__
+    assert "forward" not in model["plain"].__dict__
+    assert model["hooked"].__dict__["forward"] is not None  # left as it was
+
+
+def test_resolve_linear_backend():
+    model = tiny_lm("llama")
+    expected = "onednn" if onednn.onednn_available() else "torch"
+    assert resolve_linear_backend("auto", model) == expected
+    assert resolve_linear_backend("torch", model) == "torch"
+    with pytest.raises(ValueError, match="linear must be one of"):
+        resolve_linear_backend("mkl", model)
+    model.to(torch.bfloat16)
+    assert resolve_linear_backend("auto", model) == "torch"
+    with pytest.raises(ValueError, match="needs an fp32 model on CPU"):
+        resolve_linear_backend("onednn", model)
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tree_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
+    """Every linear of every tree forward goes through oneDNN, the prefill through the model's own
+    layers; greedy output equals generate's; the layers are the model's own again afterwards."""
+    calls = []
+
+    def counting(layer, x):
+        calls.append(x.shape[-2])
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+
+    monkeypatch.setattr(onednn, "_onednn_linear", counting)
+    model = tiny_lm(arch)
+    layers = sum(type(m) is torch.nn.Linear for m in model.modules())
+    ids = prompt(40, seed=3)
+    reference = model.generate(ids, do_sample=False, max_new_tokens=24)
+    for drafter in (DraftModel(tiny_lm(arch, seed=5), max_draft_tokens=4, tree_width=2, adaptive=False),
+                    PromptLookup()):
+        calls.clear()
+        sm = flashmm.wrap(model, drafter)
+        assert sm.target.linear_backend == "onednn"
+        assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)
+        assert len(calls) == layers * sm.last_stats.verify_steps
+        assert 40 not in calls  # the prompt's rows never reached oneDNN
+        assert not any("forward" in m.__dict__ for m in model.modules())
+    calls.clear()
+    sm = flashmm.wrap(model, PromptLookup(), linear="torch")
+    assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)
+    assert calls == []
