@@ -6,7 +6,9 @@
 For every question (first turn, chat template) the methods run back to back in a rotating
 order, so machine noise hits all of them alike. Per category: τ, tokens/s, speedup over plain
 (total tokens / total time), the median per-question speedup, and the exact-match rate of each
-method's greedy output against plain generate's.
+method's greedy output against plain generate's. On CPU flashmm's tree forwards multiply
+through oneDNN (flashmm.onednn); the plain_onednn row is plain ``generate`` with every linear
+layer on oneDNN too, so flashmm's speedup over it is what speculation alone buys.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, median, timed_with_cpu, write_results  # noqa: E402
 
 import flashmm  # noqa: E402
+from flashmm.onednn import OneDNNLinears, resolve_linear_backend  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl"
@@ -40,7 +43,16 @@ def load_questions(path: Path, per_category: int | None) -> list[dict]:
 
 
 def make_methods(model, names: list[str], hf_lookup: bool):
-    methods = {"plain": lambda ids, n: model.generate(ids, max_new_tokens=n, do_sample=False)}
+    def plain(ids, n):
+        return model.generate(ids, max_new_tokens=n, do_sample=False)
+
+    def plain_on_onednn(ids, n):
+        with OneDNNLinears(model):
+            return plain(ids, n)
+
+    methods = {"plain": plain}
+    if resolve_linear_backend("auto", model) == "onednn":
+        methods["plain_onednn"] = plain_on_onednn
     stats = {}
     for name in names:
         sm = flashmm.wrap(model, name)
