@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashmm import cli
+from flashmm.onednn import onednn_available
 from flashmm.pipelines import CaptionPipeline
 from flashmm.vision import load_image, save_video
 
@@ -191,3 +192,10 @@ def test_stdout_and_setup_errors(model_dir, media, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert run(model_dir, tmp_path / "empty") == cli.EXIT_USAGE
     assert "no media files" in capsys.readouterr().err
+
+
+def test_linear_option_reaches_the_target(model_dir, media):
+    parser = cli.build_parser()
+    for flag, backend in (([], "onednn" if onednn_available() else "torch"), (["--linear", "torch"], "torch")):
+        args = parser.parse_args(["caption", str(media), "--model", model_dir, "--drafter", "prompt_lookup", *flag])
+        assert cli._build_pipeline(args).spec_model.target.linear_backend == backend
