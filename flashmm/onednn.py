@@ -41,7 +41,12 @@ def resolve_linear_backend(linear: str, model: torch.nn.Module) -> str:
 
 
 def _onednn_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [..., in] → [..., out], the product of ``layer`` computed by oneDNN (no autograd)."""
+    """x [..., in] → [..., out], the product of ``layer`` computed by oneDNN.
+
+    Falls back to ``F.linear`` where oneDNN's op would change behaviour: autograd (the op has
+    no backward), autocast (which only ``F.linear`` sees) and inputs of another dtype."""
+    if x.dtype != layer.weight.dtype or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return torch.nn.functional.linear(x, layer.weight, layer.bias)
     return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
 
 
@@ -51,8 +56,8 @@ class OneDNNLinears:
     Only plain ``nn.Linear`` layers are routed (subclasses, e.g. quantized layers, keep their
     own forward), and a layer whose ``forward`` was already replaced on the instance (an
     accelerate offload hook) is left alone. Entering and leaving swaps one instance attribute
-    per layer, cheap enough to do around every tree forward. Inference only: the oneDNN op
-    has no backward.
+    per layer, cheap enough to do around every tree forward. Calls with autograd on or
+    non-fp32 inputs take ``F.linear`` as before.
     """
 
     def __init__(self, model: torch.nn.Module):

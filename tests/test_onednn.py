@@ -88,3 +88,18 @@ def test_tree_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
     sm = flashmm.wrap(model, PromptLookup(), linear="torch")
     assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)
     assert calls == []
+
+
+@needs_onednn
+def test_falls_back_to_f_linear_for_autograd_and_other_dtypes():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(3, 16, requires_grad=True)
+    with OneDNNLinears(layer):
+        layer(x).sum().backward()  # the oneDNN op has no backward: this must take F.linear
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            y = layer(x.detach())
+        with torch.no_grad(), pytest.raises(RuntimeError, match="dtype"):
+            layer(x.detach().to(torch.bfloat16))  # another dtype: F.linear's own error, as unrouted
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(3, -1))
+    assert y.dtype == torch.bfloat16  # autocast still applies
