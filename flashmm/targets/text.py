@@ -7,9 +7,9 @@ keyed by layer type when a model mixes full and sliding layers, as Gemma 3 does)
 """
 from __future__ import annotations
 
-import torch
-
 from contextlib import nullcontext
+
+import torch
 
 from .. import cache as kv
 from ..onednn import OneDNNLinears, resolve_linear_backend
