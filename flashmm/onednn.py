@@ -56,8 +56,9 @@ class OneDNNLinears:
     Only plain ``nn.Linear`` layers are routed (subclasses, e.g. quantized layers, keep their
     own forward), and a layer whose ``forward`` was already replaced on the instance (an
     accelerate offload hook) is left alone. Entering and leaving swaps one instance attribute
-    per layer, cheap enough to do around every tree forward. Calls with autograd on or
-    non-fp32 inputs take ``F.linear`` as before.
+    per layer, cheap enough to do around every tree forward. Calls under autograd or autocast,
+    or with a non-fp32 input, take ``F.linear`` as before. A layer already routed by an outer
+    ``OneDNNLinears`` is not routed again, so nesting is harmless.
     """
 
     def __init__(self, model: torch.nn.Module):

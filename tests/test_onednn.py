@@ -103,3 +103,16 @@ def test_falls_back_to_f_linear_for_autograd_and_other_dtypes():
             layer(x.detach().to(torch.bfloat16))  # another dtype: F.linear's own error, as unrouted
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(3, -1))
     assert y.dtype == torch.bfloat16  # autocast still applies
+
+
+@needs_onednn
+def test_nesting_leaves_the_outer_routing_in_place():
+    layer = torch.nn.Linear(8, 8)
+    with OneDNNLinears(layer):
+        outer = layer.__dict__["forward"]
+        inner = OneDNNLinears(layer)
+        assert inner.routes == []
+        with inner:
+            pass
+        assert layer.__dict__["forward"] is outer
+    assert "forward" not in layer.__dict__
