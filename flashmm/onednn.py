@@ -22,7 +22,10 @@ LINEAR_BACKENDS = ("auto", "onednn", "torch")
 
 
 def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """torch has oneDNN's linear op and the user has not switched oneDNN off
+    (``torch.backends.mkldnn.enabled``)."""
+    return (torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled)
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def resolve_linear_backend(linear: str, model: torch.nn.Module) -> str:

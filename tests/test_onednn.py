@@ -53,6 +53,12 @@ def test_resolve_linear_backend():
     assert resolve_linear_backend("torch", model) == "torch"
     with pytest.raises(ValueError, match="linear must be one of"):
         resolve_linear_backend("mkl", model)
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False  # the user switched oneDNN off: auto respects that
+    try:
+        assert resolve_linear_backend("auto", model) == "torch"
+    finally:
+        torch.backends.mkldnn.enabled = enabled
     model.to(torch.bfloat16)
     assert resolve_linear_backend("auto", model) == "torch"
     with pytest.raises(ValueError, match="needs an fp32 model on CPU"):
