@@ -188,14 +188,33 @@ def summarize(records: list[dict], names: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------------- drafter prefill
+def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """Q·Kᵀ and P·V of torch's CPU flash attention, GQA included: 4·B·H·Lq·Lk·D."""
+    b, h, lq, d = query_shape
+    return 4 * b * h * lq * key_shape[2] * d
+
+
+def begin_flops(drafter, start) -> int:
+    """Floating-point operations of one ``drafter.begin(start)``: every matmul (linear, bmm) and
+    attention, counted by torch's FlopCounterMode; elementwise work is not counted."""
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415
+
+    counter = FlopCounterMode(display=False, custom_mapping={
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops})
+    with counter:
+        drafter.begin(start)
+    return counter.get_total_flops()
+
+
 @torch.no_grad()
 def prefill_study(model, processor, items: list[dict], net, variants: dict, repeats: int = 3) -> dict:
     """Time ``FlashDrafter.begin`` (the drafter's prefill over the prompt's units) per variant.
 
     variants: name -> FlashDrafter options (compression, pool_spans); one must be "none". The
     target prefill and prompt features are computed once per item and shared; each begin is
-    repeated ``repeats`` times in rotating order and the median kept. Returns per task (and
-    "all"): mean units and mean milliseconds per variant, and "none"'s over each."""
+    repeated ``repeats`` times in rotating order and the median kept; one more begin per variant
+    counts its FLOPs. Returns per task (and "all"): mean units, GFLOPs and milliseconds per
+    variant, and "none"'s over each."""
     from flashmm.targets import make_target  # noqa: PLC0415
 
     target = make_target(model, processor)
@@ -221,11 +240,13 @@ def prefill_study(model, processor, items: list[dict], net, variants: dict, repe
                 drafters[c].begin(start)
                 times[c].append(time.perf_counter() - t0)
                 units[c] = int(getattr(drafters[c], "_num_units", -1))
+        flops = {c: begin_flops(drafters[c], start) for c in compressions}
         target.release()
         rows.append({"task": item["task"], "prompt_len": int(ids.shape[1]),
                      "visual_tokens": sum(e - s for s, e in spans), "visual_spans": len(spans),
                      **{f"{c}_ms": 1000 * median(times[c]) for c in compressions},
-                     **{f"{c}_units": units[c] for c in compressions}})
+                     **{f"{c}_units": units[c] for c in compressions},
+                     **{f"{c}_gflop": flops[c] / 1e9 for c in compressions}})
     by_task = defaultdict(list)
     for r in rows:
         by_task[r["task"]].append(r)
@@ -236,10 +257,12 @@ def prefill_study(model, processor, items: list[dict], net, variants: dict, repe
         for c in compressions:
             s[f"{c}_ms"] = sum(r[f"{c}_ms"] for r in rs) / len(rs)
             s[f"{c}_units"] = sum(r[f"{c}_units"] for r in rs) / len(rs)
+            s[f"{c}_gflop"] = sum(r[f"{c}_gflop"] for r in rs) / len(rs)
         if "none" in compressions:
             for c in compressions:
                 s[f"none_over_{c}_time"] = s["none_ms"] / s[f"{c}_ms"]
                 s[f"none_over_{c}_units"] = s["none_units"] / max(s[f"{c}_units"], 1)
+                s[f"none_over_{c}_flops"] = s["none_gflop"] / s[f"{c}_gflop"]
         out[task] = s
     return {"by_task": out, "items": rows}
 
@@ -305,14 +328,18 @@ def render_markdown(summary: dict, names: list[str], prefill: dict | None, info:
     if prefill is not None:
         comps = [k[:-3] for k in next(iter(prefill["by_task"].values())) if k.endswith("_ms")]
         others = [c for c in comps if c != "none"]
-        pheader = ["task", "n", "visual tokens"] + [f"{c} units" for c in comps] + [f"{c} ms" for c in comps] + \
-                  [f"none/{c} units" for c in others] + [f"none/{c} time" for c in others]
-        prow = [[t, s["n"], s["visual_tokens"]] + [s[f"{c}_units"] for c in comps] + [s[f"{c}_ms"] for c in comps]
-                + [s[f"none_over_{c}_units"] for c in others] + [s[f"none_over_{c}_time"] for c in others]
+        pheader = (["task", "n", "visual tokens"] + [f"{c} units" for c in comps] + [f"{c} GFLOP" for c in comps]
+                   + [f"{c} ms" for c in comps] + [f"none/{c} units" for c in others]
+                   + [f"none/{c} FLOPs" for c in others] + [f"none/{c} time" for c in others])
+        prow = [[t, s["n"], s["visual_tokens"]] + [s[f"{c}_units"] for c in comps] + [s[f"{c}_gflop"] for c in comps]
+                + [s[f"{c}_ms"] for c in comps] + [s[f"none_over_{c}_units"] for c in others]
+                + [s[f"none_over_{c}_flops"] for c in others] + [s[f"none_over_{c}_time"] for c in others]
                 for t, s in prefill["by_task"].items()]
         md += ["## Drafter prefill (FlashDrafter.begin over the prompt), per compression\n",
                "units = the drafter's context length after the prompt (text units + compressed visual units); "
-               "ms = median of the timed begin() calls per item, averaged over items. learned = one learned "
+               "GFLOP = matmul and attention work of one begin() (torch's FlopCounterMode; elementwise work "
+               "not counted); ms = median of the timed begin() calls per item, averaged over items. "
+               "learned = one learned "
                "compression per visual span (image or frame), learned_poolP = the frames of a video pooled P at a "
                "time by the same queries (FlashDrafter pool_spans), none = every visual token a unit.\n",
                markdown_table(pheader, prow) + "\n"]

@@ -93,10 +93,27 @@ def test_benchmark_end_to_end(bench, tiny, tmp_path):
     # none: one unit per visual token
     assert video["none_units"] - video["learned_units"] == video["visual_tokens"] - 4 * video["visual_spans"]
     assert video["learned_units"] - video["learned_pool4_units"] == 4 * video["visual_spans"] - 4 * 2
+    assert video["none_gflop"] > video["learned_gflop"] > video["learned_pool4_gflop"] > 0
 
     md = bench.render_markdown(summary, names, prefill, {"cpu": "test"}, "cmd", ["a note"])
     assert "| all |" in md and "flash_none" in md and "none/learned time" in md and "none/learned_pool4 units" in md
+    assert "none/learned_pool4 FLOPs" in md
     png = tmp_path / "hist.png"
     bench.histogram_png(summary, names[1:], str(png))
     assert Image.open(png).size == (760, 420)
     assert not math.isnan(summary["video"]["t1_ms"])
+
+
+def test_begin_flops_counts_matmuls_and_attention_by_hand(bench):
+    """A stand-in drafter whose begin() runs one linear layer and one GQA attention of known shapes."""
+    layer = torch.nn.Linear(8, 16)
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 7, 8)
+
+    class Begin:
+        def begin(self, start):
+            layer(torch.randn(5, 8))
+            torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=torch.zeros(5, 7), enable_gqa=True)
+
+    with torch.no_grad():
+        flops = bench.begin_flops(Begin(), None)
+    assert flops == 2 * 5 * 8 * 16 + 4 * 1 * 4 * 5 * 7 * 8
