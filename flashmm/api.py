@@ -96,7 +96,7 @@ def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attenti
     config: SpecConfig fields (verifier, max_draft_tokens, ...). ``attention`` picks the tree
     attention path: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". ``linear``
     picks how the tree forwards' linear layers multiply: "auto" (oneDNN for an fp32 model on
-    CPU, see flashmm.onednn; torch elsewhere), "onednn" or "torch" (the model's own layers).
+    an x86-64 CPU, see flashmm.onednn; torch elsewhere), "onednn" or "torch" (the model's own layers).
     """
     if isinstance(drafter, str):
         drafter = make_drafter(drafter)
