@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
                      help="tree attention: auto = Triton on CUDA, PyTorch elsewhere")
     cap.add_argument("--linear", default="auto", choices=("auto", "onednn", "torch"),
-                     help="tree forwards' linear layers: auto = oneDNN for fp32 on x86-64 CPUs, the model's own elsewhere")
+                     help="tree forwards' linear layers: auto = oneDNN for fp32 on x86-64 CPUs, "
+                          "the model's own elsewhere")
     cap.add_argument("--device", help="e.g. cuda, cpu (default: where the model loads)")
     cap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="model dtype (as saved)")
     cap.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
