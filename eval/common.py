@@ -53,6 +53,18 @@ def timed_with_cpu(fn):
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 
+def on_onednn(model, fn):
+    """``fn`` run with every linear layer of ``model`` on oneDNN (flashmm.onednn.OneDNNLinears):
+    the plain_onednn baseline of the benchmarks."""
+    from flashmm.onednn import OneDNNLinears  # noqa: PLC0415
+
+    def run(*args):
+        with OneDNNLinears(model):
+            return fn(*args)
+
+    return run
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -35,12 +35,12 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, median, timed, write_results  # noqa: E402
+from common import machine, markdown_table, median, on_onednn, timed, write_results  # noqa: E402
 
 import flashmm  # noqa: E402
 from flashmm.drafters.base import SequenceStart  # noqa: E402
 from flashmm.drafters.flash import FlashDrafter  # noqa: E402
-from flashmm.onednn import OneDNNLinears, resolve_linear_backend  # noqa: E402
+from flashmm.onednn import resolve_linear_backend  # noqa: E402
 from flashmm.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_items  # noqa: E402
 
 PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
@@ -91,13 +91,9 @@ def build_methods(model, processor, drafters: dict, plain_onednn: bool = False, 
     def plain(inputs, n):
         return model.generate(**inputs, max_new_tokens=n, do_sample=False)
 
-    def plain_on_onednn(inputs, n):
-        with OneDNNLinears(model):
-            return plain(inputs, n)
-
     methods, wrapped = {"plain": plain}, {}
     if plain_onednn:
-        methods["plain_onednn"] = plain_on_onednn
+        methods["plain_onednn"] = on_onednn(model, plain)
     for name, drafter in drafters.items():
         drafter, options = drafter if isinstance(drafter, tuple) else (drafter, {})
         sm = flashmm.wrap(model, drafter, processor=processor, **options, **spec)
@@ -430,16 +426,16 @@ def main(argv=None):
                      "its visual-unit layer was trained on the learned compressor's outputs).")
     if "prompt_lookup" in wanted:
         drafters["prompt_lookup"] = "prompt_lookup"
-    on_onednn = resolve_linear_backend("auto", model) == "onednn"
-    if "flash_torch_linear" in wanted and on_onednn:
+    onednn_here = resolve_linear_backend("auto", model) == "onednn"
+    if "flash_torch_linear" in wanted and onednn_here:
         drafters["flash_torch_linear"] = (FlashDrafter(flash.net, **flash.drafting_options()), dict(linear="torch"))
         notes.append("flash_torch_linear = FLASH with the model's own linear layers in the tree forwards "
                      "(linear='torch'); every other flashmm row multiplies through oneDNN (linear='auto').")
-    if "plain_onednn" in wanted and on_onednn:
+    if "plain_onednn" in wanted and onednn_here:
         notes.append("plain_onednn = plain `model.generate` with every linear layer on oneDNN (flashmm.onednn."
                      "OneDNNLinears, prefill included): the baseline given the same matrix multiply as flashmm; "
                      "flash speedup / plain_onednn speedup = what speculation alone buys.")
-    methods, wrapped = build_methods(model, processor, drafters, plain_onednn="plain_onednn" in wanted and on_onednn,
+    methods, wrapped = build_methods(model, processor, drafters, plain_onednn="plain_onednn" in wanted and onednn_here,
                                      max_draft_tokens=args.max_draft_tokens)
     names = list(methods)
 

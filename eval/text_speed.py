@@ -22,10 +22,10 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, median, timed_with_cpu, write_results  # noqa: E402
+from common import machine, markdown_table, median, on_onednn, timed_with_cpu, write_results  # noqa: E402
 
 import flashmm  # noqa: E402
-from flashmm.onednn import OneDNNLinears, resolve_linear_backend  # noqa: E402
+from flashmm.onednn import resolve_linear_backend  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl"
@@ -46,13 +46,9 @@ def make_methods(model, names: list[str], hf_lookup: bool):
     def plain(ids, n):
         return model.generate(ids, max_new_tokens=n, do_sample=False)
 
-    def plain_on_onednn(ids, n):
-        with OneDNNLinears(model):
-            return plain(ids, n)
-
     methods = {"plain": plain}
     if resolve_linear_backend("auto", model) == "onednn":
-        methods["plain_onednn"] = plain_on_onednn
+        methods["plain_onednn"] = on_onednn(model, plain)
     stats = {}
     for name in names:
         sm = flashmm.wrap(model, name)
