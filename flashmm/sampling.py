@@ -37,7 +37,13 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row from probs [..., V] → LongTensor [...]."""
+    """Draw one token per row from probs [..., V] → LongTensor [...] on probs' device.
+
+    The generator may live on another device than probs (a CPU generator with a CUDA model):
+    the draw then happens on the generator's device and the token comes back to probs' device.
+    """
     flat = probs.reshape(-1, probs.shape[-1])
+    if generator is not None and generator.device != flat.device:
+        flat = flat.to(generator.device)
     out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
-    return out.view(probs.shape[:-1])
+    return out.to(probs.device).view(probs.shape[:-1])
