@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ._device import check_runnable
 
-__all__ = ["tree_attention", "tree_attention_ref", "dense_tree_mask", "launch_config"]
+__all__ = ["tree_attention", "tree_attention_ref", "dense_tree_mask", "launch_config", "split_count"]
 
 
 # ---------------------------------------------------------------------------- reference
@@ -213,24 +213,40 @@ def _num_sms(device: torch.device) -> int:
 def launch_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict:
     """Tile sizes, warps, stages and dot precision for ``rows`` = N * (Hq / Hkv) packed rows.
 
-    Checked for register spills by compiling for sm_90 (tests/test_kernels_compile.py): none
-    for fp16/bf16 at D <= 128. fp32 uses IEEE dots (exactness first) and smaller tiles.
+    fp16/bf16 at D <= 128 follow a sweep on an H100 (eval/results/bench_kernels_h100.md): more
+    rows at D = 128 take taller tiles, so each KV head's prefix is re-read by fewer programs;
+    128-row tiles need 8 warps. D > 128 and fp32 (IEEE dots, exactness first) use smaller tiles.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
-    fp32 = dtype == torch.float32
-    max_m = 32 if fp32 and block_d >= 128 else 64
-    return dict(BLOCK_D=block_d, BLOCK_M=min(max_m, max(16, triton.next_power_of_2(rows))),
-                BLOCK_N=64 if block_d <= 128 and not fp32 else 32,
-                num_warps=4 if block_d <= 64 and not fp32 else 8,
-                num_stages=3 if block_d <= 128 and not fp32 else 2,
-                INPUT_PRECISION="ieee" if fp32 else "tf32")
+    if dtype == torch.float32 or block_d > 128:
+        max_m = 32 if dtype == torch.float32 and block_d >= 128 else 64
+        return dict(BLOCK_D=block_d, BLOCK_M=min(max_m, max(16, triton.next_power_of_2(rows))), BLOCK_N=32,
+                    num_warps=8, num_stages=2, INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    tall = rows > 128 and block_d == 128           # at D <= 64 the 64-row tile measured faster
+    block_m = 128 if tall else max(16, min(64, triton.next_power_of_2(rows)))
+    return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m == 128 else 4,
+                num_stages=3, INPUT_PRECISION="tf32")
+
+
+def split_count(prefix_len: int, programs: int, sms: int) -> int:
+    """Prefix splits (flash-decoding) so that a launch of ``programs`` tiles fills one wave of SMs.
+
+    Never more programs than SMs: a second, nearly empty wave doubles the time (measured on an
+    H100: 144 programs on 132 SMs ran 1.6x slower than 128). Each split costs a partial-result
+    write and the combine kernel, so prefixes under 1024 rows are not split, and a split keeps at
+    least 256 prefix rows.
+    """
+    if sms <= 1 or prefix_len < 1024:
+        return 1
+    return max(1, min(sms // programs, prefix_len // 256))
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor,
                    prefix_len: int, sm_scale: float | None = None,
                    prefix_start: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                    block_m: int | None = None, block_n: int | None = None,
-                   num_splits: int | None = None) -> torch.Tensor:
+                   num_splits: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None) -> torch.Tensor:
     """Attention of N tree tokens over prefix + tree KV; see the module docstring for layout.
 
     q: [B, Hq, N, D]; k, v: [B, Hkv, prefix_len + N, D] (any strides); Hq % Hkv == 0.
@@ -238,7 +254,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
     prefix_start: int [B, N] or [B] or None (first visible prefix row per query).
     sm_scale: softmax scale, default 1/sqrt(D).
     out: optional [B, Hq, N, D] tensor of q's dtype to write into (any strides).
-    block_m, block_n, num_splits: tuning overrides (tile rows, key rows per step, prefix splits).
+    block_m, block_n, num_splits, num_warps, num_stages: tuning overrides (tile rows, key rows per
+    step, prefix splits, warps per program, software-pipelining depth).
     Returns o [B, Hq, N, D] in q's dtype.
     """
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
@@ -288,11 +305,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
     m_blocks = triton.cdiv(rows, block_m)
     programs = m_blocks * bsz * hkv
     if num_splits is None:
-        # Flash-decoding: split long prefixes until ~2 programs per SM are in flight.
-        num_splits = 1
-        sms = _num_sms(q.device)
-        if sms > 1 and prefix_len >= 1024 and programs < 2 * sms:
-            num_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(prefix_len, 512))
+        num_splits = split_count(prefix_len, programs, _num_sms(q.device))
     num_splits = max(1, min(int(num_splits), triton.cdiv(max(prefix_len, 1), block_n)))
     chunk = triton.cdiv(triton.cdiv(max(prefix_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(prefix_len, chunk))
@@ -316,7 +329,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
         hkv, hq, n, prefix_len, d, chunk,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_PREFIX_START=prefix_start is not None, SPLIT=split, INPUT_PRECISION=config["INPUT_PRECISION"],
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
     )
     if split:
         block_r = 16

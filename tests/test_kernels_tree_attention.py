@@ -11,7 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flashmm.kernels.attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
+from flashmm.kernels.attention import (dense_tree_mask, launch_config, split_count, tree_attention,  # noqa: E402
+                                       tree_attention_ref)
 from flashmm.tree import TokenTree  # noqa: E402
 from tree_shapes import make_tree
 
@@ -122,6 +123,28 @@ def test_tile_sizes(block_m, block_n):
     out = run_poisoned(q, k, v, mask, 40, block_m=block_m, block_n=block_n)
     ref = tree_attention_ref(q, k, v, mask[None], 40)
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_split_count_fills_one_wave_at_most():
+    """Never a second, nearly empty wave; short prefixes unsplit; >= 256 prefix rows per split."""
+    for prefix in (0, 512, 1023, 1024, 2048, 8192, 32768):
+        for programs in (1, 8, 16, 24, 64, 131, 132, 500):
+            for sms in (1, 78, 132):
+                s = split_count(prefix, programs, sms)
+                assert s >= 1
+                assert s == 1 or (programs * s <= sms and prefix // s >= 256 and prefix >= 1024)
+    assert split_count(32768, 16, 132) == 8 and split_count(512, 8, 132) == 1
+
+
+def test_launch_config_tiles():
+    """Tall 128-row tiles (8 warps) only for many rows at D = 128; tiles cover tiny trees."""
+    for dtype in (torch.float16, torch.bfloat16):
+        assert launch_config(dtype, 128, 256)["BLOCK_M"] == 128 and launch_config(dtype, 128, 256)["num_warps"] == 8
+        assert launch_config(dtype, 64, 1024)["BLOCK_M"] == 64
+        assert launch_config(dtype, 128, 12)["BLOCK_M"] == 16
+        assert launch_config(dtype, 256, 1024)["BLOCK_N"] == 32
+    fp32 = launch_config(torch.float32, 128, 1024)
+    assert fp32["INPUT_PRECISION"] == "ieee" and fp32["BLOCK_M"] == 32
 
 
 def test_prefix_start_per_row_left_padding():
