@@ -20,7 +20,6 @@ patchify or OneVision's frame stack), expanding placeholders with the processor'
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import os
@@ -31,6 +30,8 @@ from unittest import mock
 import numpy as np
 import torch
 from PIL import Image
+
+from flashmm.reference.qwen_twin import without_video_processor
 
 LLAVA_KINDS = ("llava", "llava_next", "llava_onevision")
 QWEN_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -148,7 +149,7 @@ def tiny_llava(kind: str = "llava", seed: int = 0):
         image_processor = LlavaOnevisionImageProcessor(size={"height": CLIP_SIDE, "width": CLIP_SIDE},
                                                        image_grid_pinpoints=PINPOINTS,
                                                        image_mean=HALF, image_std=HALF)
-        with _allow_missing_video_processor():
+        with without_video_processor():
             processor = LlavaOnevisionProcessor(image_processor=image_processor, tokenizer=tok,
                                                 video_processor=None,
                                                 num_image_tokens=(CLIP_SIDE // CLIP_PATCH) ** 2,
@@ -213,7 +214,7 @@ def tiny_qwen_vl(kind: str = "qwen2_vl", seed: int = 0):
     image_processor = Qwen2VLImageProcessor(size={"shortest_edge": unit * unit, "longest_edge": 4 * unit * unit},
                                             patch_size=patch, merge_size=QWEN_MERGE,
                                             temporal_patch_size=QWEN_TEMPORAL, image_mean=mean, image_std=std)
-    with _allow_missing_video_processor():
+    with without_video_processor():
         processor = processor_cls(image_processor=image_processor, tokenizer=tok,
                                   video_processor=None)
     return _finish(model, processor)
@@ -222,27 +223,6 @@ def tiny_qwen_vl(kind: str = "qwen2_vl", seed: int = 0):
 def tiny_vlm(kind: str, seed: int = 0):
     """(model, processor) for any kind in ALL_KINDS."""
     return tiny_llava(kind, seed) if kind in LLAVA_KINDS else tiny_qwen_vl(kind, seed)
-
-
-@contextlib.contextmanager
-def _allow_missing_video_processor():
-    """Let a processor be built with ``video_processor=None`` (test-only; transformers 5.23).
-
-    Without torchvision, ProcessorMixin's class check of the video processor fails while looking
-    the expected class up (``VIDEO_PROCESSOR_MAPPING`` is a dummy), even for None. Images and
-    text go through the processor unchanged; make_inputs builds video tensors itself.
-    """
-    from transformers.processing_utils import ProcessorMixin
-
-    check = ProcessorMixin.check_argument_for_proper_class
-
-    def lenient(self, argument_name, argument):
-        if argument_name == "video_processor" and argument is None:
-            return None
-        return check(self, argument_name, argument)
-
-    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lenient):
-        yield
 
 
 # ----------------------------------------------------------------------------------- media

@@ -290,9 +290,9 @@ def test_processor_of_another_checkpoint():
     with pytest.raises(ValueError, match="patch_size=14"):
         flashmm.wrap(llava, PromptLookup(), processor=wrong_patch)
     qwen, qwen_processor = vlm("qwen2_vl")
-    from mm_models import _allow_missing_video_processor
+    from mm_models import without_video_processor
 
-    with _allow_missing_video_processor():
+    with without_video_processor():
         wrong_merge = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16),
                                        tokenizer=qwen_processor.tokenizer, video_processor=None)
     with pytest.raises(ValueError, match="patch_size=16"):

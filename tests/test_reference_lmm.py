@@ -107,8 +107,8 @@ def test_assets_hold_only_the_small_trained_parts():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    lm, tokenizer = lmm.load_smollm2()
+def reference(smollm2):
+    lm, tokenizer = smollm2
     prompt = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     text_logits = lm(input_ids=prompt).logits
     from flashmm.reference.load import load_reference_llava

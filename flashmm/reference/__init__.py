@@ -8,8 +8,13 @@ trained here on procedural scenes (``scenes.py``) so its answers depend on the i
 Images: 128 x 128 after the processor, 64 visual tokens each. Videos: a list of >= 8 frames,
 each an image with its 64 tokens (``flash_build.item_inputs`` writes the labelled-frame prompt).
 Rebuild the assets bit-for-bit: ``python -m flashmm.reference.build --out assets/reference_lmm``.
+
+Its Qwen2-VL twin (``qwen_twin.py``: the same SmolLM2 in a real ``Qwen2VLForConditionalGeneration``,
+multimodal RoPE, its own tower; images only): ``load_reference_qwen2vl()``.
 """
 
 from .load import default_assets_dir, export, load_reference_llava, load_reference_processor
+from .qwen_twin import load_reference_qwen2vl
 
-__all__ = ["default_assets_dir", "export", "load_reference_llava", "load_reference_processor"]
+__all__ = ["default_assets_dir", "export", "load_reference_llava", "load_reference_processor",
+           "load_reference_qwen2vl"]

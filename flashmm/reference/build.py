@@ -114,15 +114,21 @@ def patch_targets(facts: dict, grid: int = 8) -> torch.Tensor:
     return torch.from_numpy(table[np.where(covered, best, 0)])
 
 
-def word_targets(objects: list[dict], num_positions: int = lmm.TOKENS_PER_IMAGE) -> torch.Tensor:
-    """[num_positions] int64: 0 = no word, k + 1 = CAPTION_WORDS[k] (the caption, left-aligned)."""
+def word_targets(objects: list[dict], num_positions: int = lmm.TOKENS_PER_IMAGE,
+                 row: int | None = None) -> torch.Tensor:
+    """[num_positions] int64: 0 = no word, k + 1 = CAPTION_WORDS[k] (the caption, left-aligned).
+
+    row: if given, the caption is cut after ``row`` words and written into every row of ``row``
+    tokens (the Qwen2-VL twin's layout, see qwen_twin.py); ``row`` must divide num_positions.
+    """
     index = {w: k + 1 for k, w in enumerate(lmm.CAPTION_WORDS)}
-    words = caption_words(objects)
-    if len(words) > num_positions:
-        raise ValueError(f"caption of {len(words)} words does not fit {num_positions} positions")
-    target = torch.zeros(num_positions, dtype=torch.long)
+    words = caption_words(objects)[:row]
+    width = num_positions if row is None else row
+    if len(words) > width:
+        raise ValueError(f"caption of {len(words)} words does not fit {width} positions")
+    target = torch.zeros(width, dtype=torch.long)
     target[: len(words)] = torch.tensor([index[w] for w in words], dtype=torch.long)
-    return target
+    return target.repeat(num_positions // width)
 
 
 def pixels(images, processor) -> torch.Tensor:
@@ -135,9 +141,9 @@ def pixels(images, processor) -> torch.Tensor:
     return (arr.permute(0, 3, 1, 2).float() * ip.rescale_factor - mean) / std
 
 
-def example_batch(cfg: BuildConfig, step: int, processor):
-    """(pixel_values [B, 3, 128, 128], word targets [B, 64], patch targets [B, 64, 3]) of
-    training step ``step``."""
+def example_batch(cfg: BuildConfig, step: int, prepare, row: int | None = None):
+    """(tower inputs, word targets [B, 64], patch targets [B, 64, 3]) of training step ``step``;
+    ``prepare(images)`` turns 128 x 128 PIL images into the tower's keyword inputs."""
     images, targets, patches = [], [], []
     for i in range(cfg.batch_size):
         seed = (cfg.seed * 1_000_003 + step) * cfg.batch_size + i  # training seeds < 10**9
@@ -148,9 +154,9 @@ def example_batch(cfg: BuildConfig, step: int, processor):
         else:
             image, facts = make_scene(seed)
             images.append(image)
-        targets.append(word_targets(facts["objects"]))
+        targets.append(word_targets(facts["objects"], row=row))
         patches.append(patch_targets(facts))
-    return pixels(images, processor), torch.stack(targets), torch.stack(patches)
+    return prepare(images), torch.stack(targets), torch.stack(patches)
 
 
 def caption_loss(units: torch.Tensor, targets: torch.Tensor, content_weight: float) -> torch.Tensor:
@@ -171,13 +177,13 @@ def patch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def word_accuracy(tower: CaptionTower, processor, seeds) -> dict:
+def word_accuracy(tower: torch.nn.Module, prepare, seeds, row: int | None = None) -> dict:
     """Greedy word decoding of held-out scenes: per-word and whole-caption accuracy."""
-    images, targets = zip(*[(im, word_targets(f["objects"])) for im, f in map(make_scene, seeds)])
+    images, targets = zip(*[(im, word_targets(f["objects"], row=row)) for im, f in map(make_scene, seeds)])
     targets = torch.stack(targets)
     was_training = tower.training
     tower.eval()
-    units = tower(pixels(images, processor))
+    units = tower(**prepare(images))
     tower.train(was_training)
     scores = torch.cat([torch.full_like(units[..., :1], 0.5), F.gelu(units)], dim=-1)
     pred = scores.argmax(-1)
@@ -192,10 +198,22 @@ def word_accuracy(tower: CaptionTower, processor, seeds) -> dict:
     return result
 
 
+def clip_inputs(processor):
+    """``prepare`` for the LLaVA CaptionTower: images -> {"pixel_values": [B, 3, 128, 128]}."""
+    return lambda images: {"pixel_values": pixels(images, processor)}
+
+
 def train(cfg: BuildConfig, vision_config, processor, log=print) -> CaptionTower:
     """Train a CaptionTower from scratch; deterministic given ``cfg``."""
     torch.manual_seed(cfg.seed)
     tower = CaptionTower(vision_config, len(lmm.CAPTION_WORDS))
+    return fit(cfg, tower, clip_inputs(processor), log)
+
+
+def fit(cfg: BuildConfig, tower: torch.nn.Module, prepare, log=print, row: int | None = None):
+    """Train ``tower`` (forward(**inputs, patch_layer) -> (word units [B, 64, W], patch logits))
+    on the scene stream of ``cfg`` (caption layout ``row``: see word_targets); deterministic given ``cfg``
+    and the tower's initial weights."""
     opt = torch.optim.AdamW(tower.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def schedule(i: int) -> float:
@@ -205,8 +223,8 @@ def train(cfg: BuildConfig, vision_config, processor, log=print) -> CaptionTower
     held_out = range(10**9, 10**9 + 128)
     start = time.time()
     for step in range(cfg.steps):
-        pixel_values, targets, patch_labels = example_batch(cfg, step, processor)
-        units, patch_logits = tower(pixel_values, cfg.patch_layer)
+        inputs, targets, patch_labels = example_batch(cfg, step, prepare, row)
+        units, patch_logits = tower(**inputs, patch_layer=cfg.patch_layer)
         loss = (caption_loss(units, targets, cfg.content_weight)
                 + cfg.patch_weight * patch_loss(patch_logits, patch_labels))
         opt.zero_grad(set_to_none=True)
@@ -215,7 +233,7 @@ def train(cfg: BuildConfig, vision_config, processor, log=print) -> CaptionTower
         opt.step()
         sched.step()
         if step % 100 == 0 or step == cfg.steps - 1:
-            acc = word_accuracy(tower, processor, held_out)
+            acc = word_accuracy(tower, prepare, held_out, row)
             log(f"step {step:5d}  {time.time() - start:6.0f}s  loss {loss.item():.4f}  "
                 + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()))
     return tower
@@ -273,7 +291,7 @@ def build(out: str, cfg: BuildConfig, log=print) -> dict:
     processor.save_pretrained(out)
     weights = os.path.join(out, WEIGHTS_FILE)
     save_file(state, weights, metadata={"format": "pt"})
-    held_out = word_accuracy(tower, processor, range(10**9, 10**9 + 512))
+    held_out = word_accuracy(tower, clip_inputs(processor), range(10**9, 10**9 + 512))
     log(f"built in {time.time() - start:.0f}s")
     info = {"build": dataclasses.asdict(cfg), "torch": torch.__version__,
             "word_accuracy_512_held_out": held_out,
@@ -285,8 +303,9 @@ def build(out: str, cfg: BuildConfig, log=print) -> dict:
     return info
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, builder=None, description: str | None = None) -> None:
+    """Command line of a tower build: ``--out`` plus one flag per BuildConfig field."""
+    parser = argparse.ArgumentParser(description=description or __doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="assets folder to write")
     defaults = BuildConfig()
     for field in dataclasses.fields(BuildConfig):
@@ -294,7 +313,7 @@ def main(argv=None) -> None:
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(default), default=default)
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
-    build(out, BuildConfig(**args), log=lambda s: print(s, flush=True))
+    (builder or build)(out, BuildConfig(**args), log=lambda s: print(s, flush=True))
 
 
 if __name__ == "__main__":

@@ -87,25 +87,32 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
 
 def with_image_token(tokenizer) -> PreTrainedTokenizerFast:
     """SmolLM2's tokenizer with special token id 16 renamed ``<image>`` (same 49152 ids)."""
+    new = rename_special_tokens(tokenizer, {IMAGE_TOKEN_ID: IMAGE_TOKEN}, {"image_token": IMAGE_TOKEN})
+    new.chat_template = CHAT_TEMPLATE
+    return new
+
+
+def rename_special_tokens(tokenizer, names: dict[int, str], roles: dict[str, str]) -> PreTrainedTokenizerFast:
+    """A copy of ``tokenizer`` whose special tokens ``names`` (id -> new text) are renamed, with
+    ``roles`` (e.g. {"image_token": text}) as its extra special tokens; ids are unchanged."""
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    old = None
-    for entry in spec["added_tokens"]:
-        if entry["id"] == IMAGE_TOKEN_ID:
-            old, entry["content"] = entry["content"], IMAGE_TOKEN
-    if old is None or spec["model"]["vocab"].get(old) != IMAGE_TOKEN_ID:
-        raise ValueError(f"token id {IMAGE_TOKEN_ID} is not a special token of this tokenizer")
-    del spec["model"]["vocab"][old]
-    spec["model"]["vocab"][IMAGE_TOKEN] = IMAGE_TOKEN_ID
+    for token_id, name in names.items():
+        old = None
+        for entry in spec["added_tokens"]:
+            if entry["id"] == token_id:
+                old, entry["content"] = entry["content"], name
+        if old is None or spec["model"]["vocab"].get(old) != token_id:
+            raise ValueError(f"token id {token_id} is not a special token of this tokenizer")
+        del spec["model"]["vocab"][old]
+        spec["model"]["vocab"][name] = token_id
     from tokenizers import Tokenizer
 
-    new = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
         pad_token=tokenizer.pad_token, unk_token=tokenizer.unk_token,
-        extra_special_tokens={"image_token": IMAGE_TOKEN},
+        extra_special_tokens=roles,
     )
-    new.chat_template = CHAT_TEMPLATE
-    return new
 
 
 def caption_word_ids(tokenizer) -> list[int]:
