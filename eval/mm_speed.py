@@ -20,6 +20,13 @@ plain_onednn (the plain ``generate`` with every linear layer on oneDNN, prefill 
 flash_torch_linear (FLASH with the model's own linear layers). Separately: the FLASH drafter's
 own prefill (``FlashDrafter.begin`` on the prompt) with each visual compression, timed directly.
 Outputs: OUT.json, OUT.md and OUT_accept_hist.png (acceptance-length histogram, drawn with PIL).
+
+``--model qwen2vl`` runs the same on the reference LMM's Qwen2-VL twin (flashmm.reference.qwen_twin:
+the same SmolLM2 under multimodal RoPE, its own vision tower; images only, so no video task) with
+the LLaVA reference's drafters, which were trained on the LLaVA twin's features:
+
+    python eval/mm_speed.py --model qwen2vl --images 12 --videos 0 --vqa 12 --photos 3 \
+        --max-new-tokens 64 --out eval/results/mm_speed_reference_qwen2vl
 """
 from __future__ import annotations
 
@@ -348,6 +355,8 @@ def render_markdown(summary: dict, names: list[str], prefill: dict | None, info:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     root = Path(__file__).resolve().parents[1]
+    ap.add_argument("--model", default="llava", choices=["llava", "qwen2vl"],
+                    help="the reference LMM (LlavaForConditionalGeneration) or its Qwen2-VL twin (images only)")
     ap.add_argument("--flash", default=str(root / "assets/reference_lmm/flash_drafter"),
                     help="trained FLASH drafter (K=5, learned compression)")
     ap.add_argument("--flash-k1", default=str(root / "assets/reference_lmm/flash_drafter_k1"),
@@ -384,9 +393,15 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     command = "python eval/mm_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
 
-    from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
-
-    model, processor = load_reference_llava()
+    if args.model == "qwen2vl":
+        if args.videos:
+            raise SystemExit("--model qwen2vl: the Qwen2-VL twin takes images only (its video processor "
+                             "needs torchvision); pass --videos 0")
+        from flashmm.reference.qwen_twin import load_reference_qwen2vl  # noqa: PLC0415
+        model, processor = load_reference_qwen2vl()
+    else:
+        from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
+        model, processor = load_reference_llava()
     overrides = dict(tree=args.tree, max_nodes=args.max_nodes, depth=args.depth, lookup_tokens=args.lookup_tokens,
                      pool_spans=args.pool_spans)
     options = {k: v for k, v in overrides.items() if v is not None}
@@ -402,6 +417,10 @@ def main(argv=None):
              f"max_nodes={flash.max_nodes}, "
              f"min_path_prob={flash.min_path_prob}); "
              f"max_draft_tokens={args.max_draft_tokens}.", vocab_note]
+    if args.model == "qwen2vl":
+        notes.insert(0, "Target: the Qwen2-VL twin (Qwen2VLForConditionalGeneration: SmolLM2's weights in Qwen2's "
+                        "text model, multimodal RoPE, its own 128x128 -> 64-token vision tower). The drafters were "
+                        "trained on the LLaVA reference's features and are reused unchanged.")
     wanted = set(args.methods.split(","))
     if wanted - set(METHODS):
         raise SystemExit(f"--methods: unknown {sorted(wanted - set(METHODS))}; choose from {METHODS}")
