@@ -267,40 +267,54 @@ def sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def build(out: str, cfg: BuildConfig, log=print) -> dict:
-    """Train and write config.json, generation_config.json, processor files, vision.safetensors
-    and build_info.json to ``out`` (all byte-identical across runs with the same ``cfg`` on the
-    same torch build). Returns the build info."""
+def start_build(cfg: BuildConfig, log=print):
+    """Threads and deterministic kernels per ``cfg``, then SmolLM2, its tokenizer with ``<image>``
+    and the LM's input embeddings of CAPTION_WORDS: (lm, tokenizer, word_embeddings [W, D], t0)."""
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
     start = time.time()
     lm, gguf_tokenizer = lmm.load_smollm2()
     log(f"loaded SmolLM2 in {time.time() - start:.0f}s")
     tokenizer = lmm.with_image_token(gguf_tokenizer)
-    config = lmm.make_config(lm.config, cfg.hidden_size, cfg.num_layers)
-    processor = lmm.make_processor(tokenizer)
     word_ids = lmm.caption_word_ids(tokenizer)
-    word_embeddings = lm.get_input_embeddings().weight.detach()[word_ids].clone()
+    return lm, tokenizer, lm.get_input_embeddings().weight.detach()[word_ids].clone(), start
 
-    tower = train(cfg, config.vision_config, processor, log)
-    state = projector_state(tower, word_embeddings, config.text_config.hidden_size)
 
+def finish_build(out: str, cfg: BuildConfig, config, lm, state: dict, weights_file: str, held_out,
+                 start: float, log=print, **extra) -> dict:
+    """Write config.json, generation_config.json, the weights and build_info.json (with ``extra``
+    fields) to ``out``; ``held_out()`` gives the held-out word accuracy. Returns the build info."""
     os.makedirs(out, exist_ok=True)
     config.save_pretrained(out)
     lm.generation_config.save_pretrained(out)
-    processor.save_pretrained(out)
-    weights = os.path.join(out, WEIGHTS_FILE)
+    weights = os.path.join(out, weights_file)
     save_file(state, weights, metadata={"format": "pt"})
-    held_out = word_accuracy(tower, clip_inputs(processor), range(10**9, 10**9 + 512))
+    accuracy = held_out()
     log(f"built in {time.time() - start:.0f}s")
     info = {"build": dataclasses.asdict(cfg), "torch": torch.__version__,
-            "word_accuracy_512_held_out": held_out,
-            "visual_tokens_per_image": lmm.TOKENS_PER_IMAGE,
+            "word_accuracy_512_held_out": accuracy,
+            "visual_tokens_per_image": lmm.TOKENS_PER_IMAGE, **extra,
             "weights_sha256": sha256(weights), "weights_bytes": os.path.getsize(weights)}
     with open(os.path.join(out, BUILD_INFO_FILE), "w") as f:
         json.dump(info, f, indent=2)
     log(json.dumps(info, indent=2))
     return info
+
+
+def build(out: str, cfg: BuildConfig, log=print) -> dict:
+    """Train and write config.json, generation_config.json, processor files, vision.safetensors
+    and build_info.json to ``out`` (all byte-identical across runs with the same ``cfg`` on the
+    same torch build). Returns the build info."""
+    lm, tokenizer, word_embeddings, start = start_build(cfg, log)
+    config = lmm.make_config(lm.config, cfg.hidden_size, cfg.num_layers)
+    processor = lmm.make_processor(tokenizer)
+    tower = train(cfg, config.vision_config, processor, log)
+    state = projector_state(tower, word_embeddings, config.text_config.hidden_size)
+    os.makedirs(out, exist_ok=True)
+    processor.save_pretrained(out)
+    return finish_build(out, cfg, config, lm, state, WEIGHTS_FILE,
+                        lambda: word_accuracy(tower, clip_inputs(processor), range(10**9, 10**9 + 512)),
+                        start, log)
 
 
 def main(argv=None, builder=None, description: str | None = None) -> None:

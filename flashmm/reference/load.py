@@ -52,18 +52,29 @@ def load_reference_llava(assets_dir=None, dtype: torch.dtype = torch.float32, la
     config = LlavaConfig.from_pretrained(str(path))
     processor = LlavaProcessor.from_pretrained(str(path))
     lm = language_model if language_model is not None else lmm.load_smollm2()[0]
-    state = {f"model.language_model.{k[len('model.'):]}": v
-             for k, v in lm.state_dict().items() if k.startswith("model.")}
-    state.update(load_file(str(path / WEIGHTS_FILE)))
+    model = assemble(LlavaForConditionalGeneration, config, language_model_state(lm),
+                     path / WEIGHTS_FILE, "reference LMM")
+    return model.to(dtype).eval(), processor
+
+
+def language_model_state(lm) -> dict:
+    """``model.language_model.*`` state-dict entries of a multimodal model from a causal LM's own."""
+    return {f"model.language_model.{k[len('model.'):]}": v
+            for k, v in lm.state_dict().items() if k.startswith("model.")}
+
+
+def assemble(model_cls, config, lm_state: dict, weights: Path, what: str):
+    """``model_cls(config)`` with ``lm_state`` plus the trained parts in ``weights`` (every
+    parameter but the tied lm_head must be given) and the generation config beside ``weights``."""
+    state = {**lm_state, **load_file(str(weights))}
     with no_init_weights():  # every parameter is overwritten below
-        model = LlavaForConditionalGeneration(config)
+        model = model_cls(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise RuntimeError(f"reference LMM weights do not match the config: missing {missing}, "
-                           f"unexpected {unexpected}")
+        raise RuntimeError(f"{what} weights do not match the config: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    model.generation_config = type(model.generation_config).from_pretrained(str(path))
-    return model.to(dtype).eval(), processor
+    model.generation_config = type(model.generation_config).from_pretrained(str(weights.parent))
+    return model
 
 
 def export(out_dir, assets_dir=None, model=None, processor=None) -> Path:

