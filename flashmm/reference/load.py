@@ -27,13 +27,18 @@ def default_assets_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "assets" / "reference_lmm"
 
 
-def _assets(assets_dir) -> Path:
-    path = Path(assets_dir) if assets_dir is not None else default_assets_dir()
+def find_assets(assets_dir, default: Path, what: str, builder: str, env: str) -> Path:
+    """``assets_dir`` (or ``default``), checked to hold trained weights; the error names the build
+    command (``python -m flashmm.reference.<builder>``) and the environment variable ``env``."""
+    path = Path(assets_dir) if assets_dir is not None else default
     if not (path / WEIGHTS_FILE).exists():
-        raise FileNotFoundError(
-            f"no reference LMM assets in {path}; build them with "
-            f"`python -m flashmm.reference.build --out {path}` or set ${ASSETS_ENV}")
+        raise FileNotFoundError(f"no {what} assets in {path}; build them with "
+                                f"`python -m flashmm.reference.{builder} --out {path}` or set ${env}")
     return path
+
+
+def _assets(assets_dir) -> Path:
+    return find_assets(assets_dir, default_assets_dir(), "reference LMM", "build", ASSETS_ENV)
 
 
 def load_reference_processor(assets_dir=None) -> LlavaProcessor:

