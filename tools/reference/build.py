@@ -1,6 +1,6 @@
 """Train the reference LMM's vision tower + projector and write its assets.
 
-    python -m flashmm.reference.build --out assets/reference_lmm --seed 0
+    python -m tools.reference.build --out assets/reference_lmm --seed 0
 
 Route (no backpropagation through the language model): for each procedural scene the
 caption is known as a word sequence (``scenes.caption_words``: 'a red star and two blue
@@ -32,10 +32,12 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import CLIPVisionModel
 
-from . import lmm
+from flashmm.reference import lmm
+from flashmm.reference.lmm import WEIGHTS_FILE
+
+from . import parts
 from .scenes import COLOURS, SHAPES, caption_words, label_map, make_scene, render, video_facts
 
-WEIGHTS_FILE = "vision.safetensors"
 BUILD_INFO_FILE = "build_info.json"
 
 
@@ -121,7 +123,7 @@ def word_targets(objects: list[dict], num_positions: int = lmm.TOKENS_PER_IMAGE,
     row: if given, the caption is cut after ``row`` words and written into every row of ``row``
     tokens (the Qwen2-VL twin's layout, see qwen_twin.py); ``row`` must divide num_positions.
     """
-    index = {w: k + 1 for k, w in enumerate(lmm.CAPTION_WORDS)}
+    index = {w: k + 1 for k, w in enumerate(parts.CAPTION_WORDS)}
     words = caption_words(objects)[:row]
     width = num_positions if row is None else row
     if len(words) > width:
@@ -206,7 +208,7 @@ def clip_inputs(processor):
 def train(cfg: BuildConfig, vision_config, processor, log=print) -> CaptionTower:
     """Train a CaptionTower from scratch; deterministic given ``cfg``."""
     torch.manual_seed(cfg.seed)
-    tower = CaptionTower(vision_config, len(lmm.CAPTION_WORDS))
+    tower = CaptionTower(vision_config, len(parts.CAPTION_WORDS))
     return fit(cfg, tower, clip_inputs(processor), log)
 
 
@@ -276,7 +278,7 @@ def start_build(cfg: BuildConfig, log=print):
     lm, gguf_tokenizer = lmm.load_smollm2()
     log(f"loaded SmolLM2 in {time.time() - start:.0f}s")
     tokenizer = lmm.with_image_token(gguf_tokenizer)
-    word_ids = lmm.caption_word_ids(tokenizer)
+    word_ids = parts.caption_word_ids(tokenizer)
     return lm, tokenizer, lm.get_input_embeddings().weight.detach()[word_ids].clone(), start
 
 
@@ -306,8 +308,8 @@ def build(out: str, cfg: BuildConfig, log=print) -> dict:
     and build_info.json to ``out`` (all byte-identical across runs with the same ``cfg`` on the
     same torch build). Returns the build info."""
     lm, tokenizer, word_embeddings, start = start_build(cfg, log)
-    config = lmm.make_config(lm.config, cfg.hidden_size, cfg.num_layers)
-    processor = lmm.make_processor(tokenizer)
+    config = parts.make_config(lm.config, cfg.hidden_size, cfg.num_layers)
+    processor = parts.make_processor(tokenizer)
     tower = train(cfg, config.vision_config, processor, log)
     state = projector_state(tower, word_embeddings, config.text_config.hidden_size)
     os.makedirs(out, exist_ok=True)

@@ -1,6 +1,6 @@
 """Caption procedural scenes / videos with the reference LMM and score the captions.
 
-    python -m flashmm.reference.evaluate --images 50 --videos 10
+    python -m tools.reference.evaluate --images 50 --videos 10
 
 A caption *names an object* when it contains both the object's colour word and its shape word
 (singular or plural). Reported per split: the fraction of scenes whose caption names at least one
@@ -91,7 +91,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from .load import load_reference_llava
+    from flashmm.reference.load import load_reference_llava
 
     model, processor = load_reference_llava(args.assets)
     start = time.time()

@@ -1,7 +1,7 @@
 """Train the reference LMM's FLASH drafter by self-distillation and write it as a small artefact.
 
-    python -m flashmm.reference.flash_build --out assets/reference_lmm/flash_drafter --seed 0
-    python -m flashmm.reference.flash_build --out assets/reference_lmm/flash_drafter_k1 --seed 0 \
+    python -m tools.reference.flash_build --out assets/reference_lmm/flash_drafter --seed 0
+    python -m tools.reference.flash_build --out assets/reference_lmm/flash_drafter_k1 --seed 0 \
         --tokens-per-step 1
 
 The reference tasks live here too (``TASKS``, ``make_items``, ``build_inputs``) so that training
@@ -98,7 +98,7 @@ def make_items(task: str, seeds, train: bool = False) -> list[dict]:
 def item_inputs(processor, images: list, prompt: str) -> dict:
     """Processor outputs (return_tensors="pt") for one prompt with its images, formatted as
     ``flashmm.CaptionPipeline`` formats it (chat template, one placeholder per image/frame)."""
-    from ..pipelines import chat_prompt, text_kwargs  # noqa: PLC0415
+    from flashmm.pipelines import chat_prompt, text_kwargs  # noqa: PLC0415
 
     text = chat_prompt(processor, prompt, images=len(images), frame_labels=len(images) > 1)
     return dict(processor(text=text, images=images, **text_kwargs(processor, text)))
@@ -147,8 +147,8 @@ def record_batched(model, processor, records: list[dict], max_new_tokens: int, b
     """
     from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from ..targets import make_target  # noqa: PLC0415
-    from ..train import FeatureRecord  # noqa: PLC0415
+    from flashmm.targets import make_target  # noqa: PLC0415
+    from flashmm.train import FeatureRecord  # noqa: PLC0415
 
     target = make_target(model, processor)
     pad = model.generation_config.pad_token_id
@@ -276,7 +276,7 @@ def draft_vocab(features, common_ids: int) -> list[int]:
 
 def save_half(drafter, out: str) -> str:
     """save_pretrained, then rewrite the weights as float16; returns the weights path."""
-    from ..drafters.flash import WEIGHTS_NAME  # noqa: PLC0415
+    from flashmm.drafters.flash import WEIGHTS_NAME  # noqa: PLC0415
 
     drafter.save_pretrained(out)
     path = os.path.join(out, WEIGHTS_NAME)
@@ -289,9 +289,9 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
     """Record features (cached in ``work``), train, write the drafter to ``out``; returns build info.
 
     model_and_processor: the target (default: ``load_reference_llava()``)."""
-    from ..drafters.flash import FlashDrafter  # noqa: PLC0415
-    from ..train import train_flash  # noqa: PLC0415
-    from .load import load_reference_llava  # noqa: PLC0415
+    from flashmm.drafters.flash import FlashDrafter  # noqa: PLC0415
+    from flashmm.train import train_flash  # noqa: PLC0415
+    from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
 
     torch.set_num_threads(cfg.record_threads)
     torch.use_deterministic_algorithms(True)

@@ -1,6 +1,6 @@
 """Train the Qwen2-VL twin's vision tower + merger and write its assets.
 
-    python -m flashmm.reference.qwen_build --out assets/reference_qwen2vl --seed 0
+    python -m tools.reference.qwen_build --out assets/reference_qwen2vl --seed 0
 
 The LLaVA tower's recipe (``build.py``: visual token p carries caption word p, an auxiliary
 per-patch loss, the same scene stream) on a real ``Qwen2VisionTransformerPretrainedModel``, with
@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from . import lmm, qwen_twin
+from flashmm.reference import qwen_twin
+
+from . import parts
 from .build import PATCH_CLASSES, BuildConfig, finish_build, fit, pixels, start_build, word_accuracy
 from .build import main as build_main
 
@@ -98,7 +100,7 @@ def merger_state(tower: QwenCaptionTower, word_embeddings: torch.Tensor) -> dict
 def train_qwen(cfg: BuildConfig, vision_config, processor, log=print) -> QwenCaptionTower:
     """Train a QwenCaptionTower from scratch; deterministic given ``cfg``."""
     torch.manual_seed(cfg.seed)
-    tower = QwenCaptionTower(vision_config, len(lmm.CAPTION_WORDS))
+    tower = QwenCaptionTower(vision_config, len(parts.CAPTION_WORDS))
     return fit(cfg, tower, qwen_inputs(processor), log, row=qwen_twin.CAPTION_SLOTS)
 
 
@@ -108,7 +110,7 @@ def build_qwen(out: str, cfg: BuildConfig, log=print) -> dict:
     load time (``qwen_twin.load_reference_qwen2vl``), so it is not stored twice."""
     lm, tokenizer, word_embeddings, start = start_build(cfg, log)
     config = qwen_twin.make_qwen_config(lm.config, cfg.hidden_size, cfg.num_layers)
-    llava_processor = lmm.make_processor(tokenizer)      # its image processor normalises the pixels
+    llava_processor = parts.make_processor(tokenizer)      # its image processor normalises the pixels
     tower = train_qwen(cfg, config.vision_config, llava_processor, log)
     held_out = range(10**9, 10**9 + 512)
     return finish_build(

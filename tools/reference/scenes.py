@@ -17,7 +17,7 @@ import random
 import numpy as np
 from PIL import Image, ImageDraw
 
-IMAGE_SIZE = 128
+from flashmm.reference.lmm import IMAGE_SIZE
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (215, 30, 35),
@@ -229,7 +229,7 @@ def write_examples(folder: str, seed: int = 0) -> dict:
     import json
     import os
 
-    from ..vision import save_video
+    from flashmm.vision import save_video
 
     os.makedirs(folder, exist_ok=True)
     image, scene = make_scene(seed)
