@@ -4,10 +4,12 @@ from __future__ import annotations
 from dataclasses import fields
 
 import torch
+from transformers import GenerationConfig
 
-from .config import SamplingParams, SpecConfig
+from .config import SpecConfig
 from .drafters.base import Drafter, make_drafter
-from .engine import GenerationStats, generate_one
+from .engine import Decoding, GenerationStats, generate_one
+from .generation import finish, prepare
 from .targets import make_target
 
 _SPEC_FIELDS = {f.name for f in fields(SpecConfig)}
@@ -36,57 +38,59 @@ class SpeculativeModel:
         self.last_stats: GenerationStats | None = None
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 max_new_tokens: int | None = None, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
-                 generator: torch.Generator | None = None, pad_token_id: int | None = None,
-                 **model_inputs) -> torch.Tensor:
-        """input_ids [B, T] (left padding allowed with attention_mask) → LongTensor [B, T + new].
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
+                 logits_processor=None, stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None,
+                 assistant_model=None, streamer=None, negative_prompt_ids=None, negative_prompt_attention_mask=None,
+                 custom_generate=None, generator: torch.Generator | None = None, **kwargs):
+        """``model.generate``'s signature and return value, decoded speculatively.
 
-        Rows are decoded one after another (each exactly as the model would decode that row
-        alone); rows that stop early are right-padded with ``pad_token_id`` like HF.
+        Everything is prepared by transformers' own code (``flashmm.generation``): the checkpoint's
+        generation config with ``generation_config`` / keyword overrides, the logits processors
+        (repetition penalty, min_p, bad words, ...: applied to every drafted position with that
+        position's own prefix), stopping criteria (EOS, stop strings, max time, yours), streamers,
+        ``return_dict_in_generate`` with ``scores`` / ``logits``, ``num_return_sequences``.
+        ``generator`` (flashmm's own) seeds sampling. What flashmm cannot decode exactly (beam
+        search, assisted generation, contrastive search, DoLa, guidance, attentions/hidden states)
+        raises ValueError naming the argument; an argument nobody knows raises transformers' error.
+
+        Returns LongTensor [B * num_return_sequences, T + new] (rows that stop early are right-padded
+        with pad_token_id, like model.generate), or a GenerateDecoderOnlyOutput.
+        Rows are decoded one after another, each exactly as the model decodes it in the batch.
         """
-        if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
-            raise ValueError("input_ids must be a non-empty LongTensor [batch, seq_len]; got "
-                             f"{None if input_ids is None else tuple(input_ids.shape)}")
-        gen_config = self.model.generation_config
-        if max_new_tokens is None:
-            max_new_tokens = gen_config.max_new_tokens or max(gen_config.max_length - input_ids.shape[1], 0)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-        eos = eos_token_id if eos_token_id is not None else gen_config.eos_token_id
-        eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
-        if pad_token_id is None:
-            pad_token_id = gen_config.pad_token_id if gen_config.pad_token_id is not None else min(eos_ids, default=0)
-        if input_ids.shape[0] > 1 and model_inputs:
-            raise NotImplementedError(
-                "batched multimodal generation is not supported yet: call generate once per item "
-                "(flashmm.CaptionPipeline does this for you)")
-
+        unsupported = dict(synced_gpus=synced_gpus, assistant_model=assistant_model,
+                           negative_prompt_ids=negative_prompt_ids,
+                           negative_prompt_attention_mask=negative_prompt_attention_mask,
+                           custom_generate=custom_generate)
+        plan = prepare(self.model, inputs, generation_config, logits_processor, stopping_criteria,
+                       prefix_allowed_tokens_fn, streamer, unsupported, kwargs)
+        keep_scores = bool(plan.config.return_dict_in_generate and plan.config.output_scores)
+        keep_logits = bool(plan.config.return_dict_in_generate and plan.config.output_logits)
         rows, stats = [], GenerationStats()
         try:
-            for b in range(input_ids.shape[0]):
-                ids = input_ids[b : b + 1]
-                if attention_mask is not None:
-                    keep = attention_mask[b].bool()
-                    if not bool(keep.any()):
-                        raise ValueError(f"row {b} of attention_mask is all zeros (empty prompt)")
-                    ids = ids[:, keep]  # drop padding: each row runs exactly as if alone
-                new, row_stats = generate_one(self.target, self.drafter, ids, max_new_tokens=max_new_tokens,
-                                              sampling=sampling, spec=self.spec, eos_token_ids=eos_ids,
-                                              generator=generator, model_inputs=model_inputs)
-                rows.append(new)
-                stats.merge(row_stats)
+            for b in range(plan.batch_size):
+                ids = plan.input_ids[b : b + 1, plan.padding(b):]  # each row runs exactly as if alone
+                decoding = Decoding(sampling=plan.sampling(b), max_new_tokens=plan.max_new_tokens, stop=plan.stop,
+                                    streamer=streamer, keep_scores=keep_scores, keep_logits=keep_logits)
+                row = generate_one(self.target, self.drafter, ids, decoding=decoding, spec=self.spec,
+                                   generator=generator, model_inputs=plan.model_inputs)
+                rows.append(row)
+                stats.merge(row.stats)
+            width = max(len(r.new_tokens) for r in rows)
+            for b, row in enumerate(rows):
+                if not plan.has_eos_criteria and len(row.new_tokens) < width:
+                    # model.generate without an EOS criterion keeps decoding a row that another
+                    # criterion stopped until every row has stopped: decode it to the batch's width
+                    ids = plan.input_ids[b : b + 1, plan.padding(b):]
+                    decoding = Decoding(sampling=plan.sampling(b), max_new_tokens=width,
+                                        keep_scores=keep_scores, keep_logits=keep_logits)
+                    rows[b] = generate_one(self.target, self.drafter, ids, decoding=decoding, spec=self.spec,
+                                           generator=generator, model_inputs=plan.model_inputs)
+                    stats.merge(rows[b].stats)
         finally:
             self.target.release()  # frees the cache; restores the model's attention implementation
         self.last_stats = stats
-        width = max(len(r) for r in rows)
-        out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + width), pad_token_id)
-        out[:, : input_ids.shape[1]] = input_ids
-        for b, r in enumerate(rows):
-            out[b, input_ids.shape[1] : input_ids.shape[1] + len(r)] = torch.tensor(r, dtype=out.dtype)
-        return out
+        return finish(plan, [r.new_tokens for r in rows], [r.scores for r in rows] if keep_scores else None,
+                      [r.logits for r in rows] if keep_logits else None)
 
 
 def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attention: str = "auto",

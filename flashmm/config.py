@@ -3,30 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .sampling import SamplingParams  # noqa: F401 (re-exported: flashmm.config.SamplingParams)
+
 VERIFIERS = ("auto", "greedy", "chain", "tree", "typical_lossy")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the target samples. ``do_sample=False`` is greedy (temperature etc. ignored).
-
-    The same transformation (temperature → top-k → top-p, HF's order) is applied to the
-    target distribution p and the draft distribution q before any acceptance rule.
-    """
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def __post_init__(self):
-        if self.do_sample:
-            if not self.temperature > 0:
-                raise ValueError(f"temperature must be > 0 when do_sample=True, got {self.temperature}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
-            raise ValueError(f"top_k must be a non-negative int or None, got {self.top_k!r}")
-        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .config import SamplingParams, SpecConfig
 from .drafters.base import Drafter, SequenceStart, StepResult
-from .sampling import probs_from_logits, sample
+from .sampling import sample
 from .targets.base import Target
 from .verify import select_verifier
 
@@ -69,33 +70,104 @@ class GenerationStats:
                     tokens_per_second=self.tokens_per_second)
 
 
-def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
-    """logits [B, V] → LongTensor [B] (argmax, or a sample from the warped distribution)."""
-    if not sampling.do_sample:
-        return logits.argmax(-1)
-    return sample(probs_from_logits(logits, sampling), generator)
+@dataclass
+class Decoding:
+    """How one row decodes: what ``flashmm.generation`` prepared from transformers' own objects.
+
+    sampling:       SamplingParams with the row's processors (row_prefix = its left padding).
+    max_new_tokens: hard cap on new tokens.
+    stop:           ids [1, P + T] (padding, prompt and new tokens) → True when model.generate
+                    would stop after the last token; None stops only at max_new_tokens.
+    streamer:       gets each step's committed tokens (LongTensor [k]) as they are committed.
+    keep_scores / keep_logits: record the processed / raw target scores [V] of every emitted token.
+    """
+
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop: Callable[[torch.Tensor], bool] | None = None
+    streamer: object | None = None
+    keep_scores: bool = False
+    keep_logits: bool = False
+
+
+@dataclass
+class RowOutput:
+    """new_tokens: the row's emitted ids; scores / logits: one [V] tensor per emitted token (if kept)."""
+
+    new_tokens: list[int]
+    stats: GenerationStats
+    scores: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def _pick(scores: torch.Tensor, do_sample: bool, generator) -> int:
+    """Processed scores [V] → one token (argmax, or a draw from their softmax)."""
+    if not do_sample:
+        return int(scores.argmax(-1))
+    return int(sample(scores.softmax(-1), generator))
+
+
+def node_scores(sampling: SamplingParams, logits: torch.Tensor, tokens: torch.Tensor, tree,
+                committed: torch.Tensor) -> torch.Tensor:
+    """Processed scores [1, N, V] of a tree's logits [1, N, V]: each node with its own prefix.
+
+    tokens [1, N] (node 0 = root = committed[0, -1]); committed [1, T]. Node v's prefix is the
+    committed text followed by the drafted tokens on the path root → v (v included).
+    """
+    if sampling.is_plain:
+        return logits
+    prefixes: list[torch.Tensor] = []
+    if sampling.needs_prefix:
+        parents = tree.parents.tolist()
+        row = committed[0]
+        for v in range(tree.num_nodes):
+            prefixes.append(row if v == 0 else torch.cat([prefixes[parents[v]], tokens[0, v : v + 1]]))
+    return sampling.scores(logits[0], prefixes or None)[None]
 
 
 @torch.no_grad()
-def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, max_new_tokens: int,
-                 sampling: SamplingParams, spec: SpecConfig, eos_token_ids: set[int],
-                 generator: torch.Generator | None, model_inputs: dict,
-                 attention_mask: torch.Tensor | None = None) -> tuple[list[int], GenerationStats]:
-    """Generate for one sequence input_ids [1, T]; returns (new token ids, stats)."""
+def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, decoding: Decoding,
+                 spec: SpecConfig, generator: torch.Generator | None, model_inputs: dict,
+                 attention_mask: torch.Tensor | None = None) -> RowOutput:
+    """Generate for one sequence input_ids [1, T] (no padding)."""
     stats = GenerationStats()
+    out_row = RowOutput([], stats)
     start = time.perf_counter()
+    sampling = decoding.sampling
     verifier = select_verifier(spec.verifier, sampling.do_sample, backend=getattr(target, "backend", "torch"))
+    verify_sampling = sampling.plain()
     want_hidden = drafter.needs_hidden_states
-    new: list[int] = []
-    if max_new_tokens == 0:
-        return new, stats
+    new = out_row.new_tokens
+    if decoding.max_new_tokens == 0:
+        return out_row
+    pad = sampling.row_prefix if sampling.row_prefix is not None else input_ids.new_zeros(0)
+    # the row as model.generate holds it (padding, prompt, new tokens); views of it are handed out
+    row = torch.cat([pad.to(input_ids.device), input_ids[0], input_ids.new_zeros(decoding.max_new_tokens)])[None]
+    first_pos = pad.numel()
+    length = first_pos + input_ids.shape[1]
+
+    def emit(token: int, logits: torch.Tensor, scores: torch.Tensor) -> bool:
+        """Commit one token; True when decoding stops after it."""
+        nonlocal length
+        row[0, length] = token
+        length += 1
+        new.append(token)
+        if decoding.keep_scores:
+            out_row.scores.append(scores.float())
+        if decoding.keep_logits:
+            out_row.logits.append(logits.float())
+        if len(new) >= decoding.max_new_tokens:
+            return True
+        return decoding.stop is not None and decoding.stop(row[:, :length])
 
     out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
     stats.target_forwards += 1
-    first = int(_pick(out.logits[:, -1], sampling, generator)[0])
-    new.append(first)
-    committed = torch.cat([input_ids, input_ids.new_tensor([[first]])], dim=1)
-    finished = first in eos_token_ids or len(new) >= max_new_tokens
+    last = out.logits[0, -1]
+    scores = sampling.scores(last[None], [row[0, first_pos:length]])[0]
+    first = _pick(scores, sampling.do_sample, generator)
+    finished = emit(first, last, scores)
+    if decoding.streamer is not None:
+        decoding.streamer.put(input_ids.new_tensor([first]).cpu())
     if not finished:
         embeds, spans = (None, [])
         if want_hidden:
@@ -104,6 +176,7 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, m
                                     input_embeds=embeds, visual_spans=spans, model_inputs=model_inputs))
 
     while not finished:
+        committed = row[:, first_pos:length]
         t0 = time.perf_counter()
         # The budget is not cut near max_new_tokens: emission is truncated below instead, so
         # tree-shaped drafts keep their width on the last step.
@@ -111,7 +184,8 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, m
         t1 = time.perf_counter()
         tree = draft.tree
         scored = target.forward_tree(draft.tokens, tree, want_hidden)
-        result = verifier(draft.tokens, tree, scored.logits, draft.q_probs, sampling, generator, spec)
+        step_scores = node_scores(sampling, scored.logits, draft.tokens, tree, committed)
+        result = verifier(draft.tokens, tree, step_scores, draft.q_probs, verify_sampling, generator, spec)
         accepted = int(result.accepted_len[0])
         path = result.path[:, : accepted + 1]
         target.commit(path)
@@ -128,20 +202,24 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, m
             stats.drafted_at_depth[d] += 1
             stats.accepted_at_depth[d] += int(accepted >= d)
 
-        for token in emitted:  # stop exactly where plain decoding would
-            new.append(token)
-            if token in eos_token_ids or len(new) >= max_new_tokens:
+        nodes = path[0].tolist()
+        kept = 0
+        for j, token in enumerate(emitted):  # stop exactly where plain decoding would
+            kept += 1
+            if emit(token, scored.logits[0, nodes[j]], step_scores[0, nodes[j]]):
                 finished = True
                 break
+        if decoding.streamer is not None:
+            decoding.streamer.put(input_ids.new_tensor(emitted[:kept]).cpu())
         if finished:
             break
-        committed = torch.cat([committed, committed.new_tensor([emitted])], dim=1)
         hidden = None
         if want_hidden:
             index = path.to(scored.hidden_states.device)[..., None]
             hidden = scored.hidden_states.gather(1, index.expand(-1, -1, scored.hidden_states.shape[-1]))
-        drafter.observe(StepResult(committed=committed, accepted_len=accepted, path=path, hidden_states=hidden))
+        drafter.observe(StepResult(committed=row[:, first_pos:length], accepted_len=accepted, path=path,
+                                   hidden_states=hidden))
 
     stats.new_tokens = len(new)
     stats.total_seconds = time.perf_counter() - start
-    return new, stats
+    return out_row

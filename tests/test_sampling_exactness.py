@@ -48,7 +48,7 @@ def histogram(sm) -> torch.Tensor:
     counts = torch.zeros(V, V)
     g = torch.Generator().manual_seed(1234)
     for _ in range(TRIALS):
-        out = sm.generate(PROMPT, max_new_tokens=2, generator=g, eos_token_id=[], **SAMPLING)
+        out = sm.generate(PROMPT, max_new_tokens=2, generator=g, **SAMPLING)
         a, b = out[0, -2:].tolist()
         counts[a, b] += 1
     return counts

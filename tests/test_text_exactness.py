@@ -111,7 +111,10 @@ def test_max_new_tokens_mid_block(target, max_new):
     assert torch.equal(out, reference(target, ids, max_new_tokens=max_new, eos_token_id=None))
 
 
-def test_zero_new_tokens(target):
+def test_zero_new_tokens_refused_like_generate(target):
+    """model.generate refuses max_new_tokens=0 (GenerationConfig validation); so does flashmm."""
     ids = prompt(5)
-    out = flashmm.wrap(target, PromptLookup()).generate(ids, max_new_tokens=0)
-    assert torch.equal(out, ids)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        target.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        flashmm.wrap(target, PromptLookup()).generate(ids, max_new_tokens=0)

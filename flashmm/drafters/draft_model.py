@@ -5,7 +5,7 @@ import torch
 
 from .. import cache as kv
 from ..config import SamplingParams
-from ..sampling import probs_from_logits, sample
+from ..sampling import sample
 from ..tree import TokenTree
 from .base import Draft, Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength
@@ -81,12 +81,12 @@ class DraftModel(Drafter):
         parents, tokens, q_rows = [-1], [ids[-1]], []
         chain_node = 0
         for step in range(depth):
-            if step == 0:
-                logits = self._logits_after(ids, committed.device)
+            context = ids + [tokens[n] for n in self._chain(parents, chain_node)]
+            logits = self._logits_after(context, committed.device)
+            if sampling.do_sample:  # q processed exactly as the target's p at this node
+                q = sampling.probs(logits, [committed.new_tensor(context)] if sampling.needs_prefix else None)[0]
             else:
-                logits = self._logits_after(ids + [tokens[n] for n in self._chain(parents, chain_node)],
-                                            committed.device)
-            q = probs_from_logits(logits, sampling)[0] if sampling.do_sample else logits[0].softmax(-1)
+                q = logits[0].softmax(-1)
             if sampling.do_sample:
                 children = sample(q.expand(width, -1), generator).tolist()
             else:
