@@ -34,10 +34,8 @@ from PIL import Image
 
 from .api import wrap
 from .config import SpecConfig
-from .drafters.base import Drafter, drafter_names, make_drafter
-from .drafters.flash import CONFIG_NAME as FLASH_CONFIG_NAME
-from .drafters.flash import FlashDrafter
 from .engine import GenerationStats
+from .resolve import UntrainedDrafterError, resolve_drafter, training_record  # noqa: F401 (public here too)
 from .vision.media import VideoFrames, load_image, load_video
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -145,25 +143,6 @@ def load_processor(directory: str | os.PathLike):
                          "build it in code and pass CaptionPipeline(..., processor=...)") from err
 
 
-def resolve_drafter(drafter, device=None) -> Drafter | None:
-    """A Drafter instance, None, a registered name, or a directory holding a saved FlashDrafter."""
-    if drafter is None or isinstance(drafter, Drafter):
-        return drafter
-    if not isinstance(drafter, (str, os.PathLike)):
-        raise TypeError(f"drafter must be a Drafter, a registered name, a directory or None, got "
-                        f"{type(drafter).__name__}")
-    name = os.fspath(drafter)
-    if os.path.isdir(name):
-        if not os.path.isfile(os.path.join(name, FLASH_CONFIG_NAME)):
-            raise ValueError(f"drafter directory {name!r} has no {FLASH_CONFIG_NAME}: expected a directory "
-                             "written by FlashDrafter.save_pretrained")
-        return FlashDrafter.from_pretrained(name, device=device)
-    if name in drafter_names():
-        return make_drafter(name)
-    raise ValueError(f"drafter {name!r} is neither a directory nor a registered drafter name "
-                     f"{drafter_names()}")
-
-
 def text_kwargs(processor, text: str) -> dict:
     """Processor keyword arguments for ``text`` (PyTorch tensors; a chat template that already
     wrote the BOS token must not get a second one)."""
@@ -250,10 +229,11 @@ class CaptionPipeline:
     device, dtype: where / in what dtype to load a model given as a directory.
     attention, linear, **spec_config: passed to ``flashmm.wrap`` (SpecConfig fields: verifier,
                   max_draft_tokens, ...).
+    allow_untrained: accept a randomly initialised drafter (see ``resolve_drafter``).
     """
 
     def __init__(self, model_or_dir, drafter=None, processor=None, *, device=None, dtype=None,
-                 attention: str = "auto", linear: str = "auto", **spec_config):
+                 attention: str = "auto", linear: str = "auto", allow_untrained: bool = False, **spec_config):
         if isinstance(model_or_dir, (str, os.PathLike)):
             model = load_model(model_or_dir, device=device, dtype=dtype)
             if processor is None:
@@ -270,7 +250,7 @@ class CaptionPipeline:
                             f"{sorted(f.name for f in fields(SpecConfig))}")
         SpecConfig(**spec_config)  # validated even for plain decoding (drafter=None)
         self.model, self.processor = model, processor
-        self.drafter = resolve_drafter(drafter, device=getattr(model, "device", None))
+        self.drafter = resolve_drafter(drafter, device=getattr(model, "device", None), allow_untrained=allow_untrained)
         self.spec_model = None
         if self.drafter is not None:
             self.spec_model = wrap(model, self.drafter, processor=processor, attention=attention, linear=linear,
@@ -289,38 +269,44 @@ class CaptionPipeline:
         """Caption ``inputs`` (one item or a list of items); see ``stream`` for the options."""
         return list(self.stream(inputs, **options))
 
-    def stream(self, inputs, prompt: str | None = None, max_new_tokens: int = 128, batch_size: int = 1,
-               num_frames: int | None = None, fps: float | None = None, do_sample: bool = False,
-               temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-               generator: torch.Generator | None = None, raise_errors: bool = False) -> Iterator[CaptionResult]:
+    def stream(self, inputs, prompt: str | None = None, max_new_tokens: int | None = 128, batch_size: int = 1,
+               num_frames: int | None = None, fps: float | None = None, generator: torch.Generator | None = None,
+               raise_errors: bool = False, **generation) -> Iterator[CaptionResult]:
         """Yield one CaptionResult per item, in order, as each finishes.
 
         inputs: an image path, a video path, a PIL image, a VideoFrames, or a list of these.
         prompt: the instruction (None: "Describe the image." / "Describe the video.").
         num_frames / fps: video frame sampling (at most one; default 8 frames evenly spread).
         batch_size: items loaded and preprocessed together before they are decoded one by one.
+        max_new_tokens, **generation: what ``model.generate`` accepts (do_sample, temperature, top_k,
+            top_p, repetition_penalty, generation_config, ...); both decoding paths (speculative and
+            drafter=None) get exactly these, merged over the model's generation_config. None
+            max_new_tokens: the generation_config's own.
+        generator: the sampling generator. The speculative path samples from it; the model's own
+            ``generate`` (drafter=None), which takes none, samples from torch's global generator
+            seeded from it (the global state is restored afterwards).
         """
         if num_frames is not None and fps is not None:
             raise ValueError("give at most one of num_frames or fps")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if max_new_tokens < 0:
+        if max_new_tokens is not None and max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         items = [inputs] if isinstance(inputs, (str, os.PathLike, Image.Image, VideoFrames)) else list(inputs)
         if num_frames is None and fps is None:
             num_frames = 8
-        sampling = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                        top_k=top_k, top_p=top_p, generator=generator)
+        if max_new_tokens is not None:
+            generation["max_new_tokens"] = max_new_tokens
         # options are checked above, when stream() is called; items are processed lazily below
-        return self._run(items, prompt, batch_size, num_frames, fps, sampling, raise_errors)
+        return self._run(items, prompt, batch_size, num_frames, fps, (generation, generator), raise_errors)
 
-    def _run(self, items: list, prompt, batch_size, num_frames, fps, sampling, raise_errors) -> Iterator[CaptionResult]:
+    def _run(self, items: list, prompt, batch_size, num_frames, fps, settings, raise_errors) -> Iterator[CaptionResult]:
         for start in range(0, len(items), batch_size):
             prepared = [self._prepare(start + i, item, prompt, num_frames, fps, raise_errors)
                         for i, item in enumerate(items[start:start + batch_size])]
             for entry in prepared:
                 if entry.inputs is not None:
-                    self._decode(entry, sampling, raise_errors)
+                    self._decode(entry, settings, raise_errors)
                     entry.inputs = None  # release the media tensors
                 yield entry.result
 
@@ -381,16 +367,17 @@ class CaptionPipeline:
         return {k: (v.to(device, dtype) if k.startswith("pixel_values") and v.is_floating_point() else v.to(device))
                 if isinstance(v, torch.Tensor) else v for k, v in dict(out).items()}
 
-    def _decode(self, entry: _Prepared, sampling: dict, raise_errors: bool) -> None:
+    def _decode(self, entry: _Prepared, settings: tuple[dict, torch.Generator | None], raise_errors: bool) -> None:
         inputs, result = entry.inputs, entry.result
+        generation, generator = settings
         prompt_len = inputs["input_ids"].shape[1]
         t0 = time.perf_counter()
         try:
             if self.spec_model is not None:
-                out = self.spec_model.generate(**inputs, **sampling)
+                out = self.spec_model.generate(**inputs, **generation, generator=generator)
                 stats = self.spec_model.last_stats
             else:
-                out = self.model.generate(**inputs, **self._plain_kwargs(sampling))
+                out = plain_generate(self.model, inputs, generation, generator)
                 stats = None
         except Exception as err:
             if raise_errors:
@@ -398,25 +385,30 @@ class CaptionPipeline:
             result.error = f"{type(err).__name__}: {err}"
             return
         result.seconds = time.perf_counter() - t0
-        new = out[0, prompt_len:]
+        sequences = getattr(out, "sequences", out)  # return_dict_in_generate=True gives an output class
+        new = sequences[0, prompt_len:]
         if stats is None:
-            stats = _plain_stats(len(new), result.seconds)
+            stats = plain_stats(len(new), result.seconds)
         new = new[: stats.new_tokens]
         result.new_tokens = int(new.shape[0])
         result.token_ids = new.tolist()
         result.caption = self.processor.tokenizer.decode(new, skip_special_tokens=True).strip()
         result.stats = stats.as_dict()
 
-    @staticmethod
-    def _plain_kwargs(sampling: dict) -> dict:
-        kwargs = dict(max_new_tokens=sampling["max_new_tokens"], do_sample=sampling["do_sample"])
-        if sampling["do_sample"]:
-            kwargs["temperature"] = sampling["temperature"]
-            kwargs.update({k: sampling[k] for k in ("top_k", "top_p") if sampling[k] is not None})
-        return kwargs
+def plain_generate(model: torch.nn.Module, inputs: dict, generation: dict, generator: torch.Generator | None = None):
+    """``model.generate(**inputs, **generation)``; ``generator``, which HF's generate does not take,
+    seeds torch's global generator for the call (its state is restored afterwards), so a seeded
+    plain run samples reproducibly as the seeded speculative run does."""
+    if generator is None:
+        return model.generate(**inputs, **generation)
+    seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+    cuda = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        return model.generate(**inputs, **generation)
 
 
-def _plain_stats(new_tokens: int, seconds: float) -> GenerationStats:
+def plain_stats(new_tokens: int, seconds: float) -> GenerationStats:
     """Stats of the model's own generate: the prefill emits the first token, then one forward per token."""
     steps = max(new_tokens - 1, 0)
     return GenerationStats(new_tokens=new_tokens, target_forwards=min(new_tokens, 1) + steps, verify_steps=steps,

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
+import shutil
+import sys
 
 import pytest
 import torch
 
 from flashmm import cli
+from flashmm.drafters import FlashDrafter
 from flashmm.onednn import onednn_available
-from flashmm.pipelines import CaptionPipeline
+from flashmm.pipelines import CaptionPipeline, UntrainedDrafterError, resolve_drafter, training_record
 from flashmm.vision import load_image, save_video
 
-from mm_models import cached_tiny_llava, random_image, random_video, save_model_dir
+from mm_models import cached_tiny_llava, random_image, random_video, save_model_dir, tokenizer, vocab_size
+from text_models import tiny_lm
 
 if os.environ.get("OMP_NUM_THREADS") == "1":
     torch.set_num_threads(1)  # conftest asks for 2; on a shared CPU one is several times faster
@@ -43,8 +48,9 @@ def media(tmp_path):
 
 
 def run(model_dir, *args, drafter="prompt_lookup"):
-    return cli.main(["caption", *map(str, args), "--model", model_dir, "--drafter", drafter,
-                     "--max-new-tokens", str(MAX_NEW), "--num-frames", "2", "--no-progress"])
+    """flashmm caption with the tests' defaults; options in ``args`` override them."""
+    return cli.main(["caption", "--model", model_dir, "--drafter", drafter, "--max-new-tokens", str(MAX_NEW),
+                     "--num-frames", "2", "--no-progress", *map(str, args)])
 
 
 def read_jsonl(path):
@@ -131,11 +137,18 @@ def test_caption_directory_and_files_to_jsonl(model_dir, media, tmp_path, count_
     assert read_jsonl(out)[-1]["path"] == key(media / "broken.png") and read_jsonl(out)[-1]["error"] is None
 
 
+def done_line(path, model_dir, caption="earlier", drafter="prompt_lookup"):
+    """A successful JSONL line as `run` would write it for ``path``."""
+    args = cli.build_parser().parse_args(["caption", str(path), "--model", model_dir, "--drafter", drafter,
+                                          "--max-new-tokens", str(MAX_NEW), "--num-frames", "2"])
+    return json.dumps({**cli.item_key(str(path), args), "caption": caption, "error": None}) + "\n"
+
+
 def test_everything_done_loads_no_model(model_dir, media, tmp_path, monkeypatch):
     out = tmp_path / "done.jsonl"
     with open(out, "w") as fh:
         for name in ("a.png", "b.jpg"):
-            fh.write(json.dumps({"path": key(media / name), "caption": "earlier", "error": None}) + "\n")
+            fh.write(done_line(media / name, model_dir))
 
     def no_model(args):
         raise AssertionError("the model was loaded although every path was done")
@@ -150,7 +163,7 @@ def test_resumes_after_interrupted_run(model_dir, media, tmp_path, monkeypatch, 
     images = [media / "a.png", media / "b.jpg", media / "clip.avi"]
     # an interrupted run: one item written, then the process dies while the next line is written
     with open(out, "w") as fh:
-        fh.write(json.dumps({"path": key(images[0]), "caption": "from the first run", "error": None}) + "\n")
+        fh.write(done_line(images[0], model_dir, caption="from the first run"))
         fh.write('{"path": "' + key(images[1]) + '", "capt')
     assert run(model_dir, *images, "--out", out) == cli.EXIT_OK
     assert count_decodes == [str(images[1]), str(images[2])]
@@ -200,3 +213,211 @@ def test_linear_option_reaches_the_target(model_dir, media):
         args = parser.parse_args(["caption", str(media), "--model", model_dir, "--drafter", "prompt_lookup",
                                   "--linear", backend])
         assert cli._build_pipeline(args).spec_model.target.linear_backend == backend
+
+
+# ----------------------------------------------------------------------------------- resume keys
+def test_resume_is_keyed_by_prompt_model_drafter_and_settings(model_dir, media, tmp_path, count_decodes):
+    out = tmp_path / "keyed.jsonl"
+    image, clip = media / "a.png", media / "clip.avi"
+    assert run(model_dir, image, clip, "--out", out) == cli.EXIT_OK
+    first = read_jsonl(out)
+    assert [r["prompt"] for r in first] == ["Describe the image.", "Describe the video."]
+    assert first[0]["model"] == os.path.abspath(model_dir) and first[0]["drafter"] == "prompt_lookup"
+    assert first[0]["settings"] == {"max_new_tokens": MAX_NEW, "do_sample": None, "temperature": None,
+                                    "top_k": None, "top_p": None, "seed": None, "verifier": "auto"}
+    assert first[1]["settings"]["num_frames"] == 2 and "num_frames" not in first[0]["settings"]
+
+    copied = tmp_path / "same_weights_elsewhere"
+    shutil.copytree(model_dir, copied)
+    reruns = {  # every change of a key field captions both items again
+        "prompt": (model_dir, ["--prompt", "What is shown?"], "prompt_lookup"),
+        "model": (str(copied), [], "prompt_lookup"),
+        "drafter": (model_dir, [], "none"),
+        "max_new_tokens": (model_dir, ["--max-new-tokens", str(MAX_NEW - 1)], "prompt_lookup"),
+        "do_sample": (model_dir, ["--no-do-sample"], "prompt_lookup"),
+        "verifier": (model_dir, ["--verifier", "greedy"], "prompt_lookup"),
+    }
+    for field, (model, extra, drafter) in reruns.items():
+        count_decodes.clear()
+        assert run(model, image, clip, "--out", out, *extra, drafter=drafter) == cli.EXIT_OK, field
+        assert count_decodes == [str(image), str(clip)], field
+    # a changed frame count re-captions the video only; the same key again skips both
+    count_decodes.clear()
+    assert run(model_dir, image, clip, "--out", out, "--num-frames", "3") == cli.EXIT_OK
+    assert count_decodes == [str(clip)]
+    count_decodes.clear()
+    for model, extra, drafter in reruns.values():
+        assert run(model, image, clip, "--out", out, *extra, drafter=drafter) == cli.EXIT_OK
+    assert count_decodes == []
+    lines = read_jsonl(out)
+    assert len(lines) == 2 + 2 * len(reruns) + 1
+    by_prompt = {r["prompt"]: r for r in lines if r["path"] == key(image)}
+    assert by_prompt["What is shown?"]["caption"] and by_prompt["What is shown?"]["error"] is None
+    # --max-new-tokens really reached the decoder of the rerun
+    shorter = [r for r in lines if r["settings"]["max_new_tokens"] == MAX_NEW - 1]
+    assert [r["new_tokens"] for r in shorter] == [MAX_NEW - 1] * 2
+
+
+def test_lines_without_key_fields_are_not_taken_as_done(model_dir, media, tmp_path, count_decodes):
+    out = tmp_path / "old.jsonl"
+    with open(out, "w") as fh:  # a line of an older version: no prompt / model / drafter / settings
+        fh.write(json.dumps({"path": key(media / "a.png"), "caption": "old", "error": None}) + "\n")
+    assert run(model_dir, media / "a.png", "--out", out) == cli.EXIT_OK
+    assert count_decodes == [str(media / "a.png")]
+
+
+# ----------------------------------------------------------------------------------- untrained drafters
+@pytest.fixture(scope="module")
+def untrained_dir(tmp_path_factory):
+    """A FLASH drafter saved straight after random initialisation (no training)."""
+    folder = tmp_path_factory.mktemp("untrained_flash")
+    FlashDrafter.from_target(llava()[0], num_queries=4, tokens_per_step=2, seed=0).save_pretrained(folder)
+    return str(folder)
+
+
+def test_untrained_drafter_refused_unless_allowed(model_dir, media, untrained_dir, tmp_path, capsys):
+    for drafter in (untrained_dir, "flash"):
+        assert run(model_dir, media / "a.png", drafter=drafter) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert "--allow-untrained" in err and "random initialisation" in err, err
+        assert run(model_dir, media / "a.png", "--allow-untrained", drafter=drafter) == cli.EXIT_OK
+        (line,) = capsys.readouterr().out.splitlines()
+        record = json.loads(line)
+        assert record["error"] is None and record["caption"] == greedy_caption(media / "a.png")
+
+
+def test_training_record_decides_trained(untrained_dir, tmp_path):
+    assert training_record(untrained_dir) is None
+    with pytest.raises(UntrainedDrafterError, match="allow-untrained"):
+        resolve_drafter(untrained_dir)
+    assert isinstance(resolve_drafter(untrained_dir, allow_untrained=True), FlashDrafter)
+    # the record python -m flashmm.train flash --out DIR leaves beside the drafter
+    trained = tmp_path / "trained_by_trainer"
+    shutil.copytree(untrained_dir, trained)
+    state = trained / "checkpoints" / "epoch-0000"
+    state.mkdir(parents=True)
+    (state / "trainer_state.json").write_text(json.dumps({"epoch": 0, "epoch_losses": [], "epoch_accuracy": []}))
+    assert training_record(trained) is None  # a checkpoint without a finished epoch is no training
+    (state / "trainer_state.json").write_text(json.dumps({"epoch": 0, "epoch_losses": [2.5], "epoch_accuracy": []}))
+    assert training_record(trained) == {"source": os.path.join("checkpoints", "epoch-0000", "trainer_state.json"),
+                                        "epochs": 1, "final_loss": 2.5}
+    assert isinstance(resolve_drafter(str(trained)), FlashDrafter)
+    # a "training" entry in flash_config.json
+    noted = tmp_path / "noted"
+    shutil.copytree(untrained_dir, noted)
+    config = json.loads((noted / "flash_config.json").read_text())
+    (noted / "flash_config.json").write_text(json.dumps({**config, "training": {"steps": 0}}))
+    assert training_record(noted) is None
+    (noted / "flash_config.json").write_text(json.dumps({**config, "training": {"steps": 120, "epochs": 3}}))
+    assert training_record(noted)["steps"] == 120
+    # the shipped reference drafters were trained (their build record)
+    shipped = os.path.join(os.path.dirname(__file__), "..", "assets", "reference_lmm", "flash_drafter")
+    record = training_record(shipped)
+    assert record["source"] == "flash_build_info.json" and record["epochs"] > 0
+
+
+# ----------------------------------------------------------------------------------- generate
+@pytest.fixture(scope="module")
+def text_model_dir(tmp_path_factory):
+    """A tiny random Llama saved with SmolLM2's tokenizer (it has a chat template)."""
+    folder = tmp_path_factory.mktemp("text_lm")
+    tok = tokenizer()
+    model = tiny_lm("llama", vocab_size=vocab_size(), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def reference_answer(model, tok, text: str, chat: bool = True, **generation) -> str:
+    """model.generate on the prompt (chat template applied by the tokenizer itself), decoded."""
+    if chat:
+        inputs = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+    else:
+        inputs = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, **generation)
+    return tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def generate(model_dir, prompt, *args, drafter="prompt_lookup", new=12):
+    return cli.main(["generate", prompt, "--model", model_dir, "--drafter", drafter, "--max-new-tokens", str(new),
+                     *map(str, args)])
+
+
+@pytest.mark.parametrize("drafter", ["none", "prompt_lookup"])
+def test_generate_streams_the_models_own_answer(text_model_dir, drafter, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    model = AutoModelForCausalLM.from_pretrained(text_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(text_model_dir)
+    pieces = []
+    original = TextStreamer.on_finalized_text
+
+    def record(self, text, stream_end=False):
+        pieces.append(text)
+        return original(self, text, stream_end)
+
+    monkeypatch.setattr(TextStreamer, "on_finalized_text", record)
+    prompt = "Say hello, then hello again."
+    assert generate(text_model_dir, prompt, drafter=drafter, new=24) == cli.EXIT_OK
+    captured = capsys.readouterr()
+    answer = reference_answer(model, tok, prompt, max_new_tokens=24, do_sample=False)
+    assert captured.out == answer + "\n" and len(answer) > 0
+    assert sum(1 for p in pieces if p) > 1  # printed piece by piece as tokens committed, not all at the end
+    assert "24 new tokens" in captured.err and "tau" in captured.err and "tok/s" in captured.err
+    assert "accepted drafted tokens per step" in captured.err
+    if drafter == "none":
+        assert "tau 1.00" in captured.err
+
+    # --raw: the text as given, no chat template
+    assert generate(text_model_dir, prompt, "--raw", drafter=drafter, new=8) == cli.EXIT_OK
+    raw = reference_answer(model, tok, prompt, chat=False, max_new_tokens=8, do_sample=False)
+    assert capsys.readouterr().out == raw + "\n" and raw != answer[: len(raw)]
+
+
+def test_generate_settings_reach_the_decoder(text_model_dir, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(text_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(text_model_dir)
+    prompt = "Count to ten."
+    # the same seed twice gives the same sample; sampling with top-k 1 is greedy decoding
+    outs = []
+    for _ in range(2):
+        assert generate(text_model_dir, prompt, "--do-sample", "--temperature", "1.5", "--seed", "3", new=10) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+    assert generate(text_model_dir, prompt, "--do-sample", "--top-k", "1", "--seed", "4", new=10) == 0
+    assert capsys.readouterr().out == reference_answer(model, tok, prompt, max_new_tokens=10, do_sample=False) + "\n"
+    assert generate(text_model_dir, prompt, "--top-p", "1.5") == cli.EXIT_USAGE
+    assert "--top-p" in capsys.readouterr().err
+
+
+def test_generate_with_a_vision_language_model_and_no_media(model_dir, capsys):
+    model, processor = llava()
+    prompt = "What is a triangle?"
+    assert generate(model_dir, prompt, new=8) == cli.EXIT_OK
+    answer = reference_answer(model, processor.tokenizer, prompt, max_new_tokens=8, do_sample=False)
+    assert capsys.readouterr().out == answer + "\n"
+
+
+def test_generate_setup_errors(text_model_dir, tmp_path, capsys):
+    assert generate(text_model_dir, "hi", drafter="flash") == cli.EXIT_USAGE
+    assert "--allow-untrained" in capsys.readouterr().err
+    assert generate(str(tmp_path / "missing"), "hi") == cli.EXIT_USAGE
+    assert "cannot set up" in capsys.readouterr().err
+
+
+def test_python_dash_m_flashmm(text_model_dir, capsys, monkeypatch):
+    """``python -m flashmm generate ...`` runs flashmm/__main__.py (run here in-process: a new
+    interpreter would spend ~15 s importing torch and transformers)."""
+    argv = ["flashmm", "generate", "Hi", "--model", text_model_dir, "--drafter", "prompt_lookup",
+            "--max-new-tokens", "4"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("flashmm", run_name="__main__", alter_sys=True)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 0, captured.err
+    assert captured.out.strip() and "4 new tokens" in captured.err

@@ -1,0 +1,90 @@
+"""What a user names as a drafter (a name, a directory, an instance) → a Drafter, refusing
+randomly initialised ones unless asked for (``allow_untrained``)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from .drafters.base import Drafter, drafter_names, make_drafter
+from .drafters.flash import CONFIG_NAME as FLASH_CONFIG_NAME
+from .drafters.flash import FlashDrafter
+
+TRAINING_FILES = ("flash_build_info.json",)  # written by flashmm's reference drafter builds
+
+
+class UntrainedDrafterError(ValueError):
+    """A randomly initialised drafter was given where a trained one is expected."""
+
+
+def training_record(directory: str | os.PathLike) -> dict | None:
+    """What a saved FlashDrafter directory records about its training, or None when it records none.
+
+    A directory counts as trained when it holds a record of at least one optimisation step:
+      - a ``"training"`` entry in flash_config.json with ``epochs`` or ``steps`` > 0;
+      - flash_build_info.json (a reference drafter build) with a non-empty ``epoch_losses``;
+      - checkpoints/epoch-*/trainer_state.json (``python -m flashmm.train flash --out DIR``)
+        with a non-empty ``epoch_losses``.
+    ``FlashDrafter.from_target(model).save_pretrained(dir)`` writes none of these: its weights are
+    the random initialisation. Returns {"source": file, **what it says}.
+    """
+    directory = os.fspath(directory)
+
+    def read(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return None
+
+    meta = read(os.path.join(directory, FLASH_CONFIG_NAME)) or {}
+    training = meta.get("training") if isinstance(meta, dict) else None
+    if isinstance(training, dict) and (training.get("epochs") or training.get("steps")):
+        return {"source": FLASH_CONFIG_NAME, **training}
+    states = sorted(glob.glob(os.path.join(directory, "checkpoints", "epoch-*", "trainer_state.json")))
+    for path in [os.path.join(directory, name) for name in TRAINING_FILES] + states[-1:]:
+        info = read(path)
+        if isinstance(info, dict) and info.get("epoch_losses"):
+            return {"source": os.path.relpath(path, directory), "epochs": len(info["epoch_losses"]),
+                    "final_loss": info["epoch_losses"][-1]}
+    return None
+
+
+def _untrained(what: str) -> UntrainedDrafterError:
+    return UntrainedDrafterError(
+        f"{what}. An untrained drafter's weights are a random initialisation: it drafts almost nothing "
+        "(acceptance near zero) and still costs a drafter forward per step. Give a trained drafter (a "
+        "directory written by `python -m flashmm.train flash --out DIR`), a training-free one "
+        "(prompt_lookup), or pass --allow-untrained (allow_untrained=True in Python) to use it anyway")
+
+
+def resolve_drafter(drafter, device=None, allow_untrained: bool = False) -> Drafter | None:
+    """A Drafter instance, None, a registered name, or a directory holding a saved FlashDrafter.
+
+    A randomly initialised drafter raises UntrainedDrafterError unless ``allow_untrained``: the
+    name "flash" (a fresh FLASH head is built for the model), a FlashDrafter without a network,
+    and a saved FLASH directory without a training record (see ``training_record``).
+    """
+    if isinstance(drafter, FlashDrafter) and drafter.net is None and not allow_untrained:
+        raise _untrained("this FlashDrafter has no network: an untrained one would be built for the model")
+    if drafter is None or isinstance(drafter, Drafter):
+        return drafter
+    if not isinstance(drafter, (str, os.PathLike)):
+        raise TypeError(f"drafter must be a Drafter, a registered name, a directory or None, got "
+                        f"{type(drafter).__name__}")
+    name = os.fspath(drafter)
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, FLASH_CONFIG_NAME)):
+            raise ValueError(f"drafter directory {name!r} has no {FLASH_CONFIG_NAME}: expected a directory "
+                             "written by FlashDrafter.save_pretrained")
+        if not allow_untrained and training_record(name) is None:
+            raise _untrained(f"the FLASH drafter in {name!r} records no training ({FLASH_CONFIG_NAME} has no "
+                             f"'training' entry, and there is no {TRAINING_FILES[0]} or "
+                             "checkpoints/epoch-*/trainer_state.json beside it)")
+        return FlashDrafter.from_pretrained(name, device=device)
+    if name in drafter_names():
+        if name == FlashDrafter.name and not allow_untrained:
+            raise _untrained(f"the drafter name {name!r} builds a new FLASH head for the model, untrained")
+        return make_drafter(name)
+    raise ValueError(f"drafter {name!r} is neither a directory nor a registered drafter name "
+                     f"{drafter_names()}")
