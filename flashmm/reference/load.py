@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 from transformers.initialization import no_init_weights
 
+from ..paths import assets_dir
 from . import lmm
 from .lmm import WEIGHTS_FILE
 
@@ -22,9 +23,10 @@ ASSETS_ENV = "FLASHMM_REFERENCE_ASSETS"
 
 
 def default_assets_dir() -> Path:
-    """``$FLASHMM_REFERENCE_ASSETS`` or ``assets/reference_lmm`` at the repository root."""
+    """``$FLASHMM_REFERENCE_ASSETS``, else the shipped ``reference_lmm`` assets (installed with the
+    package, or ``assets/reference_lmm`` in a checkout: ``flashmm.paths.assets_dir``)."""
     env = os.environ.get(ASSETS_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "assets" / "reference_lmm"
+    return Path(env) if env else assets_dir("reference_lmm")
 
 
 def find_assets(assets_dir, default: Path, what: str, builder: str, env: str) -> Path:

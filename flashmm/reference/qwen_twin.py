@@ -40,6 +40,7 @@ import torch
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
+from ..paths import assets_dir
 from . import lmm
 from .lmm import IMAGE_SIZE, WEIGHTS_FILE
 
@@ -54,9 +55,10 @@ CHAT_TEMPLATE = lmm.CHAT_TEMPLATE.replace("'<image>'", f"'{IMAGE_TOKEN}'")
 
 
 def default_assets_dir() -> Path:
-    """``$FLASHMM_REFERENCE_QWEN2VL_ASSETS`` or ``assets/reference_qwen2vl`` at the repository root."""
+    """``$FLASHMM_REFERENCE_QWEN2VL_ASSETS``, else the shipped ``reference_qwen2vl`` assets
+    (installed with the package, or at the checkout's root: ``flashmm.paths.assets_dir``)."""
     env = os.environ.get(ASSETS_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "assets" / "reference_qwen2vl"
+    return Path(env) if env else assets_dir("reference_qwen2vl")
 
 
 def make_qwen_config(text_config, hidden_size: int = 128, num_layers: int = 4) -> Qwen2VLConfig:

@@ -1,4 +1,4 @@
-"""Media loading (pillow images, decord videos)."""
-from .media import VideoFrames, load_image, load_video, save_video
+"""Media loading (Pillow images; videos through decord where installed, else PyAV)."""
+from .media import VIDEO_BACKENDS, VideoFrames, load_image, load_video, save_video, video_backend
 
-__all__ = ["VideoFrames", "load_image", "load_video", "save_video"]
+__all__ = ["VIDEO_BACKENDS", "VideoFrames", "load_image", "load_video", "save_video", "video_backend"]

@@ -1,13 +1,18 @@
-"""Loading images (Pillow) and video frames (decord), with errors that say what to fix.
+"""Loading images (Pillow) and video frames (decord or PyAV), with errors that say what to fix.
 
 ``load_video`` samples frames either as a fixed count spread evenly over the clip
 (``num_frames``) or at a rate (``fps``, e.g. 1 frame per second as FLASH's video data);
 it returns uint8 RGB frames [F, H, W, 3] plus the timestamps (seconds) of the sampled frames.
+Two decoders give the same frames for the same indices (frame i = the i-th frame in
+presentation order; both run FFmpeg's decoders and its default YUV -> RGB conversion): decord
+where it is installed (``pip install 'flashmm[decord]'``, Linux x86-64 and Windows wheels only),
+PyAV (``av``, a dependency, wheels everywhere) otherwise, or whichever ``backend=`` names.
 ``save_video`` writes frames as a Motion-JPEG AVI (Pillow only, no encoder libraries), which
-decord reads back: handy for tests, examples and procedurally generated clips.
+both read back: handy for tests, examples and procedurally generated clips.
 """
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import struct
@@ -78,28 +83,94 @@ def frame_indices(total: int, file_fps: float, num_frames: int | None = None,
     return np.unique(np.floor(np.arange(0, total, step)).astype(np.int64).clip(0, total - 1))
 
 
-def load_video(path: str | os.PathLike, num_frames: int | None = None, fps: float | None = None) -> VideoFrames:
-    """Sample frames of a video with decord (num_frames evenly, or at ``fps``; default 8 frames)."""
+VIDEO_BACKENDS = ("decord", "av")
+
+
+def video_backend(name: str | None = None) -> str:
+    """``name`` checked against VIDEO_BACKENDS, or the default: decord where installed, else PyAV."""
+    if name is None:
+        return "decord" if importlib.util.find_spec("decord") is not None else "av"
+    if name not in VIDEO_BACKENDS:
+        raise ValueError(f"unknown video backend {name!r}; choose one of {VIDEO_BACKENDS}")
+    return name
+
+
+def load_video(path: str | os.PathLike, num_frames: int | None = None, fps: float | None = None,
+               backend: str | None = None) -> VideoFrames:
+    """Sample frames of a video (num_frames evenly, or at ``fps``; default 8 frames) with
+    ``backend`` ("decord" or "av"; default: decord where installed, else PyAV)."""
     path = _check_file(path, "video")
     if num_frames is None and fps is None:
         num_frames = 8
+    read = _read_decord if video_backend(backend) == "decord" else _read_av
+    index, frames, file_fps = read(path, lambda total, rate: frame_indices(total, rate, num_frames, fps))
+    timestamps = index / file_fps if file_fps > 0 else index.astype(np.float64)
+    return VideoFrames(frames=frames, timestamps=timestamps.astype(np.float64), fps=file_fps)
+
+
+def _unreadable(path: str, err: Exception) -> ValueError:
+    reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+    return ValueError(f"cannot read video {path!r} ({reason}); expected a video file FFmpeg can decode "
+                      "(mp4, avi, mkv, webm, ...)")
+
+
+def _read_decord(path: str, choose):
+    """(index [F], frames uint8 [F, H, W, 3], file fps) with decord; ``choose(total, fps)`` -> index."""
     try:
-        import decord  # noqa: PLC0415 (heavy import, only for videos)
-    except ImportError as err:  # pragma: no cover - decord is a dependency
-        raise ImportError("reading videos needs decord: pip install decord") from err
+        import decord  # noqa: PLC0415 (optional, heavy)
+    except ImportError as err:
+        raise ImportError("the decord video backend needs decord: pip install decord "
+                          "(or use backend='av')") from err
     try:
         reader = decord.VideoReader(path, ctx=decord.cpu(0))
         total, file_fps = len(reader), float(reader.get_avg_fps())
     except Exception as err:  # decord raises its own DECORDError for unreadable files
-        raise ValueError(f"cannot read video {path!r} ({str(err).strip().splitlines()[-1]}); expected a "
-                         "video file FFmpeg can decode (mp4, avi, mkv, webm, ...)") from err
-    index = frame_indices(total, file_fps, num_frames, fps)
+        raise _unreadable(path, err) from err
+    index = choose(total, file_fps)
     try:
         frames = reader.get_batch(index.tolist()).asnumpy()
     except Exception as err:
         raise ValueError(f"cannot decode frames of video {path!r}: {err}") from err
-    timestamps = index / file_fps if file_fps > 0 else index.astype(np.float64)
-    return VideoFrames(frames=frames, timestamps=timestamps.astype(np.float64), fps=file_fps)
+    return index, frames, file_fps
+
+
+def _read_av(path: str, choose):
+    """(index [F], frames uint8 [F, H, W, 3], file fps) with PyAV, numbering frames as decord does:
+    the video stream's packets sorted by presentation time. Seeks to the keyframe before a wanted
+    frame when one lies between it and the last decoded frame, otherwise decodes on."""
+    import av  # noqa: PLC0415 (heavy import, only for videos)
+
+    try:
+        with av.open(path) as container:
+            stream = container.streams.video[0]
+            packets = [(p.pts, p.is_keyframe) for p in container.demux(stream) if p.size]
+            rate = stream.average_rate or stream.guessed_rate
+    except (av.error.FFmpegError, IndexError, OSError, ValueError) as err:
+        raise _unreadable(path, IndexError("no video stream") if isinstance(err, IndexError) else err) from err
+    if any(pts is None for pts, _ in packets):
+        raise ValueError(f"cannot index video {path!r}: its packets carry no timestamps; "
+                         "remux it (ffmpeg -i IN -c copy OUT.mp4) or use backend='decord'")
+    file_fps = float(rate) if rate else 0.0
+    times = sorted(pts for pts, _ in packets)
+    keyframes = np.array(sorted(pts for pts, key in packets if key), dtype=np.int64)
+    index = choose(len(times), file_fps)
+    wanted = sorted({times[i] for i in index.tolist()})
+    decoded = {}
+    try:
+        with av.open(path) as container:
+            stream = container.streams.video[0]
+            frames, last = None, None
+            for target in wanted:
+                if frames is None or ((keyframes > last) & (keyframes <= target)).any():
+                    container.seek(int(target), stream=stream, backward=True, any_frame=False)
+                    frames = container.decode(stream)
+                frame = next((f for f in frames if f.pts is not None and f.pts >= target), None)
+                if frame is None or frame.pts != target:
+                    raise ValueError(f"no frame at time {target} x {stream.time_base} s")
+                decoded[target], last = frame.to_ndarray(format="rgb24"), frame.pts
+    except (av.error.FFmpegError, ValueError) as err:
+        raise ValueError(f"cannot decode frames of video {path!r}: {err}") from err
+    return index, np.stack([decoded[times[i]] for i in index.tolist()]), file_fps
 
 
 def _chunk(fourcc: bytes, data: bytes) -> bytes:
