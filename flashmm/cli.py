@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "lines (path, prompt, model, drafter, settings, kind, caption, new_tokens, seconds, stats, "
                     "error); a rerun skips the items whose (path, prompt, model, drafter, settings) already "
                     "have a caption. Exit status: 0 all captioned, 1 some item failed, 2 usage or setup error.",
-        epilog=f"Images: {' '.join(IMAGE_SUFFIXES)}. Videos (decord): {' '.join(VIDEO_SUFFIXES)}.")
+        epilog=f"Images: {' '.join(IMAGE_SUFFIXES)}. Videos: {' '.join(VIDEO_SUFFIXES)}.")
     cap.add_argument("paths", nargs="+", metavar="PATH", help="media files or directories (searched recursively)")
     cap.add_argument("--out", metavar="FILE",
                      help="JSONL file to append to (default: stdout); reruns skip items done with the same settings")

@@ -102,13 +102,16 @@ def run_generate(args) -> int:
         generator = torch.Generator(device=model.device).manual_seed(args.seed)
     generation = dict(generation_kwargs(args), streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
     start = time.perf_counter()
-    if spec_model is not None:
-        spec_model.generate(**inputs, **generation, generator=generator)
-        stats = spec_model.last_stats
-    else:
-        with torch.no_grad():
-            out = plain_generate(model, inputs, generation, generator)
-        stats = plain_stats(out.shape[1] - inputs["input_ids"].shape[1], time.perf_counter() - start)
+    try:
+        if spec_model is not None:
+            spec_model.generate(**inputs, **generation, generator=generator)
+            stats = spec_model.last_stats
+        else:
+            with torch.no_grad():
+                out = plain_generate(model, inputs, generation, generator)
+            stats = plain_stats(out.shape[1] - inputs["input_ids"].shape[1], time.perf_counter() - start)
+    except (ValueError, TypeError) as err:  # settings generate refuses (checked before anything is decoded)
+        return error("generate", f"{type(err).__name__}: {err}")
     sys.stdout.flush()
     print(f"flashmm generate: {format_stats(stats)}", file=sys.stderr)
     return EXIT_OK

@@ -6,7 +6,8 @@
 
 Per item: load the media (Pillow / decord), build a chat-formatted prompt with one placeholder
 per image (or video), run the model's processor, decode with speculative decoding (or the
-model's own ``generate`` when ``drafter=None``, for comparison), and return a CaptionResult.
+model's own ``generate`` when ``drafter=None``, for comparison: both get the same ``generate``
+arguments), and return a CaptionResult.
 
 Videos: models whose processor has a video path (LLaVA-OneVision, Qwen-VL with a video
 processor) get the sampled frames as one video; LLaVA-1.5-class models (no video input), and
@@ -225,11 +226,12 @@ class CaptionPipeline:
                   (class picked from its config; processor loaded from the same directory).
     drafter:      a Drafter, a registered name ("prompt_lookup", "flash"), a directory holding a
                   saved FlashDrafter (flash_config.json), or None: the model's own ``generate``.
+                  A randomly initialised one ("flash", a directory without a training record) is
+                  refused unless ``allow_untrained=True`` (``flashmm.resolve.resolve_drafter``).
     processor:    the model's processor (None: AutoProcessor from model_or_dir).
     device, dtype: where / in what dtype to load a model given as a directory.
     attention, linear, **spec_config: passed to ``flashmm.wrap`` (SpecConfig fields: verifier,
                   max_draft_tokens, ...).
-    allow_untrained: accept a randomly initialised drafter (see ``resolve_drafter``).
     """
 
     def __init__(self, model_or_dir, drafter=None, processor=None, *, device=None, dtype=None,

@@ -275,6 +275,7 @@ def untrained_dir(tmp_path_factory):
     return str(folder)
 
 
+@pytest.mark.filterwarnings("ignore:FlashDrafter has no trained weights")
 def test_untrained_drafter_refused_unless_allowed(model_dir, media, untrained_dir, tmp_path, capsys):
     for drafter in (untrained_dir, "flash"):
         assert run(model_dir, media / "a.png", drafter=drafter) == cli.EXIT_USAGE

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from flashmm.drafters import FlashDrafter, PromptLookup
-from flashmm.pipelines import CaptionPipeline, CaptionResult, chat_prompt, expand_paths, resolve_drafter
+from flashmm.pipelines import (CaptionPipeline, CaptionResult, UntrainedDrafterError, chat_prompt, expand_paths,
+                               resolve_drafter)
 from flashmm.vision import load_image, load_video, save_video
 
 from mm_models import CLIP_SIDE, cached_tiny_llava, random_image, random_video, save_model_dir, tiny_llava
@@ -128,7 +129,8 @@ def test_captions_equal_model_generate(saved, media, drafter_kind, tmp_path):
         if drafter_kind == "flash_directory":
             drafter.save_pretrained(tmp_path / "drafter")
             drafter = str(tmp_path / "drafter")
-    pipe = CaptionPipeline(model, drafter=drafter, processor=processor, max_draft_tokens=6)
+    pipe = CaptionPipeline(model, drafter=drafter, processor=processor, max_draft_tokens=6,
+                           allow_untrained=drafter_kind == "flash_directory")  # saved untrained
     if drafter_kind == "flash_directory":
         assert isinstance(pipe.drafter, FlashDrafter)
     results = pipe([media / "a.png", media / "clip.avi"], max_new_tokens=MAX_NEW, num_frames=2)
@@ -281,3 +283,74 @@ def test_expand_paths(media, tmp_path):
     listed = expand_paths([media, tmp_path / "set", media / "a.png", media / "notes.txt"])
     names = [p.split("/")[-1] for p in listed]
     assert names == ["a.png", "b.jpg", "bad.png", "clip.avi", "z.png", "notes.txt"]
+
+
+def reference_with(image: Image.Image, model=None, **generation) -> list[int]:
+    """model.generate(**generation) on the hand-built image prompt: the new token ids."""
+    model = model or llava()[0]
+    processor = llava()[1]
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": "<image>\n" + IMAGE_PROMPT}],
+                                                   tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=text, images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, **generation)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_plain_and_speculative_paths_decode_with_the_same_settings(media):
+    """drafter=None and a drafter get the same generate keywords (processors, generation_config=), and
+    both follow the checkpoint's generation_config for what is not given: same captions as model.generate."""
+    from transformers import GenerationConfig
+
+    model, processor = llava()
+    image = load_image(media / "a.png")
+    plain = CaptionPipeline(model, processor=processor)
+    fast = CaptionPipeline(model, drafter=PromptLookup(max_ngram=2), processor=processor)
+    greedy = reference_with(image, max_new_tokens=MAX_NEW)
+    settings = [dict(max_new_tokens=MAX_NEW, repetition_penalty=1.6, no_repeat_ngram_size=2,
+                     suppress_tokens=greedy[2:4]),
+                dict(max_new_tokens=None, generation_config=GenerationConfig(max_new_tokens=7, do_sample=False,
+                                                                             min_new_tokens=7)),
+                dict(max_new_tokens=MAX_NEW, do_sample=True, top_k=1, temperature=0.7)]  # top-1 sampling = greedy
+    wants = [reference_with(image, **{k: v for k, v in options.items() if v is not None}) for options in settings]
+    for options, want in zip(settings, wants):
+        got = [pipe(image, **options)[0] for pipe in (plain, fast)]
+        assert [r.token_ids for r in got] == [want, want], options
+        assert got[0].caption == got[1].caption == decode(want)
+    assert wants[0][:2] == greedy[:2] and wants[0] != greedy and len(wants[1]) == 7 and wants[2] == greedy  # the options mattered
+
+    # nothing given: the checkpoint's own generation_config decides, on both paths
+    tuned = copy.deepcopy(model)
+    tuned.generation_config.repetition_penalty = 2.0
+    tuned.generation_config.suppress_tokens = greedy[1:2]
+    tuned.generation_config.max_new_tokens = 5
+    want = reference_with(image, model=tuned)
+    assert len(want) == 5 and want[:1] == greedy[:1] and want != greedy[:5]
+    for drafter in (None, "prompt_lookup"):
+        result = CaptionPipeline(tuned, drafter=drafter, processor=processor)(image, max_new_tokens=None)[0]
+        assert result.token_ids == want, drafter
+
+
+def test_plain_path_samples_from_the_given_generator(media):
+    model, processor = llava()
+    plain = CaptionPipeline(model, processor=processor)
+    options = dict(max_new_tokens=MAX_NEW, do_sample=True, temperature=2.0)
+    state = torch.random.get_rng_state()
+    runs = [plain(media / "a.png", generator=torch.Generator().manual_seed(seed), **options)[0].token_ids
+            for seed in (5, 5, 6)]
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global generator is left as it was
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_untrained_flash_refused_unless_allowed(tmp_path):
+    model, processor = llava()
+    with pytest.raises(UntrainedDrafterError, match="--allow-untrained"):
+        CaptionPipeline(model, drafter="flash", processor=processor)
+    with pytest.raises(UntrainedDrafterError, match="allow_untrained=True"):
+        CaptionPipeline(model, drafter=FlashDrafter(), processor=processor)
+    FlashDrafter.from_target(model, num_queries=4, tokens_per_step=2).save_pretrained(tmp_path / "fresh")
+    with pytest.raises(UntrainedDrafterError, match="records no training"):
+        CaptionPipeline(model, drafter=str(tmp_path / "fresh"), processor=processor)
+    with pytest.warns(UserWarning, match="untrained"):
+        pipe = CaptionPipeline(model, drafter="flash", processor=processor, allow_untrained=True)
+    assert isinstance(pipe.drafter, FlashDrafter) and pipe.drafter.net is not None
