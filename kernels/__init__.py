@@ -8,7 +8,7 @@ first kernel is used.
   verify_tree_greedy(tokens, parents, target_logits, ...)  kernels/verification.py
   verify_tree_sampling(tokens, parents, p, q, ...)         kernels/verification.py
   kv_keep(kv, prefix_len, path)                            kernels/compaction.py
-  enable_tree_attention(model), tree_attention_kwargs(...) kernels/hf_attention.py
+  TreeAttentionSwitch(model), tree_attention_kwargs(...)   kernels/hf_attention.py
 """
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ _EXPORTS = {
     "draw_verify_randoms": "verification",
     "kv_keep": "compaction",
     "kv_keep_ref": "compaction",
-    "enable_tree_attention": "hf_attention",
+    "TreeAttentionSwitch": "hf_attention",
+    "TreeAttentionUnsupported": "hf_attention",
+    "unsupported_features": "hf_attention",
+    "fits_window": "hf_attention",
     "tree_attention_kwargs": "hf_attention",
     "resolve_backend": "hf_attention",
     "TreeAttentionArgs": "hf_attention",

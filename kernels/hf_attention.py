@@ -1,23 +1,24 @@
 """Tree attention inside a Hugging Face model, through transformers' public interfaces.
 
-``enable_tree_attention(model)`` registers one attention function under the name
-``"spec_tree_attention"`` (``AttentionInterface``, plus ``sdpa_mask`` under the same name in
-``AttentionMaskInterface`` so ordinary forwards build exactly the masks SDPA gets) and
-switches the model to it with ``model.set_attn_implementation``. The function:
+``TreeAttentionSwitch(model)`` registers one attention function under the name
+``"spec_tree_attention"`` (``AttentionInterface``; ``sdpa_mask`` under the same name in
+``AttentionMaskInterface``) and, inside ``with switch:``, points the model's text attention at it.
+Only tree forwards run inside the switch: the prefill, plain decoding and vision towers keep the
+implementation the user loaded the model with (eager, sdpa, flash, ...).
 
-* runs transformers' own SDPA attention for every call that carries no tree arguments
-  (prefill, plain decoding, vision towers), so those forwards are unchanged;
-* runs tree attention when the model's forward received ``**tree_attention_kwargs(...)``:
-  ``spec_tree`` (a ``TreeAttentionArgs``, reaching every attention layer through the
-  ``**kwargs`` transformers 5 forwards) and ``attention_mask`` = the packed tree mask as an
-  int32 [B, 1, N, W] tensor. A 4D mask is returned untouched by transformers' mask builders,
-  so no dense [B, 1, N, P + N] mask is built or validated; the attention function reads the
-  tree from ``spec_tree``.
+A tree forward passes ``**tree_attention_kwargs(...)`` to the model: ``spec_tree`` (a
+``TreeAttentionArgs``, reaching every attention layer through the ``**kwargs`` transformers 5
+forwards) and ``attention_mask`` = the packed tree mask as an int32 [B, 1, N, W] tensor. A 4D
+mask is returned untouched by transformers' mask builders, so no dense [B, 1, N, P + N] mask is
+built or validated; the attention function reads the tree from ``spec_tree``.
 
 Backends: "triton" (the kernel in attention.py; CUDA, or CPU under TRITON_INTERPRET=1)
 and "torch" (SDPA with the dense boolean mask); "auto" picks triton on CUDA.
 Sliding-window layers (the ``sliding_window`` kwarg models pass) hide prefix rows by position:
-key k is visible from node i iff (prefix_len + depth_i) - k < window.
+key k is visible from node i iff (prefix_len + depth_i) - k < window, which the kernel can do
+while the tree is shallower than the window (``fits_window``). What the kernel cannot compute
+(attention logit soft-capping, attention sinks) is found before generation by
+``TreeAttentionSwitch``, which then raises ``TreeAttentionUnsupported`` naming the feature.
 
 The name avoids "flash": transformers treats any implementation containing it as FlashAttention.
 """
@@ -31,8 +32,9 @@ import torch
 ATTENTION_NAME = "spec_tree_attention"
 BACKENDS = ("auto", "triton", "torch")
 
-__all__ = ["ATTENTION_NAME", "TreeAttentionArgs", "enable_tree_attention", "tree_attention_kwargs",
-           "tree_attention_forward", "resolve_backend"]
+__all__ = ["ATTENTION_NAME", "TreeAttentionArgs", "TreeAttentionSwitch", "TreeAttentionUnsupported",
+           "fits_window", "resolve_backend", "tree_attention_forward", "tree_attention_kwargs",
+           "unsupported_features"]
 
 
 @dataclass(frozen=True)
@@ -68,23 +70,77 @@ def resolve_backend(attention: str, device: torch.device | str) -> str:
     return attention
 
 
-def enable_tree_attention(model: torch.nn.Module) -> str:
-    """Register the tree attention function and switch ``model`` to it; returns the previous
-    implementation name (pass it to ``model.set_attn_implementation`` to undo)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+class TreeAttentionUnsupported(Exception):
+    """The tree kernel cannot compute this model's attention exactly; the message names why."""
 
-    AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+def unsupported_features(model: torch.nn.Module) -> list[str]:
+    """What in ``model``'s attention the tree kernel does not compute (empty when it can run):
+    attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``) and attention sinks
+    (gpt-oss's per-head ``sinks`` parameters). Sliding windows are checked per tree (fits_window)."""
     text_config = model.config.get_text_config()
-    previous = text_config._attn_implementation
-    if previous != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
-    if text_config._attn_implementation != ATTENTION_NAME:
-        raise TypeError(f"{type(model).__name__} cannot switch attention implementation (its modeling code "
-                        "does not use transformers' AttentionInterface); use attention='torch' "
-                        "(4D additive masks) with this model")
-    return previous
+    features = []
+    softcap = getattr(text_config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        features.append(f"attention logit soft-capping (attn_logit_softcapping={softcap})")
+    if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
+        features.append("attention sinks")
+    return features
+
+
+def fits_window(max_depth: int, sliding_window: int | None) -> bool:
+    """Whether the kernel can apply ``sliding_window`` to a tree ``max_depth`` deep: it hides
+    prefix rows per query but keeps every ancestor in the tree visible."""
+    return sliding_window is None or max_depth < sliding_window
+
+
+class TreeAttentionSwitch:
+    """Routes ``model``'s text attention to the tree function inside ``with switch:`` only.
+
+    Built once per wrapped model; raises TreeAttentionUnsupported when the kernel cannot run the
+    model exactly (unsupported_features) or its modeling code does not call attention through
+    transformers' AttentionInterface. Entering sets the text config's implementation name (what
+    ``model.set_attn_implementation`` ends by setting, without its walk over every module: ~10 us
+    against ~0.3 ms for 32 layers, paid twice per tree forward); leaving restores the name found
+    on entry, so the user's implementation (or a change they made since) is never lost.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers import AttentionInterface, PreTrainedModel
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        features = unsupported_features(model)
+        if features:
+            raise TreeAttentionUnsupported(" and ".join(features))
+        AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        decoder = model if decoder is None else decoder          # the text model: its config is text_config
+        self.config = decoder.config
+        # Whether the modeling code reads AttentionInterface is for transformers to say: ask it
+        # once through the public setter, then put every config it touched back as it was.
+        touched = [(m.config, m.config._attn_implementation) for m in decoder.modules()
+                   if isinstance(m, PreTrainedModel)]
+        try:
+            decoder.set_attn_implementation(ATTENTION_NAME)
+            routes = self.config._attn_implementation == ATTENTION_NAME
+        finally:
+            for config, name in touched:
+                config._attn_implementation = name
+        if not routes:
+            raise TreeAttentionUnsupported(f"modeling code of {type(decoder).__name__} that does not call "
+                                           "attention through transformers' AttentionInterface")
+        self._outside = None
+
+    def __enter__(self):
+        self._outside = self.config._attn_implementation
+        self.config._attn_implementation = ATTENTION_NAME
+        return self
+
+    def __exit__(self, *exc):
+        self.config._attn_implementation = self._outside
+        self._outside = None
+        return False
 
 
 def tree_attention_kwargs(tree, prefix_len: int, batch_size: int, device: torch.device | str, *,
@@ -120,9 +176,10 @@ def _query_prefix_start(args: TreeAttentionArgs, sliding_window: int | None) -> 
     """int32 [B, N] first visible prefix row per query, or None when all rows are visible."""
     start = None if args.prefix_start is None else args.prefix_start[:, None].expand_as(args.depth)
     if sliding_window is not None and args.prefix_len + args.max_depth >= sliding_window:
-        if args.max_depth >= sliding_window:
-            raise NotImplementedError(f"tree depth {args.max_depth} reaches past the sliding window "
-                                      f"({sliding_window}); draft shallower trees")
+        if not fits_window(args.max_depth, sliding_window):
+            raise ValueError(f"tree depth {args.max_depth} reaches past the sliding window ({sliding_window}), "
+                             "which tree attention does not apply inside the tree; verify this tree with a "
+                             "4D additive mask (flashmm's targets do so by themselves)")
         window_start = args.prefix_len + args.depth - sliding_window + 1
         start = window_start if start is None else torch.maximum(start, window_start)
     return None if start is None else start.to(torch.int32)
@@ -132,21 +189,21 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            value: torch.Tensor, attention_mask: torch.Tensor | None,
                            dropout: float = 0.0, scaling: float | None = None,
                            sliding_window: int | None = None, **kwargs):
-    """AttentionInterface function. query [B, Hq, N, D]; key, value [B, Hkv, P + N, D] (after the
-    cache update). Returns (attn_output [B, N, Hq, D], None) like transformers' sdpa function."""
+    """AttentionInterface function for tree forwards (inside a TreeAttentionSwitch). query
+    [B, Hq, N, D]; key, value [B, Hkv, P + N, D] (after the cache update). Returns
+    (attn_output [B, N, Hq, D], None) like transformers' sdpa function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     args: TreeAttentionArgs | None = kwargs.pop("spec_tree", None)
     if args is None:
-        if attention_mask is not None and attention_mask.dtype == torch.int32:
-            raise RuntimeError("a packed tree mask reached attention without its spec_tree argument: this "
-                               "model's forward does not pass **kwargs to its attention layers; use "
-                               "attention='torch' (4D additive masks) with it")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
+        raise RuntimeError("tree attention ran without its spec_tree argument: either a forward without "
+                           "tree_attention_kwargs(...) ran inside a TreeAttentionSwitch, or this model's "
+                           "forward does not pass **kwargs to its attention layers (then use attention='torch')")
+    # unsupported_features() keeps these models off this path; this guards a model it does not know.
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("tree attention supports neither logit soft-capping nor attention sinks; "
-                                  "use attention='torch' with this model")
+        raise RuntimeError(f"{type(module).__name__} passes attention logit soft-capping or attention sinks, "
+                           "which tree attention does not compute and flashmm did not detect before "
+                           "generation; use attention='torch' with this model")
     bsz, _, n, _ = query.shape
     if key.shape[2] != args.prefix_len + n or args.tree_mask.shape[:2] != (bsz, n):
         raise ValueError(f"tree forward expected {args.prefix_len} cached + {n} new rows and a "

@@ -3,7 +3,8 @@
 A tree forward through the registered attention function (Triton kernel under
 TRITON_INTERPRET=1 on CPU, and the torch backend) must give the logits of the same forward
 with a 4D additive mask through SDPA (TokenTree.attention_bias, windowed where the model
-has sliding-window layers), and ordinary forwards must be unchanged.
+has sliding-window layers); the switch routes only the forwards inside it and always gives the
+model back its own implementation.
 """
 import os
 
@@ -19,7 +20,7 @@ from transformers import (  # noqa: E402
 )
 
 from flashmm.kernels.hf_attention import (  # noqa: E402
-    ATTENTION_NAME, enable_tree_attention, resolve_backend, tree_attention_kwargs,
+    ATTENTION_NAME, TreeAttentionSwitch, resolve_backend, tree_attention_kwargs,
 )
 from flashmm.tree import TokenTree  # noqa: E402
 
@@ -85,14 +86,17 @@ def test_tree_forward_matches_additive_mask(name):
             unwindowed = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
                                attention_mask=reference_mask(model, TREE, prefix, bsz, None, window=False)).logits
             assert (unwindowed - expected).abs().max() > 1e-3
-        assert enable_tree_attention(model) == "sdpa"
-        assert model.config._attn_implementation == ATTENTION_NAME
+        switch = TreeAttentionSwitch(model)
+        assert model.config._attn_implementation == "sdpa"                      # building it changes nothing
         for backend in ("triton", "torch"):
             cache, logits = prefill(model, ids)
-            torch.testing.assert_close(logits, plain_prefill, atol=0, rtol=0)   # non-tree calls: SDPA
+            torch.testing.assert_close(logits, plain_prefill, atol=0, rtol=0)
             kwargs = tree_attention_kwargs(TREE, prefix, bsz, DEVICE, backend=backend)
-            got = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
-                        **kwargs).logits
+            with switch:
+                assert model.config._attn_implementation == ATTENTION_NAME
+                got = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
+                            **kwargs).logits
+            assert model.config._attn_implementation == "sdpa"
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
             assert cache.get_seq_length() == prefix + TREE.num_nodes
 
@@ -110,11 +114,11 @@ def test_left_padded_batch():
         cache, _ = prefill(model, ids, attention_mask)
         expected = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
                          attention_mask=reference_mask(model, TREE, prefix, bsz, pad)).logits
-        enable_tree_attention(model)
         cache, _ = prefill(model, ids, attention_mask)
         kwargs = tree_attention_kwargs(TREE, prefix, bsz, DEVICE, backend="triton", padding_mask=attention_mask)
-        got = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
-                    **kwargs).logits
+        with TreeAttentionSwitch(model):
+            got = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
+                        **kwargs).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -126,25 +130,26 @@ def test_chain_through_kernel_equals_plain_causal_forward():
     with torch.no_grad():
         cache, _ = prefill(model, ids[:, :12])
         expected = model(input_ids=ids[:, 12:], past_key_values=cache, use_cache=True).logits
-        enable_tree_attention(model)
         cache, _ = prefill(model, ids[:, :12])
         chain = TokenTree.chain(7)
-        got = model(input_ids=ids[:, 12:], past_key_values=cache, use_cache=True,
-                    position_ids=chain.positions(12).to(DEVICE)[None],
-                    **tree_attention_kwargs(chain, 12, 1, DEVICE, backend="triton")).logits
+        with TreeAttentionSwitch(model):
+            got = model(input_ids=ids[:, 12:], past_key_values=cache, use_cache=True,
+                        position_ids=chain.positions(12).to(DEVICE)[None],
+                        **tree_attention_kwargs(chain, 12, 1, DEVICE, backend="triton")).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_errors_name_the_fix():
     model = build("llama")
-    enable_tree_attention(model)
+    switch = TreeAttentionSwitch(model)
     cache, _ = prefill(model, torch.zeros(1, 4, dtype=torch.long, device=DEVICE))
     kwargs = tree_attention_kwargs(TREE, 3, 1, DEVICE, backend="torch")   # wrong prefix length
-    with pytest.raises(ValueError, match="prefix_len"), torch.no_grad():
+    with pytest.raises(ValueError, match="prefix_len"), torch.no_grad(), switch:
         model(input_ids=torch.zeros(1, TREE.num_nodes, dtype=torch.long, device=DEVICE),
               past_key_values=cache, **kwargs)
+    assert model.config._attn_implementation == "sdpa"                   # given back on the error too
     kwargs.pop("spec_tree")                                               # mask without its args
-    with pytest.raises(RuntimeError, match="attention='torch'"), torch.no_grad():
+    with pytest.raises(RuntimeError, match="attention='torch'"), torch.no_grad(), switch:
         model(input_ids=torch.zeros(1, TREE.num_nodes, dtype=torch.long, device=DEVICE), **kwargs)
     with pytest.raises(ValueError, match="one of"):
         resolve_backend("fast", "cpu")

@@ -4,9 +4,16 @@ Tree steps pass the model a 4D additive mask (prefix fully visible, tree by ance
 ``position_ids = prefix_len + depth`` and our own ``DynamicCache``, all through the model's
 public forward arguments. Sliding-window layers get a mask with the window applied (a dict
 keyed by layer type when a model mixes full and sliding layers, as Gemma 3 does).
+
+With the Triton backend, tree forwards instead pass the packed tree mask to the tree kernel,
+switched on around each tree forward only: the prefill always runs the attention implementation
+the user loaded the model with. A model whose attention the kernel does not compute (soft-capped
+logits, attention sinks) is verified through the PyTorch path, decided at wrap time with one
+warning; so is any tree deeper than a sliding window (one warning per wrapped model).
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -37,7 +44,11 @@ class CausalLMTarget(Target):
         self.backend = resolve_backend(attention, self.device)
         self.linear_backend = resolve_linear_backend(linear, model)
         self._linears = nullcontext()
-        self._previous_attention = None
+        # the Triton backend's TreeAttentionSwitch; None where the kernel cannot run this model
+        self._tree_attention = self._tree_attention_switch(model) if self.backend == "triton" else None
+        if self._tree_attention is None:
+            self.backend = "torch"
+        self._warned_window = False
         self._cache = None
         self._tree_prefix_len = None
         layer_types = getattr(self.text_config, "layer_types", None) or []
@@ -60,16 +71,23 @@ class CausalLMTarget(Target):
     explicit_chain_positions = False
 
     def start_sequence(self) -> None:
-        """A fresh cache; with the Triton backend, the model's attention switched to the tree
-        kernel for this generation only (release() restores the user's implementation); with
-        the oneDNN linear backend, the layers its tree forwards route (see flashmm.onednn)."""
+        """A fresh cache; with the oneDNN linear backend, the layers its tree forwards route (see
+        flashmm.onednn). The model's attention implementation is left as the user loaded it."""
         self._cache = kv.new_cache()
         if self.linear_backend == "onednn":
             self._linears = OneDNNLinears(self.model)
-        if self.backend == "triton" and self._previous_attention is None:
-            from ..kernels import enable_tree_attention  # noqa: PLC0415
 
-            self._previous_attention = enable_tree_attention(self.model)
+    def _tree_attention_switch(self, model):
+        """The TreeAttentionSwitch, or None (with one warning) when the kernel cannot run ``model``."""
+        from ..kernels import TreeAttentionSwitch, TreeAttentionUnsupported  # noqa: PLC0415 (no triton)
+
+        try:
+            return TreeAttentionSwitch(model)
+        except TreeAttentionUnsupported as unsupported:
+            warnings.warn(f"{type(model).__name__}: the Triton tree-attention kernel does not implement "
+                          f"{unsupported}, so flashmm verifies with the PyTorch path (attention='torch'): "
+                          "the same tokens, without the Triton kernels", stacklevel=4)
+            return None
 
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
         self.start_sequence()
@@ -82,16 +100,35 @@ class CausalLMTarget(Target):
         """tokens [B, N] → logits [B, N, V] (and last-layer hidden [B, N, d])."""
         prefix_len = self.cache_len
         self._tree_prefix_len = prefix_len
+        use_kernel = self.backend == "triton" and self._kernel_fits(tree)
         args = dict(input_ids=tokens, past_key_values=self._cache, use_cache=True,
-                    output_hidden_states=want_hidden, **self.tree_forward_args(tree, prefix_len, tokens.shape[0]))
-        with self._linears:
+                    output_hidden_states=want_hidden,
+                    **self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel))
+        with self._linears, (self._tree_attention if use_kernel else nullcontext()):
             out = self.model(**args)
         hidden = out.hidden_states[-1] if want_hidden else None
         return TargetOutput(out.logits, hidden)
 
-    def tree_forward_args(self, tree: TokenTree, prefix_len: int, batch_size: int) -> dict:
-        """Mask and position arguments of one tree forward (public model-forward kwargs only)."""
-        if self.backend == "triton":
+    def _kernel_fits(self, tree: TokenTree) -> bool:
+        """Whether the kernel can apply this model's sliding window to ``tree`` (it cannot to a
+        tree as deep as the window); warns the first time it cannot."""
+        from ..kernels import fits_window  # noqa: PLC0415 (imports no triton)
+
+        window = self._window if "sliding_attention" in self._mask_types else None
+        if fits_window(tree.max_depth, window):
+            return True
+        if not self._warned_window:
+            warnings.warn(f"{type(self.model).__name__}: a {tree.max_depth}-deep draft tree reaches past the "
+                          f"sliding window ({window}), which the Triton tree-attention kernel does not apply "
+                          "inside a tree; such trees are verified through the PyTorch path (the same tokens)",
+                          stacklevel=3)
+            self._warned_window = True
+        return False
+
+    def tree_forward_args(self, tree: TokenTree, prefix_len: int, batch_size: int, use_kernel: bool = False) -> dict:
+        """Mask and position arguments of one tree forward (public model-forward kwargs only):
+        the packed tree mask for the kernel (use_kernel), else a 4D additive mask."""
+        if use_kernel:
             from ..kernels import tree_attention_kwargs  # noqa: PLC0415
 
             return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size),
@@ -108,11 +145,9 @@ class CausalLMTarget(Target):
             kv.keep_rows(self._cache, self._tree_prefix_len, path)
 
     def release(self) -> None:
-        """Drop the cache and give the model back its own attention implementation."""
+        """Drop the cache (the model's attention implementation is only ever switched inside a
+        tree forward, and switched back as it returns or raises)."""
         self._cache = None
-        if self._previous_attention is not None:
-            self.model.set_attn_implementation(self._previous_attention)
-            self._previous_attention = None
 
     # ------------------------------------------------------------------ masks and positions
     def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int) -> torch.Tensor:
