@@ -16,7 +16,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssF
                           MistralForCausalLM)
 
 import flashmm
-from flashmm.drafters import DraftModel
+from flashmm.drafters import DraftModel, PromptLookup
 from flashmm.kernels import ATTENTION_NAME, unsupported_features
 
 from text_models import VOCAB, prompt, tiny_lm
@@ -69,14 +69,14 @@ def test_unsupported_attention_falls_back_with_one_warning(build, feature):
     model = build()
     assert any(feature in f for f in unsupported_features(model))
     ids = prompt(20, seed=3).to(DEVICE)
-    expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sm = flashmm.wrap(model, DraftModel(model, max_draft_tokens=3, tree_width=2, adaptive=False),
                           attention="triton")
         assert sm.target.backend == "torch"         # decided at wrap, before any prefill
-        out = sm.generate(ids, max_new_tokens=12)
-        out_again = sm.generate(ids, max_new_tokens=12)
+        out = sm.generate(ids, max_new_tokens=8)
+        out_again = sm.generate(ids, max_new_tokens=8)
     messages = fallback_warnings(caught)
     assert len(messages) == 1 and feature in messages[0] and type(model).__name__ in messages[0], messages
     assert torch.equal(out, expected) and torch.equal(out_again, expected)
@@ -87,14 +87,14 @@ def test_unsupported_attention_falls_back_with_one_warning(build, feature):
 def test_tree_deeper_than_sliding_window_falls_back_with_one_warning():
     model = tiny_mistral_short_window()
     ids = prompt(20, seed=3).to(DEVICE)
-    expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False)
     sm = flashmm.wrap(model, DraftModel(tiny_mistral_short_window(), max_draft_tokens=4, adaptive=False),
                       attention="triton")
     assert sm.target.backend == "triton"            # a window the trees fit in is the kernel's job
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = sm.generate(ids, max_new_tokens=12)
-        out_again = sm.generate(ids, max_new_tokens=12)
+        out = sm.generate(ids, max_new_tokens=8)
+        out_again = sm.generate(ids, max_new_tokens=8)
     messages = [str(w.message) for w in caught if "sliding window (3)" in str(w.message)]
     assert len(messages) == 1 and "MistralForCausalLM" in messages[0], [str(w.message) for w in caught]
     assert torch.equal(out, expected) and torch.equal(out_again, expected)
@@ -139,3 +139,37 @@ def test_prefill_runs_the_users_attention_and_trees_the_kernel():
     assert trees and all(name == ATTENTION_NAME for _, name in trees)
     assert sm.last_stats.verify_steps == len(trees) // layers
     assert model.config._attn_implementation == "eager"
+
+
+def test_vision_language_prefill_keeps_its_attention():
+    """Qwen2-VL loaded with eager attention on the Triton path: the vision tower and the prefill
+    run eager, the tree forwards (M-RoPE positions) the tree kernel; output equals generate."""
+    from mm_models import make_inputs, tiny_vlm
+
+    model, processor = tiny_vlm("qwen2_vl")
+    model = model.to(DEVICE)
+    model.set_attn_implementation("eager")
+    inputs = {k: v.to(DEVICE) for k, v in make_inputs(processor, "qwen2_vl", images=1).items()}
+    expected = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    seen = []      # (part, implementation name) per attention call
+
+    def recorder(part):
+        return lambda module, args: seen.append((part, module.config._attn_implementation))
+
+    attentions = [("vision", block.attn) for block in model.model.visual.blocks]
+    attentions += [("text", layer.self_attn) for layer in model.get_decoder().layers]
+    hooks = [module.register_forward_pre_hook(recorder(part)) for part, module in attentions]
+    try:
+        sm = flashmm.wrap(model, PromptLookup(), processor=processor, attention="triton")
+        out = sm.generate(**inputs, max_new_tokens=5)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(out, expected)
+    text_layers = len(model.get_decoder().layers)
+    prefill = seen[:len(attentions)]                      # the vision tower, then the text layers
+    assert prefill == [(part, "eager") for part, _ in attentions]
+    trees = [name for part, name in seen[len(attentions):] if part == "text"]
+    assert len(trees) == sm.last_stats.verify_steps * text_layers
+    assert set(trees) == {ATTENTION_NAME}
+    assert model.config.get_text_config()._attn_implementation == "eager"
