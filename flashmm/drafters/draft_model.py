@@ -40,13 +40,22 @@ class DraftModel(Drafter):
         self._cache = None
         self._cached_ids: list[int] = []
         self._last_depth = 0
+        self._shared_vocab = self._target_vocab = model.get_output_embeddings().weight.shape[0]
 
     def bind(self, target) -> None:
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        if vocab != target.vocab_size:
+        """Accept a draft with the target's tokenizer, even when its output layer is padded to
+        another row count (Qwen2.5-0.5B: 151936 rows, Qwen2.5-7B: 152064): only the shared rows
+        are drafted. A different tokenizer is refused."""
+        rows = self.model.get_output_embeddings().weight.shape[0]
+        mismatch = tokenizer_mismatch(self.model.config.get_text_config(), target.model.config.get_text_config(),
+                                      rows, target.vocab_size)
+        if mismatch:
             raise ValueError(
-                f"draft model vocabulary ({vocab}) differs from the target's ({target.vocab_size}); "
-                "a DraftModel must share the target's tokenizer")
+                f"the draft model's tokenizer differs from the target's ({mismatch}); a DraftModel drafts the "
+                "target's token ids, so it needs the same tokenizer (a padded output layer is fine). A drafter "
+                "with another tokenizer needs cross-tokenizer drafting (text-level re-tokenisation)")
+        self._shared_vocab = min(rows, target.vocab_size)
+        self._target_vocab = target.vocab_size
 
     def begin(self, start) -> None:
         self._cache, self._cached_ids = kv.new_cache(), []
@@ -64,7 +73,13 @@ class DraftModel(Drafter):
         feed = torch.tensor([ids[common:]], device=device)
         out = self.model(input_ids=feed, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
         self._cached_ids = list(ids)
-        return out.logits[:, -1]
+        # in the target's vocabulary: rows past the shared vocabulary are never drafted
+        logits = out.logits[:, -1, : self._shared_vocab]
+        if logits.shape[-1] == self._target_vocab:
+            return logits
+        full = logits.new_full((1, self._target_vocab), float("-inf"))
+        full[:, : logits.shape[-1]] = logits
+        return full
 
     @torch.no_grad()
     def propose(self, committed, max_tokens, sampling: SamplingParams, generator) -> Draft:
@@ -119,3 +134,22 @@ class DraftModel(Drafter):
 
     def observe(self, step: StepResult) -> None:
         self.length.update(self._last_depth, step.accepted_len)
+
+
+def tokenizer_mismatch(draft_config, target_config, draft_rows: int, target_rows: int) -> str:
+    """Why two models cannot share token ids ('' when they can), from their text configs.
+
+    Special token ids must agree; output row counts may differ by padding (a vocabulary rounded
+    up to a multiple of 64 or 128 adds at most a few hundred rows), not by a different tokenizer.
+    """
+    for name in ("bos_token_id", "eos_token_id"):
+        a, b = getattr(draft_config, name, None), getattr(target_config, name, None)
+        if a is not None and b is not None and _ids(a) != _ids(b):
+            return f"{name} {a} vs {b}"
+    if abs(draft_rows - target_rows) > max(1024, 0.02 * max(draft_rows, target_rows)):
+        return f"{draft_rows} vs {target_rows} output rows, more than padding explains"
+    return ""
+
+
+def _ids(value) -> set[int]:
+    return set(value if isinstance(value, (list, tuple)) else [value])
