@@ -34,8 +34,8 @@ def normalise(text: str) -> str:
 
 
 def length_ok(text: str, low: int = 16, high: int = 1000) -> bool:
-    """low <= len(text) <= high characters (stripped) and at least 3 words."""
-    return low <= len(text.strip()) <= high and len(words(text)) >= 3
+    """low <= len(text) <= high characters (stripped) and at least 3 whitespace-separated words."""
+    return low <= len(text.strip()) <= high and len(text.split()) >= 3
 
 
 def degenerate(text: str, n: int = 3, max_repeat: float = 0.3) -> bool:
@@ -50,15 +50,20 @@ def degenerate(text: str, n: int = 3, max_repeat: float = 0.3) -> bool:
     return re.search(r"(.)\1{19}", text) is not None
 
 
-def garbage(text: str, min_plain: float = 0.9) -> bool:
-    """True for text that is not plain English prose: under ``min_plain`` of its characters are ASCII
-    letters, digits, whitespace or common punctuation, it holds chat-template markup (``<|``), or it
-    has no letters at all. SmolLM2 is an English model, so anything else is a sampling accident."""
+def _plain(c: str) -> bool:
+    """ASCII text, Latin letters with accents (U+00C0..U+024F) or typographic punctuation (U+2010..U+205F)."""
+    return (c.isascii() and (c.isprintable() or c.isspace())) or "\u00c0" <= c <= "\u024f" or "\u2010" <= c <= "\u205f"
+
+
+def garbage(text: str, min_plain: float = 0.95) -> bool:
+    """True for text that is not plain English prose: under ``min_plain`` of its characters are
+    ASCII, accented Latin letters or typographic punctuation (curly quotes, dashes), it holds
+    chat-template markup (``<|``), or it has no letters at all. SmolLM2 is an English model, so
+    other scripts or symbol soup in a user turn are sampling accidents."""
     stripped = text.strip()
     if not stripped or "<|" in stripped or not re.search(r"[A-Za-z]", stripped):
         return True
-    plain = sum(1 for c in stripped if c.isascii() and (c.isalnum() or c.isspace() or c in ".,;:!?'\"()-/&%$#@*+=_[]{}<>`~^|\\"))
-    return plain / len(stripped) < min_plain
+    return sum(map(_plain, stripped)) / len(stripped) < min_plain
 
 
 class BenchmarkIndex:
