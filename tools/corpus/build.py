@@ -85,17 +85,21 @@ def write_json(path: Path, data) -> None:
 
 
 def run_batches(model, rows: list[list[int]], batch: int, max_new: int, stops, pad_id, sampler, generator, what: str):
-    """decode_batch over ``rows`` in batches of ``batch``; returns (outputs, new tokens, seconds)."""
-    outputs, tokens, start = [], 0, time.perf_counter()
+    """decode_batch over ``rows`` in batches of ``batch``; returns (outputs, new tokens, wall seconds, CPU seconds).
+
+    CPU seconds (this process, all threads) tell what the work costs on cores of its own when
+    other processes share the machine; wall seconds are what it took here."""
+    outputs, tokens, start, cpu_start = [], 0, time.perf_counter(), time.process_time()
     for first in range(0, len(rows), batch):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = decode_batch(model, rows[first:first + batch], max_new, stops, pad_id, sampler, generator)
         n = sum(len(ids) + done for ids, done in out)  # the stop token was computed too
         tokens += n
         outputs += out
-        log(f"{what}: batch {first // batch} ({len(out)} rows) {n} tokens in {time.perf_counter() - t:.1f} s "
-            f"({n / (time.perf_counter() - t):.1f} tok/s)")
-    return outputs, tokens, time.perf_counter() - start
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        log(f"{what}: batch {first // batch} ({len(out)} rows) {n} tokens in {wall:.1f} s wall ({n / wall:.1f} tok/s), "
+            f"{cpu:.1f} s CPU ({n / cpu:.1f} tok per CPU s); load average {os.getloadavg()[0]:.1f}")
+    return outputs, tokens, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def shard_seed(seed: int, stage: str, shard: int) -> int:
@@ -114,7 +118,7 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
     kept: list[str] = []
     filt = PromptFilter(bench)
     generated = tokens = 0
-    seconds = 0.0
+    seconds = cpu_seconds = 0.0
     shard = 0
     while len(kept) < args.prompts:
         if shard >= args.max_prompt_shards:
@@ -122,14 +126,16 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
         path = work / "prompts" / f"shard_{shard:04d}.json"
         if not path.exists():
             gen = torch.Generator().manual_seed(shard_seed(args.seed, "prompts", shard))
-            out, n, dt = run_batches(model, [head] * args.prompt_shard, args.prompt_batch, args.prompt_max_tokens,
-                                     stops, args.pad_id, sampler, gen, f"prompts shard {shard}")
+            out, n, dt, cpu = run_batches(model, [head] * args.prompt_shard, args.prompt_batch, args.prompt_max_tokens,
+                                          stops, args.pad_id, sampler, gen, f"prompts shard {shard}")
             rows = [{"text": tokenizer.decode(ids, skip_special_tokens=False), "finished": done} for ids, done in out]
-            write_json(path, {"rows": rows, "tokens": n, "seconds": dt, "threads": torch.get_num_threads()})
+            write_json(path, {"rows": rows, "tokens": n, "seconds": dt, "cpu_seconds": cpu,
+                              "threads": torch.get_num_threads()})
         data = json.loads(path.read_text())
         generated += len(data["rows"])
         tokens += data["tokens"]
         seconds += data["seconds"]
+        cpu_seconds += data.get("cpu_seconds", float("nan"))
         for row in data["rows"]:
             text = row["text"].strip()
             if len(kept) < args.prompts and filt.keep(text, row["finished"]):
@@ -137,7 +143,7 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
         log(f"prompts shard {shard}: kept {len(kept)}/{args.prompts} so far; rejected {dict(filt.rejected)}")
         shard += 1
     result = {"prompts": kept, "generated": generated, "shards": shard, "rejected": dict(filt.rejected),
-              "tokens": tokens, "seconds": seconds, "pre_query": pre_query(tokenizer),
+              "tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds, "pre_query": pre_query(tokenizer),
               "benchmark_files": [str(p) for p in bench_paths],
               "benchmark_unit": "lowercase [a-z0-9]+ word 8-grams" + (" and target-token 8-grams" if args.token_ngrams else "")}
     write_json(done_file, result)
@@ -150,16 +156,18 @@ def answers_stage(args, model, tokenizer, work: Path, stops, prompts: list[str],
     rendered = {i: chat_prompt_ids(tokenizer, prompts[i]) for i in ids}
     order = sorted(ids, key=lambda i: (len(rendered[i]), i))  # similar lengths share a batch: little padding
     sampler = Sampler() if stage == "greedy" else Sampler(temperature=args.temperature)
-    answers, tokens, seconds = {}, 0, 0.0
+    answers, tokens, seconds, cpu_seconds = {}, 0, 0.0, 0.0
     shards = [order[k:k + args.answer_shard] for k in range(0, len(order), args.answer_shard)]
     for shard, members in enumerate(shards):
         path = work / stage / f"shard_{shard:04d}.json"
         if not path.exists():
             gen = torch.Generator().manual_seed(shard_seed(args.seed, stage, shard))
-            out, n, dt = run_batches(model, [rendered[i] for i in members], args.answer_batch, args.answer_max_tokens,
-                                     stops, args.pad_id, sampler, gen, f"{stage} shard {shard}/{len(shards)}")
+            out, n, dt, cpu = run_batches(model, [rendered[i] for i in members], args.answer_batch,
+                                          args.answer_max_tokens, stops, args.pad_id, sampler, gen,
+                                          f"{stage} shard {shard}/{len(shards)}")
             rows = [{"id": i, "ids": o[0], "finished": o[1]} for i, o in zip(members, out)]
-            write_json(path, {"rows": rows, "tokens": n, "seconds": dt, "threads": torch.get_num_threads()})
+            write_json(path, {"rows": rows, "tokens": n, "seconds": dt, "cpu_seconds": cpu,
+                              "threads": torch.get_num_threads()})
         data = json.loads(path.read_text())
         if [r["id"] for r in data["rows"]] != members:
             raise RuntimeError(f"{path} was written for other prompts (different settings?): delete {work / stage}")
@@ -167,21 +175,31 @@ def answers_stage(args, model, tokenizer, work: Path, stops, prompts: list[str],
             answers[row["id"]] = (row["ids"], row["finished"])
         tokens += data["tokens"]
         seconds += data["seconds"]
+        cpu_seconds += data.get("cpu_seconds", float("nan"))
         log(f"{stage}: shard {shard + 1}/{len(shards)} done, {tokens} tokens, {seconds:.0f} s of generation")
     lengths = sorted(len(a[0]) for a in answers.values())
-    return {"answers": answers, "rendered": rendered, "tokens": tokens, "seconds": seconds,
+    return {"answers": answers, "rendered": rendered, "tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds,
             "answer_tokens": sum(lengths), "unfinished": sum(not a[1] for a in answers.values()),
             "length_percentiles": {p: lengths[min(len(lengths) - 1, len(lengths) * p // 100)] for p in (0, 10, 25, 50, 75, 90, 100)}
             if lengths else {}}
 
 
 def bench(args, model, tokenizer, work: Path, stops) -> None:
-    """Time one greedy batch of --answer-batch prompts (from a finished prompts stage) at --threads."""
-    prompts = json.loads((work / "prompts.json").read_text())["prompts"][:args.answer_batch]
-    rows = sorted((chat_prompt_ids(tokenizer, p) for p in prompts), key=len)
-    _, n, dt = run_batches(model, rows, args.answer_batch, args.answer_max_tokens, stops, args.pad_id, Sampler(), None,
-                           f"bench threads={torch.get_num_threads()}")
-    log(f"bench: {n} tokens in {dt:.1f} s = {n / dt:.1f} tok/s at {torch.get_num_threads()} threads")
+    """Time greedy answers to --answer-batch prompts at --threads (no files written). The prompts come
+    from work/prompts.json, or from the finished rows of the first prompt shard while that stage runs."""
+    if (work / "prompts.json").exists():
+        prompts = json.loads((work / "prompts.json").read_text())["prompts"]
+    else:
+        rows = json.loads((work / "prompts" / "shard_0000.json").read_text())["rows"]
+        prompts = [r["text"].strip() for r in rows if r["finished"]]
+    rows = sorted((chat_prompt_ids(tokenizer, p) for p in prompts[:args.answer_batch]), key=len)
+    load = os.getloadavg()[0]
+    _, n, dt, cpu = run_batches(model, rows, args.answer_batch, args.answer_max_tokens, stops, args.pad_id, Sampler(),
+                                None, f"bench threads={torch.get_num_threads()}")
+    log(f"bench: {n} tokens in {dt:.1f} s wall = {n / dt:.1f} tok/s, {cpu:.1f} CPU s = {n / cpu:.1f} tok per CPU s, "
+        f"at {torch.get_num_threads()} threads, batch "
+        f"{len(rows)}, max_new_tokens {args.answer_max_tokens}; load average {load:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} cores")
 
 
 def parse_args(argv=None):
@@ -267,17 +285,20 @@ def main(argv=None) -> None:
         answer = Answer(tokenizer.decode(g_ids), g_ids, g_done)
         extra = [Answer(tokenizer.decode(sampled["answers"][i][0]), *sampled["answers"][i])] if i in sampled["answers"] else []
         records.append(CorpusRecord(id=i, prompt=text, prompt_ids=greedy["rendered"][i], greedy=answer, sampled=extra))
-    stage_info = lambda s: {k: s[k] for k in ("tokens", "seconds", "answer_tokens", "unfinished", "length_percentiles")}  # noqa: E731
+    stage_info = lambda s: {k: s[k] for k in ("tokens", "seconds", "cpu_seconds", "answer_tokens", "unfinished",
+                                            "length_percentiles")}  # noqa: E731
     info = {
         "target": args.target, "seed": args.seed, "settings": settings,
         "command": "python -m tools.corpus.build " + " ".join(sys.argv[1:]) if argv is None else None,
-        "prompts": {k: prompts[k] for k in ("generated", "shards", "rejected", "tokens", "seconds", "pre_query",
+        "prompts": {k: prompts[k] for k in ("generated", "shards", "rejected", "tokens", "seconds", "cpu_seconds", "pre_query",
                                              "benchmark_files", "benchmark_unit")} | {"kept": len(prompts["prompts"])},
         "greedy": stage_info(greedy), "sampled": stage_info(sampled) | {"temperature": args.temperature},
         "answer_tokens_total": greedy["answer_tokens"] + sampled["answer_tokens"],
         "generation_seconds_total": prompts["seconds"] + greedy["seconds"] + sampled["seconds"],
+        "generation_cpu_seconds_total": prompts["cpu_seconds"] + greedy["cpu_seconds"] + sampled["cpu_seconds"],
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-        "note": "seconds are wall time of each shard as measured on a shared machine; shards record their threads",
+        "note": "seconds: wall time of each shard on a machine shared with other jobs; cpu_seconds: this "
+                "process's CPU time (what the work costs on cores of its own); shards record their threads",
     }
     path = write_corpus(out, records, info)
     log(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB): {len(records)} prompts, "
