@@ -39,3 +39,14 @@ def test_reference_build_tooling_lives_outside_the_package():
     for name in ("build", "flash_build", "qwen_build", "scenes", "evaluate"):
         assert not (ROOT / "flashmm" / "reference" / f"{name}.py").exists(), name
         assert (ROOT / "tools" / "reference" / f"{name}.py").exists(), name
+
+
+def test_every_subpackage_is_listed_for_the_wheel():
+    """pyproject lists packages explicitly: a new flashmm/ subfolder left out would be missing from
+    a non-editable install while every test of the checkout still passes."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "flashmm").rglob("__init__.py")}
+    assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+    assert {"flashmm.kernels", "flashmm.assets"} <= listed
