@@ -117,7 +117,7 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
     sampler = Sampler(temperature=1.0, top_k=args.prompt_top_k, top_p=args.prompt_top_p)
     kept: list[str] = []
     filt = PromptFilter(bench)
-    generated = tokens = 0
+    generated = examined = tokens = 0
     seconds = cpu_seconds = 0.0
     shard = 0
     while len(kept) < args.prompts:
@@ -138,11 +138,13 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
         cpu_seconds += data.get("cpu_seconds", float("nan"))
         for row in data["rows"]:
             text = row["text"].strip()
-            if len(kept) < args.prompts and filt.keep(text, row["finished"]):
-                kept.append(text)
+            if len(kept) < args.prompts:  # the last shard's surplus candidates are not examined
+                examined += 1
+                if filt.keep(text, row["finished"]):
+                    kept.append(text)
         log(f"prompts shard {shard}: kept {len(kept)}/{args.prompts} so far; rejected {dict(filt.rejected)}")
         shard += 1
-    result = {"prompts": kept, "generated": generated, "shards": shard, "rejected": dict(filt.rejected),
+    result = {"prompts": kept, "generated": generated, "examined": examined, "shards": shard, "rejected": dict(filt.rejected),
               "tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds, "pre_query": pre_query(tokenizer),
               "benchmark_files": [str(p) for p in bench_paths],
               "benchmark_unit": "lowercase [a-z0-9]+ word 8-grams" + (" and target-token 8-grams" if args.token_ngrams else "")}
@@ -290,7 +292,7 @@ def main(argv=None) -> None:
     info = {
         "target": args.target, "seed": args.seed, "settings": settings,
         "command": "python -m tools.corpus.build " + " ".join(sys.argv[1:]) if argv is None else None,
-        "prompts": {k: prompts[k] for k in ("generated", "shards", "rejected", "tokens", "seconds", "cpu_seconds", "pre_query",
+        "prompts": {k: prompts.get(k) for k in ("generated", "examined", "shards", "rejected", "tokens", "seconds", "cpu_seconds", "pre_query",
                                              "benchmark_files", "benchmark_unit")} | {"kept": len(prompts["prompts"])},
         "greedy": stage_info(greedy), "sampled": stage_info(sampled) | {"temperature": args.temperature},
         "answer_tokens_total": greedy["answer_tokens"] + sampled["answer_tokens"],
