@@ -11,6 +11,15 @@ records what decided its caption (path, prompt, model, drafter, settings); a rer
 only when a line with the same five fields captioned it successfully (the last such line
 decides), so a rerun with another prompt, model, drafter or decoding setting captions again.
 
+Many processes (``accelerate launch -m flashmm caption ...``, ``torchrun -m flashmm caption ...``, any
+number of GPUs or machines): process r of n captions the items i with i % n == r (i: position
+in the expanded input list) into its own shard file beside --out (``results.rank{r}-of{n}.jsonl``,
+flashmm.caption_results); when every process is done, process 0 appends the shards to --out in
+input order and deletes them. A rerun after any process was killed skips what every shard
+already holds; ``flashmm caption-merge --out FILE`` merges shards by hand (after a killed run,
+or after copying shard files from machines without a shared file system). Under a launch on a
+CUDA machine, --device cuda (or no --device) means each process's own GPU, cuda:LOCAL_RANK.
+
 ``generate`` (flashmm.cli_generate) answers one text prompt with any causal LM (or a
 vision-language model without media), streaming the answer to stdout as tokens commit and the
 stats to stderr.
@@ -30,12 +39,14 @@ import json
 import os
 import sys
 
+from .caption_results import (INDEX_FIELD, KEY_FIELDS, MergeSummary, key_of, merge_shards,  # noqa: F401
+                              open_for_append, read_done, read_records, shard_files, shard_path)
 from .config import VERIFIERS
+from .distributed import ProcessGroup, ProcessInfo, local_device, process_info
 from .pipelines import DEFAULT_PROMPTS, IMAGE_SUFFIXES, VIDEO_SUFFIXES, expand_paths, media_kind
 
 EXIT_OK, EXIT_ITEM_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_FRAMES = 8  # CaptionPipeline's default when neither --num-frames nor --fps is given
-KEY_FIELDS = ("path", "prompt", "model", "drafter", "settings")
 
 
 def add_decoding_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -83,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Images: {' '.join(IMAGE_SUFFIXES)}. Videos: {' '.join(VIDEO_SUFFIXES)}.")
     cap.add_argument("paths", nargs="+", metavar="PATH", help="media files or directories (searched recursively)")
     cap.add_argument("--out", metavar="FILE",
-                     help="JSONL file to append to (default: stdout); reruns skip items done with the same settings")
+                     help="JSONL file to append to (default: stdout); reruns skip items done with the same settings. "
+                          "Under accelerate launch / torchrun each process writes FILE's stem + .rank<r>-of<n>.jsonl, "
+                          "merged into FILE at the end")
     cap.add_argument("--prompt", help="instruction (default: 'Describe the image.' / 'Describe the video.')")
     frames = cap.add_mutually_exclusive_group()
     frames.add_argument("--num-frames", type=int, metavar="N",
@@ -94,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_decoding_options(cap, max_new_tokens=128)
     cap.add_argument("--no-progress", action="store_true", help="no progress bar")
     cap.set_defaults(run=run_caption)
+    merge = commands.add_parser(
+        "caption-merge", help="merge the per-process shard files of a multi-process caption run into --out",
+        description="Append the results of the shard files beside --out (results.rank<r>-of<n>.jsonl, written by "
+                    "'flashmm caption' under accelerate launch / torchrun) to --out in input order, one line per "
+                    "resume key, then delete them. A multi-process run does this itself when every process "
+                    "finishes; run it after a killed run, or after copying shard files from other machines.")
+    merge.add_argument("--out", required=True, metavar="FILE", help="the --out of the caption run")
+    merge.add_argument("--keep-shards", action="store_true", help="leave the shard files in place")
+    merge.set_defaults(run=run_caption_merge)
     add_generate_command(commands)
     return parser
 
@@ -166,49 +188,6 @@ def item_key(path: str, args) -> dict:
                 drafter=drafter, settings=settings)
 
 
-def key_of(record: dict) -> str:
-    """A hashable resume key of a JSONL record (or of ``item_key``'s fields)."""
-    return json.dumps([record.get(name) for name in KEY_FIELDS], sort_keys=True)
-
-
-def read_done(out_path: str) -> set[str]:
-    """Resume keys (``key_of``) captioned successfully in an existing JSONL file; the latest line
-    of a key decides. Unparsable lines (e.g. a line cut by an interrupted write) and lines of
-    older versions without the key fields are ignored."""
-    done = set()
-    if not os.path.isfile(out_path):
-        return done
-    with open(out_path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not (isinstance(record, dict) and all(name in record for name in KEY_FIELDS)):
-                continue
-            key = key_of(record)
-            if record.get("error") is None and record.get("caption") is not None:
-                done.add(key)
-            else:
-                done.discard(key)
-    return done
-
-
-def _open_for_append(out_path: str):
-    """Open ``out_path`` for appending, first ending a line cut by an interrupted write."""
-    folder = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(folder, exist_ok=True)
-    needs_newline = False
-    if os.path.isfile(out_path) and os.path.getsize(out_path) > 0:
-        with open(out_path, "rb") as fh:
-            fh.seek(-1, os.SEEK_END)
-            needs_newline = fh.read(1) != b"\n"
-    fh = open(out_path, "a", encoding="utf-8")
-    if needs_newline:
-        fh.write("\n")
-    return fh
-
-
 def error(command: str, message: str) -> int:
     print(f"flashmm {command}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
@@ -224,21 +203,105 @@ def run_caption(args) -> int:
     problem = check_decoding_options(args)
     if problem:
         return error("caption", problem)
+    try:
+        info = process_info()
+    except ValueError as err:
+        return error("caption", str(err))
     paths = expand_paths(args.paths)
     if not paths:
         return error("caption", f"no media files found in {args.paths}")
+    if info.is_distributed:
+        if not args.out:
+            return error("caption", f"{info.world_size} processes need --out (each writes its own shard file "
+                                    "beside it; they are merged at the end)")
+        return caption_shard(args, paths, info)
+    if args.out and shard_files(args.out):  # left by a killed multi-process run: theirs first, in order
+        report_merge(merge_shards(args.out), args.out)
     done = read_done(args.out) if args.out else set()
-    todo = [p for p in paths if key_of(item_key(p, args)) not in done]
-    if len(todo) < len(paths):
-        print(f"flashmm caption: skipping {len(paths) - len(todo)} path(s) already captioned in {args.out} "
-              "with the same prompt, model, drafter and settings", file=sys.stderr)
+    todo = [(i, p) for i, p in enumerate(paths) if key_of(item_key(p, args)) not in done]
+    report_skipped(len(paths) - len(todo), args.out)
     if not todo:
         return EXIT_OK
     try:
         pipe = _build_pipeline(args)
     except (OSError, ValueError, TypeError, ImportError) as err:
         return error("caption", f"cannot set up the model / drafter: {type(err).__name__}: {err}")
-    return _caption_all(pipe, todo, args)
+    sink = open_for_append(args.out) if args.out else sys.stdout
+    try:
+        return _caption_all(pipe, todo, args, sink)
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+
+
+def caption_shard(args, paths: list[str], info: ProcessInfo) -> int:
+    """One process of a multi-process launch: caption items i with i % world_size == rank into its
+    shard file, wait for every process, and on process 0 merge the shards into --out. Every
+    process returns the worst exit status of all."""
+    try:
+        group = ProcessGroup.start(info)
+    except (RuntimeError, ValueError) as err:
+        return error("caption", str(err))
+    try:
+        # every shard file counts (any process count): a rerun after a kill skips what any process did
+        done = read_done(args.out, *shard_files(args.out))
+        mine = [(i, p) for i, p in enumerate(paths) if i % info.world_size == info.rank]
+        todo = [(i, p) for i, p in mine if key_of(item_key(p, args)) not in done]
+        report_skipped(len(mine) - len(todo), args.out, info)
+        status = EXIT_OK
+        if todo:
+            args.device = local_device(args.device, info)
+            try:
+                pipe = _build_pipeline(args)
+            except (OSError, ValueError, TypeError, ImportError) as err:
+                status = error("caption", f"cannot set up the model / drafter: {type(err).__name__}: {err}")
+            else:
+                with open_for_append(shard_path(args.out, info.rank, info.world_size)) as sink:
+                    status = _caption_all(pipe, todo, args, sink, info)
+        group.barrier()  # every shard file is complete
+        if info.is_main:
+            report_merge(merge_shards(args.out), args.out)
+            report_missing(paths, args)
+        return group.max(status)
+    finally:
+        group.close()
+
+
+def run_caption_merge(args) -> int:
+    if not shard_files(args.out):
+        print(f"flashmm caption-merge: no shard files beside {args.out} (nothing to merge)", file=sys.stderr)
+        return EXIT_OK
+    report_merge(merge_shards(args.out, keep_shards=args.keep_shards), args.out, "flashmm caption-merge")
+    return EXIT_OK
+
+
+def report_skipped(skipped: int, out_path: str | None, info: ProcessInfo | None = None) -> None:
+    if skipped:
+        print(f"{_label(info)}: skipping {skipped} path(s) already captioned in {out_path} "
+              "with the same prompt, model, drafter and settings", file=sys.stderr)
+
+
+def report_merge(summary: MergeSummary, out_path: str, label: str = "flashmm caption") -> None:
+    if summary.files:
+        print(f"{label}: merged {len(summary.files)} shard file(s) into {out_path}: {summary.appended} line(s) "
+              f"appended, {summary.already_done} already there", file=sys.stderr)
+
+
+def report_missing(paths: list[str], args) -> None:
+    """After the merge on process 0: items of this run without any line in --out."""
+    have = {key_of(record) for record in read_records(args.out)}
+    missing = [p for p in paths if key_of(item_key(p, args)) not in have]
+    if missing:
+        print(f"flashmm caption: {len(missing)} item(s) have no line in {args.out} (first: {missing[0]}); their "
+              "shard files were written where this process cannot see them (other machines without a shared "
+              "file system?). Copy every *.rank*-of*.jsonl beside it and run: flashmm caption-merge --out "
+              f"{args.out}", file=sys.stderr)
+
+
+def _label(info: ProcessInfo | None) -> str:
+    if info is None or not info.is_distributed:
+        return "flashmm caption"
+    return f"flashmm caption [process {info.rank}/{info.world_size}]"
 
 
 def _build_pipeline(args):
@@ -249,30 +312,37 @@ def _build_pipeline(args):
                            **spec_kwargs(args))
 
 
-def _caption_all(pipe, todo: list[str], args) -> int:
+def _caption_all(pipe, todo: list[tuple[int, str]], args, sink, info: ProcessInfo | None = None) -> int:
+    """Caption ``todo`` ((input index, path) pairs) and write one line per item to ``sink``,
+    flushed as each item finishes; shard lines (``info`` of a multi-process launch) also carry
+    the input index. Returns the exit status."""
     import torch
     from tqdm import tqdm
 
+    sharded = info is not None and info.is_distributed
     generator = None
     if args.seed is not None:
         generator = torch.Generator(device=pipe.model.device).manual_seed(args.seed)
-    sink = _open_for_append(args.out) if args.out else sys.stdout
     failed = tokens = seconds = 0
     forwards = steps = emitted = 0
-    progress = tqdm(total=len(todo), unit="item", file=sys.stderr, disable=args.no_progress, dynamic_ncols=True)
+    progress = tqdm(total=len(todo), unit="item", file=sys.stderr, dynamic_ncols=True,
+                    disable=args.no_progress or (sharded and not info.is_main))
+    paths = [path for _, path in todo]
     try:
-        results = pipe.stream(todo, prompt=args.prompt, batch_size=args.batch_size, num_frames=args.num_frames,
+        results = pipe.stream(paths, prompt=args.prompt, batch_size=args.batch_size, num_frames=args.num_frames,
                               fps=args.fps, generator=generator, **generation_kwargs(args))
-        for path, result in zip(todo, results):
+        for (index, path), result in zip(todo, results):
             fields = result.to_dict()
             del fields["source"], fields["token_ids"]
             record = {**item_key(path, args), **fields}
+            if sharded:
+                record[INDEX_FIELD] = index
             sink.write(json.dumps(record, ensure_ascii=False) + "\n")
             sink.flush()
             progress.update(1)
             if not result.ok:
                 failed += 1
-                progress.write(f"flashmm caption: {path}: {result.error}", file=sys.stderr)
+                progress.write(f"{_label(info)}: {path}: {result.error}", file=sys.stderr)
                 continue
             stats = result.stats
             tokens, seconds = tokens + result.new_tokens, seconds + result.seconds
@@ -283,10 +353,8 @@ def _caption_all(pipe, todo: list[str], args) -> int:
                                  tau=f"{emitted / steps:.2f}" if steps else "-", refresh=False)
     finally:
         progress.close()
-        if sink is not sys.stdout:
-            sink.close()
     ok = len(todo) - failed
-    summary = f"flashmm caption: {ok} captioned, {failed} failed"
+    summary = f"{_label(info)}: {ok} captioned, {failed} failed"
     if seconds:
         summary += f"; {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s)"
     if steps:
