@@ -22,6 +22,7 @@ from .. import cache as kv
 from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..tree import TokenTree
 from .base import Target, TargetOutput
+from .support import generate_position_ids, takes_position_ids
 
 
 class CausalLMTarget(Target):
@@ -91,6 +92,7 @@ class CausalLMTarget(Target):
 
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
         self.start_sequence()
+        model_inputs = {**generate_position_ids(self.model, input_ids, attention_mask), **model_inputs}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self._cache,
                          use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1, **model_inputs)
         hidden = out.hidden_states[-1] if want_hidden else None
@@ -134,7 +136,10 @@ class CausalLMTarget(Target):
             return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size),
                         **tree_attention_kwargs(tree, prefix_len, batch_size, self.device, backend="triton"))
         if tree.is_chain and self._window is None and not self.explicit_chain_positions:
-            return {}  # a chain needs nothing but the model's own causal mask
+            # a chain needs nothing but the model's own causal mask, and the positions generate
+            # gives it (models that derive their own, e.g. RoBERTa's padding offset, differ)
+            return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size)) \
+                if takes_position_ids(self.model) else {}
         return dict(attention_mask=self.tree_attention_mask(tree, prefix_len),
                     position_ids=self.tree_position_ids(tree, prefix_len, batch_size))
 

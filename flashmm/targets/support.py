@@ -1,0 +1,161 @@
+"""Which models flashmm decodes exactly, decided at ``wrap()``: exact or refused, never wrong.
+
+Two layers of checks, both generic (no list of architecture names):
+
+1. ``refusal(model)`` reads what transformers itself says about the model, before any forward:
+   - *recurrent state*: the model is stateful (``_is_stateful``: transformers refuses assisted
+     generation for it too), brings its own cache (``_supports_default_dynamic_cache()`` is
+     False), or the cache ``generate`` builds has layers that are not per-token key/value rows
+     (linear-attention, SSM and convolution states, DSA indexer keys). flashmm verifies a draft
+     in one forward and keeps the accepted rows of a KV cache; a recurrent state after that
+     forward has absorbed the rejected tokens too and cannot be cropped back.
+   - *encoder-style heads*: a config with ``is_decoder=False`` (BERT, RoBERTa, XLM-RoBERTa, ...
+     ``*ForCausalLM`` heads loaded as encoders) attends bidirectionally and keeps no cache, so
+     each token depends on the ones after it: nothing decodes it autoregressively.
+   - *no cache*: the forward takes no ``past_key_values``.
+2. ``self_check(target)`` runs flashmm's own path once on a 5-token prompt and a 4-node tree
+   (prefill into flashmm's cache, one tree forward with two branches) and compares its logits
+   with plain uncached forwards of the same sequences. A model whose positions, masks or cache
+   the generic path gets wrong (own cache classes, special position schemes, a new architecture
+   a later transformers adds) differs here, or raises, and is refused with what happened.
+   Cost: four forwards of <= 8 tokens, once per ``wrap``.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..tree import TokenTree
+
+
+class UnsupportedModel(ValueError):
+    """flashmm cannot decode this model exactly; the message names the architecture and why."""
+
+
+# cache layer classes that hold exactly one key/value row per token (what flashmm keeps and crops)
+_KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+_HOW_TO_RUN = "; run it with model.generate (flashmm refuses rather than decode different tokens)"
+
+
+def architecture(model: torch.nn.Module) -> str:
+    model_type = getattr(model.config, "model_type", "?")
+    return f"{type(model).__name__} (model_type {model_type!r})"
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise UnsupportedModel when ``refusal(model)`` finds a reason."""
+    why = refusal(model)
+    if why:
+        raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: {why}{_HOW_TO_RUN}")
+
+
+def refusal(model: torch.nn.Module) -> str:
+    """Why flashmm cannot decode ``model`` ('' when nothing static says so)."""
+    text_config = model.config.get_text_config(decoder=True)
+    if getattr(model, "_is_stateful", False):
+        return ("it keeps a recurrent state (state-space, linear-attention or convolution layers) that a "
+                "verification forward updates with every drafted token, and a rejected draft cannot be "
+                "rolled back out of it (speculative decoding of recurrent models is not implemented yet)")
+    supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
+    if callable(supports_cache) and not supports_cache():
+        return ("it brings a cache of its own instead of transformers' DynamicCache, which flashmm cannot "
+                "keep or crop to an accepted draft")
+    layers = cache_layer_kinds(text_config)
+    if layers:
+        return (f"the cache its generate builds has {', '.join(layers)} layers, which hold more than one key/value "
+                "row per token (a recurrent or indexer state) that flashmm cannot keep or crop to an accepted draft")
+    if getattr(text_config, "is_decoder", True) is False and not getattr(model.config, "is_encoder_decoder", False):
+        return ("its config has is_decoder=False, so it attends bidirectionally (an encoder with a language-model "
+                "head) and does not decode autoregressively; load it with is_decoder=True to use it as a decoder")
+    forward = inspect.signature(model.forward).parameters
+    if "past_key_values" not in forward and not any(p.kind == p.VAR_KEYWORD for p in forward.values()):
+        return "its forward takes no past_key_values (no KV cache to verify drafts against)"
+    return ""
+
+
+def cache_layer_kinds(text_config) -> list[str]:
+    """Names of the cache layer classes ``generate``'s DynamicCache would give ``text_config`` that are
+    not plain per-token key/value rows ([] when all are, or when transformers cannot say)."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    try:
+        cache = DynamicCache(config=text_config)
+    except Exception:  # noqa: BLE001 (a config DynamicCache cannot read: left to the self-check)
+        return []
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    return sorted(k for k in kinds if k not in _KV_LAYERS and k != "DummyLayer")
+
+
+# ---------------------------------------------------------------------------- positions
+def takes_position_ids(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` has a ``position_ids`` argument (then ``generate`` always passes one)."""
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
+def generate_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask) -> dict:
+    """The ``position_ids`` ``generate`` gives a prompt input_ids [B, T] (transformers 5:
+    ``attention_mask.cumsum(-1) - 1``, 0 at padding, else ``arange(T)``), as forward kwargs;
+    {} for a model whose forward takes none. Models that would otherwise derive positions
+    themselves (RoBERTa-style heads start at ``padding_idx + 1``) then see what generate gives."""
+    if not takes_position_ids(model):
+        return {}
+    if attention_mask is None:
+        return dict(position_ids=torch.arange(input_ids.shape[1], device=input_ids.device)[None])
+    positions = attention_mask.long().cumsum(-1) - 1
+    return dict(position_ids=positions.masked_fill(attention_mask == 0, 0))
+
+
+# ---------------------------------------------------------------------------- self-check
+#: largest |flashmm - plain| / max|plain| over the checked logits before a model is refused
+_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+_TOLERANCE_16BIT = 5e-2
+
+
+def self_check(target) -> None:
+    """Run flashmm's path once (prefill + one branching tree forward) against plain forwards;
+    raise UnsupportedModel when it fails or gives other logits."""
+    model = target.model
+    tokens = _probe_tokens(model, target.vocab_size, 8)
+    prompt, tree_tokens = tokens[:, :5], tokens[:, [5, 6, 7, 6]]  # root, child a, child b, a's child
+    tree = TokenTree.from_parents([-1, 0, 0, 1])
+    try:
+        with torch.no_grad():
+            target.prefill(prompt, None, False)
+            got = target.forward_tree(tree_tokens, tree, False).logits.float()  # [1, 4, V]
+            branch_a = _plain_logits(model, torch.cat([prompt, tree_tokens[:, [0, 1, 3]]], 1))[:, -3:]
+            branch_b = _plain_logits(model, torch.cat([prompt, tree_tokens[:, [0, 2]]], 1))[:, -1:]
+    except Exception as error:  # noqa: BLE001 (a model the generic path cannot run is refused, not crashed)
+        raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: its cached tree forward fails "
+                               f"({type(error).__name__}: {error}){_HOW_TO_RUN}") from error
+    finally:
+        target.release()
+    want = torch.cat([branch_a[:, :2], branch_b, branch_a[:, 2:]], 1)  # nodes in tree order
+    gap = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+    tolerance = _TOLERANCE.get(model.dtype, _TOLERANCE_16BIT)
+    if not gap <= tolerance:
+        raise UnsupportedModel(
+            f"flashmm cannot decode {architecture(model)}: its logits through flashmm's cache, positions and tree "
+            f"mask differ from its own forward (relative gap {gap:.2g} > {tolerance:g}), so it derives positions or "
+            f"keeps a cache in a way the generic path does not reproduce{_HOW_TO_RUN}")
+
+
+def _plain_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """ids [1, T] → fp32 logits [1, T, V] of one uncached forward, with generate's positions."""
+    return model(input_ids=ids, **generate_position_ids(model, ids, None)).logits.float()
+
+
+def _probe_tokens(model, vocab_size: int, count: int) -> torch.Tensor:
+    """LongTensor [1, count] of ordinary token ids (no special or placeholder ids), fixed."""
+    special = set()
+    for config in (model.config, model.config.get_text_config()):
+        for key, value in vars(config).items():
+            if "token" in key and ("id" in key or "index" in key):
+                special.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
+    ids = [i for i in range(3, min(vocab_size, 3 + count + len(special) + 16)) if i not in special]
+    picked = [ids[(7 * k) % len(ids)] for k in range(count)]
+    return torch.tensor([picked], device=target_device(model))
+
+
+def target_device(model) -> torch.device:
+    return model.get_output_embeddings().weight.device
