@@ -56,6 +56,7 @@ def main():
     args = parser.parse_args()
 
     drafter, assets = args.drafter, None
+    prompts = {}  # per media kind; none: the pipeline's "Describe the image." / "Describe the video."
     if args.model:
         model = pipelines.load_model(args.model)
         processor = pipelines.load_processor(args.model)
@@ -64,6 +65,9 @@ def main():
         if loaded is None:
             parser.error("no --model given and the reference LMM is not available")
         model, processor, assets = loaded
+        from flashmm.reference.prompts import CAPTION_PROMPTS
+
+        prompts = CAPTION_PROMPTS  # what the reference LMM answers without inventing (README)
         if drafter is None and os.path.isfile(os.path.join(assets, "flash_drafter", "flash_config.json")):
             drafter = os.path.join(assets, "flash_drafter")
     drafter = drafter or "prompt_lookup"
@@ -78,7 +82,8 @@ def main():
     options = dict(max_new_tokens=args.max_new_tokens, num_frames=args.num_frames)
     plain_s = fast_s = 0.0
     for path in paths:
-        base, spec = plain(path, **options)[0], fast(path, **options)[0]  # interleaved
+        item = dict(options, prompt=prompts.get(pipelines.media_kind(path)))
+        base, spec = plain(path, **item)[0], fast(path, **item)[0]  # interleaved
         if not spec.ok:
             print(f"{path}: {spec.error}")
             continue
@@ -86,7 +91,8 @@ def main():
         same = spec.token_ids == base.token_ids
         known = truth.get(os.path.basename(path))
         label = f"{path} (truth: {known})" if known else path
-        print(f"{label}: {spec.caption!r}\n  tau {spec.stats['tau']:.2f}, {spec.new_tokens} tokens, "
+        asked = f"\n  asked {item['prompt']!r}" if item["prompt"] else ""
+        print(f"{label}{asked}\n  caption {spec.caption!r}\n  tau {spec.stats['tau']:.2f}, {spec.new_tokens} tokens, "
               f"{base.seconds / spec.seconds:.2f}x vs model.generate, identical: {same}")
     if fast_s:
         print(f"overall speedup over model.generate: {plain_s / fast_s:.2f}x")

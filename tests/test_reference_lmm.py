@@ -180,3 +180,24 @@ def test_pipeline_with_shipped_drafter_is_exact_on_shipped_image_and_video(refer
         assert spec.token_ids == base.token_ids, (base.caption, spec.caption)
         assert spec.stats["tau"] > 1.5, spec.stats  # the trained drafter is accepted
     assert fast(media[1])[0].num_frames == 8
+
+
+@needs_smollm2
+def test_shipped_examples_get_captions_that_describe_them(reference):
+    """The README's first demo asks the reference LMM its own questions (flashmm.reference.prompts):
+    greedy, the caption of the shipped clip and image names their objects by colour and shape and
+    invents nothing (asked "Describe the video." it told of "The Legend of Zelda")."""
+    import json
+
+    from flashmm.reference.prompts import CAPTION_PROMPTS
+    from tools.reference.evaluate import invented_words
+
+    model, processor, _, _ = reference
+    facts = json.loads((ASSETS / "examples" / "examples.json").read_text())
+    plain = flashmm.CaptionPipeline(model, drafter=None, processor=processor)
+    for name, kind in (("clip.avi", "video"), ("scene.png", "image")):
+        result = plain(str(ASSETS / "examples" / name), prompt=CAPTION_PROMPTS[kind], max_new_tokens=48)[0]
+        assert result.ok, result.error
+        scored = score(result.caption, facts[name]["objects"])
+        assert scored["named"] and scored["first"], (facts[name]["caption"], result.caption)
+        assert invented_words(result.caption) == [] and not scored["wrong_object"], result.caption
