@@ -68,15 +68,28 @@ SIZES = {
                      "moe_top_k", "num_experts_per_token"], 2),
     **dict.fromkeys(["n_group", "topk_group", "n_shared_experts", "num_shared_experts", "moe_num_shared_experts",
                      "first_k_dense_replace", "decoder_sparse_step"], 1),
-    "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-    "qk_head_dim": 24,
+    # multi-head latent attention: rope dims equal head_dim, which MLA configs tie to the rotary part
+    "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "qk_head_dim": 32, "rotary_dim": 8, "rope_dim": 8,
 }
+# sizes some default configs leave None for the model to derive from full-size values
+FILL_NONE = ("head_dim", "num_key_value_heads", "moe_intermediate_size", "intermediate_size")
 LAYER_KEYS = ["num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
               "depth", "num_decoder_layers", "num_encoder_layers"]
 MAX_LAYERS = 8  # a hybrid keeps the shortest prefix of layers that holds every layer type, up to this
 
 # by-hand settings where the generic shrink is not enough: model_type -> config kwargs
-OVERRIDES: dict[str, dict] = {}
+OVERRIDES: dict[str, dict] = {
+    "mamba2": dict(head_dim=32),  # num_heads * head_dim == expand * hidden_size
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=32),
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=32),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    "gemma4_unified_assistant": dict(hidden_size_per_layer_input=0),
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1),
+    "dots3_note": dict(num_key_value_heads=4, head_dim=32),
+    "dots3_note_text": dict(num_key_value_heads=4, head_dim=32),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+}
 
 
 def architectures() -> list[tuple[str, str, str]]:
@@ -124,6 +137,8 @@ def shrink(d: dict) -> dict:
     for key, value in list(d.items()):
         if isinstance(value, dict) and ("model_type" in value or key.endswith("config")):
             d[key] = shrink(value)
+        elif key in FILL_NONE and value is None:
+            d[key] = SIZES[key]
         elif key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             d[key] = min(value, SIZES[key]) if key in ("first_k_dense_replace", "decoder_sparse_step") \
                 else SIZES[key]
@@ -138,18 +153,24 @@ def shrink(d: dict) -> dict:
                 d[k] = [v[i] for i in sel]
             elif isinstance(v, str) and len(v) == layers and k.endswith("pattern"):
                 d[k] = "".join(v[i] for i in sel)
+        if isinstance(d.get("per_layer_config"), dict):  # {layer index: overrides} of the kept layers
+            d["per_layer_config"] = {str(sel.index(int(i))): v for i, v in d["per_layer_config"].items()
+                                     if int(i) in sel}
     if "vocab_size" in d and isinstance(d["vocab_size"], int):
         d["vocab_size"] = max([256] + [i + 1 for i in _special_ids(d) if i < 300_000])
     return d
 
 
 def tiny_model(model_type: str, cls_name: str) -> torch.nn.Module:
-    config_cls = CONFIG_MAPPING[model_type]
+    model_cls = getattr(transformers, cls_name)
+    # a *ForCausalLM registered under a composite model_type (qwen3_5, llama4) takes the text config
+    config_cls = getattr(model_cls, "config_class", None) or CONFIG_MAPPING[model_type]
     small = shrink(config_cls().to_dict())
-    small.update(OVERRIDES.get(model_type, {}))
+    for part in [small] + [v for k, v in small.items() if k == "text_config" and isinstance(v, dict)]:
+        part.update(OVERRIDES.get(model_type, {}))
     config = config_cls.from_dict(small)
     torch.manual_seed(0)
-    model = getattr(transformers, cls_name)(config).eval()
+    model = model_cls(config).eval()
     with torch.no_grad():  # random logits are near-uniform: sharpen them so greedy has no near-ties
         model.get_output_embeddings().weight.mul_(8.0)
     model.generation_config.eos_token_id = None  # decode MAX_NEW tokens every time
@@ -266,7 +287,7 @@ def write_table(rows: list[dict], command: str, seconds: float, path: Path) -> N
              "the tiny model. Vision-language models are decoded here as text (no image); their visual adapters "
              "are tested in tests/test_multimodal_targets.py.", "",
              f"Command: `{command}` — machine: {machine}, {os.cpu_count()} CPUs, 1 thread; torch {torch.__version__}, "
-             f"python {platform.python_version()}; {seconds / 60:.1f} min.", "",
+             f"python {platform.python_version()}; {seconds / 60:.1f} min (sum of the per-architecture wall times).", "",
              "| outcome | count |", "|---|---|"]
     lines += [f"| {o} | {n} |" for o, n in counts.items() if n]
     lines += ["", "| model_type | class | outcome | τ (drafter = target) | reason |", "|---|---|---|---|---|"]
@@ -283,20 +304,29 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated model_types (default: all)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
     parser.add_argument("--out", default=str(RESULTS / "arch_support"), help="output path without suffix")
+    parser.add_argument("--resume", action="store_true", help="keep the rows already in --out's json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     only = set(filter(None, args.only.split(",")))
     archs = [a for a in architectures() if not only or a[0] in only]
-    rows, start = [], time.perf_counter()
+    out = Path(args.out)
+    rows, seconds = [], 0.0
+    if args.resume and out.with_suffix(".json").exists():  # keep the rows of an earlier (partial) run
+        saved = json.loads(out.with_suffix(".json").read_text())
+        rows, seconds = saved["rows"], saved["meta"]["seconds"]
+    done = {(r["model_type"], r["cls"]) for r in rows}
+    command = "OMP_NUM_THREADS=1 python eval/arch_support.py" + "".join(
+        f" {a}" for a in sys.argv[1:] if a != "--resume")
     for model_type, cls_name, mapping in archs:
+        if (model_type, cls_name) in done:
+            continue
         row = run_one(model_type, cls_name, args.timeout)
         row["mapping"] = mapping
         rows.append(row)
+        seconds += row["wall_s"]
         print(f"{model_type:28s} {cls_name:44s} {row['outcome']:18s} {row.get('wall_s', 0):6.1f}s "
               f"{str(row.get('reason', ''))[:150]}", flush=True)
-    command = "OMP_NUM_THREADS=1 python eval/arch_support.py" + "".join(
-        f" {a}" for a in sys.argv[1:])
-    write_table(rows, command, time.perf_counter() - start, Path(args.out))
+        write_table(rows, command, seconds, out)  # after every row: a stopped run resumes (--resume)
 
 
 if __name__ == "__main__":

@@ -39,3 +39,40 @@ def tiny_lm(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
 def prompt(length: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (1, length), generator=g)
+
+
+# ---------------------------------------------------------------------------- one of every kind
+# Tiny configs of registered architectures beyond ARCHS (tests/test_arch_support.py): model_type ->
+# config kwargs on top of _COMMON. eval/arch_support.py builds every registered one generically.
+KINDS = {
+    "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_next": dict(head_dim=16, layer_types=["linear_attention", "full_attention"], num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16),
+    "mamba": dict(state_size=8, expand=2, conv_kernel=4, num_attention_heads=None, num_key_value_heads=None,
+                  intermediate_size=128),
+    "roberta": dict(num_key_value_heads=None, type_vocab_size=1, pad_token_id=1, bos_token_id=0),
+    "cpmant": dict(num_key_value_heads=None, dim_head=16, dim_ff=128, prompt_length=4, segment_types=4),
+}
+
+
+def tiny_causal_lm(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random fp32 model of ``model_type``'s registered causal-LM class (output layer sharpened
+    like tiny_lm); keys a config does not know are dropped."""
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    config_cls = getattr(model_cls, "config_class", None) or CONFIG_MAPPING[model_type]
+    known = config_cls().to_dict()
+    kwargs = {k: v for k, v in {**_COMMON, **KINDS.get(model_type, {}), **overrides}.items()
+              if k in known and v is not None}
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model

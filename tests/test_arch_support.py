@@ -1,0 +1,78 @@
+"""One tiny model of every kind: exact (token-identical to model.generate, τ > 1 with drafter = target)
+or refused at wrap() with the reason. eval/arch_support.py runs every registered architecture."""
+import pytest
+import torch
+
+import flashmm
+from flashmm.drafters import DraftModel, PromptLookup
+from flashmm.targets import UnsupportedModel
+
+from text_models import prompt, tiny_causal_lm, tiny_lm
+
+MAX_NEW = 12
+
+
+def assert_exact(model, ids, min_tau=1.0):
+    """Prompt lookup, drafter = target (chain) and drafter = target (width-2 tree) all give
+    model.generate's greedy tokens; τ > min_tau with drafter = target."""
+    ref = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
+    for drafter in (PromptLookup(), DraftModel(model, max_draft_tokens=4, adaptive=False),
+                    DraftModel(model, max_draft_tokens=4, tree_width=2, adaptive=False)):
+        sm = flashmm.wrap(model, drafter)
+        out = sm.generate(ids, max_new_tokens=MAX_NEW)
+        assert torch.equal(out, ref), type(drafter).__name__
+        if isinstance(drafter, DraftModel):
+            assert sm.last_stats.tau > min_tau
+
+
+def repeated_prompt(length: int = 10) -> torch.Tensor:
+    ids = prompt(length, seed=length)
+    return torch.cat([ids, ids], dim=1)  # something for prompt lookup to find
+
+
+def test_dense():
+    assert_exact(tiny_lm("llama"), repeated_prompt(), min_tau=4.0)
+
+
+def test_sliding_window():
+    """A window (8) shorter than the prompt: tree masks must apply it."""
+    assert_exact(tiny_lm("mistral", sliding_window=8), repeated_prompt(12), min_tau=4.0)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe(model_type):
+    assert_exact(tiny_causal_lm(model_type), repeated_prompt(), min_tau=4.0)
+
+
+def test_moe_routing_does_not_depend_on_tokens_per_forward():
+    """Each token of a Qwen3-MoE forward picks the same experts, and gets the same block output
+    (to fp32 rounding), whether it shares the forward with 8 other tokens or runs alone."""
+    model = tiny_causal_lm("qwen3_moe", num_experts=32, num_experts_per_tok=4)
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(1, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        together = block(hidden)
+        alone = torch.cat([block(hidden[:, i : i + 1]) for i in range(9)], dim=1)
+        experts_together = block.gate(hidden[0])[2]
+        experts_alone = torch.cat([block.gate(hidden[0, i : i + 1])[2] for i in range(9)])
+    assert torch.equal(experts_together.sort(-1).values, experts_alone.sort(-1).values)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_encoder_head_with_is_decoder_gets_generates_positions():
+    """RoBERTa-style heads derive positions from padding_idx + 1 when given none, while generate
+    passes arange positions: flashmm passes generate's (prefill, chains, trees) and is exact."""
+    assert_exact(tiny_causal_lm("roberta", is_decoder=True), repeated_prompt())
+
+
+@pytest.mark.parametrize("model_type, overrides, reason", [
+    ("roberta", {}, "is_decoder=False"),  # encoder-derived: bidirectional, no autoregressive decoding
+    ("qwen3_next", {}, "recurrent state"),  # hybrid: linear attention + full attention
+    ("mamba", {}, "recurrent state"),  # recurrent: state-space layers only
+    ("cpmant", {}, "cached tree forward fails"),  # own positions / cache layout: caught by the self-check
+])
+def test_refused_with_reason(model_type, overrides, reason):
+    model = tiny_causal_lm(model_type, **overrides)
+    with pytest.raises(UnsupportedModel, match=reason) as refusal:
+        flashmm.wrap(model, PromptLookup())
+    assert type(model).__name__ in str(refusal.value)
