@@ -10,7 +10,8 @@ from .config import SpecConfig
 from .drafters.base import Drafter, make_drafter
 from .engine import Decoding, GenerationStats, generate_one
 from .generation import finish, prepare
-from .targets import make_target
+from .batched import generate_batch
+from .targets import CausalLMTarget, make_target
 
 _SPEC_FIELDS = {f.name for f in fields(SpecConfig)}
 
@@ -55,7 +56,9 @@ class SpeculativeModel:
 
         Returns LongTensor [B * num_return_sequences, T + new] (rows that stop early are right-padded
         with pad_token_id, like model.generate), or a GenerateDecoderOnlyOutput.
-        Rows are decoded one after another, each exactly as the model decodes it in the batch.
+        A batch of text rows is verified together, one target forward per step for all running
+        rows (SpecConfig.batching="rows", multimodal targets: one row after another); either
+        way each row decodes exactly as the model decodes it in the batch.
         """
         unsupported = dict(synced_gpus=synced_gpus, assistant_model=assistant_model,
                            negative_prompt_ids=negative_prompt_ids,
@@ -65,15 +68,20 @@ class SpeculativeModel:
                        prefix_allowed_tokens_fn, streamer, unsupported, kwargs)
         keep_scores = bool(plan.config.return_dict_in_generate and plan.config.output_scores)
         keep_logits = bool(plan.config.return_dict_in_generate and plan.config.output_logits)
-        rows, stats = [], GenerationStats()
+        stats = GenerationStats()
+        decodings = [Decoding(sampling=plan.sampling(b), max_new_tokens=plan.max_new_tokens, stop=plan.stop,
+                              streamer=streamer, keep_scores=keep_scores, keep_logits=keep_logits)
+                     for b in range(plan.batch_size)]
         try:
-            for b in range(plan.batch_size):
-                ids = plan.input_ids[b : b + 1, plan.padding(b):]  # each row runs exactly as if alone
-                decoding = Decoding(sampling=plan.sampling(b), max_new_tokens=plan.max_new_tokens, stop=plan.stop,
-                                    streamer=streamer, keep_scores=keep_scores, keep_logits=keep_logits)
-                row = generate_one(self.target, self.drafter, ids, decoding=decoding, spec=self.spec,
-                                   generator=generator, model_inputs=plan.model_inputs)
-                rows.append(row)
+            if self.batches(plan):
+                rows = generate_batch(self.target, self.drafter, plan.input_ids, plan.attention_mask, decodings,
+                                      self.spec, generator)
+            else:
+                rows = [generate_one(self.target, self.drafter, plan.input_ids[b : b + 1, plan.padding(b):],
+                                     decoding=decodings[b], spec=self.spec, generator=generator,
+                                     model_inputs=plan.model_inputs)
+                        for b in range(plan.batch_size)]  # each row runs exactly as it would alone
+            for row in rows:
                 stats.merge(row.stats)
             width = max(len(r.new_tokens) for r in rows)
             for b, row in enumerate(rows):
@@ -91,6 +99,12 @@ class SpeculativeModel:
         self.last_stats = stats
         return finish(plan, [r.new_tokens for r in rows], [r.scores for r in rows] if keep_scores else None,
                       [r.logits for r in rows] if keep_logits else None)
+
+
+    def batches(self, plan) -> bool:
+        """Whether this call verifies its rows together (text causal LMs, more than one row)."""
+        return (plan.batch_size > 1 and self.spec.batching == "auto" and type(self.target) is CausalLMTarget
+                and not plan.model_inputs)
 
 
 def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attention: str = "auto",

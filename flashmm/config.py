@@ -16,17 +16,23 @@ class SpecConfig:
       rejection sampling on a chain), "greedy", "chain", "tree", or "typical_lossy"
       (Medusa typical acceptance: NOT lossless; output distribution differs from the target).
     max_draft_tokens: upper bound on drafted tokens (tree nodes excluding the root) per step.
+    batching: "auto" verifies every row of a batch in one target forward per step (text causal
+      LMs; other targets decode rows one after another); "rows" always decodes one row after another.
     typical_epsilon / typical_delta: the lossy rule accepts x iff p(x) > min(epsilon, delta·exp(−H(p)));
       defaults are Medusa's (posterior_threshold 0.09, posterior_alpha 0.3).
     """
 
     verifier: str = "auto"
     max_draft_tokens: int = 16
+    batching: str = "auto"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
 
     def __post_init__(self):
         if self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {VERIFIERS}")
+        if self.batching not in ("auto", "rows"):
+            raise ValueError(f"batching must be 'auto' (rows verified together) or 'rows' (one after another), "
+                             f"got {self.batching!r}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")

@@ -125,101 +125,125 @@ def node_scores(sampling: SamplingParams, logits: torch.Tensor, tokens: torch.Te
     return sampling.scores(logits[0], prefixes or None)[None]
 
 
+class RowWriter:
+    """One row's text as model.generate holds it (left padding, prompt, new tokens), in a buffer
+    preallocated for max_new_tokens: committing a token is O(1) and drafters get views of it."""
+
+    def __init__(self, input_ids: torch.Tensor, decoding: Decoding):
+        """input_ids: LongTensor [T], the row without padding."""
+        pad = decoding.sampling.row_prefix
+        pad = input_ids.new_zeros(0) if pad is None else pad.to(input_ids.device)
+        self.buffer = torch.cat([pad, input_ids, input_ids.new_zeros(decoding.max_new_tokens)])[None]
+        self.start = pad.numel()
+        self.length = self.start + input_ids.numel()
+        self.decoding = decoding
+        self.out = RowOutput([], GenerationStats())
+        self.finished = decoding.max_new_tokens == 0
+
+    @property
+    def committed(self) -> torch.Tensor:
+        """LongTensor [1, T'] (a view): prompt and new tokens, no padding; the last one is the root."""
+        return self.buffer[:, self.start : self.length]
+
+    def emit(self, tokens: list[int], logits: torch.Tensor, scores: torch.Tensor) -> None:
+        """Commit tokens in order, stopping exactly where model.generate would (then streaming them).
+        logits / scores: [k, V], the raw / processed target scores each token was chosen from."""
+        decoding, new = self.decoding, self.out.new_tokens
+        kept = 0
+        for j, token in enumerate(tokens):
+            self.buffer[0, self.length] = token
+            self.length += 1
+            kept += 1
+            new.append(token)
+            if decoding.keep_scores:
+                self.out.scores.append(scores[j].float())
+            if decoding.keep_logits:
+                self.out.logits.append(logits[j].float())
+            if len(new) >= decoding.max_new_tokens or (
+                    decoding.stop is not None and decoding.stop(self.buffer[:, : self.length])):
+                self.finished = True
+                break
+        if decoding.streamer is not None:
+            decoding.streamer.put(self.buffer.new_tensor(tokens[:kept]).cpu())
+
+    def first_token(self, logits: torch.Tensor, generator) -> None:
+        """Pick and commit the token after the prompt from the prefill's last logits [V]."""
+        sampling = self.decoding.sampling
+        scores = sampling.scores(logits[None], [self.committed[0]])
+        self.emit([_pick(scores[0], sampling.do_sample, generator)], logits[None], scores)
+
+
+def record_step(stats: GenerationStats, tree, accepted: int) -> None:
+    stats.target_forwards += 1
+    stats.verify_steps += 1
+    stats.drafted_tokens += tree.num_nodes - 1
+    stats.accepted_tokens += accepted
+    stats.accepted_hist[accepted] += 1
+    for d in range(1, tree.max_depth + 1):
+        stats.drafted_at_depth[d] += 1
+        stats.accepted_at_depth[d] += int(accepted >= d)
+
+
+def verify_row(verifier, spec: SpecConfig, draft, logits: torch.Tensor, row: RowWriter, generator):
+    """Verify one row's draft against its target logits [1, N, V]; commit what it emits.
+    Returns the accepted path [1, accepted + 1] (root first)."""
+    sampling = row.decoding.sampling
+    scores = node_scores(sampling, logits, draft.tokens, draft.tree, row.committed)
+    result = verifier(draft.tokens, draft.tree, scores, draft.q_probs, sampling.plain(), generator, spec)
+    accepted = int(result.accepted_len[0])
+    path = result.path[:, : accepted + 1]
+    record_step(row.out.stats, draft.tree, accepted)
+    nodes = path[0].to(logits.device)
+    row.emit(result.emitted(draft.tokens, 0), logits[0, nodes], scores[0, nodes])
+    return path
+
+
+def gather_hidden(hidden: torch.Tensor | None, path: torch.Tensor) -> torch.Tensor | None:
+    """hidden [1, N, d] at the path's nodes [1, L] → [1, L, d] (None stays None)."""
+    if hidden is None:
+        return None
+    index = path.to(hidden.device)[..., None]
+    return hidden.gather(1, index.expand(-1, -1, hidden.shape[-1]))
+
+
 @torch.no_grad()
 def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, decoding: Decoding,
                  spec: SpecConfig, generator: torch.Generator | None, model_inputs: dict,
                  attention_mask: torch.Tensor | None = None) -> RowOutput:
     """Generate for one sequence input_ids [1, T] (no padding)."""
-    stats = GenerationStats()
-    out_row = RowOutput([], stats)
     start = time.perf_counter()
-    sampling = decoding.sampling
-    verifier = select_verifier(spec.verifier, sampling.do_sample, backend=getattr(target, "backend", "torch"))
-    verify_sampling = sampling.plain()
+    row = RowWriter(input_ids[0], decoding)
+    stats = row.out.stats
+    if row.finished:
+        return row.out
+    verifier = select_verifier(spec.verifier, decoding.sampling.do_sample, backend=getattr(target, "backend", "torch"))
     want_hidden = drafter.needs_hidden_states
-    new = out_row.new_tokens
-    if decoding.max_new_tokens == 0:
-        return out_row
-    pad = sampling.row_prefix if sampling.row_prefix is not None else input_ids.new_zeros(0)
-    # the row as model.generate holds it (padding, prompt, new tokens); views of it are handed out
-    row = torch.cat([pad.to(input_ids.device), input_ids[0], input_ids.new_zeros(decoding.max_new_tokens)])[None]
-    first_pos = pad.numel()
-    length = first_pos + input_ids.shape[1]
-
-    def emit(token: int, logits: torch.Tensor, scores: torch.Tensor) -> bool:
-        """Commit one token; True when decoding stops after it."""
-        nonlocal length
-        row[0, length] = token
-        length += 1
-        new.append(token)
-        if decoding.keep_scores:
-            out_row.scores.append(scores.float())
-        if decoding.keep_logits:
-            out_row.logits.append(logits.float())
-        if len(new) >= decoding.max_new_tokens:
-            return True
-        return decoding.stop is not None and decoding.stop(row[:, :length])
 
     out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
     stats.target_forwards += 1
-    last = out.logits[0, -1]
-    scores = sampling.scores(last[None], [row[0, first_pos:length]])[0]
-    first = _pick(scores, sampling.do_sample, generator)
-    finished = emit(first, last, scores)
-    if decoding.streamer is not None:
-        decoding.streamer.put(input_ids.new_tensor([first]).cpu())
-    if not finished:
+    row.first_token(out.logits[0, -1], generator)
+    if not row.finished:
         embeds, spans = (None, [])
         if want_hidden:
             embeds, spans = target.prompt_features(input_ids, **model_inputs)
         drafter.begin(SequenceStart(input_ids=input_ids, hidden_states=out.hidden_states,
                                     input_embeds=embeds, visual_spans=spans, model_inputs=model_inputs))
 
-    while not finished:
-        committed = row[:, first_pos:length]
+    while not row.finished:
         t0 = time.perf_counter()
-        # The budget is not cut near max_new_tokens: emission is truncated below instead, so
-        # tree-shaped drafts keep their width on the last step.
-        draft = drafter.propose(committed, spec.max_draft_tokens, sampling, generator)
+        # The budget is not cut near max_new_tokens: emission is truncated instead, so tree-shaped
+        # drafts keep their width on the last step.
+        draft = drafter.propose(row.committed, spec.max_draft_tokens, decoding.sampling, generator)
         t1 = time.perf_counter()
-        tree = draft.tree
-        scored = target.forward_tree(draft.tokens, tree, want_hidden)
-        step_scores = node_scores(sampling, scored.logits, draft.tokens, tree, committed)
-        result = verifier(draft.tokens, tree, step_scores, draft.q_probs, verify_sampling, generator, spec)
-        accepted = int(result.accepted_len[0])
-        path = result.path[:, : accepted + 1]
+        scored = target.forward_tree(draft.tokens, draft.tree, want_hidden)
+        path = verify_row(verifier, spec, draft, scored.logits, row, generator)
         target.commit(path)
         stats.verify_seconds += time.perf_counter() - t1
         stats.draft_seconds += t1 - t0
+        if not row.finished:
+            drafter.observe(StepResult(committed=row.committed, accepted_len=path.shape[1] - 1, path=path,
+                                       hidden_states=gather_hidden(scored.hidden_states, path)))
 
-        emitted = result.emitted(draft.tokens, 0)
-        stats.target_forwards += 1
-        stats.verify_steps += 1
-        stats.drafted_tokens += tree.num_nodes - 1
-        stats.accepted_tokens += accepted
-        stats.accepted_hist[accepted] += 1
-        for d in range(1, tree.max_depth + 1):
-            stats.drafted_at_depth[d] += 1
-            stats.accepted_at_depth[d] += int(accepted >= d)
-
-        nodes = path[0].tolist()
-        kept = 0
-        for j, token in enumerate(emitted):  # stop exactly where plain decoding would
-            kept += 1
-            if emit(token, scored.logits[0, nodes[j]], step_scores[0, nodes[j]]):
-                finished = True
-                break
-        if decoding.streamer is not None:
-            decoding.streamer.put(input_ids.new_tensor(emitted[:kept]).cpu())
-        if finished:
-            break
-        hidden = None
-        if want_hidden:
-            index = path.to(scored.hidden_states.device)[..., None]
-            hidden = scored.hidden_states.gather(1, index.expand(-1, -1, scored.hidden_states.shape[-1]))
-        drafter.observe(StepResult(committed=row[:, first_pos:length], accepted_len=accepted, path=path,
-                                   hidden_states=hidden))
-
-    stats.new_tokens = len(new)
+    stats.new_tokens = len(row.out.new_tokens)
     stats.total_seconds = time.perf_counter() - start
-    return out_row
+    return row.out

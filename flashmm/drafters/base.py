@@ -1,6 +1,7 @@
 """The drafter protocol: how any speculative method plugs into the engine."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -98,6 +99,12 @@ class Drafter:
 
     def observe(self, step: StepResult) -> None:
         """Learn what the target accepted."""
+
+    def fork(self) -> "Drafter":
+        """A drafter for one more sequence decoded at the same time (a batch row): shares this
+        one's weights (its modules and tensors), copies its per-sequence state."""
+        memo = {id(v): v for v in vars(self).values() if isinstance(v, (torch.nn.Module, torch.Tensor))}
+        return copy.deepcopy(self, memo)
 
 
 def root_only(committed: torch.Tensor) -> Draft:

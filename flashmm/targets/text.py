@@ -68,6 +68,20 @@ class CausalLMTarget(Target):
     def device(self) -> torch.device:
         return self.model.get_output_embeddings().weight.device
 
+    @property
+    def mask_types(self) -> list[str]:
+        """The attention layer types whose masks a tree forward passes ("full_attention", ...)."""
+        return self._mask_types
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window of "sliding_attention" layers, or None."""
+        return self._window
+
+    def tree_linears(self):
+        """The context the tree forwards run their linear layers in (oneDNN routing or nothing)."""
+        return self._linears
+
     #: chains are verified with the model's own causal mask unless positions are non-trivial
     explicit_chain_positions = False
 

@@ -1,0 +1,206 @@
+"""Batched speculative decoding: every active row verified in one target forward per step.
+
+Each row drafts its own tree (drafters are forked per row); trees are padded to the step's
+largest node count, and one forward scores them all with a 4D additive mask built per row.
+
+The cache is one ``DynamicCache`` of B rows laid out by *slot*: the prompt's slots (left padding
+included), then, each step, the kept path rows of every row written side by side. Rows keep
+different numbers of tokens per step, so a row's slots past its own kept count are holes:
+``valid[b, s]`` says whether slot s of row b holds a real token and ``slot_pos[b, s]`` its
+position id. Masks come from ``valid`` (holes and padding are never attended to); positions
+and sliding windows from ``slot_pos``, so each row attends exactly what ``model.generate``
+attends in the same batch. Rows that finish leave the batch (their cache rows are dropped).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .tree import TokenTree
+
+
+@dataclass
+class BatchState:
+    """The batch's cache and its slot bookkeeping.
+
+    cache:     DynamicCache with B rows and L slots.
+    valid:     BoolTensor [B, L]; slot holds a real token of that row.
+    slot_pos:  LongTensor [B, L]; position id of each slot (meaningless where not valid).
+    root_pos:  LongTensor [B]; position id of each row's root (its last committed token, not in
+               the cache yet): the number of real tokens the row has in the cache.
+    """
+
+    cache: object
+    valid: torch.Tensor
+    slot_pos: torch.Tensor
+    root_pos: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.valid.shape[1]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (LongTensor [B'] of row indices), dropping the others' cache rows."""
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
+                layer.values = layer.values.index_select(0, rows.to(layer.values.device))
+        self.valid, self.slot_pos, self.root_pos = self.valid[rows], self.slot_pos[rows], self.root_pos[rows]
+
+
+def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_hidden: bool):
+    """Run the padded prompts [B, T] as model.generate does (positions from the mask, pads at 0).
+
+    Returns (logits [B, V] of each row's last position, hidden [B, T, d] or None, BatchState).
+    """
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    cache = DynamicCache()
+    mask = attention_mask.to(input_ids.device)
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    full = bool((mask == 1).all())
+    target.start_sequence()
+    out = target.model(input_ids=input_ids, attention_mask=None if full else mask, position_ids=positions,
+                       past_key_values=cache, use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1)
+    hidden = out.hidden_states[-1] if want_hidden else None
+    state = BatchState(cache=cache, valid=mask.bool(), slot_pos=positions, root_pos=mask.long().sum(-1))
+    return out.logits[:, -1], hidden, state
+
+
+def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dtype) -> tuple[dict, torch.Tensor]:
+    """Per-row masks and positions of one padded tree forward.
+
+    Returns ({layer type: additive mask [B, 1, W, L + W]}, position_ids [B, W]). A padding node
+    (index >= its row's node count) sees only the prefix and itself; nothing sees it.
+    """
+    device = state.valid.device
+    batch, slots = state.valid.shape
+    allowed_tree = torch.zeros(batch, width, width, dtype=torch.bool, device=device)
+    depth = torch.zeros(batch, width, dtype=torch.long, device=device)
+    for b, tree in enumerate(trees):
+        n = tree.num_nodes
+        allowed_tree[b, :n, :n] = tree.ancestor_mask.to(device)
+        depth[b, :n] = tree.depth.to(device)
+    allowed_tree |= torch.eye(width, dtype=torch.bool, device=device)
+    q_pos = state.root_pos[:, None] + depth                                       # [B, W]
+    allowed = torch.cat([state.valid[:, None, :].expand(-1, width, -1), allowed_tree], dim=2)  # [B, W, L+W]
+    masks = {}
+    for layer_type in target.mask_types:
+        keep = allowed
+        if layer_type == "sliding_attention" and target.window is not None:
+            k_pos = torch.cat([state.slot_pos, q_pos], dim=1)                     # [B, L+W]
+            keep = allowed & ((q_pos[:, :, None] - k_pos[:, None, :]) < target.window)
+        bias = torch.zeros(keep.shape, dtype=dtype, device=device)
+        masks[layer_type] = bias.masked_fill_(~keep, torch.finfo(dtype).min)[:, None]
+    return masks, q_pos
+
+
+def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[TokenTree], want_hidden: bool):
+    """tokens [B, W] (each row's tree, padded) → (logits [B, W, V], hidden [B, W, d] or None).
+    The cache grows by W slots (valid only once kept by ``keep_paths``)."""
+    masks, positions = tree_masks(target, state, trees, tokens.shape[1], target.model.dtype)
+    mask = masks if len(masks) > 1 else next(iter(masks.values()))
+    with target.tree_linears():
+        out = target.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                           past_key_values=state.cache, use_cache=True, output_hidden_states=want_hidden)
+    return out.logits, (out.hidden_states[-1] if want_hidden else None)
+
+
+def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
+    """Keep each row's accepted path (LongTensor [L_b] of node indices, root first) after the
+    prefix; rows with shorter paths leave holes up to the longest."""
+    prefix = state.num_slots
+    longest = max(p.numel() for p in paths)
+    device = state.valid.device
+    index = torch.zeros(len(paths), longest, dtype=torch.long, device=device)
+    kept = torch.zeros(len(paths), longest, dtype=torch.bool, device=device)
+    for b, path in enumerate(paths):
+        index[b, : path.numel()] = path.to(device)
+        kept[b, : path.numel()] = True
+    slots = index + prefix
+    for layer in state.cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        idx = slots.to(layer.keys.device)[:, None, :, None]
+        heads = layer.keys.shape[1]
+        new_k = layer.keys.gather(2, idx.expand(-1, heads, -1, layer.keys.shape[-1]))
+        new_v = layer.values.gather(2, idx.expand(-1, heads, -1, layer.values.shape[-1]))
+        layer.keys[:, :, prefix : prefix + longest] = new_k  # gathered first: sources may overlap
+        layer.values[:, :, prefix : prefix + longest] = new_v
+        layer.keys = layer.keys[:, :, : prefix + longest]
+        layer.values = layer.values[:, :, : prefix + longest]
+    offsets = torch.arange(longest, device=device)
+    state.valid = torch.cat([state.valid, kept], dim=1)
+    state.slot_pos = torch.cat([state.slot_pos, state.root_pos[:, None] + offsets[None]], dim=1)
+    state.root_pos = state.root_pos + kept.sum(1)
+
+
+@torch.no_grad()
+def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   decodings: list, spec, generator: torch.Generator | None) -> list:
+    """Decode the left-padded rows input_ids [B, T] together: one prefill, then one target
+    forward per step for all rows still running. Returns one engine.RowOutput per row."""
+    from .drafters.base import SequenceStart, StepResult  # noqa: PLC0415 (engine imports drafters)
+    from .engine import RowWriter, gather_hidden, verify_row  # noqa: PLC0415
+    from .verify import select_verifier  # noqa: PLC0415
+
+    start = time.perf_counter()
+    batch = input_ids.shape[0]
+    padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()
+    rows = [RowWriter(input_ids[b, padding[b]:], decodings[b]) for b in range(batch)]
+    drafters = [drafter.fork() for _ in range(batch)]
+    verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample)
+    want_hidden = drafter.needs_hidden_states
+
+    logits, hidden, state = prefill(target, input_ids, attention_mask, want_hidden)
+    for b, row in enumerate(rows):
+        row.out.stats.target_forwards += 1
+        if row.finished:
+            continue
+        row.first_token(logits[b], generator)
+        if not row.finished:
+            ids = input_ids[b : b + 1, padding[b]:]
+            drafters[b].begin(SequenceStart(
+                input_ids=ids, hidden_states=None if hidden is None else hidden[b : b + 1, padding[b]:],
+                input_embeds=target.input_embeddings()(ids) if want_hidden else None))
+    active = [b for b in range(batch) if not rows[b].finished]
+    state.select(torch.tensor(active, dtype=torch.long))
+
+    while active:
+        t0 = time.perf_counter()
+        drafts = [drafters[b].propose(rows[b].committed, spec.max_draft_tokens, rows[b].decoding.sampling, generator)
+                  for b in active]
+        width = max(d.tree.num_nodes for d in drafts)
+        tokens = input_ids.new_zeros(len(active), width)
+        for i, draft in enumerate(drafts):
+            tokens[i] = draft.tokens[0, 0]  # padding nodes repeat the root; nothing attends to them
+            tokens[i, : draft.tree.num_nodes] = draft.tokens[0]
+        t1 = time.perf_counter()
+        logits, hidden = forward_trees(target, state, tokens, [d.tree for d in drafts], want_hidden)
+        paths = []
+        for i, b in enumerate(active):
+            n = drafts[i].tree.num_nodes
+            paths.append(verify_row(verifier, spec, drafts[i], logits[i : i + 1, :n], rows[b], generator))
+        keep_paths(state, [p[0] for p in paths])
+        t2 = time.perf_counter()
+        for i, b in enumerate(active):
+            stats = rows[b].out.stats
+            stats.draft_seconds += (t1 - t0) / len(active)
+            stats.verify_seconds += (t2 - t1) / len(active)
+            if not rows[b].finished:
+                n = drafts[i].tree.num_nodes
+                row_hidden = None if hidden is None else hidden[i : i + 1, :n]
+                drafters[b].observe(StepResult(committed=rows[b].committed, accepted_len=paths[i].shape[1] - 1,
+                                               path=paths[i], hidden_states=gather_hidden(row_hidden, paths[i])))
+        running = [i for i, b in enumerate(active) if not rows[b].finished]
+        if len(running) < len(active):  # finished rows stop costing compute
+            state.select(torch.tensor(running, dtype=torch.long))
+            active = [active[i] for i in running]
+
+    seconds = time.perf_counter() - start
+    for row in rows:
+        row.out.stats.new_tokens = len(row.out.new_tokens)
+        row.out.stats.total_seconds = seconds / batch
+    return [row.out for row in rows]
