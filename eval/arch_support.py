@@ -273,7 +273,8 @@ ORDER = ["exact", "refused", "transformers fails", "build fails", "wrong", "cras
 def write_table(rows: list[dict], command: str, seconds: float, path: Path) -> None:
     machine = f"{platform.machine()} {platform.processor() or ''}".strip()
     counts = {o: sum(r["outcome"] == o for r in rows) for o in ORDER}
-    meta = dict(command=command, machine=machine, cpus=os.cpu_count(), threads=1, torch=torch.__version__,
+    total = len(architectures())
+    meta = dict(command=command, machine=machine, rows=len(rows), registered=total, cpus=os.cpu_count(), threads=1, torch=torch.__version__,
                 transformers=transformers.__version__, python=platform.python_version(), seconds=round(seconds),
                 counts=counts)
     path.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str) + "\n")
@@ -288,6 +289,8 @@ def write_table(rows: list[dict], command: str, seconds: float, path: Path) -> N
              "are tested in tests/test_multimodal_targets.py.", "",
              f"Command: `{command}` — machine: {machine}, {os.cpu_count()} CPUs, 1 thread; torch {torch.__version__}, "
              f"python {platform.python_version()}; {seconds / 60:.1f} min (sum of the per-architecture wall times).", "",
+             f"Rows: {len(rows)} of the {total} registered (model_type, class) pairs"
+             + ("." if len(rows) >= total else " (a partial run: `--resume` adds the rest)."), "",
              "| outcome | count |", "|---|---|"]
     lines += [f"| {o} | {n} |" for o, n in counts.items() if n]
     lines += ["", "| model_type | class | outcome | τ (drafter = target) | reason |", "|---|---|---|---|---|"]
@@ -305,15 +308,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
     parser.add_argument("--out", default=str(RESULTS / "arch_support"), help="output path without suffix")
     parser.add_argument("--resume", action="store_true", help="keep the rows already in --out's json")
+    parser.add_argument("--table-only", action="store_true", help="rewrite the table from --out's json, run nothing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     only = set(filter(None, args.only.split(",")))
     archs = [a for a in architectures() if not only or a[0] in only]
     out = Path(args.out)
     rows, seconds = [], 0.0
-    if args.resume and out.with_suffix(".json").exists():  # keep the rows of an earlier (partial) run
+    if (args.resume or args.table_only) and out.with_suffix(".json").exists():  # rows of an earlier run
         saved = json.loads(out.with_suffix(".json").read_text())
         rows, seconds = saved["rows"], saved["meta"]["seconds"]
+    if args.table_only:
+        write_table(rows, saved["meta"]["command"], seconds, out)
+        return
     done = {(r["model_type"], r["cls"]) for r in rows}
     command = "OMP_NUM_THREADS=1 python eval/arch_support.py" + "".join(
         f" {a}" for a in sys.argv[1:] if a != "--resume")

@@ -67,8 +67,8 @@ def test_encoder_head_with_is_decoder_gets_generates_positions():
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
     ("roberta", {}, "is_decoder=False"),  # encoder-derived: bidirectional, no autoregressive decoding
-    ("qwen3_next", {}, "recurrent state"),  # hybrid: linear attention + full attention
-    ("mamba", {}, "recurrent state"),  # recurrent: state-space layers only
+    ("qwen3_next", {}, "stateful"),  # hybrid: linear attention + full attention
+    ("mamba", {}, "stateful"),  # recurrent: state-space layers only
     ("cpmant", {}, "cached tree forward fails"),  # own positions / cache layout: caught by the self-check
 ])
 def test_refused_with_reason(model_type, overrides, reason):

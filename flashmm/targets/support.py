@@ -54,9 +54,10 @@ def refusal(model: torch.nn.Module) -> str:
     """Why flashmm cannot decode ``model`` ('' when nothing static says so)."""
     text_config = model.config.get_text_config(decoder=True)
     if getattr(model, "_is_stateful", False):
-        return ("it keeps a recurrent state (state-space, linear-attention or convolution layers) that a "
-                "verification forward updates with every drafted token, and a rejected draft cannot be "
-                "rolled back out of it (speculative decoding of recurrent models is not implemented yet)")
+        return ("it is stateful (transformers' _is_stateful: a recurrent, state-space, linear-attention, "
+                "convolution or compressed-KV state beside its key/value rows) and a verification forward "
+                "updates that state with every drafted token, so a rejected draft cannot be rolled back out "
+                "of it (speculative decoding of recurrent and hybrid models is not implemented yet)")
     supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
     if callable(supports_cache) and not supports_cache():
         return ("it brings a cache of its own instead of transformers' DynamicCache, which flashmm cannot "
