@@ -106,6 +106,22 @@ def shard_seed(seed: int, stage: str, shard: int) -> int:
     return (seed * 1_000_003 + STAGES.index(stage) * 10_007 + shard) % (2**63)
 
 
+def ensure_shard(args, shard: int, path_of, make, limit: int) -> None:
+    """Make shard ``shard``'s file exist. With --workers N, worker K writes the shards s with s % N == K;
+    while another worker's shard is missing it writes its own next missing shard below ``limit``, and
+    sleeps when it has none. One worker (the default) writes every shard in order."""
+    while not path_of(shard).exists():
+        if shard % args.workers == args.worker:
+            make(shard)
+            continue
+        own = next((s for s in range(shard + 1, limit) if s % args.workers == args.worker and not path_of(s).exists()),
+                   None)
+        if own is not None:
+            make(own)
+        else:
+            time.sleep(10)
+
+
 def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
     """Generate candidate shards until the filter keeps --prompts; returns work/prompts.json's content."""
     done_file = work / "prompts.json"
@@ -119,18 +135,23 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
     filt = PromptFilter(bench)
     generated = examined = tokens = 0
     seconds = cpu_seconds = 0.0
+
+    path_of = lambda k: work / "prompts" / f"shard_{k:04d}.json"  # noqa: E731
+
+    def make(k: int) -> None:
+        gen = torch.Generator().manual_seed(shard_seed(args.seed, "prompts", k))
+        out, n, dt, cpu = run_batches(model, [head] * args.prompt_shard, args.prompt_batch, args.prompt_max_tokens,
+                                      stops, args.pad_id, sampler, gen, f"prompts shard {k}")
+        rows = [{"text": tokenizer.decode(ids, skip_special_tokens=False), "finished": done} for ids, done in out]
+        write_json(path_of(k), {"rows": rows, "tokens": n, "seconds": dt, "cpu_seconds": cpu,
+                                "threads": torch.get_num_threads()})
+
     shard = 0
     while len(kept) < args.prompts:
         if shard >= args.max_prompt_shards:
             raise RuntimeError(f"only {len(kept)} prompts kept after {shard} shards; raise --max-prompt-shards")
-        path = work / "prompts" / f"shard_{shard:04d}.json"
-        if not path.exists():
-            gen = torch.Generator().manual_seed(shard_seed(args.seed, "prompts", shard))
-            out, n, dt, cpu = run_batches(model, [head] * args.prompt_shard, args.prompt_batch, args.prompt_max_tokens,
-                                          stops, args.pad_id, sampler, gen, f"prompts shard {shard}")
-            rows = [{"text": tokenizer.decode(ids, skip_special_tokens=False), "finished": done} for ids, done in out]
-            write_json(path, {"rows": rows, "tokens": n, "seconds": dt, "cpu_seconds": cpu,
-                              "threads": torch.get_num_threads()})
+        path = path_of(shard)
+        ensure_shard(args, shard, path_of, make, limit=shard + args.workers)
         data = json.loads(path.read_text())
         generated += len(data["rows"])
         tokens += data["tokens"]
@@ -160,16 +181,19 @@ def answers_stage(args, model, tokenizer, work: Path, stops, prompts: list[str],
     sampler = Sampler() if stage == "greedy" else Sampler(temperature=args.temperature)
     answers, tokens, seconds, cpu_seconds = {}, 0, 0.0, 0.0
     shards = [order[k:k + args.answer_shard] for k in range(0, len(order), args.answer_shard)]
+    path_of = lambda k: work / stage / f"shard_{k:04d}.json"  # noqa: E731
+
+    def make(k: int) -> None:
+        gen = torch.Generator().manual_seed(shard_seed(args.seed, stage, k))
+        out, n, dt, cpu = run_batches(model, [rendered[i] for i in shards[k]], args.answer_batch, args.answer_max_tokens,
+                                      stops, args.pad_id, sampler, gen, f"{stage} shard {k}/{len(shards)}")
+        rows = [{"id": i, "ids": o[0], "finished": o[1]} for i, o in zip(shards[k], out)]
+        write_json(path_of(k), {"rows": rows, "tokens": n, "seconds": dt, "cpu_seconds": cpu,
+                                "threads": torch.get_num_threads()})
+
     for shard, members in enumerate(shards):
-        path = work / stage / f"shard_{shard:04d}.json"
-        if not path.exists():
-            gen = torch.Generator().manual_seed(shard_seed(args.seed, stage, shard))
-            out, n, dt, cpu = run_batches(model, [rendered[i] for i in members], args.answer_batch,
-                                          args.answer_max_tokens, stops, args.pad_id, sampler, gen,
-                                          f"{stage} shard {shard}/{len(shards)}")
-            rows = [{"id": i, "ids": o[0], "finished": o[1]} for i, o in zip(members, out)]
-            write_json(path, {"rows": rows, "tokens": n, "seconds": dt, "cpu_seconds": cpu,
-                              "threads": torch.get_num_threads()})
+        path = path_of(shard)
+        ensure_shard(args, shard, path_of, make, limit=len(shards))
         data = json.loads(path.read_text())
         if [r["id"] for r in data["rows"]] != members:
             raise RuntimeError(f"{path} was written for other prompts (different settings?): delete {work / stage}")
@@ -224,6 +248,9 @@ def parse_args(argv=None):
     p.add_argument("--answer-batch", type=int, default=48)
     p.add_argument("--max-prompt-shards", type=int, default=200)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the build: run one per core with --worker 0..N-1 and the same --work")
+    p.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
     p.add_argument("--linear", default="torch", choices=("torch", "onednn"),
                    help="onednn: the model's linears through oneDNN (flashmm.onednn), same fp32 products to rounding")
     p.add_argument("--benchmark", nargs="+", default=[SPEC_BENCH], type=Path,
@@ -232,6 +259,8 @@ def parse_args(argv=None):
                    help="check word 8-grams only (not target-token 8-grams)")
     p.add_argument("--limit", type=int, default=0, help="smoke run: keep this many prompts, small shards")
     args = p.parse_args(argv)
+    if not 0 <= args.worker < args.workers:
+        p.error(f"--worker must be in 0..{args.workers - 1}")
     if args.limit:
         args.prompts = args.limit
         args.sampled_prompts = max(1, args.limit // 2)
@@ -251,7 +280,7 @@ def main(argv=None) -> None:
     settings_file = work / "settings.json"
     if settings_file.exists() and args.stage != "bench":
         before = json.loads(settings_file.read_text())
-        changed = {k for k in settings if k not in ("threads", "out") and before.get(k) != settings[k]}
+        changed = {k for k in settings if k not in ("threads", "out", "workers", "worker") and before.get(k) != settings[k]}
         if changed:
             raise SystemExit(f"{work} holds a build with other settings ({sorted(changed)}); use another --work "
                              "or delete it")
@@ -279,7 +308,7 @@ def main(argv=None) -> None:
     if "sampled" not in stages:
         return
     sampled = answers_stage(args, model, tokenizer, work, stops, prompts["prompts"], "sampled")
-    if "pack" not in stages:
+    if "pack" not in stages or args.worker != 0:
         return
     records = []
     for i, text in enumerate(prompts["prompts"]):
