@@ -261,3 +261,76 @@ def test_frame_indices():
     assert frame_indices(100, 25.0, fps=2).tolist() == [int(i * 12.5) for i in range(8)]  # every 0.5 s
     with pytest.raises(ValueError, match="fps must be"):
         frame_indices(10, 5.0, fps=0)
+
+
+# ----------------------------------------------------------------------------------- many processes
+def launch_training(args, timeout=300):
+    """``accelerate launch`` of ``python -m flashmm.train`` on 2 CPU processes (torch's elastic
+    launcher, as on GPUs: ``accelerate launch --cpu`` starts one process in accelerate 1.15)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(port), "-m", "flashmm.train", *map(str, args)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def trainer_state(out, epoch):
+    return json.loads((out / "checkpoints" / f"epoch-{epoch:04d}" / "trainer_state.json").read_text())
+
+
+def test_two_processes_train_one_drafter_and_resume(tmp_path):
+    """python -m flashmm.train under accelerate launch with 2 CPU processes is one DDP run (each
+    epoch takes half the optimizer steps one process takes: 8 records, batch 2 -> 2 steps per
+    process, not 4); the saved drafter's loss on the recorded features is lower than the
+    untrained drafter's; a run resumed from the epoch-2 checkpoint continues the step count and
+    ends exactly where the uninterrupted run ended."""
+    import time
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Count from {i} to {i + 9}, slowly."}) for i in range(8)))
+    out = tmp_path / "out"
+    args = ["flash", "--target", "test_train:cli_target", "--data", data, "--out", out, "--max-new-tokens", "12",
+            "--num-queries", "4", "--tokens-per-step", "3", "--batch-size", "2", "--lr", "3e-3", "--epochs", "4",
+            "--no-progress"]
+    start = time.perf_counter()
+    launch_training(args)
+    straight_seconds = time.perf_counter() - start
+    state = trainer_state(out, 3)
+    assert state["num_processes"] == 2 and state["steps"] == 4 * 2
+    losses = state["epoch_losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    straight = FlashDrafter.from_pretrained(out)
+
+    model, _ = cli_target()
+    features = record_features(model, None, [{"prompt": json.loads(line)["prompt"]} for line in
+                                             data.read_text().splitlines()], max_new_tokens=12,
+                               cache_dir=out / "features")  # every record from the run's cache
+    assert len(list((out / "features").glob("*.pt"))) == 8
+    untrained = FlashDrafter.from_target(model, num_queries=4, tokens_per_step=3, seed=0)
+    loss_before = evaluate_loss(untrained, model, features)["loss"]
+    loss_after = evaluate_loss(straight, model, features)["loss"]
+    assert loss_after < 0.9 * loss_before, (loss_before, loss_after)
+
+    shutil.rmtree(out / "checkpoints" / "epoch-0003")  # as if the run had been killed in epoch 3
+    start = time.perf_counter()
+    launch_training(args + ["--resume"])
+    print(f"2 processes: {straight_seconds:.1f} s for 4 epochs, {time.perf_counter() - start:.1f} s resumed; "
+          f"loss {loss_before:.3f} -> {loss_after:.3f}, epoch losses {[round(x, 4) for x in losses]}")
+    resumed_state = trainer_state(out, 3)
+    assert resumed_state["steps"] == 8
+    torch.testing.assert_close(resumed_state["epoch_losses"], losses, rtol=1e-6, atol=1e-7)
+    resumed = FlashDrafter.from_pretrained(out)
+    for key, value in straight.net.state_dict().items():
+        torch.testing.assert_close(resumed.net.state_dict()[key], value, rtol=1e-6, atol=1e-7)

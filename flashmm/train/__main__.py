@@ -3,7 +3,9 @@
 --target: a Hugging Face model directory (a vision-language model when its config has a
 vision part, else a causal LM; processor / tokenizer from the same directory), "smollm2" or
 "gemma3" (the GGUF reference weights, flashmm.weights), or "package.module:function" naming a
-callable that returns (model, processor). Runs unchanged under ``accelerate launch``.
+callable that returns (model, processor). Runs unchanged under ``accelerate launch`` (one GPU per
+process, several machines, or CPU processes: ``accelerate launch --multi_gpu --num_processes 2
+-m flashmm.train flash ...`` on a machine without CUDA trains on gloo).
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
+    from ..distributed import process_info  # noqa: PLC0415
     from .data import read_jsonl  # noqa: PLC0415
     from .trainer import train_flash  # noqa: PLC0415
 
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                          num_frames=args.num_frames, fps=args.fps,
                          ce_max_rows=args.ce_max_rows, seed=args.seed, resume=args.resume,
                          progress=not args.no_progress)
-    if result.epoch_losses:
+    if result.epoch_losses and process_info().is_main:
         print(f"final epoch loss {result.epoch_losses[-1]:.4f}; drafter saved to {args.out}")
     return 0
 

@@ -183,10 +183,12 @@ def record_one(model: torch.nn.Module, processor, record: dict, max_new_tokens: 
 def record_features(model: torch.nn.Module, processor, records: Iterable[dict], *, max_new_tokens: int = 64,
                     cache_dir: str | os.PathLike | None = None, num_frames: int | None = None,
                     fps: float | None = None, build_inputs: Callable | None = None,
-                    progress: bool = False) -> list[FeatureRecord]:
+                    progress: bool = False, shard: tuple[int, int] | None = None) -> list[FeatureRecord]:
     """Record features for every record (see ``record_one``); with ``cache_dir`` each record is
     stored as ``<index>-<hash>.pt`` and reused on later runs (the hash covers the record and the
-    generation settings)."""
+    generation settings). shard=(rank, count): only the records whose index i has
+    i % count == rank (one process's share of a multi-process launch; the others fill the cache
+    with theirs)."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     from ..targets import make_target  # noqa: PLC0415
@@ -196,7 +198,11 @@ def record_features(model: torch.nn.Module, processor, records: Iterable[dict], 
     out = []
     if cache_dir is not None:
         os.makedirs(cache_dir, exist_ok=True)
-    for index, record in enumerate(tqdm(records, desc="recording target features", disable=not progress)):
+    rank, count = shard or (0, 1)
+    if not 0 <= rank < count:
+        raise ValueError(f"shard must be (rank, count) with 0 <= rank < count, got {shard}")
+    chosen = [(i, record) for i, record in enumerate(records) if i % count == rank]
+    for index, record in tqdm(chosen, desc="recording target features", disable=not progress):
         path = None
         if cache_dir is not None:
             path = os.path.join(cache_dir, f"{index:06d}-{_record_key(record, max_new_tokens, num_frames, fps)}.pt")
@@ -205,7 +211,8 @@ def record_features(model: torch.nn.Module, processor, records: Iterable[dict], 
                 continue
         rec = record_one(model, processor, record, max_new_tokens, num_frames, fps, build_inputs, target)
         if path is not None:
-            torch.save(rec.to_dict(), path)
+            torch.save(rec.to_dict(), path + ".tmp")
+            os.replace(path + ".tmp", path)  # a killed run leaves no half-written file to load later
         out.append(rec)
     return out
 

@@ -1,6 +1,12 @@
 """Self-distillation training of the FLASH drafter with accelerate (runs unchanged under
 ``accelerate launch``: DDP, mixed precision and devices come from the accelerate config).
 
+Under a launch of N processes (GPUs, machines, or CPU processes: ``accelerate launch --multi_gpu
+--num_processes N`` on a machine without CUDA runs them on gloo), process r records the target
+features of records i % N == r into the shared cache ``out_dir/features`` and then every process
+reads all of them; each optimizer step averages the gradients of N batches (DDP); the losses
+reported (``epoch_losses``, trainer_state.json) are means over all processes.
+
 Loss per sample, over text units t and SAR slots i (f̂_{t+1+i} predicted at unit t), for target
 positions j = t+1+i inside the answer (prompt_len <= j < L):
     SmoothL1(f̂_j, f_j)  +  ce_weight · H(softmax(head(f_j)), softmax(head(f̂_j)))
@@ -12,6 +18,7 @@ weights, optimizer, scheduler, RNG) and the final drafter via ``save_pretrained(
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -22,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import launched_without_gpu
 from ..drafters.flash import FlashDrafter
 from ..drafters.flash_modules import COMPRESSIONS, FlashNet, build_units
 from .data import FeatureDataset, FeatureRecord, collate_records, record_features
@@ -138,6 +146,39 @@ def _latest_checkpoint(out_dir: str) -> str | None:
     return os.path.join(folder, found[-1][1]) if found else None
 
 
+# the wait at the recording barrier lasts as long as the slowest process's share of a corpus
+# (hours for a real one); accelerate's default (30 min on gloo) would end the run there
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=24)
+
+
+def make_accelerator():
+    """The trainer's Accelerator: DDP that tolerates parameters a batch does not reach, a seedable
+    sampler (the shuffle order is a function of (seed, epoch), so a resumed run sees the same
+    batches as an uninterrupted one), gloo on CPU-only machines under a multi-process launch."""
+    from accelerate import Accelerator  # noqa: PLC0415
+    from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,  # noqa: PLC0415
+                                  InitProcessGroupKwargs)
+
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True),
+                InitProcessGroupKwargs(timeout=PROCESS_GROUP_TIMEOUT)]
+    return Accelerator(cpu=launched_without_gpu(), kwargs_handlers=handlers,
+                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+
+
+def _mean_over_processes(accelerator, losses: list[float], hits: list[torch.Tensor]) -> tuple[float, list[float]]:
+    """The epoch's mean step loss and per-slot accuracy over the steps of every process."""
+    width = hits[0].shape[0] if hits else 0
+    totals = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+    if hits:
+        totals = torch.cat([totals, torch.stack(hits).double().sum(0)])
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
+    count = float(totals[1])
+    if count == 0:
+        return 0.0, []
+    return float(totals[0]) / count, (totals[2:2 + width] / count).tolist()
+
+
 def evaluate_loss(drafter: FlashDrafter, model: nn.Module, records: list[FeatureRecord], batch_size: int = 8,
                   compression: str | None = None) -> dict:
     """Mean loss terms of ``drafter`` on recorded ``records`` (no noise, no gradients)."""
@@ -175,15 +216,11 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
     slot_decay: weight the SAR slot i's loss terms by slot_decay**i (1: all slots alike; < 1
     favours the early slots, which every accepted draft goes through).
     """
-    from accelerate import Accelerator  # noqa: PLC0415
-    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, set_seed  # noqa: PLC0415
+    from accelerate.utils import set_seed  # noqa: PLC0415
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     if accelerator is None:
-        # seedable sampler: the shuffle order is a function of (seed, epoch), so a resumed run
-        # sees the same batches as an uninterrupted one
-        accelerator = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
-                                  dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+        accelerator = make_accelerator()
     set_seed(seed)
     out_dir = os.fspath(out_dir) if out_dir is not None else None
     if resume and out_dir is None:
@@ -191,11 +228,16 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
     if features is None:
         if records is None:
             raise ValueError("give records (dicts with prompt / image / video) or recorded features")
-        with accelerator.main_process_first():
-            features = record_features(model, processor, records, max_new_tokens=max_new_tokens,
-                                       cache_dir=os.path.join(out_dir, "features") if out_dir else None,
-                                       num_frames=num_frames, fps=fps, build_inputs=build_inputs,
-                                       progress=progress and accelerator.is_main_process)
+        records = list(records)
+        recording = dict(max_new_tokens=max_new_tokens, num_frames=num_frames, fps=fps, build_inputs=build_inputs,
+                         cache_dir=os.path.join(out_dir, "features") if out_dir else None)
+        if accelerator.num_processes > 1 and out_dir is not None:  # each process records its share
+            record_features(model, processor, records, **recording, progress=progress and accelerator.is_main_process,
+                            shard=(accelerator.process_index, accelerator.num_processes))
+            accelerator.wait_for_everyone()
+        # without a shared cache every process records everything itself
+        features = record_features(model, processor, records, **recording,
+                                   progress=progress and accelerator.is_main_process)
     if drafter is None:
         drafter = FlashDrafter.from_target(model, num_queries=num_queries, tokens_per_step=tokens_per_step,
                                            seed=seed, compression=compression, pool_spans=pool_spans)
@@ -219,7 +261,7 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
     head_bias = head.bias.detach().to(accelerator.device) if head.bias is not None else None
 
     result = TrainResult(drafter=drafter, records=features)
-    start_epoch = 0
+    start_epoch = steps = 0
     if resume:
         latest = _latest_checkpoint(out_dir)
         if latest is not None:
@@ -228,6 +270,7 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
                 state = json.load(fh)
             start_epoch = state["epoch"] + 1
             result.epoch_losses, result.epoch_accuracy = state["epoch_losses"], state["epoch_accuracy"]
+            steps = state.get("steps", start_epoch * len(loader))
 
     bar = tqdm(total=(epochs - start_epoch) * len(loader), desc="training FLASH",
                disable=not (progress and accelerator.is_local_main_process))
@@ -246,18 +289,20 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
             optimizer.zero_grad()
             losses.append(float(out["loss"].detach()))
             hits.append(out["accuracy"])
+            steps += 1
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.4f}", acc0=f"{float(out['accuracy'][0]):.2f}")
         result.step_losses += losses
-        result.epoch_losses.append(sum(losses) / max(len(losses), 1))
-        result.epoch_accuracy.append(torch.stack(hits).mean(0).tolist() if hits else [])
+        epoch_loss, epoch_accuracy = _mean_over_processes(accelerator, losses, hits)
+        result.epoch_losses.append(epoch_loss)
+        result.epoch_accuracy.append(epoch_accuracy)
         if out_dir is not None:
             path = os.path.join(out_dir, "checkpoints", f"epoch-{epoch:04d}")
             accelerator.save_state(path)
             if accelerator.is_main_process:
                 with open(os.path.join(path, "trainer_state.json"), "w") as fh:
-                    json.dump(dict(epoch=epoch, epoch_losses=result.epoch_losses,
-                                   epoch_accuracy=result.epoch_accuracy), fh)
+                    json.dump(dict(epoch=epoch, steps=steps, num_processes=accelerator.num_processes,
+                                   epoch_losses=result.epoch_losses, epoch_accuracy=result.epoch_accuracy), fh)
     bar.close()
     accelerator.wait_for_everyone()
     drafter.net = accelerator.unwrap_model(objective).net.eval()
