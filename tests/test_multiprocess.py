@@ -167,7 +167,7 @@ def line(path, caption="a caption", error=None, index=None, prompt="Describe the
     return json.dumps(record) + "\n"
 
 
-def test_merge_orders_deduplicates_and_keeps_what_out_holds(tmp_path):
+def test_merge_orders_deduplicates_and_keeps_what_out_holds(tmp_path, capsys):
     out = str(tmp_path / "captions.jsonl")
     with open(out, "w") as fh:  # an earlier single-process run: /c done, /d failed, then a cut line
         fh.write(line("/c", "from before") + line("/d", error="ValueError: x") + '{"path": "/e", "capt')
@@ -179,8 +179,12 @@ def test_merge_orders_deduplicates_and_keeps_what_out_holds(tmp_path):
         fh.write(line("/b", "B?", index=1, prompt="What is it?"))
     (tmp_path / "captions.rank9-of-nine.jsonl").write_text("not a shard")  # does not match the pattern
     assert len(shard_files(out)) == 3
-    summary = merge_shards(out)
-    assert (summary.appended, summary.already_done) == (4, 1)
+    before = open(out).read()
+    assert merge_shards(out, keep_shards=True).appended == 4 and len(shard_files(out)) == 3
+    with open(out, "w") as fh:
+        fh.write(before)
+    assert cli.main(["caption-merge", "--out", out]) == cli.EXIT_OK
+    assert "merged 3 shard file(s)" in capsys.readouterr().err
     raw = open(out).read().splitlines()
     assert raw[2] == '{"path": "/e", "capt'  # the earlier cut line stays on its own line
     records = [json.loads(r) for r in raw[:2] + raw[3:]]
@@ -190,7 +194,11 @@ def test_merge_orders_deduplicates_and_keeps_what_out_holds(tmp_path):
     assert all(INDEX_FIELD not in r for r in records) and shard_files(out) == []
     assert cli.read_done(out) == {key_of(json.loads(line(p))) for p in ("/a", "/c", "/d")} | {
         key_of(json.loads(line("/b", prompt="What is it?")))}
+    assert cli.main(["caption-merge", "--out", out]) == cli.EXIT_OK and "nothing to merge" in capsys.readouterr().err
     assert merge_shards(out).appended == 0 and open(out).read().splitlines() == raw  # nothing left: unchanged
+    with open(shard_path(out, 1, 2), "w") as fh:  # the same results merged again add nothing
+        fh.write(line("/a", "A", index=0) + line("/b", error="OSError: z", index=1))
+    assert (merge_shards(out).appended, open(out).read().splitlines()) == (0, raw)
 
 
 class NoGroup:
