@@ -285,7 +285,9 @@ def write_table(rows: list[dict], command: str, seconds: float, path: Path) -> N
              "(chain of 4) and drafter = target (width-2 tree). **exact**: all three token-identical to "
              "`model.generate`, τ > 1 with drafter = target. **refused**: `flashmm.wrap` raises "
              "`UnsupportedModel` naming the reason. **transformers fails**: `model.generate` itself cannot decode "
-             "the tiny model. Vision-language models are decoded here as text (no image); their visual adapters "
+             "the tiny model (some of these come from this script's shrinking, e.g. a rope section sized for the "
+             "full head: read the reason). **build fails**: this script could not build the tiny config (no flashmm "
+             "result; add an `OVERRIDES` entry). Vision-language models are decoded here as text (no image); their visual adapters "
              "are tested in tests/test_multimodal_targets.py.", "",
              f"Command: `{command}` — machine: {machine}, {os.cpu_count()} CPUs, 1 thread; torch {torch.__version__}, "
              f"python {platform.python_version()}; {seconds / 60:.1f} min (sum of the per-architecture wall times).", "",
