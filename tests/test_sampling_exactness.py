@@ -35,6 +35,19 @@ def models():
 PROMPT = torch.tensor([[3, 7, 3, 7, 3]])
 
 
+def padded(draft, rows: int):
+    """draft with its output layer padded to ``rows`` rows; the extra rows would dominate if drafted."""
+    twin = tiny_lm("llama", seed=2, vocab_size=rows, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.no_grad():
+        for mine, theirs in zip(twin.model.parameters(), draft.model.parameters()):
+            if mine.shape == theirs.shape:
+                mine.copy_(theirs)
+        twin.model.embed_tokens.weight[:V] = draft.model.embed_tokens.weight
+        twin.lm_head.weight[:V] = draft.lm_head.weight
+        twin.lm_head.weight[V:] = 3 * draft.lm_head.weight[:1].abs()
+    return twin
+
+
 def exact_joint(target) -> torch.Tensor:
     params = SamplingParams(**SAMPLING)
     with torch.no_grad():
@@ -57,10 +70,11 @@ def histogram(sm) -> torch.Tensor:
 @pytest.mark.parametrize("make", [
     lambda t, d: DraftModel(d, max_draft_tokens=2, adaptive=False),               # chain, q given
     lambda t, d: DraftModel(d, max_draft_tokens=4, tree_width=2, adaptive=False),  # i.i.d. siblings
+    lambda t, d: DraftModel(padded(d, V + 4), max_draft_tokens=2, adaptive=False),  # padded LM head
     lambda t, d: PromptLookup(),                                                   # deterministic, q None
     lambda t, d: FlashDrafter.from_target(t, num_queries=2, tokens_per_step=2, seed=0, top_k=2, max_nodes=3,
                                           lookup_tokens=3),                        # FLASH tree + lookup path
-], ids=["draft_chain", "draft_tree", "prompt_lookup", "flash_lookup"])
+], ids=["draft_chain", "draft_tree", "draft_padded_vocab", "prompt_lookup", "flash_lookup"])
 def test_lossless(models, make):
     target, draft = models
     sm = flashmm.wrap(target, make(target, draft))
@@ -74,3 +88,71 @@ def test_lossy_typical_is_detected(models):
                       typical_epsilon=0.05, typical_delta=0.05)
     p = chi_square_pvalue(histogram(sm), exact_joint(target))
     assert p < 1e-3, "the lossy typical verifier should be distinguishable from the target"
+
+
+# --- processors beyond the warpers: repetition penalty (reads each position's prefix) and min_p ---
+PENALTY, MIN_P, TEMP = 3.0, 0.05, 0.9
+PROC_TRIALS = 1500
+
+
+def processed_probs(logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+    """float64 reference of transformers' repetition penalty → temperature → min_p, by hand."""
+    x = logits.double().clone()
+    for t in set(prefix):
+        x[t] = x[t] * PENALTY if x[t] < 0 else x[t] / PENALTY
+    p = (x / TEMP).softmax(-1)
+    return torch.where(p >= MIN_P * p.max(), p, torch.zeros_like(p)) / p[p >= MIN_P * p.max()].sum()
+
+
+@pytest.fixture(scope="module")
+def sharp_target():
+    target = tiny_lm("llama", seed=3, vocab_size=V, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.6)
+    return target
+
+
+def exact_second_third(target) -> torch.Tensor:
+    """Exact joint [V, V] of the 2nd and 3rd new tokens (the 3rd is drafted at depth 1 when the
+    2nd was drafted and accepted, so a wrong per-node prefix shows up here)."""
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    base = PROMPT[0].tolist()
+    with torch.no_grad():
+        first = processed_probs(target(PROMPT).logits[0, -1], base)
+        for a in range(V):
+            ctx_a = base + [a]
+            second = processed_probs(target(torch.tensor([ctx_a])).logits[0, -1], ctx_a)
+            ctx = torch.tensor([ctx_a + [b] for b in range(V)])
+            logits = target(ctx).logits[:, -1]
+            for b in range(V):
+                joint[b] += first[a] * second[b] * processed_probs(logits[b], ctx_a + [b])
+    return joint
+
+
+def second_third_histogram(sm) -> torch.Tensor:
+    counts = torch.zeros(V, V)
+    g = torch.Generator().manual_seed(99)
+    for _ in range(PROC_TRIALS):
+        out = sm.generate(PROMPT, max_new_tokens=3, generator=g, do_sample=True, temperature=TEMP,
+                          repetition_penalty=PENALTY, min_p=MIN_P)
+        b, c = out[0, -2:].tolist()
+        counts[b, c] += 1
+    return counts
+
+
+def test_processors_lossless_and_bias_detected(sharp_target, monkeypatch):
+    """repetition_penalty + min_p: flashmm's sampled tokens follow the processed target exactly; a
+    variant that scores every tree node with the root's prefix (the natural bug) is detected."""
+    exact = exact_second_third(sharp_target)
+    sm = flashmm.wrap(sharp_target, DraftModel(sharp_target, max_draft_tokens=2, adaptive=False))
+    p = chi_square_pvalue(second_third_histogram(sm), exact)
+    assert p > 1e-3, f"sampled output deviates from the processed target distribution (p = {p:.2e})"
+
+    import flashmm.engine as engine
+
+    def root_prefix_only(sampling, logits, tokens, tree, committed):
+        n = tree.num_nodes
+        return sampling.scores(logits[0], [committed[0]] * n)[None]
+    monkeypatch.setattr(engine, "node_scores", root_prefix_only)
+    p = chi_square_pvalue(second_third_histogram(sm), exact)
+    assert p < 1e-3, f"scoring drafted nodes with the root's prefix should be detectable (p = {p:.2e})"
