@@ -158,9 +158,9 @@ def test_vision_language_prefill_keeps_its_attention():
 
     attentions = [("vision", block.attn) for block in model.model.visual.blocks]
     attentions += [("text", layer.self_attn) for layer in model.get_decoder().layers]
+    sm = flashmm.wrap(model, PromptLookup(), processor=processor, attention="triton")  # (its self-check runs text)
     hooks = [module.register_forward_pre_hook(recorder(part)) for part, module in attentions]
     try:
-        sm = flashmm.wrap(model, PromptLookup(), processor=processor, attention="triton")
         out = sm.generate(**inputs, max_new_tokens=5)
     finally:
         for hook in hooks:
