@@ -100,7 +100,6 @@ class SpeculativeModel:
         return finish(plan, [r.new_tokens for r in rows], [r.scores for r in rows] if keep_scores else None,
                       [r.logits for r in rows] if keep_logits else None)
 
-
     def batches(self, plan) -> bool:
         """Whether this call verifies its rows together (text causal LMs, more than one row)."""
         return (plan.batch_size > 1 and self.spec.batching == "auto" and type(self.target) is CausalLMTarget
