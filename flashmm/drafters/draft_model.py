@@ -40,13 +40,13 @@ class DraftModel(Drafter):
         self._cache = None
         self._cached_ids: list[int] = []
         self._last_depth = 0
-        self._shared_vocab = self._target_vocab = model.get_output_embeddings().weight.shape[0]
+        self._shared_vocab = self._target_vocab = output_rows(model)
 
     def bind(self, target) -> None:
         """Accept a draft with the target's tokenizer, even when its output layer is padded to
         another row count (Qwen2.5-0.5B: 151936 rows, Qwen2.5-7B: 152064): only the shared rows
         are drafted. A different tokenizer is refused."""
-        rows = self.model.get_output_embeddings().weight.shape[0]
+        rows = output_rows(self.model)
         mismatch = tokenizer_mismatch(self.model.config.get_text_config(), target.model.config.get_text_config(),
                                       rows, target.vocab_size)
         if mismatch:
@@ -134,6 +134,13 @@ class DraftModel(Drafter):
 
     def observe(self, step: StepResult) -> None:
         self.length.update(self._last_depth, step.accepted_len)
+
+
+def output_rows(model: torch.nn.Module) -> int:
+    """Rows of a draft LM's output layer: its ``output_rows`` when it declares them (a draft over a
+    reduced vocabulary answering in the target's ids), else its LM head's."""
+    rows = getattr(model, "output_rows", None)
+    return rows if rows is not None else model.get_output_embeddings().weight.shape[0]
 
 
 def tokenizer_mismatch(draft_config, target_config, draft_rows: int, target_rows: int) -> str:
