@@ -142,8 +142,8 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
                    decodings: list, spec, generator: torch.Generator | None) -> list:
     """Decode the left-padded rows input_ids [B, T] together: one prefill, then one target
     forward per step for all rows still running. Returns one engine.RowOutput per row."""
-    from .drafters.base import SequenceStart, StepResult  # noqa: PLC0415 (engine imports drafters)
-    from .engine import RowWriter, gather_hidden, verify_row  # noqa: PLC0415
+    from .drafters.base import SequenceStart  # noqa: PLC0415 (engine imports drafters)
+    from .engine import RowWriter, step_result, verify_row  # noqa: PLC0415
     from .verify import select_verifier  # noqa: PLC0415
 
     start = time.perf_counter()
@@ -172,13 +172,14 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
         t0 = time.perf_counter()
         drafts = [drafters[b].propose(rows[b].committed, spec.max_draft_tokens, rows[b].decoding.sampling, generator)
                   for b in active]
-        width = max(d.tree.num_nodes for d in drafts)
+        layouts = [d.forward_layout() for d in drafts]  # each row's tree, then its aux rows (if any)
+        width = max(tree.num_nodes for _, tree in layouts)
         tokens = input_ids.new_zeros(len(active), width)
-        for i, draft in enumerate(drafts):
-            tokens[i] = draft.tokens[0, 0]  # padding nodes repeat the root; nothing attends to them
-            tokens[i, : draft.tree.num_nodes] = draft.tokens[0]
+        for i, (row_tokens, tree) in enumerate(layouts):
+            tokens[i] = row_tokens[0, 0]  # padding nodes repeat the root; nothing attends to them
+            tokens[i, : tree.num_nodes] = row_tokens[0]
         t1 = time.perf_counter()
-        logits, hidden = forward_trees(target, state, tokens, [d.tree for d in drafts], want_hidden)
+        logits, hidden = forward_trees(target, state, tokens, [tree for _, tree in layouts], want_hidden)
         paths = []
         for i, b in enumerate(active):
             n = drafts[i].tree.num_nodes
@@ -192,8 +193,8 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
             if not rows[b].finished:
                 n = drafts[i].tree.num_nodes
                 row_hidden = None if hidden is None else hidden[i : i + 1, :n]
-                drafters[b].observe(StepResult(committed=rows[b].committed, accepted_len=paths[i].shape[1] - 1,
-                                               path=paths[i], hidden_states=gather_hidden(row_hidden, paths[i])))
+                row_logits = logits[i : i + 1, : layouts[i][1].num_nodes]
+                drafters[b].observe(step_result(drafters[b], drafts[i], rows[b], paths[i], row_logits, row_hidden))
         running = [i for i, b in enumerate(active) if not rows[b].finished]
         if len(running) < len(active):  # finished rows stop costing compute
             state.select(torch.tensor(running, dtype=torch.long))

@@ -198,6 +198,18 @@ def verify_row(verifier, spec: SpecConfig, draft, logits: torch.Tensor, row: Row
     return path
 
 
+def step_result(drafter: Drafter, draft, row: RowWriter, path: torch.Tensor, logits: torch.Tensor,
+                hidden: torch.Tensor | None) -> StepResult:
+    """What ``drafter`` observes after one row's step; logits [1, N + A, V] (tree nodes, then aux
+    rows), hidden [1, N, d] or None. Aux logits and top-k ids are only handed out when asked for."""
+    n = draft.tree.num_nodes
+    topk = drafter.score_topk
+    return StepResult(committed=row.committed, accepted_len=path.shape[1] - 1, path=path,
+                      hidden_states=gather_hidden(hidden, path),
+                      aux_logits=logits[:, n:] if draft.aux is not None else None,
+                      node_topk=logits[:, :n].topk(topk, dim=-1).indices if topk else None)
+
+
 def gather_hidden(hidden: torch.Tensor | None, path: torch.Tensor) -> torch.Tensor | None:
     """hidden [1, N, d] at the path's nodes [1, L] → [1, L, d] (None stays None)."""
     if hidden is None:
@@ -235,14 +247,14 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, d
         # drafts keep their width on the last step.
         draft = drafter.propose(row.committed, spec.max_draft_tokens, decoding.sampling, generator)
         t1 = time.perf_counter()
-        scored = target.forward_tree(draft.tokens, draft.tree, want_hidden)
-        path = verify_row(verifier, spec, draft, scored.logits, row, generator)
+        scored = target.forward_tree(*draft.forward_layout(), want_hidden)
+        n = draft.tree.num_nodes  # aux rows (if any) follow the tree's n nodes; commit keeps tree nodes only
+        path = verify_row(verifier, spec, draft, scored.logits[:, :n], row, generator)
         target.commit(path)
         stats.verify_seconds += time.perf_counter() - t1
         stats.draft_seconds += t1 - t0
         if not row.finished:
-            drafter.observe(StepResult(committed=row.committed, accepted_len=path.shape[1] - 1, path=path,
-                                       hidden_states=gather_hidden(scored.hidden_states, path)))
+            drafter.observe(step_result(drafter, draft, row, path, scored.logits, scored.hidden_states))
 
     stats.new_tokens = len(row.out.new_tokens)
     stats.total_seconds = time.perf_counter() - start

@@ -15,6 +15,27 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class AuxRows:
+    """Rows a drafter adds to the verification forward that are not candidates (Lookahead's
+    Jacobi window): scored by the target, never verified, never committed; their logits come
+    back in ``StepResult.aux_logits``.
+
+    tokens:  LongTensor [B, A].
+    parents: LongTensor [A]; the parent of aux row a in the forward's node order, where nodes
+             0 .. N-1 are the draft tree and N + a' is aux row a' (so parents[a] < N + a). An aux
+             row sees the prefix, its ancestors and itself; its position is prefix_len + its depth.
+             No tree node sees an aux row, so the candidates' logits are exactly those without them.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
 class Draft:
     """A proposal to verify.
 
@@ -24,15 +45,26 @@ class Draft:
     q_probs: FloatTensor [B, N, V] or None. q_probs[:, i] is the (already warped) draft
              distribution from which the children of node i were drawn i.i.d.; None means the
              children are deterministic (greedy / top-k / lookup), verified as such.
+
+    aux:     AuxRows or None; extra rows scored in the same forward for the drafter alone.
     """
 
     tokens: torch.Tensor
     tree: TokenTree
     q_probs: torch.Tensor | None = None
+    aux: AuxRows | None = None
 
     @property
     def num_draft_tokens(self) -> int:
         return self.tree.num_nodes - 1
+
+    def forward_layout(self) -> tuple[torch.Tensor, TokenTree]:
+        """(tokens [B, N + A], tree of N + A nodes) the target scores: the draft tree, then the
+        aux rows hung under their parents (just the draft when it has no aux rows)."""
+        if self.aux is None:
+            return self.tokens, self.tree
+        parents = torch.cat([self.tree.parents, self.aux.parents.to(self.tree.parents.dtype).cpu()])
+        return torch.cat([self.tokens, self.aux.tokens.to(self.tokens.device)], dim=1), TokenTree(parents)
 
 
 @dataclass
@@ -65,12 +97,17 @@ class StepResult:
     path:          LongTensor [B, accepted_len + 1]; accepted node indices (root first).
     hidden_states: FloatTensor [B, accepted_len + 1, d] or None; target last-layer features at
                    the accepted nodes (root first), when needs_hidden_states.
+    aux_logits:    FloatTensor [B, A, V] or None; the target's raw logits at the draft's aux rows.
+    node_topk:     LongTensor [B, N, k] or None; the ids of the k largest raw target logits at
+                   every scored tree node (accepted or not), when the drafter sets score_topk = k.
     """
 
     committed: torch.Tensor
     accepted_len: int
     path: torch.Tensor
     hidden_states: torch.Tensor | None = None
+    aux_logits: torch.Tensor | None = None
+    node_topk: torch.Tensor | None = None
 
 
 class Drafter:
@@ -85,6 +122,8 @@ class Drafter:
 
     name: ClassVar[str] = ""
     needs_hidden_states: ClassVar[bool] = False
+    #: k > 0: observe gets StepResult.node_topk, the target's top-k ids at every scored node
+    score_topk: ClassVar[int] = 0
 
     def bind(self, target: "Target") -> None:
         """Check this drafter can serve ``target``; raise ValueError naming the mismatch."""

@@ -1,0 +1,165 @@
+"""SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975): speculate from suffix tries of earlier text.
+
+Two suffix tries (every substring up to ``max_depth`` tokens, with its number of occurrences):
+one over the outputs of every earlier request (global, shared by all sequences and batch rows,
+kept across ``generate`` calls), one over the current prompt and output. The last p committed
+tokens (p as long as a trie holds with a continuation, at most ``max_match``) select a trie node;
+from it a speculation tree grows best-first by empirical continuation frequency
+(score(child) = score(parent) · count(child) / (count(parent) + 1)), with at most
+``budget_per_match · p`` nodes: longer matches are trusted with larger trees. Both tries' trees
+are merged into one (shared prefixes verified once), and TreeBudget drafts only what pays.
+"""
+from __future__ import annotations
+
+import heapq
+
+from .base import Drafter, StepResult, register, root_only
+from .length import AdaptiveDraftLength
+from .trie import DraftTrie, TreeBudget
+
+
+class SuffixTrie:
+    """Every substring of the added documents up to ``max_depth`` tokens, with occurrence counts.
+
+    Node 0 is the empty string (its count: tokens added). Documents grow token by token
+    (``extend``), each in O(max_depth); ``max_tokens`` caps the memory (later tokens are ignored).
+    """
+
+    def __init__(self, max_depth: int = 24, max_tokens: int = 200_000):
+        self.max_depth, self.max_tokens = max_depth, max_tokens
+        self.children: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+        self.depth: list[int] = [0]
+        self.tokens_added = 0
+
+    def new_document(self) -> list[int]:
+        """The state of an empty document: the trie nodes of its suffixes (shortest first)."""
+        return []
+
+    def extend(self, document: list[int], tokens) -> list[int]:
+        """Append tokens to a document (its state from new_document/extend); returns the new state."""
+        for token in tokens:
+            if self.tokens_added >= self.max_tokens:
+                return document
+            self.tokens_added += 1
+            token = int(token)
+            self.count[0] += 1
+            state = []
+            for node in [0] + document:
+                if self.depth[node] >= self.max_depth:
+                    continue
+                child = self.children[node].get(token)
+                if child is None:
+                    child = len(self.count)
+                    self.children[node][token] = child
+                    self.children.append({})
+                    self.count.append(0)
+                    self.depth.append(self.depth[node] + 1)
+                self.count[child] += 1
+                state.append(child)
+            document = state
+        return document
+
+    def find(self, pattern: list[int]) -> int | None:
+        """The node of ``pattern`` (a token list), or None when it never occurred."""
+        node = 0
+        for token in pattern:
+            node = self.children[node].get(token)
+            if node is None:
+                return None
+        return node
+
+    def longest_match(self, context: list[int], max_match: int) -> tuple[int, int]:
+        """(node, p) of the longest suffix of context (p <= max_match) that occurred and was
+        followed by something; (0, 0) when none was."""
+        for p in range(min(max_match, len(context), self.max_depth - 1), 0, -1):
+            node = self.find(context[len(context) - p:])
+            if node is not None and self.children[node]:
+                return node, p
+        return 0, 0
+
+    def grow(self, node: int, max_nodes: int) -> list[tuple[list[int], float]]:
+        """Best-first speculation from ``node``: up to max_nodes (path of tokens, score) pairs,
+        each path extending one already returned (or the match)."""
+        out: list[tuple[list[int], float]] = []
+        heap = [(-1.0, 0, node, [])]
+        tick = 1
+        while heap and len(out) < max_nodes:
+            neg, _, at, path = heapq.heappop(heap)
+            if path:
+                out.append((path, -neg))
+            total = self.count[at] + 1
+            for token, child in self.children[at].items():
+                heapq.heappush(heap, (neg * self.count[child] / total, tick, child, path + [token]))
+                tick += 1
+        return out
+
+
+@register
+class SuffixDecoding(Drafter):
+    """SuffixDecoding over earlier outputs (kept across calls) and the current prompt + output.
+
+    max_match: longest context suffix matched; budget_per_match: speculated nodes per matched
+    token (the match-length-dependent budget); merge=False verifies each trie's tree as its own
+    branch instead of merging them (graph-structured drafting off).
+    """
+
+    name = "suffix"
+
+    def __init__(self, max_match: int = 12, max_depth: int = 24, budget_per_match: float = 4.0,
+                 max_draft_tokens: int = 24, max_global_tokens: int = 200_000, merge: bool = True,
+                 cost: AdaptiveDraftLength | None = None):
+        self.max_match, self.max_depth = max_match, max_depth
+        self.budget_per_match, self.max_draft_tokens, self.merge = budget_per_match, max_draft_tokens, merge
+        self.outputs = SuffixTrie(max_depth, max_global_tokens)  # shared by forks
+        self.budget = TreeBudget(cost=cost)
+        self.local: SuffixTrie | None = None
+        self._local_doc: list[int] = []
+        self._output_doc: list[int] = []
+        self._seen = 0  # committed tokens already added to the tries
+        self._prompt_len = 0
+
+    def fork(self) -> "SuffixDecoding":
+        outputs, self.outputs = self.outputs, None
+        try:
+            row = super().fork()
+        finally:
+            self.outputs = outputs
+        row.outputs = outputs
+        return row
+
+    def begin(self, start) -> None:
+        ids = start.input_ids[0].tolist()
+        self.local = SuffixTrie(self.max_depth, max_tokens=len(ids) + 1_000_000)
+        self._local_doc = self.local.extend(self.local.new_document(), ids)
+        self._output_doc = self.outputs.new_document()
+        self._seen = self._prompt_len = len(ids)
+        self.budget.reset()
+
+    def _catch_up(self, committed: list[int]) -> None:
+        new = committed[self._seen:]
+        if new:
+            self._local_doc = self.local.extend(self._local_doc, new)
+            self._output_doc = self.outputs.extend(self._output_doc, new)
+            self._seen = len(committed)
+
+    def propose(self, committed, max_tokens, sampling, generator):
+        if committed.shape[0] != 1:
+            raise NotImplementedError("SuffixDecoding drafts one sequence at a time")
+        ids = committed[0].tolist()
+        self._catch_up(ids)
+        trie = DraftTrie(merge=self.merge)
+        limit = min(max_tokens, self.max_draft_tokens)
+        for group, source in enumerate((self.local, self.outputs)):
+            node, p = source.longest_match(ids, self.max_match)
+            if p == 0:
+                continue
+            for path, score in source.grow(node, min(limit, int(self.budget_per_match * p))):
+                trie.add(path, score, group)
+        keep = self.budget.choose(trie, limit)
+        if not keep:
+            return root_only(committed)
+        return trie.to_draft(committed[:, -1:], keep)
+
+    def observe(self, step: StepResult) -> None:
+        self.budget.update(step.accepted_len if self.budget.last_nodes else 0)

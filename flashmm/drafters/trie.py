@@ -1,0 +1,148 @@
+"""Merging draft hypotheses into one token tree, and sizing that tree so that drafting pays.
+
+Model-free drafters produce several scored hypotheses per step (suffix matches, retrieved
+continuations, n-grams of a pool, a BFS through successor lists). ``DraftTrie`` merges them
+(graph-structured drafting): hypotheses sharing a prefix share its nodes, so every shared
+token is drafted and verified once. ``merge=False`` merges only within a group (one source's
+own tree) and keeps the groups separate branches (the unmerged baseline, for measuring what
+merging saves).
+
+``TreeBudget`` then keeps the best-scored nodes: a node's score estimates the probability that
+it is accepted, so a tree of n nodes is expected to emit 1 + c·Σ scores tokens (c: a calibration
+learned online from what was accepted), and costs about 1 + step_cost + token_cost·n one-token
+forwards (AdaptiveDraftLength's cost model). The size with the best ratio is drafted, or nothing
+(a plain step) when no size beats plain decoding, so a drafter that does not pay stops drafting.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..tree import TokenTree
+from .base import Draft
+from .length import AdaptiveDraftLength
+
+
+class DraftTrie:
+    """Hypotheses (token sequences after the root) merged on shared prefixes.
+
+    Node 0 is the root. ``scores[i]`` estimates P(node i accepted); merging keeps the larger
+    estimate of two hypotheses for the same node (they estimate the same event).
+    """
+
+    def __init__(self, merge: bool = True):
+        self.merge = merge
+        self.tokens: list[int] = [-1]
+        self.parents: list[int] = [-1]
+        self.scores: list[float] = [1.0]
+        self.children: list[dict[int, int]] = [{}]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add_node(self, parent: int, token: int, score: float, group: int = 0) -> int:
+        """The child of ``parent`` with ``token`` (created, or merged keeping the larger score).
+        Unmerged tries merge only within a hypothesis group (one source's own tree)."""
+        key = token if self.merge else (group, token)
+        found = self.children[parent].get(key)
+        if found is not None:
+            self.scores[found] = max(self.scores[found], score)
+            return found
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.children.append({})
+        self.children[parent][key] = node
+        return node
+
+    def add(self, sequence: list[int], scores: list[float] | float, group: int = 0) -> None:
+        """Add one hypothesis under the root; scores per token (or one score for all of them)."""
+        node = 0
+        for j, token in enumerate(sequence):
+            score = scores if isinstance(scores, float) else scores[j]
+            node = self.add_node(node, int(token), score, group)
+
+    def ranked(self) -> list[int]:
+        """Non-root nodes, best first, every node after its parent (scores made non-increasing
+        along paths, ties broken by depth then insertion order)."""
+        capped = list(self.scores)
+        depth = [0] * len(self.tokens)
+        for i in range(1, len(self.tokens)):  # parents precede children
+            capped[i] = min(capped[i], capped[self.parents[i]])
+            depth[i] = depth[self.parents[i]] + 1
+        order = sorted(range(1, len(self.tokens)), key=lambda i: (-capped[i], depth[i], i))
+        self.capped = capped
+        return order
+
+    def to_draft(self, root: torch.Tensor, keep: list[int]) -> Draft:
+        """The Draft of the root plus the nodes ``keep`` (closed under parents), in BFS order.
+        root: LongTensor [1, 1] (the last committed token)."""
+        depth = {0: 0}
+        for i in sorted(keep):
+            depth[i] = depth[self.parents[i]] + 1
+        ordered = [0] + sorted(keep, key=lambda i: (depth[i], i))
+        self.order = ordered  # trie node of each draft node
+        index = {node: k for k, node in enumerate(ordered)}
+        parents = [-1] + [index[self.parents[i]] for i in ordered[1:]]
+        tokens = torch.cat([root, root.new_tensor([[self.tokens[i] for i in ordered[1:]]])], dim=1)
+        return Draft(tokens=tokens, tree=TokenTree.from_parents(parents), q_probs=None)
+
+
+@dataclass
+class TreeBudget:
+    """Chooses how many of a trie's ranked nodes to verify, from their acceptance estimates.
+
+    calibration: accepted tokens per unit of predicted score, estimated with exponential
+    forgetting (``decay`` per drafted step, ``idle_decay`` per plain step, so a drafter that
+    stopped drafts again once its prior returns) and a prior of ``prior_weight`` steps at 1.
+    """
+
+    cost: AdaptiveDraftLength = None
+    decay: float = 0.9
+    idle_decay: float = 0.98
+    prior_weight: float = 2.0
+    accepted: float = 0.0
+    predicted: float = 0.0
+    last_predicted: float = 0.0
+    last_nodes: int = 0
+
+    def __post_init__(self):
+        if self.cost is None:
+            self.cost = AdaptiveDraftLength()
+
+    @property
+    def calibration(self) -> float:
+        return (self.accepted + self.prior_weight) / (self.predicted + self.prior_weight)
+
+    def choose(self, trie: DraftTrie, max_nodes: int, extra_rows: int = 0) -> list[int]:
+        """The nodes to draft (best first; empty = a plain step). extra_rows: rows the forward
+        carries besides the chosen nodes whenever it drafts (aux rows), counted in its cost."""
+        self.last_predicted, self.last_nodes = 0.0, 0
+        if len(trie) <= 1 or max_nodes <= 0:
+            return []
+        order = trie.ranked()[:max_nodes]
+        c = self.calibration
+        best_n, best_rate, expected = 0, 1.0, 1.0
+        for n, node in enumerate(order, start=1):
+            expected += c * trie.capped[node]
+            rate = expected / self.cost.cost(n + extra_rows)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        keep = order[:best_n]
+        self.last_predicted = sum(trie.capped[i] for i in keep)
+        self.last_nodes = best_n
+        return keep
+
+    def update(self, accepted_len: int) -> None:
+        """After a step: the drafted tokens that were accepted (0 after a plain step)."""
+        if self.last_nodes == 0:
+            self.accepted *= self.idle_decay
+            self.predicted *= self.idle_decay
+            return
+        self.accepted = self.decay * self.accepted + accepted_len
+        self.predicted = self.decay * self.predicted + self.last_predicted
+
+    def reset(self) -> None:
+        self.accepted = self.predicted = 0.0
