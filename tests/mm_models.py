@@ -335,3 +335,151 @@ def _qwen_video_patches(frames: torch.Tensor, patch: int) -> tuple[torch.Tensor,
     x = frames.reshape(t, QWEN_TEMPORAL, channels, h // m, m, patch, w // m, m, patch)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return x.reshape(t * h * w, channels * QWEN_TEMPORAL * patch * patch), [t, h, w]
+
+
+# ----------------------------------------------------------------------------------- placeholder-token VLMs
+# Every other vision-language family transformers ships whose images (and videos) become runs of a
+# placeholder token: built generically from the config class's defaults (text and vision parts shrunk,
+# special ids moved into a small vocabulary), with per-family settings only where the defaults cannot
+# be shrunk that way. Inputs are built without the families' processors (many need hub tokenizers):
+# random pixels of the tower's size, and each image's placeholder run sized by the model's own
+# get_image_features, which is what its processor would have expanded.
+PLACEHOLDER_VOCAB = 512
+PLACEHOLDER_SIDE, PLACEHOLDER_PATCH = 28, 7  # 4x4 patches per image
+PLACEHOLDER_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=32, initializer_range=INIT_RANGE, vocab_size=PLACEHOLDER_VOCAB)
+PLACEHOLDER_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          image_size=PLACEHOLDER_SIDE, patch_size=PLACEHOLDER_PATCH, initializer_range=INIT_RANGE)
+# model_type -> (model class, top-level config overrides, text overrides, vision overrides, takes video)
+PLACEHOLDER_FAMILIES = {
+    # tied embeddings scaled by sqrt(hidden) make a tiny random Gemma repeat its last token: untied
+    "gemma3": ("Gemma3ForConditionalGeneration", dict(mm_tokens_per_image=4, tie_word_embeddings=False),
+               dict(tie_word_embeddings=False), {}, False),
+    "paligemma": ("PaliGemmaForConditionalGeneration", dict(projection_dim=64), {}, {}, False),
+    "mistral3": ("Mistral3ForConditionalGeneration", {}, {}, dict(head_dim=16), False),
+    "idefics3": ("Idefics3ForConditionalGeneration", {}, {}, {}, False),
+    "smolvlm": ("SmolVLMForConditionalGeneration", {}, {}, {}, False),
+    "internvl": ("InternVLForConditionalGeneration", {}, {},
+                 dict(image_size=[PLACEHOLDER_SIDE] * 2, patch_size=[PLACEHOLDER_PATCH] * 2), False),
+    "llama4": ("Llama4ForConditionalGeneration", {},
+               dict(intermediate_size_mlp=128, num_local_experts=2, interleave_moe_layer_step=1, no_rope_layers=[1, 0],
+                    attention_chunk_size=64),
+               dict(vision_output_dim=32, projector_input_dim=32, projector_output_dim=32, intermediate_size=128), False),
+    "aya_vision": ("AyaVisionForConditionalGeneration", dict(alignment_intermediate_size=64), {}, {}, False),
+    "cohere2_vision": ("Cohere2VisionForConditionalGeneration", dict(alignment_intermediate_size=64), {}, {}, False),
+    "vipllava": ("VipLlavaForConditionalGeneration", dict(vision_feature_layers=[-2, -1]), {}, {}, False),
+    "llava_next_video": ("LlavaNextVideoForConditionalGeneration",
+                         dict(image_grid_pinpoints=[[PLACEHOLDER_SIDE, PLACEHOLDER_SIDE]]), {}, {}, True),
+    "video_llava": ("VideoLlavaForConditionalGeneration", {}, {}, {}, True),
+}
+PLACEHOLDER_KINDS = tuple(PLACEHOLDER_FAMILIES)
+
+
+def _shrunk_layers(part: dict, layers: int = 2) -> dict:
+    """part with num_hidden_layers = layers; per-layer lists keep one layer of each type (first and last)."""
+    old = part.get("num_hidden_layers")
+    part["num_hidden_layers"] = layers
+    for key, value in list(part.items()):
+        if isinstance(value, list) and isinstance(old, int) and len(value) == old and old > layers:
+            part[key] = [value[0]] * (layers - 1) + [value[-1]]
+    return part
+
+
+def tiny_placeholder_vlm(kind: str, seed: int = 0):
+    """A tiny random fp32 model of kind in PLACEHOLDER_KINDS (eval mode, greedy runs to max_new_tokens)."""
+    import transformers
+
+    cls_name, top, text_over, vision_over, _ = PLACEHOLDER_FAMILIES[kind]
+    model_cls = getattr(transformers, cls_name)
+    config = model_cls.config_class().to_dict()
+    next_id = iter(range(PLACEHOLDER_VOCAB - 1, 0, -1))
+    parts = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+    for part in parts:  # special ids into the small vocabulary, distinct, from the top down
+        for key, value in list(part.items()):
+            if ("token_id" in key or "token_index" in key) and isinstance(value, int) and not isinstance(value, bool) \
+                    and value >= PLACEHOLDER_VOCAB:
+                part[key] = next(next_id)
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        _shrunk_layers(text).update(PLACEHOLDER_TEXT, **text_over)
+    vision = config.get("vision_config")
+    if isinstance(vision, dict):
+        vision.update({k: v for k, v in PLACEHOLDER_VISION.items() if k in vision or k == "initializer_range"},
+                      **vision_over)
+    config.update(top)
+    if "vocab_size" in config:
+        config["vocab_size"] = PLACEHOLDER_VOCAB
+    config["initializer_range"] = INIT_RANGE
+    torch.manual_seed(seed)
+    model = model_cls(model_cls.config_class.from_dict(config)).eval()
+    with torch.no_grad():  # random logits are near-uniform: sharpen them so greedy has no near-ties
+        model.get_output_embeddings().weight.mul_(4.0)
+    model.generation_config.eos_token_id = None  # random models: run to max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _feature_rows(features) -> int:
+    """Rows of what get_image_features / get_video_features return (a tensor, a list of them, or an
+    output whose pooler_output holds them)."""
+    for field in ("pooler_output", "last_hidden_state"):  # Llama 4 projects last_hidden_state in its forward
+        if getattr(features, field, None) is not None:
+            features = getattr(features, field)
+            break
+    if isinstance(features, (list, tuple)):
+        return sum(_feature_rows(f) for f in features)
+    return features.reshape(-1, features.shape[-1]).shape[0]
+
+
+def _placeholder_media(kind: str, model, count: int, video: bool, seed: int) -> tuple[dict, list[int]]:
+    """(forward kwargs of ``count`` random images or one 4-frame video, placeholder tokens per item)."""
+    g = torch.Generator().manual_seed(seed)
+    side = PLACEHOLDER_SIDE
+    inner = model.model if hasattr(model, "model") and hasattr(model.model, "get_image_features") else model
+    if video:
+        frames = torch.randn(1, 4, 3, side, side, generator=g)
+        with torch.no_grad():
+            rows = _feature_rows(inner.get_video_features(pixel_values_videos=frames))
+        return dict(pixel_values_videos=frames), [rows]
+    if kind in ("idefics3", "smolvlm"):
+        pixels = torch.randn(1, count, 3, side, side, generator=g)  # [B, images, 3, H, W]
+        with torch.no_grad():
+            rows = _feature_rows(inner.get_image_features(pixel_values=pixels))
+        return dict(pixel_values=pixels), [rows // count] * count
+    pixels = torch.randn(count, 3, side, side, generator=g)
+    extra = {}
+    if kind == "mistral3":
+        extra["image_sizes"] = torch.tensor([[side, side]] * count)
+    if kind == "llava_next_video":
+        pixels = pixels[:, None].expand(-1, 2, -1, -1, -1)  # [images, base + 1 anyres tile, 3, H, W]
+        extra["image_sizes"] = torch.tensor([[side, side]] * count)
+    with torch.no_grad():
+        rows = _feature_rows(inner.get_image_features(pixel_values=pixels, **extra))
+    key = "pixel_values_images" if kind == "video_llava" else "pixel_values"
+    return {key: pixels, **extra}, [rows // count] * count
+
+
+def placeholder_inputs(kind: str, model, images: int = 0, video: bool = False, seed: int = 0) -> dict:
+    """input_ids [1, T] (text, then one placeholder run per image / video separated by text, then a
+    question that repeats some text so prompt lookup finds matches), attention_mask and the media."""
+    from flashmm.targets.generic_vlm import placeholder_ids
+
+    ids = placeholder_ids(model.config)
+    g = torch.Generator().manual_seed(100 + seed)
+    text = lambda n: torch.randint(3, 400, (n,), generator=g).tolist()  # noqa: E731 (ids below every special id)
+    pieces, media = text(3), {}
+    if images:
+        image_media, runs = _placeholder_media(kind, model, images, False, seed)
+        media.update(image_media)
+        for run in runs:
+            pieces += [ids["image"]] * run + text(2)
+    if video:
+        video_media, runs = _placeholder_media(kind, model, 1, True, seed + 1)
+        media.update(video_media)
+        pieces += [ids["video"]] * runs[0] + text(2)
+    question = text(6)
+    pieces += question + text(2) + question[:4]
+    input_ids = torch.tensor([pieces])
+    if kind in ("gemma3", "paligemma"):  # the processors' token_type_ids: 1 at image tokens (Gemma 3), 0 in the prefix (PaliGemma)
+        media["token_type_ids"] = (input_ids == ids["image"]).long() if kind == "gemma3" else torch.zeros_like(input_ids)
+    return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **media)

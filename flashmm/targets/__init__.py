@@ -35,4 +35,5 @@ def make_target(model: torch.nn.Module, processor=None, attention: str = "auto",
 __all__ = ["Target", "TargetOutput", "CausalLMTarget", "UnsupportedModel", "make_target", "register_adapter"]
 
 # Multimodal families register themselves (import after register_adapter exists).
-from . import llava, qwen_vl  # noqa: E402,F401
+from . import llava, qwen_vl  # noqa: E402,F401  (family adapters first: first match wins)
+from . import generic_vlm  # noqa: E402,F401  (every other placeholder-token VLM)

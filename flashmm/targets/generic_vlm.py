@@ -1,0 +1,250 @@
+"""One adapter for every vision-language model whose images and videos become runs of a
+placeholder token: no per-family code.
+
+What it relies on is what transformers' ``*ForConditionalGeneration`` VLMs share:
+
+- the config names the placeholder ids (``image_token_id`` / ``image_token_index``,
+  ``video_token_id`` / ``video_token_index``);
+- the model's forward embeds the prompt, writes the vision features over the placeholder
+  embeddings (one feature per placeholder token) and hands the result to its language model
+  (``get_decoder()``) as ``inputs_embeds``; the model checks itself that features and placeholders
+  have the same count (``get_placeholder_mask``);
+- after the prompt every token is text, so tree steps are CausalLMTarget's.
+
+``PlaceholderVLMTarget`` serves the families with 1-D positions (Gemma 3, PaliGemma, Mistral 3 /
+Pixtral, Idefics2/3, SmolVLM, InternVL, Llama 4, Aya Vision, LLaVA-NeXT-Video, Video-LLaVA,
+VipLLaVA, Cohere2-Vision, ...). Positions are what ``generate`` gives (``prepare_inputs_for_generation``
+may shift them: PaliGemma's are 1-based). ``RopeIndexVLMTarget`` serves multimodal-RoPE families
+(GLM-4V, ERNIE-4.5-VL, PaddleOCR-VL, ...) through the model's own ``get_rope_index``, called
+as ``generate`` calls it. Models whose images enter through cross-attention layers (Mllama) are
+served for text only: media are refused with the reason.
+
+Checks: before the forward, placeholders without media (or media without placeholders) raise
+MediaMismatchError; the per-item count is the model's own check (rephrased); after the prefill,
+every placeholder must have been overwritten by a vision feature (a model that leaves some as
+token embeddings, e.g. fewer features than placeholders merged silently, is an error too).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..tree import TokenTree
+from . import register_adapter
+from .base import TargetOutput
+from .support import UnsupportedModel, architecture, generate_position_ids, takes_position_ids
+from .visual import VisualTarget, _config_id
+
+# forward arguments that carry media, by placeholder kind (Video-LLaVA names its images pixel_values_images)
+MEDIA_KEYS = {"image": ("pixel_values", "pixel_values_images", "image_embeds"),
+              "video": ("pixel_values_videos", "video_embeds")}
+
+
+def placeholder_ids(config) -> dict[str, int]:
+    """{"image": id, "video": id} of the placeholders ``config`` names (kinds it lacks are left out)."""
+    ids = {"image": _config_id(config, "image_token_id", "image_token_index"),
+           "video": _config_id(config, "video_token_id", "video_token_index")}
+    return {kind: token for kind, token in ids.items() if token is not None}
+
+
+def rope_index_owner(model: torch.nn.Module):
+    """The module whose ``get_rope_index`` generate uses (``model.model`` or the model), or None."""
+    for owner in (getattr(model, "model", None), model):
+        if owner is not None and callable(getattr(owner, "get_rope_index", None)):
+            return owner
+    return None
+
+
+def cross_attention_decoder(model: torch.nn.Module) -> bool:
+    """Whether the language model takes vision states through cross-attention (Mllama), not placeholders."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None:
+        return False
+    params = inspect.signature(decoder.forward).parameters
+    return "cross_attention_states" in params or "encoder_hidden_states" in params
+
+
+def is_placeholder_vlm(model: torch.nn.Module) -> bool:
+    """Adapter predicate: a model whose config names a placeholder id and whose forward takes media."""
+    if not placeholder_ids(model.config):
+        return False
+    params = inspect.signature(model.forward).parameters
+    return any(key in params for keys in MEDIA_KEYS.values() for key in keys)
+
+
+def generate_position_offset(model: torch.nn.Module) -> int:
+    """How far ``prepare_inputs_for_generation`` shifts the positions generate computed (PaliGemma: +1;
+    most models: 0)."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    if not takes_position_ids(model) or not hasattr(model, "prepare_inputs_for_generation"):
+        return 0
+    ids = torch.tensor([[1, 2]], device=model.get_output_embeddings().weight.device)
+    positions = torch.arange(2, device=ids.device)[None]
+    try:
+        prepared = model.prepare_inputs_for_generation(ids, position_ids=positions, attention_mask=torch.ones_like(ids),
+                                                       past_key_values=DynamicCache(), use_cache=True)
+    except Exception:  # noqa: BLE001 (a model that cannot say: generate's own positions, checked by self_check)
+        return 0
+    shifted = prepared.get("position_ids")
+    if not torch.is_tensor(shifted) or shifted.shape != positions.shape:
+        return 0
+    offset = shifted - positions
+    if not bool((offset == offset.flatten()[0]).all()):
+        return 0
+    return int(offset.flatten()[0])
+
+
+@register_adapter(lambda model: is_placeholder_vlm(model) and rope_index_owner(model) is None)
+class PlaceholderVLMTarget(VisualTarget):
+    """Any VLM with 1-D positions whose media fill runs of placeholder tokens (see the module
+    docstring); a model with a cross-attention language model decodes text only."""
+
+    def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
+        self.placeholders = placeholder_ids(model.config)
+        self.cross_attention = cross_attention_decoder(model)
+        self.position_offset = generate_position_offset(model)
+        super().__init__(model, processor=processor, attention=attention, linear=linear)
+
+    # ------------------------------------------------------------------ checks
+    def check_media(self, input_ids: torch.Tensor, model_inputs: dict) -> None:
+        """Placeholders of each kind need media of that kind and the other way round; the count per
+        image is left to the model's own check (and the fill check after the prefill)."""
+        given = {kind: [k for k in keys if model_inputs.get(k) is not None] for kind, keys in MEDIA_KEYS.items()}
+        if self.cross_attention and (given["image"] or given["video"]):
+            raise UnsupportedModel(
+                f"flashmm cannot decode {architecture(self.model)} with images: its images enter the language model "
+                "through cross-attention layers, not placeholder tokens, and flashmm's tree steps do not carry the "
+                "cross-attention mask; run it with model.generate (text-only prompts are served)")
+        if "image" in given and "video" not in self.placeholders:
+            given["image"] += given.pop("video")  # a model that marks video frames with its image token
+        for kind, token in self.placeholders.items():
+            count = int((input_ids == token).sum())
+            what = f"{kind} placeholders and {kind}s differ"
+            if count and not given.get(kind):
+                raise self._media_error(what, f"the prompt has {count} {kind} tokens (id {token}) but none of "
+                                        f"{', '.join(MEDIA_KEYS[kind])} was given")
+            if given.get(kind) and not count:
+                raise self._media_error(what, f"{given[kind][0]} was given but the prompt has no {kind} tokens "
+                                        f"(id {token})")
+
+    def check_filled(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> None:
+        """input_ids [B, T], embeds [B, T, d] (what the language model got): every placeholder must carry
+        a vision feature, not its own token embedding."""
+        mask = self.visual_token_mask(input_ids)
+        if not bool(mask.any()):
+            return
+        plain = self.input_embeddings()(input_ids[mask])  # [M, d]
+        unfilled = int((embeds[mask] == plain.to(embeds.dtype)).all(-1).sum())
+        if unfilled:
+            raise self._media_error("visual placeholders and media differ",
+                                    f"{unfilled} of {int(mask.sum())} placeholder tokens reached the language model "
+                                    "without a vision feature (fewer features than placeholders)")
+
+    # ------------------------------------------------------------------ positions
+    def model_kwargs(self, input_ids, attention_mask, model_inputs: dict) -> dict:
+        """Media + the position_ids generate gives the prompt (shifted as the model's
+        prepare_inputs_for_generation shifts them)."""
+        kwargs = dict(model_inputs)
+        if "position_ids" not in kwargs:
+            positions = generate_position_ids(self.model, input_ids, attention_mask).get("position_ids")
+            if positions is not None:
+                kwargs["position_ids"] = positions + self.position_offset
+        return kwargs
+
+    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int) -> torch.Tensor:
+        """LongTensor [B, N]: prefix_len + depth (+ the model's generate offset)."""
+        return super().tree_position_ids(tree, prefix_len, batch_size) + self.position_offset
+
+    @property
+    def explicit_chain_positions(self) -> bool:  # a shifted position scheme is never left to the model
+        return self.position_offset != 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+        """As VisualTarget's, and the embeddings the language model got are checked for unfilled
+        placeholders (captured anyway: one [1, T, d] copy)."""
+        self.check_media(input_ids, model_inputs)
+        captured = []
+        kwargs = self.model_kwargs(input_ids, attention_mask, model_inputs)
+        self.start_sequence()
+        self._prompt_cache = None
+        try:
+            with self._language_model_input(captured.append):
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self._cache,
+                                 use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1, **kwargs)
+        except ValueError as err:
+            if "tokens do not match" in str(err):
+                raise self._media_error("visual placeholders and media differ",
+                                        f"the model's own count check failed ({err})") from err
+            raise
+        if captured:
+            self.check_filled(input_ids, captured[0])
+            self._prompt_cache = (input_ids, captured[0])
+        hidden = out.hidden_states[-1] if want_hidden else None
+        return TargetOutput(out.logits[:, -1:], hidden)
+
+
+@register_adapter(lambda model: is_placeholder_vlm(model) and rope_index_owner(model) is not None)
+class RopeIndexVLMTarget(PlaceholderVLMTarget):
+    """Multimodal-RoPE VLMs beyond Qwen-VL (GLM-4V, ERNIE-4.5-VL, PaddleOCR-VL, Qwen3.5, ...): the
+    prompt's positions [R, B, T] and ``rope_delta`` [B, 1] come from the model's own
+    ``get_rope_index``, called with the processor's tensors exactly as ``generate`` calls it (the
+    model's cached ``rope_deltas`` are neither read nor written); after the prompt every token is
+    text at ``cache index + rope_delta`` in every row, as in QwenVLTarget."""
+
+    explicit_chain_positions = True
+
+    def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
+        self._rope_delta: torch.Tensor | None = None  # LongTensor [B, 1] of the current sequence
+        self._rope_rows = 3
+        super().__init__(model, processor=processor, attention=attention, linear=linear)
+        self.position_offset = 0
+
+    def prompt_position_ids(self, input_ids: torch.Tensor, attention_mask, model_inputs: dict):
+        """(position_ids LongTensor [R, B, T], rope_delta LongTensor [B, 1]) of the prompt: text
+        positions in every row without media (as generate), else ``get_rope_index``."""
+        has_media = any(model_inputs.get(k) is not None for k in ("image_grid_thw", "video_grid_thw"))
+        if not has_media:
+            text = generate_position_ids(self.model, input_ids, attention_mask).get("position_ids")
+            text = torch.arange(input_ids.shape[1], device=input_ids.device)[None] if text is None else text
+            delta = torch.zeros(input_ids.shape[0], 1, dtype=torch.long, device=input_ids.device)
+            return text.expand(input_ids.shape[0], -1)[None].expand(self._rope_rows, -1, -1), delta
+        if model_inputs.get("mm_token_type_ids") is None and "mm_token_type_ids" in self._rope_index_params():
+            raise ValueError(f"{type(self.model).__name__} needs mm_token_type_ids to place its images (multimodal "
+                             "RoPE): pass every tensor its processor returned, mm_token_type_ids included")
+        kwargs = {k: v for k, v in model_inputs.items() if k != "position_ids"}
+        params = self._rope_index_params()
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        owner = rope_index_owner(self.model)
+        return owner.get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)
+
+    def _rope_index_params(self):
+        return inspect.signature(rope_index_owner(self.model).get_rope_index).parameters
+
+    def model_kwargs(self, input_ids, attention_mask, model_inputs: dict) -> dict:
+        kwargs = dict(model_inputs)
+        if "position_ids" not in kwargs:
+            kwargs["position_ids"] = self.prompt_position_ids(input_ids, attention_mask, model_inputs)[0]
+        return kwargs
+
+    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int) -> torch.Tensor:
+        """LongTensor [R, B, N]: prefix_len + rope_delta + depth, equal in every row."""
+        base = tree.positions(prefix_len).to(self.device)[None]  # [1, N]
+        delta = self._rope_delta if self._rope_delta is not None else torch.zeros(1, 1, dtype=torch.long)
+        positions = base + delta.to(self.device)  # [B, N]
+        return positions[None].expand(self._rope_rows, batch_size, -1)
+
+    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+        """input_ids [1, T]; any position_ids given are replaced by the model's own rope index."""
+        model_inputs.pop("position_ids", None)
+        self.check_media(input_ids, model_inputs)
+        positions, delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
+        self._rope_rows, self._rope_delta = positions.shape[0], delta.reshape(-1, 1)
+        return super().prefill(input_ids, attention_mask, want_hidden, position_ids=positions, **model_inputs)
+
+    def release(self) -> None:
+        super().release()
+        self._rope_delta = None
