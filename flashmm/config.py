@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .sampling import SamplingParams  # noqa: F401 (re-exported: flashmm.config.SamplingParams)
 
-VERIFIERS = ("auto", "greedy", "chain", "tree", "typical_lossy")
+VERIFIERS = ("auto", "greedy", "chain", "tree", "typical_lossy", "rsd", "block", "traversal", "spectr")
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,10 @@ class SpecConfig:
 
     verifier: "auto" (greedy when not sampling, else tree multi-round, which equals chain
       rejection sampling on a chain), "greedy", "chain", "tree", or "typical_lossy"
-      (Medusa typical acceptance: NOT lossless; output distribution differs from the target).
+      (Medusa typical acceptance: NOT lossless; output distribution differs from the target);
+      exact rules that need a matching drafting scheme (flashmm.verify.schemes): "rsd" (siblings
+      drawn without replacement), "block" (chains), "traversal" (trees without replacement, chains),
+      "spectr" (k i.i.d. chains).
     max_draft_tokens: upper bound on drafted tokens (tree nodes excluding the root) per step.
     batching: "auto" verifies every row of a batch in one target forward per step (text causal
       LMs; other targets decode rows one after another); "rows" always decodes one row after another.

@@ -1,6 +1,7 @@
 """Verifiers: pure functions of (draft tokens, tree, target scores, draft probs, randomness).
 
-Lossless: verify_greedy (greedy decoding), verify_chain, verify_tree (sampling).
+Lossless: verify_greedy (greedy decoding), verify_chain, verify_tree, verify_rsd, verify_block,
+verify_traversal, verify_spectr (sampling; each assumes a drafting scheme, see .schemes).
 Lossy (named so): verify_typical_lossy.
 The engine calls only ``select_verifier(...)``'s uniform callable.
 """
@@ -14,13 +15,19 @@ from ..config import VERIFIERS, SamplingParams, SpecConfig
 from ..sampling import probs_from_logits
 from ..tree import TokenTree
 from .base import VerifyResult
+from .block import verify_block
 from .greedy import verify_greedy
 from .rejection import draw_uniforms, sample_inverse_cdf, verify_chain, verify_tree
+from .rsd import verify_rsd
+from .schemes import COMPATIBLE_SCHEMES, DRAFTING_SCHEMES, check_drafting_scheme
+from .spectr import verify_spectr
+from .traversal import verify_traversal
 from .typical import verify_typical_lossy
 
 __all__ = [
     "VerifyResult", "Verifier", "select_verifier", "verify_greedy", "verify_chain", "verify_tree",
-    "verify_typical_lossy", "draw_uniforms", "sample_inverse_cdf",
+    "verify_typical_lossy", "draw_uniforms", "sample_inverse_cdf", "verify_rsd", "verify_block",
+    "verify_traversal", "verify_spectr", "DRAFTING_SCHEMES", "COMPATIBLE_SCHEMES", "check_drafting_scheme",
 ]
 
 # f(tokens [B, N], tree, target_logits [B, N, V], q_probs [B, N, V] | None, sampling,
@@ -52,6 +59,27 @@ def _typical_lossy(tokens, tree, target_logits, q_probs, sampling, generator, co
                                 epsilon=config.typical_epsilon, delta=config.typical_delta)
 
 
+def _rsd(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    return verify_rsd(tokens, tree, probs_from_logits(target_logits, sampling), q_probs, generator)
+
+
+def _block(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    return verify_block(tokens, tree, probs_from_logits(target_logits, sampling), q_probs, generator)
+
+
+def _traversal(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    return verify_traversal(tokens, tree, probs_from_logits(target_logits, sampling), q_probs, generator)
+
+
+def _traversal_iid(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    return verify_traversal(tokens, tree, probs_from_logits(target_logits, sampling), q_probs, generator,
+                            siblings="iid")
+
+
+def _spectr(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
+    return verify_spectr(tokens, tree, probs_from_logits(target_logits, sampling), q_probs, generator)
+
+
 def _greedy_kernel(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
     from ..kernels import verify_tree_greedy  # noqa: PLC0415 (triton loads on first use)
 
@@ -65,7 +93,7 @@ def _tree_kernel(tokens, tree, target_logits, q_probs, sampling, generator, conf
 
 
 def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None,
-                    backend: str = "torch") -> Verifier:
+                    backend: str = "torch", drafting_scheme: str | None = None) -> Verifier:
     """Map SpecConfig.verifier to a callable with the uniform signature
 
         f(tokens [B, N], tree, target_logits [B, N, V], q_probs [B, N, V] or None,
@@ -78,17 +106,26 @@ def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None,
              is the same rule draw for draw).
     "chain", "tree", "typical_lossy": as named when sampling; with do_sample=False every
              verifier is greedy verification (the exact rule for greedy decoding).
+    "rsd":   recursive rejection sampling, siblings drawn without replacement (RSD-C / RSD-S).
+    "block": block verification of a chain (Sun et al. 2025): never fewer accepted tokens than
+             token-level in expectation.
+    "traversal": leaf-to-root traversal verification of trees drawn without replacement (or
+             i.i.d. when drafting_scheme="iid"); block verification on chains.
+    "spectr": SpecTr K-SEQ over k i.i.d. draft chains.
     "greedy": greedy; with do_sample=True this raises ValueError (it would emit argmax tokens,
              not samples of the target).
     tree (optional): when given, checked now ("chain" needs a chain); otherwise verify_chain
              raises at call time on a non-chain tree.
     backend: "triton" runs greedy and tree verification as one Triton program per sequence
              (flashmm.kernels; same results, same random-draw contract), "torch" the functions here.
+    drafting_scheme: how the drafter draws when sampling (flashmm.verify.schemes); a verifier
+             that is not exact for it raises ValueError here, before any forward.
     """
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; choose one of {VERIFIERS}")
     if not do_sample:
         return _greedy_kernel if backend == "triton" else _greedy
+    check_drafting_scheme(name, drafting_scheme)
     if name == "greedy":
         raise ValueError("verifier='greedy' cannot verify sampled decoding (do_sample=True); "
                          "use 'auto', 'tree' or 'chain'")
@@ -96,5 +133,7 @@ def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None,
         raise ValueError("verifier='chain' needs a chain-shaped draft; use 'tree' or 'auto' for trees")
     if backend == "triton" and name in ("auto", "tree"):
         return _tree_kernel
-    return {"auto": _auto_sampling, "chain": _chain, "tree": _tree,
-            "typical_lossy": _typical_lossy}[name]
+    if name == "traversal" and drafting_scheme == "iid":
+        return _traversal_iid
+    return {"auto": _auto_sampling, "chain": _chain, "tree": _tree, "typical_lossy": _typical_lossy,
+            "rsd": _rsd, "block": _block, "traversal": _traversal, "spectr": _spectr}[name]
