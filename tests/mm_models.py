@@ -352,9 +352,7 @@ PLACEHOLDER_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layer
                           image_size=PLACEHOLDER_SIDE, patch_size=PLACEHOLDER_PATCH, initializer_range=INIT_RANGE)
 # model_type -> (model class, top-level config overrides, text overrides, vision overrides, takes video)
 PLACEHOLDER_FAMILIES = {
-    # tied embeddings scaled by sqrt(hidden) make a tiny random Gemma repeat its last token: untied
-    "gemma3": ("Gemma3ForConditionalGeneration", dict(mm_tokens_per_image=4, tie_word_embeddings=False),
-               dict(tie_word_embeddings=False), {}, False),
+    "gemma3": ("Gemma3ForConditionalGeneration", dict(mm_tokens_per_image=4), {}, {}, False),
     "paligemma": ("PaliGemmaForConditionalGeneration", dict(projection_dim=64), {}, {}, False),
     "mistral3": ("Mistral3ForConditionalGeneration", {}, {}, dict(head_dim=16), False),
     "idefics3": ("Idefics3ForConditionalGeneration", {}, {}, {}, False),
@@ -407,6 +405,10 @@ def tiny_placeholder_vlm(kind: str, seed: int = 0):
         vision.update({k: v for k, v in PLACEHOLDER_VISION.items() if k in vision or k == "initializer_range"},
                       **vision_over)
     config.update(top)
+    # tied embeddings (scaled by sqrt(hidden) in Gemma) make a tiny random model repeat its last token
+    config["tie_word_embeddings"] = False
+    if isinstance(text, dict):
+        text["tie_word_embeddings"] = False
     if "vocab_size" in config:
         config["vocab_size"] = PLACEHOLDER_VOCAB
     config["initializer_range"] = INIT_RANGE

@@ -1,0 +1,151 @@
+"""Vision-language families served by the generic placeholder adapter (flashmm.targets.generic_vlm):
+Gemma 3, Mistral 3, Idefics3, SmolVLM, InternVL, Llama 4, Aya Vision, Cohere2-Vision, VipLLaVA,
+LLaVA-NeXT-Video and Video-LLaVA, each a tiny random model of the real transformers class.
+
+Per family and case (one image, two images, a video where the family takes video): greedy output
+of FLASH (K = 1 and K = 5) and of prompt lookup equals the model's own ``generate`` token for token
+(fp32), and the visual spans FLASH's ``begin`` is handed are exactly the runs of placeholder tokens,
+found here independently from input_ids. Bad inputs fail with MediaMismatchError before any token.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import flashmm
+from flashmm.drafters.flash import FlashDrafter
+from flashmm.drafters.prompt_lookup import PromptLookup
+from flashmm.targets import UnsupportedModel, make_target
+from flashmm.targets.generic_vlm import PlaceholderVLMTarget
+from flashmm.targets.visual import MediaMismatchError
+
+from mm_models import PLACEHOLDER_FAMILIES, placeholder_inputs, tiny_placeholder_vlm
+
+MAX_NEW = 12
+# PaliGemma is built too, but refused at wrap (see test_paligemma_is_refused_not_wrong)
+KINDS = [k for k in PLACEHOLDER_FAMILIES if k != "paligemma"]
+CASES = {"image": dict(images=1), "two_images": dict(images=2), "video": dict(video=True)}
+KIND_CASES = [(k, c) for k in KINDS for c in CASES if c != "video" or PLACEHOLDER_FAMILIES[k][4]]
+
+
+@functools.lru_cache(maxsize=None)
+def vlm(kind):
+    return tiny_placeholder_vlm(kind)
+
+
+@functools.lru_cache(maxsize=None)
+def case_inputs(kind, case):
+    """(inputs, reference [1, T + MAX_NEW]): the model's own greedy generate."""
+    model = vlm(kind)
+    inputs = placeholder_inputs(kind, model, **CASES[case])
+    with torch.no_grad():
+        reference = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    return inputs, reference
+
+
+def placeholder_runs(input_ids: torch.Tensor, token_ids: list[int]) -> list[tuple[int, int]]:
+    """Half-open runs of the given token ids in input_ids [1, T], by a plain scan (the reference)."""
+    runs, start = [], None
+    row = input_ids[0].tolist()
+    for i, token in enumerate(row + [None]):
+        inside = token in token_ids
+        if inside and start is None:
+            start = i
+        elif not inside and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def config_placeholders(model) -> list[int]:
+    """The placeholder ids straight from the config (not through the adapter)."""
+    config = model.config
+    names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    return sorted({getattr(config, n) for n in names if getattr(config, n, None) is not None})
+
+
+class RecordingFlash(FlashDrafter):
+    """An untrained FLASH drafter that keeps what each ``begin`` was handed."""
+
+    def begin(self, start):
+        self.starts = getattr(self, "starts", []) + [start]
+        super().begin(start)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generic_adapter_serves_the_family(kind):
+    model = vlm(kind)
+    assert isinstance(make_target(model), PlaceholderVLMTarget)
+    _, reference = case_inputs(kind, "image")
+    new = reference[0, -MAX_NEW:].tolist()
+    assert len(set(new)) >= 4  # the tiny model's greedy output varies: exactness below means something
+
+
+@pytest.mark.parametrize("kind,case", KIND_CASES)
+@pytest.mark.parametrize("k", [1, 5])
+def test_flash_exact_and_spans_are_the_placeholders(kind, case, k):
+    model = vlm(kind)
+    inputs, reference = case_inputs(kind, case)
+    drafter = RecordingFlash.from_target(model, num_queries=4, tokens_per_step=k, seed=0)
+    sm = flashmm.wrap(model, drafter)
+    assert torch.equal(sm.generate(**inputs, max_new_tokens=MAX_NEW), reference)
+    assert sm.last_stats.drafted_tokens > 0
+    (start,) = drafter.starts
+    expected = placeholder_runs(inputs["input_ids"], config_placeholders(model))
+    assert expected and [tuple(s) for s in start.visual_spans] == expected
+    assert len(expected) >= (2 if case == "two_images" else 1)
+    # the features FLASH compresses are vision features at the spans, token embeddings elsewhere
+    plain = model.get_input_embeddings()(inputs["input_ids"])
+    visual = torch.zeros_like(inputs["input_ids"][0], dtype=torch.bool)
+    for s, e in expected:
+        visual[s:e] = True
+    assert torch.equal(start.input_embeds[0, ~visual], plain[0, ~visual])
+    assert bool((start.input_embeds[0, visual] - plain[0, visual]).abs().amax(-1).gt(1e-4).all())
+
+
+@pytest.mark.parametrize("kind,case", KIND_CASES)
+def test_prompt_lookup_exact(kind, case):
+    model = vlm(kind)
+    inputs, reference = case_inputs(kind, case)
+    assert torch.equal(flashmm.wrap(model, PromptLookup()).generate(**inputs, max_new_tokens=MAX_NEW), reference)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "idefics3", "video_llava"])
+def test_prompt_features_are_what_the_language_model_consumed(kind):
+    """prompt_features without a prefill (its own vision pass) equals the model's embedding output
+    (hidden_states[0] of its forward)."""
+    model = vlm(kind)
+    inputs, _ = case_inputs(kind, "two_images")
+    media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    embeds, spans = make_target(model).prompt_features(inputs["input_ids"], **media)
+    with torch.no_grad():
+        own = model(**inputs, output_hidden_states=True).hidden_states[0]
+    assert torch.equal(embeds, own)
+    assert spans == placeholder_runs(inputs["input_ids"], config_placeholders(model))
+
+
+@pytest.mark.parametrize("kind", ["mistral3", "llava_next_video"])
+def test_media_and_placeholders_must_agree(kind):
+    model = vlm(kind)
+    inputs, _ = case_inputs(kind, "two_images")
+    sm = flashmm.wrap(model, PromptLookup())
+    ids, media = inputs["input_ids"], {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    image_id = config_placeholders(model)[-1] if kind == "mistral3" else model.config.image_token_index
+    with pytest.raises(MediaMismatchError, match="no .*given|none of"):
+        sm.generate(ids, max_new_tokens=2)  # placeholders, no pixels
+    text_only = ids.masked_fill(ids == image_id, 7)
+    with pytest.raises(MediaMismatchError, match="no image tokens"):
+        sm.generate(text_only, max_new_tokens=2, **media)  # pixels, no placeholders
+    first = int((ids[0] == image_id).nonzero()[0, 0])
+    one_short = torch.cat([ids[:, :first], ids[:, first + 1:]], 1)
+    with pytest.raises(MediaMismatchError, match="count check"):
+        sm.generate(one_short, max_new_tokens=2, **media)  # a placeholder missing
+
+
+def test_paligemma_is_refused_not_wrong():
+    """PaliGemma attends bidirectionally over its prefix (text config use_bidirectional_attention),
+    which wrap's self-check (plain uncached forwards as the reference) reads as a mismatch: refused."""
+    with pytest.raises(UnsupportedModel, match="PaliGemma"):
+        flashmm.wrap(vlm("paligemma"), PromptLookup())
