@@ -89,6 +89,21 @@ OVERRIDES: dict[str, dict] = {
     "dots3_note": dict(num_key_value_heads=4, head_dim=32),
     "dots3_note_text": dict(num_key_value_heads=4, head_dim=32),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # hybrid / recurrent: keep one recurrent and one attention layer, and recurrent sizes that fit hidden_size 64
+    "mamba2": dict(head_dim=32, n_groups=1, state_size=16),
+    "jamba": dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, mamba_dt_rank=8, mamba_d_state=8, use_mamba_kernels=False),
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, num_hidden_layers=2, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, num_hidden_layers=2,
+                             layer_types=["linear_attention", "full_attention"]),
+    "zamba2": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1],
+                   mamba_headdim=16, n_mamba_heads=8, mamba_d_state=16, attention_head_dim=32,
+                   attention_hidden_size=128,
+                   use_mamba_kernels=False),
+    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16, num_key_value_heads=4),
+    "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "lfm2_vl": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "recurrent_gemma": dict(num_hidden_layers=2, block_types=["recurrent", "attention"]),
 }
 
 

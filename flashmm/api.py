@@ -101,9 +101,10 @@ class SpeculativeModel:
                       [r.logits for r in rows] if keep_logits else None)
 
     def batches(self, plan) -> bool:
-        """Whether this call verifies its rows together (text causal LMs, more than one row)."""
+        """Whether this call verifies its rows together (text causal LMs, more than one row). Recurrent
+        and hybrid targets decode row by row: their states are snapshot and restored per sequence."""
         return (plan.batch_size > 1 and self.spec.batching == "auto" and type(self.target) is CausalLMTarget
-                and not plan.model_inputs)
+                and not plan.model_inputs and not self.target.recurrent)
 
 
 def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attention: str = "auto",

@@ -10,9 +10,40 @@ import torch
 from transformers import DynamicCache
 
 
-def new_cache() -> DynamicCache:
-    """An empty cache whose layers keep every row (masks, not eviction, enforce windows)."""
+def new_cache(model: torch.nn.Module | None = None) -> DynamicCache:
+    """An empty cache whose layers keep every row (masks, not eviction, enforce windows); for a
+    recurrent or hybrid ``model``, a RecurrentCache (flashmm.targets.recurrent) that can be rewound."""
+    from .targets.recurrent import RecurrentCache, is_recurrent  # noqa: PLC0415 (targets import this module)
+
+    if model is not None and is_recurrent(model):
+        return RecurrentCache(model.config.get_text_config(decoder=True))
     return DynamicCache()
+
+
+def rewind(cache: DynamicCache, length: int) -> int:
+    """Bring ``cache`` back to its first ``length`` tokens, or the nearest shorter point a recurrent
+    cache can return to; returns the length it holds now (feed the tokens after it)."""
+    if hasattr(cache, "rewind"):
+        return cache.rewind(length)
+    crop(cache, length)
+    return min(length, cache_len(cache))
+
+
+def next_logits(model: torch.nn.Module, cache: DynamicCache, ids: torch.Tensor) -> torch.Tensor:
+    """Run ids [1, n] after ``cache`` and return the logits [1, V] after the last one. A recurrent
+    cache that already holds tokens is fed one token per forward (some mixers, e.g. transformers'
+    Mamba-1, restart their scan on a multi-token forward) and keeps a snapshot after each."""
+    if not hasattr(cache, "rewind"):
+        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    from .targets.recurrent import cache_argument  # noqa: PLC0415
+
+    argument = {cache_argument(model): cache}
+    chunks = [ids] if cache.length == 0 else ids.split(1, dim=1)
+    for chunk in chunks:
+        logits = model(input_ids=chunk, use_cache=True, logits_to_keep=1, **argument).logits[:, -1]
+        cache.counted += chunk.shape[1]
+        cache.history.append(cache.snapshot())
+    return logits
 
 
 def cache_len(cache: DynamicCache) -> int:
@@ -58,9 +89,10 @@ def keep_rows_kernel(cache: DynamicCache, prefix_len: int, path: torch.Tensor) -
 
 
 def crop(cache: DynamicCache, length: int) -> None:
-    """Truncate every layer to its first ``length`` rows."""
+    """Truncate every layer to its first ``length`` rows (layers without rows are left alone)."""
     for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+        if not getattr(layer, "is_initialized", True) or getattr(layer, "keys", None) is None \
+                or layer.keys.numel() == 0:
             continue
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]

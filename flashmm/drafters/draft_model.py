@@ -58,7 +58,7 @@ class DraftModel(Drafter):
         self._target_vocab = target.vocab_size
 
     def begin(self, start) -> None:
-        self._cache, self._cached_ids = kv.new_cache(), []
+        self._cache, self._cached_ids = kv.new_cache(self.model), []
         self.length.reset()
 
     def _logits_after(self, ids: list[int], device) -> torch.Tensor:
@@ -69,12 +69,11 @@ class DraftModel(Drafter):
                 break
             common += 1
         common = min(common, len(ids) - 1)  # always feed at least the last token
-        kv.crop(self._cache, common)
+        common = kv.rewind(self._cache, common)  # a recurrent draft may go back further, to a saved state
         feed = torch.tensor([ids[common:]], device=device)
-        out = self.model(input_ids=feed, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
         self._cached_ids = list(ids)
         # in the target's vocabulary: rows past the shared vocabulary are never drafted
-        logits = out.logits[:, -1, : self._shared_vocab]
+        logits = kv.next_logits(self.model, self._cache, feed)[:, : self._shared_vocab]
         if logits.shape[-1] == self._target_vocab:
             return logits
         full = logits.new_full((1, self._target_vocab), float("-inf"))

@@ -23,10 +23,12 @@ Two layers of checks, both generic (no list of architecture names):
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 
 from ..tree import TokenTree
+from .recurrent import StateOutsideCache, continues_state, recurrent_layer_kinds
 
 
 class UnsupportedModel(ValueError):
@@ -53,16 +55,16 @@ def check_supported(model: torch.nn.Module) -> None:
 def refusal(model: torch.nn.Module) -> str:
     """Why flashmm cannot decode ``model`` ('' when nothing static says so)."""
     text_config = model.config.get_text_config(decoder=True)
-    if getattr(model, "_is_stateful", False):
-        return ("it is stateful (transformers' _is_stateful: a recurrent, state-space, linear-attention, "
-                "convolution or compressed-KV state beside its key/value rows) and a verification forward "
-                "updates that state with every drafted token, so a rejected draft cannot be rolled back out "
-                "of it (speculative decoding of recurrent and hybrid models is not implemented yet)")
+    recurrent_kinds = recurrent_layer_kinds(text_config)
+    if getattr(model, "_is_stateful", False) and not recurrent_kinds:
+        return ("it is stateful (transformers' _is_stateful) but keeps its state outside transformers' conv / "
+                "recurrent cache layers (a recurrence or compressed-KV state of its own), which flashmm cannot "
+                "snapshot and restore to an accepted draft")
     supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
     if callable(supports_cache) and not supports_cache():
         return ("it brings a cache of its own instead of transformers' DynamicCache, which flashmm cannot "
                 "keep or crop to an accepted draft")
-    layers = cache_layer_kinds(text_config)
+    layers = [kind for kind in cache_layer_kinds(text_config) if kind not in recurrent_kinds]
     if layers:
         return (f"the cache its generate builds has {', '.join(layers)} layers, which hold more than one key/value "
                 "row per token (a recurrent or indexer state) that flashmm cannot keep or crop to an accepted draft")
@@ -114,10 +116,39 @@ _TOLERANCE_16BIT = 5e-2
 
 
 def self_check(target) -> None:
-    """Run flashmm's path once (prefill + one branching tree forward) against plain forwards;
-    raise UnsupportedModel when it fails or gives other logits."""
+    """Run flashmm's path once (prefill + one branching tree forward; for recurrent targets also a
+    commit and a chain forward after it) against plain forwards; raise UnsupportedModel when it
+    fails or gives other logits. A recurrent target whose multi-token forward does not continue the
+    state it is given (transformers' Mamba-1 mixers restart the scan from zero) verifies one token
+    per forward (``target.stepwise``), with a warning."""
     model = target.model
-    tokens = _probe_tokens(model, target.vocab_size, 8)
+    tolerance = _TOLERANCE.get(model.dtype, _TOLERANCE_16BIT)
+    if getattr(target, "recurrent", False):
+        tokens = _probe_tokens(model, target.vocab_size, 8)
+        try:
+            with torch.no_grad():
+                state_gap = continues_state(model, tokens, target.cache_argument)
+        except Exception as error:  # noqa: BLE001
+            why = str(error) if isinstance(error, StateOutsideCache) \
+                else f"its cached forward fails ({type(error).__name__}: {error})"
+            raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: {why}{_HOW_TO_RUN}") from error
+        target.stepwise = not state_gap <= tolerance
+        if target.stepwise:
+            warnings.warn(f"{architecture(model)}: its multi-token forward does not continue the recurrent state it "
+                          f"is given (the scan restarts from zero; state gap {state_gap:.2g}), so flashmm verifies "
+                          "drafts one token per forward: exact, but no faster than model.generate", stacklevel=3)
+    gap = _check_gap(target)
+    if not gap <= tolerance:
+        raise UnsupportedModel(
+            f"flashmm cannot decode {architecture(model)}: its logits through flashmm's cache, positions and tree "
+            f"mask differ from its own forward (relative gap {gap:.2g} > {tolerance:g}), so it derives positions or "
+            f"keeps a cache in a way the generic path does not reproduce{_HOW_TO_RUN}")
+
+
+def _check_gap(target) -> float:
+    """Largest relative gap between flashmm's logits and plain uncached forwards of the same text."""
+    model = target.model
+    tokens = _probe_tokens(model, target.vocab_size, 9)
     prompt, tree_tokens = tokens[:, :5], tokens[:, [5, 6, 7, 6]]  # root, child a, child b, a's child
     tree = TokenTree.from_parents([-1, 0, 0, 1])
     try:
@@ -126,19 +157,19 @@ def self_check(target) -> None:
             got = target.forward_tree(tree_tokens, tree, False).logits.float()  # [1, 4, V]
             branch_a = _plain_logits(model, torch.cat([prompt, tree_tokens[:, [0, 1, 3]]], 1))[:, -3:]
             branch_b = _plain_logits(model, torch.cat([prompt, tree_tokens[:, [0, 2]]], 1))[:, -1:]
+            want = torch.cat([branch_a[:, :2], branch_b, branch_a[:, 2:]], 1)  # nodes in tree order
+            if getattr(target, "recurrent", False):  # keep root → a, then a chain (b', c') after it
+                target.commit(torch.tensor([[0, 1]], device=tokens.device))
+                chain = tokens[:, [8, 5]]
+                got = torch.cat([got, target.forward_tree(chain, TokenTree.chain(1), False).logits.float()], 1)
+                text = torch.cat([prompt, tree_tokens[:, [0, 1]], chain], 1)
+                want = torch.cat([want, _plain_logits(model, text)[:, -2:]], 1)
     except Exception as error:  # noqa: BLE001 (a model the generic path cannot run is refused, not crashed)
         raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: its cached tree forward fails "
                                f"({type(error).__name__}: {error}){_HOW_TO_RUN}") from error
     finally:
         target.release()
-    want = torch.cat([branch_a[:, :2], branch_b, branch_a[:, 2:]], 1)  # nodes in tree order
-    gap = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
-    tolerance = _TOLERANCE.get(model.dtype, _TOLERANCE_16BIT)
-    if not gap <= tolerance:
-        raise UnsupportedModel(
-            f"flashmm cannot decode {architecture(model)}: its logits through flashmm's cache, positions and tree "
-            f"mask differ from its own forward (relative gap {gap:.2g} > {tolerance:g}), so it derives positions or "
-            f"keeps a cache in a way the generic path does not reproduce{_HOW_TO_RUN}")
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
 def _plain_logits(model, ids: torch.Tensor) -> torch.Tensor:

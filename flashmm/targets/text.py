@@ -5,6 +5,10 @@ Tree steps pass the model a 4D additive mask (prefix fully visible, tree by ance
 public forward arguments. Sliding-window layers get a mask with the window applied (a dict
 keyed by layer type when a model mixes full and sliding layers, as Gemma 3 does).
 
+Hybrid and recurrent models (conv / SSM / linear-attention layers in their cache) keep their states
+through flashmm.targets.recurrent: snapshot before each verification, replay of the accepted tokens
+on partial acceptance, chains in one forward (trees one branch per forward); PyTorch path only.
+
 With the Triton backend, tree forwards instead pass the packed tree mask to the tree kernel,
 switched on around each tree forward only: the prefill always runs the attention implementation
 the user loaded the model with. A model whose attention the kernel does not compute (soft-capped
@@ -21,6 +25,7 @@ import torch
 from .. import cache as kv
 from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..tree import TokenTree
+from . import recurrent
 from .base import Target, TargetOutput
 from .support import generate_position_ids, takes_position_ids
 
@@ -43,6 +48,13 @@ class CausalLMTarget(Target):
         from ..kernels import resolve_backend  # noqa: PLC0415 (imports no triton)
 
         self.backend = resolve_backend(attention, self.device)
+        # recurrent / hybrid: states kept by flashmm.targets.recurrent (stepwise: set by the self-check)
+        self.recurrent = recurrent.is_recurrent(model)
+        self.stepwise = False
+        self.cache_argument = recurrent.cache_argument(model) if self.recurrent else "past_key_values"
+        self._verification = None
+        if self.recurrent:
+            self.backend = "torch"
         self.linear_backend = resolve_linear_backend(linear, model)
         self._linears = nullcontext()
         # the Triton backend's TreeAttentionSwitch; None where the kernel cannot run this model
@@ -62,6 +74,8 @@ class CausalLMTarget(Target):
     # ------------------------------------------------------------------ lifecycle
     @property
     def cache_len(self) -> int:
+        if self._verification is not None:
+            return self._verification.length
         return 0 if self._cache is None else kv.cache_len(self._cache)
 
     @property
@@ -88,7 +102,11 @@ class CausalLMTarget(Target):
     def start_sequence(self) -> None:
         """A fresh cache; with the oneDNN linear backend, the layers its tree forwards route (see
         flashmm.onednn). The model's attention implementation is left as the user loaded it."""
-        self._cache = kv.new_cache()
+        if self.recurrent:
+            self._cache = recurrent.RecurrentCache(self.model.config.get_text_config(decoder=True))
+            self._verification = recurrent.RecurrentVerification(self._cache, self.stepwise)
+        else:
+            self._cache = kv.new_cache()
         if self.linear_backend == "onednn":
             self._linears = OneDNNLinears(self.model)
 
@@ -107,13 +125,18 @@ class CausalLMTarget(Target):
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
         self.start_sequence()
         model_inputs = {**generate_position_ids(self.model, input_ids, attention_mask), **model_inputs}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self._cache,
-                         use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1, **model_inputs)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                         output_hidden_states=want_hidden, logits_to_keep=1,
+                         **{self.cache_argument: self._cache}, **model_inputs)
+        if self.recurrent:
+            self._cache.counted = input_ids.shape[1]
         hidden = out.hidden_states[-1] if want_hidden else None
         return TargetOutput(out.logits[:, -1:], hidden)
 
     def forward_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
         """tokens [B, N] → logits [B, N, V] (and last-layer hidden [B, N, d])."""
+        if self._verification is not None:
+            return TargetOutput(*self._verification.forward(self._run_chain, tokens, tree, want_hidden))
         prefix_len = self.cache_len
         self._tree_prefix_len = prefix_len
         use_kernel = self.backend == "triton" and self._kernel_fits(tree)
@@ -124,6 +147,20 @@ class CausalLMTarget(Target):
             out = self.model(**args)
         hidden = out.hidden_states[-1] if want_hidden else None
         return TargetOutput(out.logits, hidden)
+
+    def _run_chain(self, tokens: torch.Tensor, want_hidden: bool):
+        """Recurrent targets: tokens [1, n] as a chain at the end of the cache → (logits [1, n, V],
+        last-layer hidden [1, n, d] or None); the cache then holds n more tokens."""
+        prefix_len = self._cache.length
+        # positions only: the model builds its own causal (and sliding-window) masks over the full-length
+        # cache, and its recurrent layers take no 4D mask
+        positions = dict(position_ids=self.tree_position_ids(TokenTree.chain(tokens.shape[1] - 1), prefix_len, 1)) \
+            if takes_position_ids(self.model) else {}
+        with self._linears:
+            out = self.model(input_ids=tokens, use_cache=True, output_hidden_states=want_hidden,
+                             **{self.cache_argument: self._cache}, **positions)
+        self._cache.counted = prefix_len + tokens.shape[1]
+        return out.logits, out.hidden_states[-1] if want_hidden else None
 
     def _kernel_fits(self, tree: TokenTree) -> bool:
         """Whether the kernel can apply this model's sliding window to ``tree`` (it cannot to a
@@ -158,7 +195,9 @@ class CausalLMTarget(Target):
                     position_ids=self.tree_position_ids(tree, prefix_len, batch_size))
 
     def commit(self, path: torch.Tensor) -> None:
-        if self.backend == "triton":
+        if self._verification is not None:
+            self._verification.commit(path)
+        elif self.backend == "triton":
             kv.keep_rows_kernel(self._cache, self._tree_prefix_len, path)
         else:
             kv.keep_rows(self._cache, self._tree_prefix_len, path)
@@ -167,6 +206,7 @@ class CausalLMTarget(Target):
         """Drop the cache (the model's attention implementation is only ever switched inside a
         tree forward, and switched back as it returns or raises)."""
         self._cache = None
+        self._verification = None
 
     # ------------------------------------------------------------------ masks and positions
     def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int) -> torch.Tensor:
