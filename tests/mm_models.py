@@ -369,6 +369,8 @@ PLACEHOLDER_FAMILIES = {
     "llava_next_video": ("LlavaNextVideoForConditionalGeneration",
                          dict(image_grid_pinpoints=[[PLACEHOLDER_SIDE, PLACEHOLDER_SIDE]]), {}, {}, True),
     "video_llava": ("VideoLlavaForConditionalGeneration", {}, {}, {}, True),
+    # images through cross-attention layers, not placeholders: flashmm refuses its images
+    "mllama": ("MllamaForConditionalGeneration", {}, dict(cross_attention_layers=[1]), {}, False),
 }
 PLACEHOLDER_KINDS = tuple(PLACEHOLDER_FAMILIES)
 
@@ -485,3 +487,70 @@ def placeholder_inputs(kind: str, model, images: int = 0, video: bool = False, s
     if kind in ("gemma3", "paligemma"):  # the processors' token_type_ids: 1 at image tokens (Gemma 3), 0 in the prefix (PaliGemma)
         media["token_type_ids"] = (input_ids == ids["image"]).long() if kind == "gemma3" else torch.zeros_like(input_ids)
     return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **media)
+
+
+# ----------------------------------------------------------------------------------- multimodal-RoPE VLMs
+# Qwen-VL-like towers (flattened temporal x spatial patches, image_grid_thw) beyond the Qwen family:
+# served by the generic adapter through the model's own get_rope_index.
+# model_type -> (model class, text overrides, vision overrides)
+ROPE_FAMILIES = {
+    "glm4v": ("Glm4vForConditionalGeneration",
+              dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
+                                        partial_rotary_factor=0.5)),
+              dict(hidden_size=32, depth=2, num_heads=2, patch_size=QWEN_PATCH["qwen2_vl"] // 2, out_hidden_size=64,
+                   intermediate_size=64, image_size=CLIP_SIDE, spatial_merge_size=QWEN_MERGE,
+                   temporal_patch_size=QWEN_TEMPORAL)),
+}
+for _kind, _cls in (("glm_ocr", "GlmOcrForConditionalGeneration"), ("glm46v", "Glm46VForConditionalGeneration"),
+                   ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
+    ROPE_FAMILIES[_kind] = (_cls,) + ROPE_FAMILIES["glm4v"][1:]
+ROPE_KINDS = tuple(ROPE_FAMILIES)
+
+
+def tiny_rope_vlm(kind: str, seed: int = 0):
+    """A tiny random fp32 model of kind in ROPE_KINDS (special ids in a 512-token vocabulary)."""
+    import transformers
+
+    cls_name, text_over, vision_over = ROPE_FAMILIES[kind]
+    model_cls = getattr(transformers, cls_name)
+    config = model_cls.config_class().to_dict()
+    next_id = iter(range(PLACEHOLDER_VOCAB - 1, 0, -1))
+    for part in (config, config["text_config"]):
+        for key, value in list(part.items()):
+            if ("token_id" in key or "token_index" in key) and isinstance(value, int) and not isinstance(value, bool) \
+                    and value >= PLACEHOLDER_VOCAB:
+                part[key] = next(next_id)
+    _shrunk_layers(config["text_config"]).update(PLACEHOLDER_TEXT, tie_word_embeddings=False, **text_over)
+    config["vision_config"].update(initializer_range=INIT_RANGE, **vision_over)
+    config.update(tie_word_embeddings=False, initializer_range=INIT_RANGE)
+    torch.manual_seed(seed)
+    model = model_cls(model_cls.config_class.from_dict(config)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def rope_inputs(kind: str, model, images: int = 1, seed: int = 0) -> dict:
+    """input_ids [1, T] with one placeholder run per image (grid 1 x 4 x 4 patches → 4 tokens),
+    pixel_values in the Qwen patch layout, image_grid_thw and the processor's mm_token_type_ids
+    (1 at image tokens)."""
+    from flashmm.targets.generic_vlm import placeholder_ids
+
+    patch = ROPE_FAMILIES[kind][2]["patch_size"]
+    g = torch.Generator().manual_seed(100 + seed)
+    text = lambda n: torch.randint(3, 400, (n,), generator=g).tolist()  # noqa: E731
+    image_id = placeholder_ids(model.config)["image"]
+    pieces, patches, grids = text(3), [], []
+    for _ in range(images):
+        frame = torch.randn(1, 3, 4 * patch, 4 * patch, generator=g)
+        flat, grid = _qwen_video_patches(frame.expand(QWEN_TEMPORAL, -1, -1, -1), patch)
+        patches.append(flat)
+        grids.append(grid)
+        pieces += [image_id] * (grid[0] * grid[1] * grid[2] // QWEN_MERGE ** 2) + text(2)
+    question = text(6)
+    pieces += question + text(2) + question[:4]
+    input_ids = torch.tensor([pieces])
+    return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=torch.cat(patches),
+                image_grid_thw=torch.tensor(grids), mm_token_type_ids=(input_ids == image_id).int())

@@ -1,6 +1,7 @@
 """Vision-language families served by the generic placeholder adapter (flashmm.targets.generic_vlm):
 Gemma 3, Mistral 3, Idefics3, SmolVLM, InternVL, Llama 4, Aya Vision, Cohere2-Vision, VipLLaVA,
-LLaVA-NeXT-Video and Video-LLaVA, each a tiny random model of the real transformers class.
+LLaVA-NeXT-Video and Video-LLaVA (1-D positions), and GLM-4V / GLM-4V-MoE (multimodal RoPE through
+the model's own get_rope_index), each a tiny random model of the real transformers class.
 
 Per family and case (one image, two images, a video where the family takes video): greedy output
 of FLASH (K = 1 and K = 5) and of prompt lookup equals the model's own ``generate`` token for token
@@ -18,28 +19,34 @@ import flashmm
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.prompt_lookup import PromptLookup
 from flashmm.targets import UnsupportedModel, make_target
-from flashmm.targets.generic_vlm import PlaceholderVLMTarget
+from flashmm.targets.generic_vlm import PlaceholderVLMTarget, RopeIndexVLMTarget
 from flashmm.targets.visual import MediaMismatchError
 
-from mm_models import PLACEHOLDER_FAMILIES, placeholder_inputs, tiny_placeholder_vlm
+from mm_models import (PLACEHOLDER_FAMILIES, placeholder_inputs, rope_inputs, tiny_placeholder_vlm,
+                       tiny_rope_vlm)
 
 MAX_NEW = 12
-# PaliGemma is built too, but refused at wrap (see test_paligemma_is_refused_not_wrong)
-KINDS = [k for k in PLACEHOLDER_FAMILIES if k != "paligemma"]
+# PaliGemma and Mllama are built too, but refused (at wrap / with images): see their tests below
+KINDS = [k for k in PLACEHOLDER_FAMILIES if k not in ("paligemma", "mllama")]
 CASES = {"image": dict(images=1), "two_images": dict(images=2), "video": dict(video=True)}
+ROPE_KINDS = ["glm4v", "glm4v_moe"]
 KIND_CASES = [(k, c) for k in KINDS for c in CASES if c != "video" or PLACEHOLDER_FAMILIES[k][4]]
+KIND_CASES += [(k, c) for k in ROPE_KINDS for c in ("image", "two_images")]
 
 
 @functools.lru_cache(maxsize=None)
 def vlm(kind):
-    return tiny_placeholder_vlm(kind)
+    return tiny_rope_vlm(kind) if kind in ROPE_KINDS else tiny_placeholder_vlm(kind)
 
 
 @functools.lru_cache(maxsize=None)
 def case_inputs(kind, case):
     """(inputs, reference [1, T + MAX_NEW]): the model's own greedy generate."""
     model = vlm(kind)
-    inputs = placeholder_inputs(kind, model, **CASES[case])
+    if kind in ROPE_KINDS:
+        inputs = rope_inputs(kind, model, **CASES[case])
+    else:
+        inputs = placeholder_inputs(kind, model, **CASES[case])
     with torch.no_grad():
         reference = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
     return inputs, reference
@@ -74,10 +81,10 @@ class RecordingFlash(FlashDrafter):
         super().begin(start)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ROPE_KINDS)
 def test_generic_adapter_serves_the_family(kind):
     model = vlm(kind)
-    assert isinstance(make_target(model), PlaceholderVLMTarget)
+    assert type(make_target(model)) is (RopeIndexVLMTarget if kind in ROPE_KINDS else PlaceholderVLMTarget)
     _, reference = case_inputs(kind, "image")
     new = reference[0, -MAX_NEW:].tolist()
     assert len(set(new)) >= 4  # the tiny model's greedy output varies: exactness below means something
@@ -142,6 +149,43 @@ def test_media_and_placeholders_must_agree(kind):
     one_short = torch.cat([ids[:, :first], ids[:, first + 1:]], 1)
     with pytest.raises(MediaMismatchError, match="count check"):
         sm.generate(one_short, max_new_tokens=2, **media)  # a placeholder missing
+
+
+@pytest.mark.parametrize("kind", ROPE_KINDS)
+def test_rope_index_positions_are_the_models_own(kind):
+    """Images compress positions (rope_delta < 0), so tree positions after them are really tested;
+    the prompt's positions are what the model's get_rope_index gives and its cached rope_deltas are
+    left alone."""
+    model = vlm(kind)
+    inputs, _ = case_inputs(kind, "two_images")
+    media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    model.model.rope_deltas = None
+    target = make_target(model)
+    positions, delta = target.prompt_position_ids(inputs["input_ids"], inputs["attention_mask"], media)
+    own, own_delta = model.model.get_rope_index(inputs["input_ids"], attention_mask=inputs["attention_mask"], **media)
+    assert torch.equal(positions, own) and torch.equal(delta, own_delta) and int(delta) < 0
+    target.prefill(inputs["input_ids"], inputs["attention_mask"], False, **media)
+    assert model.model.rope_deltas is None
+    from flashmm.tree import TokenTree
+
+    tree = TokenTree.from_choices([[0], [1], [0, 0]])
+    expected = inputs["input_ids"].shape[1] + int(delta) + tree.depth
+    assert torch.equal(target.tree_position_ids(tree, target.cache_len, 1), expected.view(1, 1, -1).expand(3, 1, -1))
+    target.release()
+
+
+def test_cross_attention_vlm_refuses_images():
+    """Mllama's images enter through cross-attention layers, not placeholders: refused with images
+    (before any forward), served for text."""
+    model = tiny_placeholder_vlm("mllama")
+    sm = flashmm.wrap(model, PromptLookup())
+    ids = torch.tensor([[5, 6, model.config.image_token_index, 7, 8, 9, 5, 6]])
+    with pytest.raises(UnsupportedModel, match="cross-attention"):
+        sm.generate(ids, pixel_values=torch.zeros(1, 1, 1, 3, 28, 28), max_new_tokens=2)
+    text = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    with torch.no_grad():
+        reference = model.generate(text, attention_mask=torch.ones_like(text), max_new_tokens=MAX_NEW, do_sample=False)
+    assert torch.equal(sm.generate(text, max_new_tokens=MAX_NEW), reference)
 
 
 def test_paligemma_is_refused_not_wrong():

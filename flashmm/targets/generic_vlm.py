@@ -37,7 +37,7 @@ from .support import UnsupportedModel, architecture, generate_position_ids, take
 from .visual import VisualTarget, _config_id
 
 # forward arguments that carry media, by placeholder kind (Video-LLaVA names its images pixel_values_images)
-MEDIA_KEYS = {"image": ("pixel_values", "pixel_values_images", "image_embeds"),
+MEDIA_KEYS = {"image": ("pixel_values", "pixel_values_images", "image_patches", "image_embeds"),
               "video": ("pixel_values_videos", "video_embeds")}
 
 
@@ -104,6 +104,8 @@ class PlaceholderVLMTarget(VisualTarget):
     def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
         self.placeholders = placeholder_ids(model.config)
         self.cross_attention = cross_attention_decoder(model)
+        self.merges_embeds = not self.cross_attention
+        self.check_filled_on_prefill = self.merges_embeds  # one [1, T, d] copy per prompt
         self.position_offset = generate_position_offset(model)
         super().__init__(model, processor=processor, attention=attention, linear=linear)
 
@@ -128,6 +130,12 @@ class PlaceholderVLMTarget(VisualTarget):
             if given.get(kind) and not count:
                 raise self._media_error(what, f"{given[kind][0]} was given but the prompt has no {kind} tokens "
                                         f"(id {token})")
+
+    def prompt_features(self, input_ids: torch.Tensor, **model_inputs):
+        """VisualTarget's; a cross-attention model (text only) gives its token embeddings and no spans."""
+        if self.cross_attention:
+            return self.input_embeddings()(input_ids), []
+        return super().prompt_features(input_ids, **model_inputs)
 
     def check_filled(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> None:
         """input_ids [B, T], embeds [B, T, d] (what the language model got): every placeholder must carry
@@ -160,30 +168,6 @@ class PlaceholderVLMTarget(VisualTarget):
     @property
     def explicit_chain_positions(self) -> bool:  # a shifted position scheme is never left to the model
         return self.position_offset != 0
-
-    # ------------------------------------------------------------------ lifecycle
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
-        """As VisualTarget's, and the embeddings the language model got are checked for unfilled
-        placeholders (captured anyway: one [1, T, d] copy)."""
-        self.check_media(input_ids, model_inputs)
-        captured = []
-        kwargs = self.model_kwargs(input_ids, attention_mask, model_inputs)
-        self.start_sequence()
-        self._prompt_cache = None
-        try:
-            with self._language_model_input(captured.append):
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self._cache,
-                                 use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1, **kwargs)
-        except ValueError as err:
-            if "tokens do not match" in str(err):
-                raise self._media_error("visual placeholders and media differ",
-                                        f"the model's own count check failed ({err})") from err
-            raise
-        if captured:
-            self.check_filled(input_ids, captured[0])
-            self._prompt_cache = (input_ids, captured[0])
-        hidden = out.hidden_states[-1] if want_hidden else None
-        return TargetOutput(out.logits[:, -1:], hidden)
 
 
 @register_adapter(lambda model: is_placeholder_vlm(model) and rope_index_owner(model) is not None)

@@ -1,10 +1,11 @@
 """What every vision-language target shares: visual-token masks and spans, prompt features,
 input checks, and processor/model agreement.
 
-A family adapter (llava.py, qwen_vl.py) subclasses ``VisualTarget`` and supplies
-``check_media`` (placeholders vs media, before any forward) and, where positions are not
-1-D, ``prompt_position_ids`` / ``tree_position_ids``. Tree steps after the prefill are pure
-text for every family, so they reuse CausalLMTarget's tree forward.
+An adapter (generic_vlm.py for any placeholder-token VLM; llava.py, qwen_vl.py where a family
+checks more) subclasses ``VisualTarget`` and supplies ``check_media`` (placeholders vs media,
+before any forward), optionally ``check_filled`` (after it) and, where positions are not 1-D,
+``prompt_position_ids`` / ``tree_position_ids``. Tree steps after the prefill are pure text for
+every family, so they reuse CausalLMTarget's tree forward.
 """
 from __future__ import annotations
 
@@ -84,6 +85,11 @@ class VisualTarget(CausalLMTarget):
         return embeds, self.visual_spans(input_ids)
 
     # ------------------------------------------------------------------ lifecycle
+    #: the language model gets the merged embeddings as inputs_embeds (False: cross-attention models)
+    merges_embeds = True
+    #: the prefill captures them even without want_hidden, to run check_filled on them
+    check_filled_on_prefill = False
+
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
         """input_ids [1, T] with placeholders expanded, plus the processor's media tensors.
 
@@ -95,18 +101,23 @@ class VisualTarget(CausalLMTarget):
         self.start_sequence()
         self._prompt_cache = None
         captured = []
-        watch = self._language_model_input(captured.append) if want_hidden else contextlib.nullcontext()
+        capture = self.merges_embeds and (want_hidden or self.check_filled_on_prefill)
+        watch = self._language_model_input(captured.append) if capture else contextlib.nullcontext()
         try:
             with watch:
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self._cache,
-                                 use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1, **model_inputs)
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                                 output_hidden_states=want_hidden, logits_to_keep=1,
+                                 **{self.cache_argument: self._cache}, **model_inputs)
         except ValueError as err:
             # Counts the pre-checks cannot know (anyres tiles) are checked by the model itself.
             if "tokens do not match" in str(err):
                 raise self._media_error("visual placeholders and media differ",
                                         f"the model's own count check failed ({err})") from err
             raise
+        if self.recurrent:
+            self._cache.counted = input_ids.shape[1]
         if captured:
+            self.check_filled(input_ids, captured[0])
             self._prompt_cache = (input_ids, captured[0])
         hidden = out.hidden_states[-1] if want_hidden else None
         return TargetOutput(out.logits[:, -1:], hidden)
@@ -123,6 +134,10 @@ class VisualTarget(CausalLMTarget):
     def check_media(self, input_ids: torch.Tensor, model_inputs: dict) -> None:
         """Raise MediaMismatchError when placeholders and media disagree."""
         raise NotImplementedError
+
+    def check_filled(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> None:
+        """After a prefill that captured embeds [B, T, d]: raise MediaMismatchError when a placeholder
+        got no vision feature (families whose counts are checked exactly before the forward skip it)."""
 
     def check_processor(self, processor) -> None:
         """Raise ValueError when ``processor`` cannot have produced this model's inputs."""
