@@ -1,0 +1,173 @@
+"""The data structures behind the model-free drafters, against brute force: the suffix trie of
+SuffixDecoding, REST's suffix array and retrieval, Token Recycling's matrix on disk, trie merging
+(graph-structured drafting) and the budget that stops drafting when it does not pay."""
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import flashmm
+from flashmm.drafters import Rest, SuffixDecoding, TokenRecycling
+from flashmm.drafters.base import SequenceStart, StepResult
+from flashmm.drafters.rest import Datastore, read_documents, suffix_array
+from flashmm.drafters.suffix import SuffixTrie
+from flashmm.drafters.trie import DraftTrie, TreeBudget
+from flashmm.sampling import SamplingParams
+
+from text_models import prompt, tiny_lm
+
+
+def test_suffix_trie_counts_every_substring():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 4, n).tolist() for n in (30, 1, 17, 45)]
+    trie = SuffixTrie(max_depth=6)
+    for doc in docs:
+        state = trie.new_document()
+        for k in range(0, len(doc), 7):  # appended in pieces, as a sequence grows
+            state = trie.extend(state, doc[k : k + 7])
+    brute = Counter(tuple(d[i : i + n]) for d in docs for n in range(1, 7) for i in range(len(d) - n + 1))
+    seen = {}
+
+    def walk(node, path):
+        for token, child in trie.children[node].items():
+            seen[path + (token,)] = trie.count[child]
+            walk(child, path + (token,))
+
+    walk(0, ())
+    assert seen == dict(brute)
+    context = docs[2][:9]
+    node, p = trie.longest_match(context, max_match=5)
+    # brute force: the longest suffix (<= 5) that occurs followed by some token
+    followed = {tuple(d[i : i + n]) for d in docs for n in range(1, 6) for i in range(len(d) - n)}
+    best = max((n for n in range(1, 6) if tuple(context[-n:]) in followed), default=0)
+    assert p == best and trie.find(context[-p:]) == node
+    paths = trie.grow(node, 50)
+    for path, score in paths:
+        full = tuple(context[-p:]) + tuple(path)
+        parent = full[:-1]
+        assert 0 < score <= brute[full] / (brute[parent] + 1) + 1e-12  # a product of such ratios
+
+
+def test_suffix_array_and_retrieval_match_brute_force():
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 5, 400)
+    tokens[rng.integers(0, 400, 12)] = -1  # document separators
+    array = suffix_array(tokens)
+    assert array.tolist() == sorted(range(len(tokens)), key=lambda i: tokens[i:].tolist())
+    store = Datastore(tokens)
+    for _ in range(50):
+        pattern = rng.integers(0, 5, int(rng.integers(1, 5))).tolist()
+        brute = [i for i in range(len(tokens)) if tokens[i : i + len(pattern)].tolist() == pattern]
+        assert sorted(store.occurrences(pattern).tolist()) == brute
+    rest = Rest(store, max_match=6, min_match=1, max_depth=4, max_occurrences=10_000)
+    context = rng.integers(0, 5, 20).tolist()
+    follows, p = rest.retrieve(context)
+    hits = [i for i in range(len(tokens)) if tokens[i : i + p].tolist() == context[-p:]]
+    assert hits and not any(tokens[i : i + p + 1].tolist() == context[-p - 1 :] for i in range(len(tokens)))
+    expected = []
+    for i in hits:
+        follow = tokens[i + p : i + p + 4].tolist()
+        follow = follow[: follow.index(-1)] if -1 in follow else follow
+        if follow:
+            expected.append(follow)
+    assert sorted(follows) == sorted(expected)
+
+
+def test_rest_from_corpus_files(tmp_path):
+    """Token files and flashmm corpus records (answers' ids) become documents; save/load round trip."""
+    np.save(tmp_path / "a.npy", np.array([5, 6, 7, -1, 8, 9]))
+    (tmp_path / "b.jsonl").write_text('{"greedy": {"ids": [1, 2, 3], "text": "x", "finished": true}, '
+                                      '"sampled": [{"ids": [4], "text": "y", "finished": true}]}\n{"ids": [7, 7]}\n')
+    assert read_documents(tmp_path / "a.npy") == [[5, 6, 7], [8, 9]]
+    assert read_documents(tmp_path / "b.jsonl") == [[1, 2, 3], [4], [7, 7]]
+    rest = Rest.from_corpus([tmp_path / "a.npy", tmp_path / "b.jsonl"])
+    assert rest.datastore.tokens.tolist() == [5, 6, 7, -1, 8, 9, -1, 1, 2, 3, -1, 4, -1, 7, 7, -1]
+    rest.save(tmp_path / "store.safetensors")
+    again = Rest(datastore=tmp_path / "store.safetensors")
+    assert np.array_equal(again.datastore.array, rest.datastore.array)
+    with pytest.raises(ValueError, match="tokenizer"):
+        (tmp_path / "c.txt").write_text("hello")
+        Rest.from_corpus([tmp_path / "c.txt"])
+
+
+def test_token_recycling_matrix_persists_and_round_trips(tmp_path):
+    target = tiny_lm("llama", seed=0)
+    drafter = TokenRecycling()
+    sm = flashmm.wrap(target, drafter)
+    ids = prompt(20, seed=3)
+    sm.generate(ids, max_new_tokens=30)
+    first = sm.last_stats
+    seen = drafter.successors[:, 0] >= 0
+    assert int(seen.sum()) >= 10
+    # each scored token's row holds the target's top-k after it (checked on the last new token's parent)
+    out = sm.generate(ids, max_new_tokens=30)
+    assert sm.last_stats.tau > first.tau  # the second call drafts from what the first taught
+    drafter.save(tmp_path / "tr.safetensors")
+    loaded = TokenRecycling.load(tmp_path / "tr.safetensors")
+    assert torch.equal(loaded.successors, drafter.successors)
+    fresh = flashmm.wrap(target, loaded)
+    assert torch.equal(fresh.generate(ids, max_new_tokens=30), out)
+    assert fresh.last_stats.tau > first.tau
+
+
+def test_token_recycling_rows_are_the_target_top_k():
+    """After a step, the row of each scored node's input token is the target's top-k at that node."""
+    target = tiny_lm("llama", seed=0)
+    drafter = TokenRecycling()
+    sm = flashmm.wrap(target, drafter)
+    ids = prompt(20, seed=8)
+    out = sm.generate(ids, max_new_tokens=12, eos_token_id=[])
+    text = out[0].tolist()
+    # the root of every step was a committed token scored at its own position; the last row written
+    # for a token that appears once in the output is its top-k in context
+    once = [i for i in range(ids.shape[1], len(text) - 1) if text.count(text[i]) == 1]
+    assert once
+    logits = target(out).logits[0]
+    for i in once:
+        assert drafter.successors[text[i]].tolist() == logits[i].topk(drafter.score_topk).indices.tolist()
+
+
+def test_merging_shares_prefixes():
+    merged, separate = DraftTrie(), DraftTrie(merge=False)
+    hypotheses = [[1, 2, 3], [1, 2, 4], [1, 5], [6]]
+    for g, h in enumerate(hypotheses):
+        merged.add(h, 0.5, group=g)
+        separate.add(h, 0.5, group=g)
+    assert len(merged) - 1 == 6 and len(separate) - 1 == 9  # 1,2 shared by three hypotheses
+    draft = merged.to_draft(torch.tensor([[9]]), merged.ranked())
+    paths = {tuple(draft.tokens[0, p].tolist()[1:]) for p in draft.tree.paths}
+    assert paths == {(1, 2, 3), (1, 2, 4), (1, 5), (6,)}
+
+
+def test_budget_stops_drafting_what_is_rejected():
+    """A datastore whose continuations the target never writes: drafting stops after a few steps
+    (and the output stays exact)."""
+    target = tiny_lm("llama", seed=0)
+    ids = prompt(16, seed=2)
+    plain = target.generate(ids, max_new_tokens=80, do_sample=False, eos_token_id=None)[0].tolist()
+    # every token of the output followed by a token the target does not write next
+    wrong = []
+    for i in range(len(plain) - 1):
+        wrong += [plain[i], (plain[i + 1] + 1) % 128, (plain[i + 1] + 2) % 128, -1]
+    rest = Rest(Datastore(np.asarray(wrong)), min_match=1)
+    sm = flashmm.wrap(target, rest)
+    out = sm.generate(ids, max_new_tokens=80, eos_token_id=[])
+    assert out[0].tolist() == plain
+    stats = sm.last_stats
+    drafting_steps = stats.drafted_at_depth[1]
+    assert stats.accepted_tokens == 0 and 0 < drafting_steps <= 14, drafting_steps  # of 79 steps
+
+
+def test_budget_calibration_learns_and_recovers():
+    budget = TreeBudget()
+    trie = DraftTrie()
+    trie.add([1, 2, 3, 4], [0.9, 0.8, 0.7, 0.6])
+    assert len(budget.choose(trie, 8)) == 4
+    for _ in range(20):
+        budget.choose(trie, 8)
+        budget.update(0)
+    assert budget.choose(trie, 8) == []
+    for _ in range(1000):  # plain steps: the estimate drifts back to its prior and drafting resumes
+        budget.update(0)
+    assert len(budget.choose(trie, 8)) == 4
