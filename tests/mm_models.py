@@ -369,6 +369,12 @@ PLACEHOLDER_FAMILIES = {
     "llava_next_video": ("LlavaNextVideoForConditionalGeneration",
                          dict(image_grid_pinpoints=[[PLACEHOLDER_SIDE, PLACEHOLDER_SIDE]]), {}, {}, True),
     "video_llava": ("VideoLlavaForConditionalGeneration", {}, {}, {}, True),
+    "idefics2": ("Idefics2ForConditionalGeneration", {}, {}, {}, False),
+    "deepseek_vl": ("DeepseekVLForConditionalGeneration", {}, {}, {}, False),
+    "got_ocr2": ("GotOcr2ForConditionalGeneration", {}, {}, {}, False),
+    "lighton_ocr": ("LightOnOcrForConditionalGeneration", {}, {}, dict(head_dim=16), False),
+    "qianfan_ocr": ("QianfanOCRForConditionalGeneration", {}, {},
+                    dict(image_size=[PLACEHOLDER_SIDE] * 2, patch_size=[PLACEHOLDER_PATCH] * 2), False),
     # images through cross-attention layers, not placeholders: flashmm refuses its images
     "mllama": ("MllamaForConditionalGeneration", {}, dict(cross_attention_layers=[1]), {}, False),
 }
@@ -445,14 +451,14 @@ def _placeholder_media(kind: str, model, count: int, video: bool, seed: int) -> 
         with torch.no_grad():
             rows = _feature_rows(inner.get_video_features(pixel_values_videos=frames))
         return dict(pixel_values_videos=frames), [rows]
-    if kind in ("idefics3", "smolvlm"):
+    if kind in ("idefics3", "smolvlm", "idefics2"):
         pixels = torch.randn(1, count, 3, side, side, generator=g)  # [B, images, 3, H, W]
         with torch.no_grad():
             rows = _feature_rows(inner.get_image_features(pixel_values=pixels))
         return dict(pixel_values=pixels), [rows // count] * count
     pixels = torch.randn(count, 3, side, side, generator=g)
     extra = {}
-    if kind == "mistral3":
+    if kind in ("mistral3", "lighton_ocr"):
         extra["image_sizes"] = torch.tensor([[side, side]] * count)
     if kind == "llava_next_video":
         pixels = pixels[:, None].expand(-1, 2, -1, -1, -1)  # [images, base + 1 anyres tile, 3, H, W]
@@ -504,6 +510,15 @@ ROPE_FAMILIES = {
 for _kind, _cls in (("glm_ocr", "GlmOcrForConditionalGeneration"), ("glm46v", "Glm46VForConditionalGeneration"),
                    ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
     ROPE_FAMILIES[_kind] = (_cls,) + ROPE_FAMILIES["glm4v"][1:]
+# Qwen3.5: a hybrid (linear-attention + full-attention layers) language model behind a Qwen3-VL-style tower
+ROPE_FAMILIES["qwen3_5"] = (
+    "Qwen3_5ForConditionalGeneration",
+    dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True,
+                              partial_rotary_factor=0.5),
+         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    dict(hidden_size=32, depth=2, num_heads=2, patch_size=QWEN_PATCH["qwen2_vl"] // 2, out_hidden_size=64,
+         intermediate_size=64, num_position_embeddings=16, spatial_merge_size=QWEN_MERGE,
+         temporal_patch_size=QWEN_TEMPORAL))
 ROPE_KINDS = tuple(ROPE_FAMILIES)
 
 

@@ -1,7 +1,8 @@
 """Vision-language families served by the generic placeholder adapter (flashmm.targets.generic_vlm):
-Gemma 3, Mistral 3, Idefics3, SmolVLM, InternVL, Llama 4, Aya Vision, Cohere2-Vision, VipLLaVA,
-LLaVA-NeXT-Video and Video-LLaVA (1-D positions), and GLM-4V / GLM-4V-MoE (multimodal RoPE through
-the model's own get_rope_index), each a tiny random model of the real transformers class.
+Gemma 3, Mistral 3, Idefics2, Idefics3, SmolVLM, InternVL, Llama 4, Aya Vision, Cohere2-Vision,
+VipLLaVA, LLaVA-NeXT-Video, Video-LLaVA, DeepSeek-VL, GOT-OCR2, LightOnOCR, Qianfan-OCR (1-D
+positions), and GLM-4V, GLM-4V-MoE, Qwen3.5 (hybrid linear attention) with multimodal RoPE through
+the model's own get_rope_index; each a tiny random model of the real transformers class.
 
 Per family and case (one image, two images, a video where the family takes video): greedy output
 of FLASH (K = 1 and K = 5) and of prompt lookup equals the model's own ``generate`` token for token
@@ -29,7 +30,7 @@ MAX_NEW = 12
 # PaliGemma and Mllama are built too, but refused (at wrap / with images): see their tests below
 KINDS = [k for k in PLACEHOLDER_FAMILIES if k not in ("paligemma", "mllama")]
 CASES = {"image": dict(images=1), "two_images": dict(images=2), "video": dict(video=True)}
-ROPE_KINDS = ["glm4v", "glm4v_moe"]
+ROPE_KINDS = ["glm4v", "glm4v_moe", "qwen3_5"]
 KIND_CASES = [(k, c) for k in KINDS for c in CASES if c != "video" or PLACEHOLDER_FAMILIES[k][4]]
 KIND_CASES += [(k, c) for k in ROPE_KINDS for c in ("image", "two_images")]
 
