@@ -175,6 +175,28 @@ def test_rope_index_positions_are_the_models_own(kind):
     target.release()
 
 
+@pytest.mark.parametrize("kind,case", [("llava_next", dict(images=2)), ("qwen2_5_vl", dict(images=1, video=True))])
+def test_generic_adapters_alone_serve_llava_and_qwen(kind, case, monkeypatch):
+    """With the family adapters unregistered, the generic ones decode LLaVA-NeXT (anyres) and
+    Qwen2.5-VL (M-RoPE, video timing through get_rope_index) exactly: the family adapters stay only
+    for what they check before the forward."""
+    import flashmm.targets as targets
+    from mm_models import make_inputs, tiny_vlm
+
+    generic = [(p, cls) for p, cls in targets._ADAPTERS if cls in (PlaceholderVLMTarget, RopeIndexVLMTarget)]
+    monkeypatch.setattr(targets, "_ADAPTERS", generic)
+    model, processor = tiny_vlm(kind)
+    inputs = make_inputs(processor, kind, **case)
+    with torch.no_grad():
+        reference = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    for drafter in (PromptLookup(), RecordingFlash.from_target(model, num_queries=4, tokens_per_step=5, seed=0)):
+        sm = flashmm.wrap(model, drafter)
+        assert type(sm.target) in (PlaceholderVLMTarget, RopeIndexVLMTarget)
+        assert torch.equal(sm.generate(**inputs, max_new_tokens=MAX_NEW), reference)
+    assert [tuple(s) for s in drafter.starts[0].visual_spans] == placeholder_runs(
+        inputs["input_ids"], config_placeholders(model))
+
+
 def test_cross_attention_vlm_refuses_images():
     """Mllama's images enter through cross-attention layers, not placeholders: refused with images
     (before any forward), served for text."""

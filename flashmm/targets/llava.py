@@ -7,6 +7,12 @@ position each. The prefill passes the media (``pixel_values``, ``image_sizes``,
 ``pixel_values_videos``, ``batch_num_images``) to the model's own forward; every tree step
 after it is pure text, so CausalLMTarget's tree forward (4D mask + position_ids + our cache)
 serves unchanged. Visual spans are the runs of image/video tokens.
+
+Why a family adapter beside the generic one (generic_vlm.PlaceholderVLMTarget, which decodes these
+models exactly too: tests/test_vlm_families.py checks it with these adapters unregistered): it
+checks before any forward what the generic adapter only learns from the model's own count check,
+per-image token counts from the tower's geometry (and OneVision's video pooling), and the
+processor's patch size, feature strategy and tokens per tile against the model's config.
 """
 from __future__ import annotations
 

@@ -12,6 +12,11 @@ derived from input_ids the way the processors derive ``mm_token_type_ids``.
 Video: ``pixel_values_videos`` + ``video_grid_thw`` (+ ``second_per_grid_ts`` for 2.5, which
 spaces temporal positions); Qwen3-VL interleaves per-frame timestamps as text, so a video
 becomes one placeholder run per temporal patch.
+
+Why a family adapter beside the generic one (generic_vlm.RopeIndexVLMTarget, which decodes these
+models exactly too through the same get_rope_index): it checks before any forward each image's and
+video's placeholder run against its grid (grid_t·grid_h·grid_w / merge²), and the processor's patch,
+merge and temporal patch sizes against the vision tower's.
 """
 from __future__ import annotations
 
