@@ -106,8 +106,13 @@ class PlaceholderVLMTarget(VisualTarget):
         self.cross_attention = cross_attention_decoder(model)
         self.merges_embeds = not self.cross_attention
         self.check_filled_on_prefill = self.merges_embeds  # one [1, T, d] copy per prompt
-        self.position_offset = generate_position_offset(model)
+        self.position_offset = self.generate_offset(model)
         super().__init__(model, processor=processor, attention=attention, linear=linear)
+
+    @staticmethod
+    def generate_offset(model) -> int:
+        """The constant generate adds to 1-D positions (generate_position_offset)."""
+        return generate_position_offset(model)
 
     # ------------------------------------------------------------------ checks
     def check_media(self, input_ids: torch.Tensor, model_inputs: dict) -> None:
@@ -184,7 +189,11 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
         self._rope_delta: torch.Tensor | None = None  # LongTensor [B, 1] of the current sequence
         self._rope_rows = 3
         super().__init__(model, processor=processor, attention=attention, linear=linear)
-        self.position_offset = 0
+
+    @staticmethod
+    def generate_offset(model) -> int:
+        """0: rope-index positions carry their own offset (rope_delta)."""
+        return 0
 
     def prompt_position_ids(self, input_ids: torch.Tensor, attention_mask, model_inputs: dict):
         """(position_ids LongTensor [R, B, T], rope_delta LongTensor [B, 1]) of the prompt: text
