@@ -144,14 +144,15 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
     forward per step for all rows still running. Returns one engine.RowOutput per row."""
     from .drafters.base import SequenceStart  # noqa: PLC0415 (engine imports drafters)
     from .engine import RowWriter, step_result, verify_row  # noqa: PLC0415
-    from .verify import select_verifier  # noqa: PLC0415
+    from .verify import drafting_scheme_of, select_verifier  # noqa: PLC0415
 
     start = time.perf_counter()
     batch = input_ids.shape[0]
     padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()
     rows = [RowWriter(input_ids[b, padding[b]:], decodings[b]) for b in range(batch)]
     drafters = [drafter.fork() for _ in range(batch)]
-    verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample)
+    verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample,
+                               drafting_scheme=drafting_scheme_of(drafter))
     want_hidden = drafter.needs_hidden_states
 
     logits, hidden, state = prefill(target, input_ids, attention_mask, want_hidden)

@@ -12,7 +12,7 @@ from .config import SamplingParams, SpecConfig
 from .drafters.base import Drafter, SequenceStart, StepResult
 from .sampling import sample
 from .targets.base import Target
-from .verify import select_verifier
+from .verify import drafting_scheme_of, select_verifier
 
 
 @dataclass
@@ -228,7 +228,8 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, d
     stats = row.out.stats
     if row.finished:
         return row.out
-    verifier = select_verifier(spec.verifier, decoding.sampling.do_sample, backend=getattr(target, "backend", "torch"))
+    verifier = select_verifier(spec.verifier, decoding.sampling.do_sample, backend=getattr(target, "backend", "torch"),
+                               drafting_scheme=drafting_scheme_of(drafter))  # a mismatch is refused here
     want_hidden = drafter.needs_hidden_states
 
     out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)

@@ -9,6 +9,9 @@ from ..sampling import sample
 from ..tree import TokenTree
 from .base import Draft, Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength
+from .tree_drafting import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
+
+DRAFTINGS = ("sibling", "rsd_c", "rsd_s", "chains")
 
 
 @register
@@ -23,14 +26,35 @@ class DraftModel(Drafter):
     step_cost/token_cost) picks the depth; drafting also stops early when the draft's top
     probability falls below ``confidence`` (greedy only). ``adaptive=False`` always drafts
     ``max_draft_tokens``.
+
+    ``drafting`` picks the tree and how it is sampled (flashmm.drafters.tree_drafting), each
+    matching an exact verifier (``drafting_scheme`` tells the engine which):
+      "sibling" (default): the chain / sibling tree above; scheme "chain" (tree_width 1) or "iid".
+      "rsd_c":  Gumbel-Top-k per node, ``branching[d]`` children at depth d (cut to the node
+                budget); scheme "without_replacement" (verifier "rsd" or "traversal").
+      "rsd_s":  stochastic beam search, ``beam_width`` sequences of up to max_draft_tokens tokens
+                (width x depth within the budget); scheme "without_replacement".
+      "chains": ``num_chains`` i.i.d. chains of up to max_draft_tokens tokens; scheme
+                "iid_chains" (verifier "spectr" or "tree").
     """
 
     name = "draft_model"
 
     def __init__(self, model: torch.nn.Module, max_draft_tokens: int = 8, tree_width: int = 1,
-                 confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None):
+                 confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None,
+                 drafting: str = "sibling", branching: tuple[int, ...] = (4, 2, 1), beam_width: int = 4,
+                 num_chains: int = 3):
         if tree_width < 1:
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
+        if drafting not in DRAFTINGS:
+            raise ValueError(f"drafting must be one of {DRAFTINGS}, got {drafting!r}")
+        if min(branching, default=0) < 1 or min(beam_width, num_chains) < 1:
+            raise ValueError(f"branching entries, beam_width and num_chains must be >= 1, got {branching}, "
+                             f"{beam_width}, {num_chains}")
+        self.drafting = drafting
+        self.branching = tuple(int(b) for b in branching)
+        self.beam_width = beam_width
+        self.num_chains = num_chains
         self.model = model
         self.max_draft_tokens = max_draft_tokens
         self.tree_width = tree_width
@@ -80,10 +104,22 @@ class DraftModel(Drafter):
         full[:, : logits.shape[-1]] = logits
         return full
 
+    @property
+    def drafting_scheme(self) -> str:
+        """How this drafter samples (flashmm.verify.schemes); the engine refuses a verifier that is
+        not exact for it before the prefill."""
+        if self.drafting == "sibling":
+            return "chain" if self.tree_width == 1 else "iid"
+        if self.drafting == "chains":
+            return "chain" if self.num_chains == 1 else "iid_chains"
+        return "without_replacement"
+
     @torch.no_grad()
     def propose(self, committed, max_tokens, sampling: SamplingParams, generator) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("DraftModel drafts one sequence at a time")
+        if self.drafting != "sibling":
+            return self._propose_tree(committed, max_tokens, sampling, generator)
         width = self.tree_width
         depth_budget = max_tokens // width
         depth = self.length.choose(min(depth_budget, self.max_draft_tokens)) if self.adaptive \
@@ -121,6 +157,44 @@ class DraftModel(Drafter):
             for node, q in q_rows:
                 q_probs[0, node] = q
         return Draft(tokens=committed.new_tensor([tokens]), tree=tree, q_probs=q_probs)
+
+    def _propose_tree(self, committed, max_tokens, sampling: SamplingParams, generator) -> Draft:
+        """An RSD-C / RSD-S / i.i.d.-chains tree within ``max_tokens`` drafted nodes."""
+        ids = committed[0].tolist()
+        memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+        def next_probs(context: list[int]) -> torch.Tensor:
+            key = tuple(context[len(ids) - 1 :])
+            if key not in memo:
+                logits = self._logits_after(context, committed.device)
+                if sampling.do_sample:  # q processed exactly as the target's p at this node
+                    memo[key] = sampling.probs(logits, [committed.new_tensor(context)]
+                                               if sampling.needs_prefix else None)[0]
+                else:
+                    memo[key] = logits[0].softmax(-1)
+            return memo[key]
+
+        sample, depth = sampling.do_sample, self.max_draft_tokens
+        if self.drafting == "rsd_c":
+            tree = rsd_c_tree(next_probs, ids, profile_within(self.branching, max_tokens), sample, generator)
+        elif self.drafting == "rsd_s":
+            tree = rsd_s_tree(next_probs, ids, self.beam_width, min(depth, max_tokens // self.beam_width),
+                              sample, generator)
+        else:
+            tree = iid_chains_tree(next_probs, ids, self.num_chains, min(depth, max_tokens // self.num_chains),
+                                   sample, generator)
+        if tree.num_drafted == 0:
+            self._last_depth = 0
+            return root_only(committed)
+        token_tree = TokenTree.from_parents(tree.parents)
+        self._last_depth = token_tree.max_depth
+        q_probs = None
+        if sample:
+            vocab = next(iter(tree.q_rows.values())).shape[-1]
+            q_probs = torch.zeros(1, token_tree.num_nodes, vocab, device=committed.device)
+            for node, q in tree.q_rows.items():
+                q_probs[0, node] = q
+        return Draft(tokens=committed.new_tensor([tree.tokens]), tree=token_tree, q_probs=q_probs)
 
     @staticmethod
     def _chain(parents: list[int], node: int) -> list[int]:

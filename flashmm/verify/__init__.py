@@ -19,7 +19,7 @@ from .block import verify_block
 from .greedy import verify_greedy
 from .rejection import draw_uniforms, sample_inverse_cdf, verify_chain, verify_tree
 from .rsd import verify_rsd
-from .schemes import COMPATIBLE_SCHEMES, DRAFTING_SCHEMES, check_drafting_scheme
+from .schemes import COMPATIBLE_SCHEMES, DRAFTING_SCHEMES, check_drafting_scheme, drafting_scheme_of
 from .spectr import verify_spectr
 from .traversal import verify_traversal
 from .typical import verify_typical_lossy
@@ -28,6 +28,7 @@ __all__ = [
     "VerifyResult", "Verifier", "select_verifier", "verify_greedy", "verify_chain", "verify_tree",
     "verify_typical_lossy", "draw_uniforms", "sample_inverse_cdf", "verify_rsd", "verify_block",
     "verify_traversal", "verify_spectr", "DRAFTING_SCHEMES", "COMPATIBLE_SCHEMES", "check_drafting_scheme",
+    "drafting_scheme_of",
 ]
 
 # f(tokens [B, N], tree, target_logits [B, N, V], q_probs [B, N, V] | None, sampling,

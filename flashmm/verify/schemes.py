@@ -54,3 +54,9 @@ def check_drafting_scheme(verifier: str, scheme: str | None) -> None:
             f"verifier={verifier!r} is not exact for drafts made by the {scheme!r} scheme (it assumes "
             f"{' / '.join(allowed)}); use verifier {_SUGGEST[scheme]}, or configure the drafter's "
             f"scheme to match (DraftModel(scheme=...))")
+
+
+def drafting_scheme_of(drafter) -> str:
+    """A drafter's ``drafting_scheme``; drafters that do not declare one return q_probs None
+    (every drafter but DraftModel), i.e. "deterministic"."""
+    return getattr(drafter, "drafting_scheme", "deterministic")
