@@ -211,6 +211,29 @@ def test_cross_attention_vlm_refuses_images():
     assert torch.equal(sm.generate(text, max_new_tokens=MAX_NEW), reference)
 
 
+def test_media_without_placeholders_are_refused():
+    """GIT prepends its image embeddings before the text and its config names no placeholder: with an
+    image it is refused (flashmm's text path used to decode other tokens than generate), text is exact."""
+    from transformers import GitConfig, GitForCausalLM
+
+    from flashmm.targets.generic_vlm import UnplacedMediaTarget
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    torch.manual_seed(0)
+    model = GitForCausalLM(GitConfig(vision_config=vision, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=2, vocab_size=512, initializer_range=0.2)).eval()
+    model.generation_config.eos_token_id = None
+    sm = flashmm.wrap(model, PromptLookup())
+    assert type(sm.target) is UnplacedMediaTarget
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    with pytest.raises(UnsupportedModel, match="pixel_values.*placeholder"):
+        sm.generate(ids, pixel_values=torch.zeros(1, 3, 28, 28), max_new_tokens=2)
+    with torch.no_grad():
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+    assert torch.equal(sm.generate(ids, max_new_tokens=MAX_NEW), reference)
+
+
 def test_paligemma_is_refused_not_wrong():
     """PaliGemma attends bidirectionally over its prefix (text config use_bidirectional_attention),
     which wrap's self-check (plain uncached forwards as the reference) reads as a mismatch: refused."""

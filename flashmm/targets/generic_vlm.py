@@ -16,8 +16,9 @@ Pixtral, Idefics2/3, SmolVLM, InternVL, Llama 4, Aya Vision, LLaVA-NeXT-Video, V
 VipLLaVA, Cohere2-Vision, ...). Positions are what ``generate`` gives (``prepare_inputs_for_generation``
 may shift them: PaliGemma's are 1-based). ``RopeIndexVLMTarget`` serves multimodal-RoPE families
 (GLM-4V, ERNIE-4.5-VL, PaddleOCR-VL, ...) through the model's own ``get_rope_index``, called
-as ``generate`` calls it. Models whose images enter through cross-attention layers (Mllama) are
-served for text only: media are refused with the reason.
+as ``generate`` calls it. Models whose images enter through cross-attention layers (Mllama), or
+whose config names no placeholder (GIT, Kosmos-2.5, MiniCPM-V: ``UnplacedMediaTarget``), are served
+for text only: media are refused with the reason.
 
 Checks: before the forward, placeholders without media (or media without placeholders) raise
 MediaMismatchError; the per-item count is the model's own check (rephrased); after the prefill,
@@ -34,6 +35,7 @@ from ..tree import TokenTree
 from . import register_adapter
 from .base import TargetOutput
 from .support import UnsupportedModel, architecture, generate_position_ids, takes_position_ids
+from .text import CausalLMTarget
 from .visual import VisualTarget, _config_id
 
 # forward arguments that carry media, by placeholder kind (Video-LLaVA names its images pixel_values_images)
@@ -71,6 +73,19 @@ def is_placeholder_vlm(model: torch.nn.Module) -> bool:
         return False
     params = inspect.signature(model.forward).parameters
     return any(key in params for keys in MEDIA_KEYS.values() for key in keys)
+
+
+def media_keys(model_inputs: dict) -> list[str]:
+    """Names of the media tensors among forward kwargs (pixels, patches, image / video / audio inputs)."""
+    words = ("pixel", "image", "video", "patches", "audio", "input_features")
+    return [k for k, v in model_inputs.items() if torch.is_tensor(v) and any(w in k for w in words)]
+
+
+def takes_media(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes pixels (pixel_values, flattened_patches, image_patches, ...)."""
+    params = inspect.signature(model.forward).parameters
+    return any(key in params for keys in MEDIA_KEYS.values() for key in keys) \
+        or any("pixel" in name or "patches" in name for name in params)
 
 
 def generate_position_offset(model: torch.nn.Module) -> int:
@@ -233,6 +248,11 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
         """input_ids [1, T]; any position_ids given are replaced by the model's own rope index."""
         model_inputs.pop("position_ids", None)
+        audio = [k for k in media_keys(model_inputs) if "audio" in k or "input_features" in k]
+        if audio:
+            raise UnsupportedModel(f"flashmm cannot decode {architecture(self.model)} with {', '.join(audio)}: "
+                                   "audio moves multimodal-RoPE positions in ways this adapter does not reproduce; "
+                                   "run it with model.generate (images, videos and text are served)")
         self.check_media(input_ids, model_inputs)
         positions, delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
         self._rope_rows, self._rope_delta = positions.shape[0], delta.reshape(-1, 1)
@@ -241,3 +261,24 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
     def release(self) -> None:
         super().release()
         self._rope_delta = None
+
+
+@register_adapter(lambda model: takes_media(model) and not placeholder_ids(model.config))
+class UnplacedMediaTarget(CausalLMTarget):
+    """A model that takes images but whose config names no placeholder token: GIT prepends its image
+    embeddings before the text (so text positions do not count them), Kosmos-2.5 and MiniCPM-V place
+    features by masks or bounds of their own. flashmm cannot tell where its media sit in the cache,
+    so it decodes such a model's text prompts and refuses media (before this, GIT with an image
+    decoded different tokens from generate)."""
+
+    def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
+        super().__init__(model, attention=attention, linear=linear)
+
+    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+        media = media_keys(model_inputs)
+        if media:
+            raise UnsupportedModel(
+                f"flashmm cannot decode {architecture(self.model)} with {', '.join(media)}: its config names no "
+                "image/video placeholder token, so flashmm cannot place the media's positions in its cache and "
+                "verify drafts after them exactly; run it with model.generate (text-only prompts are served)")
+        return super().prefill(input_ids, attention_mask, want_hidden, **model_inputs)
