@@ -16,6 +16,7 @@ transformers fails, build fails (the tiny construction failed: a gap of this scr
 outcomes that must not happen: wrong (different tokens), crash (an error inside flashmm), timeout.
 
     OMP_NUM_THREADS=1 python eval/arch_support.py [--only llama,qwen3_moe] [--timeout 120]
+    OMP_NUM_THREADS=1 python eval/arch_support.py --only mamba,bamba --redo   # re-run these rows only
 
 writes eval/results/arch_support.{md,json}.
 """
@@ -104,6 +105,9 @@ OVERRIDES: dict[str, dict] = {
     "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
     "lfm2_vl": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
     "recurrent_gemma": dict(num_hidden_layers=2, block_types=["recurrent", "attention"]),
+    "bailing_hybrid": dict(num_expert_group=1, linear_num_heads=4, linear_head_dim=16, num_key_value_heads=4),
+    "zamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, attention_hidden_size=128,
+                  mamba_dt_rank=8, layers_block_type=["linear_attention", "hybrid"] * 2, use_mamba_kernels=False),
 }
 
 
@@ -240,7 +244,14 @@ def check(model_type: str, cls_name: str) -> dict:
     row.update(taus=taus, seconds=time.perf_counter() - t0)
     if taus["drafter = target"] <= 1:
         return dict(row, outcome="wrong", reason=f"tau {taus['drafter = target']:.2f} <= 1 with drafter = target")
-    return dict(row, outcome="exact", reason="")
+    note = ""
+    if getattr(sm.target, "stepwise", False):
+        note = ("recurrent (Mamba-1 mixer: a multi-token forward restarts its scan): states snapshot and "
+                "restored, drafts verified one token per forward")
+    elif getattr(sm.target, "recurrent", False):
+        note = ("recurrent / hybrid: states snapshot before each verification, restored and the accepted tokens "
+                "replayed on partial acceptance; chains in one forward, trees one branch per forward")
+    return dict(row, outcome="exact", reason=note)
 
 
 def _child(model_type: str, cls_name: str, conn) -> None:
@@ -285,13 +296,13 @@ def run_one(model_type: str, cls_name: str, timeout: float) -> dict:
 ORDER = ["exact", "refused", "transformers fails", "build fails", "wrong", "crash", "timeout"]
 
 
-def write_table(rows: list[dict], command: str, seconds: float, path: Path) -> None:
+def write_table(rows: list[dict], command: str, seconds: float, path: Path, updates: list[str] = ()) -> None:
     machine = f"{platform.machine()} {platform.processor() or ''}".strip()
     counts = {o: sum(r["outcome"] == o for r in rows) for o in ORDER}
     total = len(architectures())
     meta = dict(command=command, machine=machine, rows=len(rows), registered=total, cpus=os.cpu_count(), threads=1, torch=torch.__version__,
                 transformers=transformers.__version__, python=platform.python_version(), seconds=round(seconds),
-                counts=counts)
+                counts=counts, updates=list(updates))
     path.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str) + "\n")
     lines = ["# flashmm architecture support", "",
              f"Every architecture in transformers {transformers.__version__}'s `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` "
@@ -303,9 +314,15 @@ def write_table(rows: list[dict], command: str, seconds: float, path: Path) -> N
              "the tiny model (some of these come from this script's shrinking, e.g. a rope section sized for the "
              "full head: read the reason). **build fails**: this script could not build the tiny config (no flashmm "
              "result; add an `OVERRIDES` entry). Vision-language models are decoded here as text (no image); their visual adapters "
-             "are tested in tests/test_multimodal_targets.py.", "",
+             "are tested in tests/test_multimodal_targets.py. Hybrid and recurrent models (conv / SSM / "
+             "linear-attention layers: Mamba, Mamba-2, Jamba, Bamba, Falcon-H1, Zamba2, Nemotron-H, Qwen3-Next, "
+             "Qwen3.5, Kimi-Linear, LFM2, OLMo-hybrid, ...) verify chains in one forward and trees one root-to-leaf "
+             "branch per forward (flashmm.targets.recurrent: exact, but draft chains for speed); Mamba-1 mixers "
+             "(Mamba, Falcon-Mamba, Jamba), whose multi-token forward restarts the scan, verify one token per "
+             "forward (exact, no speed-up).", "",
              f"Command: `{command}` — machine: {machine}, {os.cpu_count()} CPUs, 1 thread; torch {torch.__version__}, "
-             f"python {platform.python_version()}; {seconds / 60:.1f} min (sum of the per-architecture wall times).", "",
+             f"python {platform.python_version()}; {seconds / 60:.1f} min (sum of the per-architecture wall times)."
+             + "".join(f" Rows re-run since: `{u}`." for u in updates), "",
              f"Rows: {len(rows)} of the {total} registered (model_type, class) pairs"
              + ("." if len(rows) >= total else " (a partial run: `--resume` adds the rest)."), "",
              "| outcome | count |", "|---|---|"]
@@ -326,21 +343,27 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "arch_support"), help="output path without suffix")
     parser.add_argument("--resume", action="store_true", help="keep the rows already in --out's json")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from --out's json, run nothing")
+    parser.add_argument("--redo", action="store_true",
+                        help="re-run the --only rows and keep every other row of --out's json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     only = set(filter(None, args.only.split(",")))
     archs = [a for a in architectures() if not only or a[0] in only]
     out = Path(args.out)
-    rows, seconds = [], 0.0
-    if (args.resume or args.table_only) and out.with_suffix(".json").exists():  # rows of an earlier run
+    rows, seconds, updates = [], 0.0, []
+    if (args.resume or args.table_only or args.redo) and out.with_suffix(".json").exists():  # an earlier run
         saved = json.loads(out.with_suffix(".json").read_text())
-        rows, seconds = saved["rows"], saved["meta"]["seconds"]
+        rows, seconds, updates = saved["rows"], saved["meta"]["seconds"], saved["meta"].get("updates", [])
     if args.table_only:
-        write_table(rows, saved["meta"]["command"], seconds, out)
+        write_table(rows, saved["meta"]["command"], seconds, out, updates)
         return
-    done = {(r["model_type"], r["cls"]) for r in rows}
     command = "OMP_NUM_THREADS=1 python eval/arch_support.py" + "".join(
         f" {a}" for a in sys.argv[1:] if a != "--resume")
+    if args.redo:  # the first run's command stays the table's; this one is listed as an update
+        seconds -= sum(r.get("wall_s", 0) for r in rows if r["model_type"] in only)
+        rows = [r for r in rows if r["model_type"] not in only]
+        command, updates = saved["meta"]["command"], updates + [command]
+    done = {(r["model_type"], r["cls"]) for r in rows}
     for model_type, cls_name, mapping in archs:
         if (model_type, cls_name) in done:
             continue
@@ -350,7 +373,7 @@ def main() -> None:
         seconds += row["wall_s"]
         print(f"{model_type:28s} {cls_name:44s} {row['outcome']:18s} {row.get('wall_s', 0):6.1f}s "
               f"{str(row.get('reason', ''))[:150]}", flush=True)
-        write_table(rows, command, seconds, out)  # after every row: a stopped run resumes (--resume)
+        write_table(rows, command, seconds, out, updates)  # after every row: a stopped run resumes (--resume)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """One tiny model of every kind: exact (token-identical to model.generate, τ > 1 with drafter = target)
-or refused at wrap() with the reason. eval/arch_support.py runs every registered architecture."""
+or refused at wrap() with the reason. eval/arch_support.py runs every registered architecture;
+hybrid and recurrent models (Mamba, Mamba-2, Bamba, Qwen3-Next) are in tests/test_hybrid.py."""
 import pytest
 import torch
 
@@ -67,8 +68,7 @@ def test_encoder_head_with_is_decoder_gets_generates_positions():
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
     ("roberta", {}, "is_decoder=False"),  # encoder-derived: bidirectional, no autoregressive decoding
-    ("qwen3_next", {}, "stateful"),  # hybrid: linear attention + full attention
-    ("mamba", {}, "stateful"),  # recurrent: state-space layers only
+    ("rwkv", {"attention_hidden_size": 64}, "stateful"),  # recurrence outside transformers' cache layers
     ("cpmant", {}, "cached tree forward fails"),  # own positions / cache layout: caught by the self-check
 ])
 def test_refused_with_reason(model_type, overrides, reason):

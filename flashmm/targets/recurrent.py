@@ -59,8 +59,8 @@ def cache_argument(model: torch.nn.Module) -> str:
 
 class RecurrentCache(DynamicCache):
     """transformers' DynamicCache for a hybrid / recurrent model, with every attention layer kept at
-    full length (sliding windows are applied by flashmm's masks, so cropping stays possible) and
-    ``length``: how many tokens the states have absorbed (all-recurrent models keep no rows to count).
+    full length (sliding windows are applied by the model's masks, not by eviction, so the rows of a
+    rejected draft can be cropped) and ``length``: how many tokens the states have absorbed.
     """
 
     def __init__(self, text_config):
@@ -96,8 +96,8 @@ class RecurrentCache(DynamicCache):
         after every forward); later and earlier ones are dropped (a drafter's text only grows past it).
         Returns the length the cache is at now (0, with fresh states, when no snapshot is that short)."""
         kept = [snap for snap in self.history if snap.length <= length]
-        if not kept:
-            self.__init__(self._text_config)
+        if not kept:  # back to an empty cache
+            self.layers, self.counted, self.history = RecurrentCache(self._text_config).layers, 0, []
             return 0
         self.restore(kept[-1])
         self.history = [kept[-1]]

@@ -3,12 +3,14 @@
 Two layers of checks, both generic (no list of architecture names):
 
 1. ``refusal(model)`` reads what transformers itself says about the model, before any forward:
-   - *recurrent state*: the model is stateful (``_is_stateful``: transformers refuses assisted
-     generation for it too), brings its own cache (``_supports_default_dynamic_cache()`` is
-     False), or the cache ``generate`` builds has layers that are not per-token key/value rows
-     (linear-attention, SSM and convolution states, DSA indexer keys). flashmm verifies a draft
-     in one forward and keeps the accepted rows of a KV cache; a recurrent state after that
-     forward has absorbed the rejected tokens too and cannot be cropped back.
+   - *recurrent state outside the cache*: the model is stateful (``_is_stateful``: transformers
+     refuses assisted generation for it too) but its cache has no conv / SSM / linear-attention
+     layers (RWKV, xLSTM, DeepSeek-V4's compressed KV): nothing flashmm can snapshot. Stateful
+     models whose states live in those layers (Mamba, Jamba, Qwen3-Next, ...) are decoded through
+     flashmm.targets.recurrent (snapshot, restore, replay of the accepted tokens).
+   - *own caches / other layers*: the model brings its own cache (``_supports_default_dynamic_cache()``
+     is False), or the cache ``generate`` builds has layers that are neither per-token key/value
+     rows nor recurrent states (DSA indexer keys).
    - *encoder-style heads*: a config with ``is_decoder=False`` (BERT, RoBERTa, XLM-RoBERTa, ...
      ``*ForCausalLM`` heads loaded as encoders) attends bidirectionally and keeps no cache, so
      each token depends on the ones after it: nothing decodes it autoregressively.
@@ -18,7 +20,10 @@ Two layers of checks, both generic (no list of architecture names):
    with plain uncached forwards of the same sequences. A model whose positions, masks or cache
    the generic path gets wrong (own cache classes, special position schemes, a new architecture
    a later transformers adds) differs here, or raises, and is refused with what happened.
-   Cost: four forwards of <= 8 tokens, once per ``wrap``.
+   Cost: four forwards of <= 8 tokens, once per ``wrap``. Recurrent targets also commit part of
+   the tree and run a chain after it (restore + replay checked), and first compare their states
+   after one forward and after two (``recurrent.continues_state``): a mixer whose multi-token
+   forward restarts the scan (transformers' Mamba-1) is then verified one token per forward.
 """
 from __future__ import annotations
 
