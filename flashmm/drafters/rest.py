@@ -21,7 +21,7 @@ import torch
 
 from .base import Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength
-from .trie import DraftTrie, TreeBudget
+from .trie import DraftTrie, TreeBudget, match_bucket
 
 SEPARATOR = -1
 
@@ -106,10 +106,25 @@ class Datastore:
         return cls(data["tokens"].numpy(), data["suffix_array"].numpy())
 
 
+def open_datastore(source) -> Datastore:
+    """A Datastore from a file ``Rest.save`` wrote (.safetensors), or built from token corpus files
+    (a path or glob pattern of token / record files, see read_documents; no tokenizer)."""
+    import glob  # noqa: PLC0415
+
+    source = os.fspath(source)
+    if source.endswith(".safetensors") and Path(source).is_file():
+        return Datastore.load(source)
+    paths = sorted(glob.glob(source))
+    if not paths:
+        raise FileNotFoundError(f"no datastore or corpus file matches {source!r}")
+    return Rest.from_corpus(paths).datastore
+
+
 def read_documents(path, tokenizer=None) -> list[list[int]]:
     """Token documents of one file: .txt (the whole text), .jsonl / .jsonl.xz (per line: a flashmm
     corpus record's answers' ``ids``, else ``ids`` / ``input_ids``, else a ``text`` or ``turns``
-    to tokenize), .npy / .pt / .safetensors (token ids; -1 separates documents)."""
+    to tokenize), .json (a list of rows with ``ids``, or {"rows": [...]}), .npy / .pt /
+    .safetensors (token ids; -1 separates documents)."""
     path = Path(path)
     name = path.name
     if name.endswith((".npy", ".pt", ".safetensors")):
@@ -136,6 +151,10 @@ def read_documents(path, tokenizer=None) -> list[list[int]]:
             raise ValueError(f"{path} holds text: give Rest.from_corpus a tokenizer to tokenize it")
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    if name.endswith(".json"):  # {"rows": [{"ids": [...]}, ...]} (the corpus build's answer shards)
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = rows["rows"] if isinstance(rows, dict) else rows
+        return [list(r["ids"]) for r in rows if r.get("ids")]
     if name.endswith((".jsonl", ".jsonl.xz")):
         opener = lzma.open if name.endswith(".xz") else open
         docs = []
@@ -162,7 +181,8 @@ def read_documents(path, tokenizer=None) -> list[list[int]]:
 class Rest(Drafter):
     """Retrieval-based speculative decoding over a Datastore (a suffix array of a token corpus).
 
-    datastore: a Datastore or a safetensors file written by ``save``. merge=False keeps each
+    datastore: a Datastore, a safetensors file written by ``save``, or token corpus files (a path
+    or glob, see open_datastore). merge=False keeps each
     retrieved continuation its own branch (graph-structured drafting off).
     """
 
@@ -172,7 +192,7 @@ class Rest(Drafter):
                  min_match: int = 2, max_depth: int = 10, max_occurrences: int = 256, max_draft_tokens: int = 24,
                  merge: bool = True, cost: AdaptiveDraftLength | None = None):
         if datastore is not None and not isinstance(datastore, Datastore):
-            datastore = Datastore.load(datastore)
+            datastore = open_datastore(datastore)
         self.datastore = datastore
         self.max_match, self.min_match, self.max_depth = max_match, min_match, max_depth
         self.max_occurrences, self.max_draft_tokens, self.merge = max_occurrences, max_draft_tokens, merge
@@ -214,9 +234,6 @@ class Rest(Drafter):
             raise ValueError(f"the datastore holds token id {top} but the target's vocabulary has "
                              f"{target.vocab_size} tokens: a datastore built with another tokenizer")
 
-    def begin(self, start) -> None:
-        self.budget.reset()
-
     def retrieve(self, context: list[int]) -> tuple[list[list[int]], int]:
         """(continuations of the longest matched context suffix, its length), or ([], 0)."""
         for p in range(min(self.max_match, len(context)), self.min_match - 1, -1):
@@ -225,22 +242,27 @@ class Rest(Drafter):
                 return self.datastore.continuations(starts[: self.max_occurrences] + p, self.max_depth), p
         return [], 0
 
-    def propose(self, committed, max_tokens, sampling, generator):
-        if committed.shape[0] != 1:
-            raise NotImplementedError("Rest drafts one sequence at a time")
-        follows, _ = self.retrieve(committed[0, -self.max_match:].tolist())
-        if not follows:
-            self.budget.last_nodes = 0
-            return root_only(committed)
-        trie = DraftTrie(merge=self.merge)
-        weight = 1.0 / len(follows)
+    def hypotheses(self, context: list[int]) -> tuple[list[tuple[list[int], list[float]]], int]:
+        """([(continuation, per-token scores)], matched length): each score is the fraction of the
+        retrieved occurrences whose continuation starts with the path up to that token."""
+        follows, p = self.retrieve(context)
         counts: dict[tuple, int] = {}
         for follow in follows:
             for d in range(1, len(follow) + 1):
-                counts[tuple(follow[:d])] = counts.get(tuple(follow[:d]), 0) + 1
-        for g, follow in enumerate(follows):
-            trie.add(follow, [counts[tuple(follow[:d])] * weight for d in range(1, len(follow) + 1)], group=g)
-        keep = self.budget.choose(trie, min(max_tokens, self.max_draft_tokens))
+                key = tuple(follow[:d])
+                counts[key] = counts.get(key, 0) + 1
+        weight = 1.0 / max(len(follows), 1)
+        return [(follow, [counts[tuple(follow[:d])] * weight for d in range(1, len(follow) + 1)])
+                for follow in follows], p
+
+    def propose(self, committed, max_tokens, sampling, generator):
+        if committed.shape[0] != 1:
+            raise NotImplementedError("Rest drafts one sequence at a time")
+        found, p = self.hypotheses(committed[0, -self.max_match:].tolist())
+        trie = DraftTrie(merge=self.merge)
+        for g, (follow, scores) in enumerate(found):
+            trie.add(follow, scores, group=g)
+        keep = self.budget.choose(trie, min(max_tokens, self.max_draft_tokens), bucket=match_bucket(p))
         if not keep:
             return root_only(committed)
         return trie.to_draft(committed[:, -1:], keep)

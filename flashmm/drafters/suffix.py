@@ -5,7 +5,7 @@ one over the outputs of every earlier request (global, shared by all sequences a
 kept across ``generate`` calls), one over the current prompt and output. The last p committed
 tokens (p as long as a trie holds with a continuation, at most ``max_match``) select a trie node;
 from it a speculation tree grows best-first by empirical continuation frequency
-(score(child) = score(parent) · count(child) / (count(parent) + 1)), with at most
+(score(child) = score(parent) · count(child) / Σ count(siblings)), with at most
 ``budget_per_match · p`` nodes: longer matches are trusted with larger trees. Both tries' trees
 are merged into one (shared prefixes verified once), and TreeBudget drafts only what pays.
 """
@@ -15,7 +15,8 @@ import heapq
 
 from .base import Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength
-from .trie import DraftTrie, TreeBudget
+from .rest import Rest
+from .trie import DraftTrie, TreeBudget, match_bucket
 
 
 class SuffixTrie:
@@ -88,7 +89,7 @@ class SuffixTrie:
             neg, _, at, path = heapq.heappop(heap)
             if path:
                 out.append((path, -neg))
-            total = self.count[at] + 1
+            total = sum(self.count[c] for c in self.children[at].values())
             for token, child in self.children[at].items():
                 heapq.heappush(heap, (neg * self.count[child] / total, tick, child, path + [token]))
                 tick += 1
@@ -101,17 +102,21 @@ class SuffixDecoding(Drafter):
 
     max_match: longest context suffix matched; budget_per_match: speculated nodes per matched
     token (the match-length-dependent budget); merge=False verifies each trie's tree as its own
-    branch instead of merging them (graph-structured drafting off).
+    branch instead of merging them (graph-structured drafting off). datastore: a REST datastore
+    (rest.Datastore or its safetensors file) whose retrieved continuations join the tree as a
+    third source.
     """
 
     name = "suffix"
 
-    def __init__(self, max_match: int = 12, max_depth: int = 24, budget_per_match: float = 4.0,
+    def __init__(self, max_match: int = 12, max_depth: int = 24, budget_per_match: float = 2.0,
                  max_draft_tokens: int = 24, max_global_tokens: int = 200_000, merge: bool = True,
-                 cost: AdaptiveDraftLength | None = None):
+                 datastore=None, cost: AdaptiveDraftLength | None = None):
         self.max_match, self.max_depth = max_match, max_depth
         self.budget_per_match, self.max_draft_tokens, self.merge = budget_per_match, max_draft_tokens, merge
         self.outputs = SuffixTrie(max_depth, max_global_tokens)  # shared by forks
+        # a REST datastore (Datastore or its file) as a third source: text the target wrote before
+        self.corpus = None if datastore is None else Rest(datastore, max_match=max_match, max_depth=max_depth // 2)
         self.budget = TreeBudget(cost=cost)
         self.local: SuffixTrie | None = None
         self._local_doc: list[int] = []
@@ -120,13 +125,18 @@ class SuffixDecoding(Drafter):
         self._prompt_len = 0
 
     def fork(self) -> "SuffixDecoding":
-        outputs, self.outputs = self.outputs, None
+        shared = self.outputs, self.corpus
+        self.outputs = self.corpus = None
         try:
             row = super().fork()
         finally:
-            self.outputs = outputs
-        row.outputs = outputs
+            self.outputs, self.corpus = shared
+        row.outputs, row.corpus = shared
         return row
+
+    def bind(self, target) -> None:
+        if self.corpus is not None:
+            self.corpus.bind(target)
 
     def begin(self, start) -> None:
         ids = start.input_ids[0].tolist()
@@ -134,7 +144,6 @@ class SuffixDecoding(Drafter):
         self._local_doc = self.local.extend(self.local.new_document(), ids)
         self._output_doc = self.outputs.new_document()
         self._seen = self._prompt_len = len(ids)
-        self.budget.reset()
 
     def _catch_up(self, committed: list[int]) -> None:
         new = committed[self._seen:]
@@ -150,13 +159,20 @@ class SuffixDecoding(Drafter):
         self._catch_up(ids)
         trie = DraftTrie(merge=self.merge)
         limit = min(max_tokens, self.max_draft_tokens)
+        longest = 0
         for group, source in enumerate((self.local, self.outputs)):
             node, p = source.longest_match(ids, self.max_match)
             if p == 0:
                 continue
+            longest = max(longest, p)
             for path, score in source.grow(node, min(limit, int(self.budget_per_match * p))):
                 trie.add(path, score, group)
-        keep = self.budget.choose(trie, limit)
+        if self.corpus is not None:
+            found, p = self.corpus.hypotheses(ids[-self.max_match:])
+            longest = max(longest, p)
+            for follow, scores in found:
+                trie.add(follow, scores, 2)
+        keep = self.budget.choose(trie, limit, bucket=match_bucket(longest))
         if not keep:
             return root_only(committed)
         return trie.to_draft(committed[:, -1:], keep)

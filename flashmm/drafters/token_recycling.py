@@ -91,7 +91,6 @@ class TokenRecycling(Drafter):
     def begin(self, start) -> None:
         if self.successors is None:  # used without bind (drafter tests): size from the prompt
             self.successors = self._empty(int(start.input_ids.max()) + 1)
-        self.budget.reset()
 
     def propose(self, committed, max_tokens, sampling, generator):
         if committed.shape[0] != 1:

@@ -90,42 +90,48 @@ class DraftTrie:
         return Draft(tokens=tokens, tree=TokenTree.from_parents(parents), q_probs=None)
 
 
+def match_bucket(length: int) -> int:
+    """Matches of similar length share an acceptance calibration: 1, 2, 3-4, 5-8, 9+ tokens."""
+    return 0 if length <= 0 else min(length.bit_length(), 4)
+
+
 @dataclass
 class TreeBudget:
     """Chooses how many of a trie's ranked nodes to verify, from their acceptance estimates.
 
-    calibration: accepted tokens per unit of predicted score, estimated with exponential
-    forgetting (``decay`` per drafted step, ``idle_decay`` per plain step, so a drafter that
-    stopped drafts again once its prior returns) and a prior of ``prior_weight`` steps at 1.
-    With nothing accepted a drafter drafts on ~1 step in 20 once it has stopped (each retry
-    costs a fraction of a forward: ~1-2% at most).
+    calibration: accepted tokens per unit of predicted score, estimated per ``bucket`` (a
+    drafter's own notion of how reliable a step's hypotheses are, e.g. its match length) with
+    exponential forgetting (``decay`` per drafted step, ``idle_decay`` per plain step, so a
+    drafter that stopped drafts again once its prior returns) and a prior of ``prior_weight``
+    steps at 1. With nothing accepted a drafter drafts on ~1 step in 20 once it has stopped
+    (each retry costs a fraction of a forward: ~1-2% at most).
     """
 
     cost: AdaptiveDraftLength = None
     decay: float = 0.95
     idle_decay: float = 0.995
     prior_weight: float = 2.0
-    accepted: float = 0.0
-    predicted: float = 0.0
     last_predicted: float = 0.0
     last_nodes: int = 0
+    last_bucket: object = 0
 
     def __post_init__(self):
         if self.cost is None:
             self.cost = AdaptiveDraftLength()
+        self.evidence: dict = {}  # bucket -> [accepted, predicted]
 
-    @property
-    def calibration(self) -> float:
-        return (self.accepted + self.prior_weight) / (self.predicted + self.prior_weight)
+    def calibration(self, bucket=0) -> float:
+        accepted, predicted = self.evidence.get(bucket, (0.0, 0.0))
+        return (accepted + self.prior_weight) / (predicted + self.prior_weight)
 
-    def choose(self, trie: DraftTrie, max_nodes: int, extra_rows: int = 0) -> list[int]:
+    def choose(self, trie: DraftTrie, max_nodes: int, extra_rows: int = 0, bucket=0) -> list[int]:
         """The nodes to draft (best first; empty = a plain step). extra_rows: rows the forward
         carries besides the chosen nodes whenever it drafts (aux rows), counted in its cost."""
-        self.last_predicted, self.last_nodes = 0.0, 0
+        self.last_predicted, self.last_nodes, self.last_bucket = 0.0, 0, bucket
         if len(trie) <= 1 or max_nodes <= 0:
             return []
         order = trie.ranked()[:max_nodes]
-        c = self.calibration
+        c = self.calibration(bucket)
         best_n, best_rate, expected = 0, 1.0, 1.0
         for n, node in enumerate(order, start=1):
             expected += c * trie.capped[node]
@@ -140,11 +146,13 @@ class TreeBudget:
     def update(self, accepted_len: int) -> None:
         """After a step: the drafted tokens that were accepted (0 after a plain step)."""
         if self.last_nodes == 0:
-            self.accepted *= self.idle_decay
-            self.predicted *= self.idle_decay
+            for pair in self.evidence.values():
+                pair[0] *= self.idle_decay
+                pair[1] *= self.idle_decay
             return
-        self.accepted = self.decay * self.accepted + accepted_len
-        self.predicted = self.decay * self.predicted + self.last_predicted
+        pair = self.evidence.setdefault(self.last_bucket, [0.0, 0.0])
+        pair[0] = self.decay * pair[0] + accepted_len
+        pair[1] = self.decay * pair[1] + self.last_predicted
 
     def reset(self) -> None:
-        self.accepted = self.predicted = 0.0
+        self.evidence.clear()
