@@ -8,7 +8,7 @@ from ..config import SamplingParams
 from ..sampling import sample
 from ..tree import TokenTree
 from .base import Draft, Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength
+from .length import AdaptiveDraftLength, measure_verify_cost
 from .tree_drafting import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
 
 DRAFTINGS = ("sibling", "rsd_c", "rsd_s", "chains")
@@ -22,8 +22,12 @@ class DraftModel(Drafter):
     Shape: a chain, or with ``tree_width`` > 1 a "sibling tree": every node on the main chain
     also gets ``tree_width - 1`` alternative children (top-k when greedy — deterministic; i.i.d.
     samples from q when sampling — verified with q by the multi-round rule).
-    Length: ``length`` (AdaptiveDraftLength; give one with the draft model's cost folded into
-    step_cost/token_cost) picks the depth; drafting also stops early when the draft's top
+    Length: ``length`` (AdaptiveDraftLength) picks the depth from the expected tokens per unit of
+    verify time. ``budget="auto"`` (default) measures on bind, once per (model, device, dtype,
+    threads) and cached on disk (flashmm.drafters.length.measure_verify_cost), the target's
+    forward time for 1..64 new tokens and the draft's one-token forward, and uses those costs;
+    ``budget="constants"`` (or a model whose cache cannot be timed this way, see ``cost_source``)
+    keeps the length's step_cost / token_cost; drafting also stops early when the draft's top
     probability falls below ``confidence`` (greedy only). ``adaptive=False`` always drafts
     ``max_draft_tokens``.
 
@@ -43,7 +47,7 @@ class DraftModel(Drafter):
     def __init__(self, model: torch.nn.Module, max_draft_tokens: int = 8, tree_width: int = 1,
                  confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None,
                  drafting: str = "sibling", branching: tuple[int, ...] = (4, 2, 1), beam_width: int = 4,
-                 num_chains: int = 3):
+                 num_chains: int = 3, budget: str = "auto"):
         if tree_width < 1:
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         if drafting not in DRAFTINGS:
@@ -51,6 +55,10 @@ class DraftModel(Drafter):
         if min(branching, default=0) < 1 or min(beam_width, num_chains) < 1:
             raise ValueError(f"branching entries, beam_width and num_chains must be >= 1, got {branching}, "
                              f"{beam_width}, {num_chains}")
+        if budget not in ("auto", "constants"):
+            raise ValueError(f"budget must be 'auto' (measure the target's verify cost) or 'constants', got {budget!r}")
+        self.budget = budget
+        self.cost_source = "constants"
         self.drafting = drafting
         self.branching = tuple(int(b) for b in branching)
         self.beam_width = beam_width
@@ -80,6 +88,21 @@ class DraftModel(Drafter):
                 "with another tokenizer needs cross-tokenizer drafting (text-level re-tokenisation)")
         self._shared_vocab = min(rows, target.vocab_size)
         self._target_vocab = target.vocab_size
+        if self.budget == "auto" and self.adaptive and self.length.verify_cost is None:
+            self._measure_costs(target.model)
+
+    def _measure_costs(self, target_model) -> None:
+        """Fill the length's verify_cost / draft_token_cost from this machine's timings."""
+        try:
+            verify = measure_verify_cost(target_model)
+            draft_one = measure_verify_cost(self.model, grid=(1,)).seconds[0]
+        except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError) as err:
+            # a model whose cache cannot be cropped (recurrent state) or forwarded this way
+            self.cost_source = f"constants (verify cost not measurable: {type(err).__name__}: {err})"
+            return
+        self.length.verify_cost = verify
+        self.length.draft_token_cost = draft_one / verify.seconds[0]
+        self.cost_source = "measured"
 
     def begin(self, start) -> None:
         self._cache, self._cached_ids = kv.new_cache(self.model), []

@@ -1,7 +1,117 @@
-"""How many tokens to draft: the choice that maximises expected tokens per unit of verify time."""
+"""How many tokens to draft: the choice that maximises expected tokens per unit of verify time.
+
+The verify cost of N tree nodes is either measured on this machine (``measure_verify_cost``:
+the target's forward of N new tokens after a cached prefix, timed once per model, device, dtype
+and thread count, cached on disk) or, without a measurement, the linear model
+``1 + step_cost + token_cost * k`` whose defaults are CPU figures for SmolLM2-135M.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .. import cache as kv
+
+DEFAULT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Measured seconds of one target forward of N new tokens (after a cached prefix).
+
+    nodes:   ascending node counts, nodes[0] == 1.
+    seconds: the fastest of a few timed forwards at each count.
+    """
+
+    nodes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.nodes or self.nodes[0] != 1 or list(self.nodes) != sorted(set(self.nodes)):
+            raise ValueError(f"nodes must ascend from 1 without repeats, got {self.nodes}")
+        if len(self.seconds) != len(self.nodes) or min(self.seconds) <= 0:
+            raise ValueError("seconds must be positive, one per node count")
+
+    def seconds_at(self, n: int) -> float:
+        """Seconds for n nodes: linear between grid points, the last slope beyond the grid."""
+        nodes, secs = self.nodes, self.seconds
+        if n <= nodes[0]:
+            return secs[0]
+        for i in range(1, len(nodes)):
+            if n <= nodes[i]:
+                t = (n - nodes[i - 1]) / (nodes[i] - nodes[i - 1])
+                return secs[i - 1] + t * (secs[i] - secs[i - 1])
+        slope = (secs[-1] - secs[-2]) / (nodes[-1] - nodes[-2]) if len(nodes) > 1 else 0.0
+        return secs[-1] + max(slope, 0.0) * (n - nodes[-1])
+
+    def relative(self, n: int) -> float:
+        """Cost of verifying n nodes in one-token forwards (t(n) / t(1))."""
+        return self.seconds_at(n) / self.seconds[0]
+
+
+def cache_dir() -> Path:
+    """$FLASHMM_CACHE_DIR, else ~/.cache/flashmm."""
+    return Path(os.environ.get("FLASHMM_CACHE_DIR", Path.home() / ".cache" / "flashmm"))
+
+
+def _cost_key(model: torch.nn.Module, grid: Sequence[int], prefix_len: int) -> str:
+    param = next(model.parameters())
+    config = model.config.to_json_string(use_diff=False) if hasattr(model, "config") else type(model).__name__
+    ident = json.dumps([type(model).__name__, config, str(param.device), str(param.dtype),
+                        torch.get_num_threads(), list(grid), prefix_len, torch.__version__])
+    return hashlib.sha256(ident.encode()).hexdigest()[:20]
+
+
+@torch.no_grad()
+def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GRID, prefix_len: int = 128,
+                        repeats: int = 3, directory: Path | None = None) -> VerifyCost:
+    """Time ``model``'s forward of N new tokens after a ``prefix_len``-token cache for N in grid.
+
+    Measured once per (model class and config, device, dtype, torch threads, grid, prefix) and
+    cached as JSON under ``directory`` (default ``cache_dir()``); later calls read the file.
+    Raises what the model raises when it cannot run a cached multi-token forward.
+    """
+    directory = Path(directory) if directory is not None else cache_dir()
+    path = directory / f"verify_cost_{_cost_key(model, grid, prefix_len)}.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return VerifyCost(tuple(data["nodes"]), tuple(data["seconds"]))
+    param = next(model.parameters())
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(vocab, (1, prefix_len), generator=gen).to(param.device)
+    cache = model(input_ids=prefix, use_cache=True).past_key_values
+    seconds = []
+    for n in grid:
+        feed = torch.randint(vocab, (1, n), generator=gen).to(param.device)
+        best = float("inf")
+        for attempt in range(repeats + 1):            # the first run warms up, never counted
+            kv.crop(cache, prefix_len)
+            _synchronize(param.device)
+            start = time.perf_counter()
+            model(input_ids=feed, past_key_values=cache, use_cache=True, logits_to_keep=n)
+            _synchronize(param.device)
+            if attempt:
+                best = min(best, time.perf_counter() - start)
+        seconds.append(best)
+    cost = VerifyCost(tuple(int(n) for n in grid), tuple(seconds))
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(asdict(cost)))
+    temporary.replace(path)                            # atomic: a concurrent reader sees all or nothing
+    return cost
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -9,10 +119,12 @@ class AdaptiveDraftLength:
     """Picks the draft length k from a running estimate of per-token acceptance α.
 
     A chain of k drafts emits (1 - α^(k+1)) / (1 - α) tokens in expectation; verifying it costs
-    ≈ 1 + step_cost + token_cost · k one-token forwards (k ≥ 1). The defaults are CPU figures
-    for a ~100M model (SmolLM2-135M, 1-2 threads: a 2-token forward costs ~1.2x a 1-token one,
-    each further token ~0.06x more); on a GPU both are near 0.01. k = 0 (a plain step) is
-    chosen whenever drafting would not pay, so low acceptance never costs more than plain decoding.
+    ``cost(k)`` one-token forwards: with a measured ``verify_cost`` (budget="auto" in the
+    drafters) t(k + 1) / t(1) + draft_token_cost · k, else 1 + step_cost + token_cost · k, whose
+    defaults are CPU figures for a ~100M model (SmolLM2-135M, 1-2 threads: a 2-token forward
+    costs ~1.2x a 1-token one, each further token ~0.06x more); on a GPU both are near 0.01.
+    k = 0 (a plain step) is chosen whenever drafting would not pay, so low acceptance never costs
+    more than plain decoding.
 
     α is estimated from accepted / rejected counts with exponential forgetting and a
     Beta(prior_accept, prior_reject) prior: ``decay`` applies per drafted step, ``idle_decay``
@@ -28,6 +140,8 @@ class AdaptiveDraftLength:
     prior_reject: float = 1.0
     accepted: float = 0.0
     rejected: float = 0.0
+    verify_cost: VerifyCost | None = None
+    draft_token_cost: float = 0.0
 
     @property
     def alpha(self) -> float:
@@ -35,8 +149,12 @@ class AdaptiveDraftLength:
         return a / (a + self.rejected + self.prior_reject)
 
     def cost(self, k: int) -> float:
-        """Verify cost of k drafted tokens, in one-token forwards."""
-        return 1.0 if k == 0 else 1.0 + self.step_cost + self.token_cost * k
+        """Verify cost of k drafted tokens (k + 1 nodes), in one-token forwards."""
+        if k == 0:
+            return 1.0
+        if self.verify_cost is not None:
+            return self.verify_cost.relative(k + 1) + self.draft_token_cost * k
+        return 1.0 + self.step_cost + self.token_cost * k
 
     def choose(self, max_tokens: int, alpha: float | None = None) -> int:
         alpha = self.alpha if alpha is None else alpha
@@ -58,3 +176,21 @@ class AdaptiveDraftLength:
 
     def reset(self) -> None:
         self.accepted = self.rejected = 0.0
+
+
+def best_tree_budget(accept: Sequence[float], verify_cost: VerifyCost, max_nodes: int,
+                     max_depth: int | None = 8, draft_token_cost: float = 0.0):
+    """The node count n (root included) and Sequoia tree maximising expected tokens per second:
+    (1 + expected accepted of the best n-node tree) / (t(n) / t(1) + draft_token_cost * (n - 1)).
+
+    accept: positional acceptance vector (flashmm.shapes). Returns (n, tree, tokens per forward-unit).
+    """
+    from ..shapes import sequoia_tree  # noqa: PLC0415 (shapes imports tree, a sibling of drafters)
+
+    best = (1, None, 1.0)
+    for n in range(1, max_nodes + 1):
+        value, tree = sequoia_tree(accept, n, max_depth)
+        rate = (1.0 + value) / (verify_cost.relative(n) + draft_token_cost * (n - 1))
+        if rate > best[2] + 1e-12 or best[1] is None:
+            best = (n, tree, rate)
+    return best

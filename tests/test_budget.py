@@ -1,0 +1,78 @@
+"""Hardware-aware budget: the verify-cost measurement (cached on disk per model / device / dtype),
+the draft length it picks (brute force over k), and the Sequoia tree size it picks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashmm
+from flashmm.drafters import DraftModel
+from flashmm.drafters.length import AdaptiveDraftLength, VerifyCost, best_tree_budget, measure_verify_cost
+from flashmm.shapes import sequoia_tree
+
+from text_models import prompt, tiny_lm
+
+
+def test_measured_once_then_read_from_disk(tmp_path):
+    model = tiny_lm("llama", seed=0)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        first = measure_verify_cost(model, grid=(1, 2, 4, 8), prefix_len=16, repeats=1, directory=tmp_path)
+        measured = len(calls)
+        again = measure_verify_cost(model, grid=(1, 2, 4, 8), prefix_len=16, repeats=1, directory=tmp_path)
+    finally:
+        hook.remove()
+    assert measured == 1 + 4 * 2 and len(calls) == measured      # prefix + (warm-up + 1) per size; then none
+    assert again == first and first.nodes == (1, 2, 4, 8) and min(first.seconds) > 0
+    other = measure_verify_cost(model.to(torch.float64), grid=(1, 2, 4, 8), prefix_len=16, repeats=1,
+                                directory=tmp_path)                 # another dtype: its own entry
+    assert len(list(tmp_path.glob("verify_cost_*.json"))) == 2 and other.nodes == first.nodes
+
+
+def test_cost_interpolates_and_extrapolates():
+    cost = VerifyCost((1, 2, 4), (1.0, 1.5, 2.5))
+    assert cost.relative(1) == 1.0 and cost.relative(3) == 2.0 and cost.relative(6) == 3.5
+    with pytest.raises(ValueError):
+        VerifyCost((2, 4), (1.0, 2.0))
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.8, 0.95])
+@pytest.mark.parametrize("seconds", [(1.0, 1.05, 1.1, 1.2, 1.4), (1.0, 1.6, 2.2, 3.5, 6.0), (1.0, 1.0, 1.0, 1.0, 1.0)])
+def test_length_maximises_tokens_per_cost(alpha, seconds):
+    cost = VerifyCost((1, 2, 4, 8, 16), seconds)
+    length = AdaptiveDraftLength(verify_cost=cost, draft_token_cost=0.05)
+
+    def rate(k):
+        expected = sum(alpha ** i for i in range(k + 1))
+        return expected / (1.0 if k == 0 else cost.relative(k + 1) + 0.05 * k)
+    brute = max(range(13), key=lambda k: (rate(k), -k))
+    assert length.choose(12, alpha) == brute
+
+
+def test_tree_budget_by_enumeration():
+    accept = [0.6, 0.2, 0.1]
+    cheap = VerifyCost((1, 64), (1.0, 1.0 + 63 * 0.001))
+    steep = VerifyCost((1, 2, 64), (1.0, 3.0, 200.0))
+    n, tree, rate = best_tree_budget(accept, cheap, max_nodes=12)
+    assert n == 12 and tree.num_nodes == 12              # verification almost free: use every node
+    assert best_tree_budget(accept, steep, max_nodes=12)[0] == 1   # drafting never pays
+    middle = VerifyCost((1, 4, 8, 16), (1.0, 1.3, 2.0, 4.0))
+    n, tree, rate = best_tree_budget(accept, middle, max_nodes=12)
+    rates = {m: (1 + sequoia_tree(accept, m, 8)[0]) / middle.relative(m) for m in range(1, 13)}
+    assert n == max(rates, key=rates.get) and rate == pytest.approx(rates[n])
+
+
+def test_auto_budget_measures_on_bind_and_stays_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
+    target, draft = tiny_lm("llama", seed=0), tiny_lm("llama", seed=0)
+    drafter = DraftModel(draft, max_draft_tokens=4)
+    sm = flashmm.wrap(target, drafter)
+    assert drafter.cost_source == "measured" and drafter.length.verify_cost is not None
+    assert list(tmp_path.glob("verify_cost_*.json"))
+    ids = prompt(10, seed=2)
+    assert torch.equal(sm.generate(ids, do_sample=False, max_new_tokens=12),
+                       target.generate(ids, do_sample=False, max_new_tokens=12))
+    kept = DraftModel(draft, budget="constants")
+    flashmm.wrap(target, kept)
+    assert kept.cost_source == "constants" and kept.length.verify_cost is None
