@@ -13,7 +13,7 @@ class SpecConfig:
     """Speculation settings shared by all drafters.
 
     verifier: "auto" (greedy when not sampling, else tree multi-round, which equals chain
-      rejection sampling on a chain), "greedy", "chain", "tree", or "typical_lossy"
+      rejection sampling on a chain, or "rsd" for drafts without replacement), "greedy", "chain", "tree", or "typical_lossy"
       (Medusa typical acceptance: NOT lossless; output distribution differs from the target);
       exact rules that need a matching drafting scheme (flashmm.verify.schemes): "rsd" (siblings
       drawn without replacement), "block" (chains), "traversal" (trees without replacement, chains),

@@ -84,6 +84,13 @@ def test_greedy_names():
         assert torch.equal(got.path, expected.path) and torch.equal(got.next_token, expected.next_token)
 
 
+def test_auto_picks_the_exact_rule():
+    from flashmm.verify import select_verifier  # noqa: PLC0415
+    assert select_verifier("auto", True, drafting_scheme="without_replacement").__name__ == "_rsd"
+    assert select_verifier("auto", True, drafting_scheme="iid").__name__ == "_auto_sampling"
+    assert select_verifier("auto", True, drafting_scheme="iid_chains").__name__ == "_auto_sampling"
+
+
 def test_drafts_have_the_declared_shape(greedy_models):
     target, draft = greedy_models
     committed = prompt(6, seed=1)

@@ -104,7 +104,7 @@ def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None,
     already be warped the same way by the drafter.
 
     "auto":  greedy when not sampling, else multi-round tree (chain rejection on chains, which
-             is the same rule draw for draw).
+             is the same rule draw for draw); "rsd" when drafting_scheme is "without_replacement".
     "chain", "tree", "typical_lossy": as named when sampling; with do_sample=False every
              verifier is greedy verification (the exact rule for greedy decoding).
     "rsd":   recursive rejection sampling, siblings drawn without replacement (RSD-C / RSD-S).
@@ -134,6 +134,8 @@ def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None,
         raise ValueError("verifier='chain' needs a chain-shaped draft; use 'tree' or 'auto' for trees")
     if backend == "triton" and name in ("auto", "tree"):
         return _tree_kernel
+    if name == "auto" and drafting_scheme == "without_replacement":
+        return _rsd
     if name == "traversal" and drafting_scheme == "iid":
         return _traversal_iid
     return {"auto": _auto_sampling, "chain": _chain, "tree": _tree, "typical_lossy": _typical_lossy,

@@ -19,7 +19,7 @@ DRAFTING_SCHEMES = ("chain", "iid", "without_replacement", "iid_chains", "determ
 # verifier name -> drafting schemes it is exact for when sampling. A chain is every scheme's
 # one-child case; i.i.d. chains are an i.i.d. tree (root children i.i.d., one child below).
 COMPATIBLE_SCHEMES = {
-    "auto": ("chain", "iid", "iid_chains", "deterministic"),
+    "auto": DRAFTING_SCHEMES,  # picks "rsd" for without-replacement drafts, multi-round otherwise
     "tree": ("chain", "iid", "iid_chains", "deterministic"),
     "chain": ("chain", "deterministic"),
     "typical_lossy": DRAFTING_SCHEMES,  # lossy anyway; it never uses q
