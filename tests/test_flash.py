@@ -195,9 +195,9 @@ def test_sampling_uses_tree_verifier_and_output_is_valid(text_target, monkeypatc
     used = []
     real = flashmm.engine.select_verifier
 
-    def recording(name, do_sample, tree=None, backend="torch"):
+    def recording(name, do_sample, tree=None, backend="torch", **options):
         used.append((name, do_sample))
-        return real(name, do_sample, tree, backend=backend)
+        return real(name, do_sample, tree, backend=backend, **options)
 
     monkeypatch.setattr(flashmm.engine, "select_verifier", recording)
     drafter = drafter_for(text_target, 5, tree=STATIC_TREE)
