@@ -145,31 +145,35 @@ def main(argv=None):
         for name in names:
             rec[name]["exact"] = bool(torch.equal(outs[name], outs["plain"])) if greedy else None
         records.append(rec)
+        md = report(args, argv, records, names, greedy, len(questions))
+    print(md)
 
+def report(args, argv, records: list[dict], names: list[str], greedy: bool, planned: int) -> None:
+    """Write the tables and records so far (after every question: a run cut short keeps them)."""
     summary = summarize(records, names)
-    header = ["category", "n"] + [h for name in names[1:] for h in
-                                  (f"{name} speedup", f"{name} CPU-time speedup", f"{name} median",
-                                   f"{name} τ", f"{name} exact")]
-    header.insert(2, "plain tok/s")
+    header = ["category", "n", "plain tok/s"] + [h for name in names[1:] for h in
+                                                 (f"{name} speedup", f"{name} CPU-time speedup", f"{name} τ",
+                                                  f"{name} exact")]
     rows = []
     for cat, s in summary.items():
         row = [cat, s["n"], s["plain"]["tok_per_s"]]
         for name in names[1:]:
             m = s[name]
-            row += [m["speedup"], m["cpu_speedup"], m["median_speedup"], m.get("tau", "-"),
+            row += [m["speedup"], m["cpu_speedup"], m.get("tau", "-"),
                     "-" if m["exact_rate"] is None else f"{m['exact_rate']:.0%}"]
         rows.append(row)
     info = machine()
     mode = "greedy" if greedy else f"sampled at T={args.temperature}"
-    md = (f"# Text speed: {args.model}, {mode}, {args.max_new_tokens} new tokens\n\n"
+    done = "" if len(records) == planned else f" ({len(records)} of {planned} questions done so far)"
+    md = (f"# Text speed: {args.model}, {mode}, {args.max_new_tokens} new tokens{done}\n\n"
           f"Machine: {info}\n\nCommand: `python eval/text_speed.py {' '.join(argv or sys.argv[1:])}`\n\n"
           "speedup = (tokens/s of the method) / (tokens/s of plain `model.generate`), same run, interleaved "
           "(wall clock); CPU-time speedup = the same ratio on this process's CPU seconds, which other load "
-          "on a shared machine disturbs far less; "
-          "median = median of per-question speedups; τ = tokens per verification forward; "
-          "exact = output identical to plain greedy.\n\n" + markdown_table(header, rows) + "\n")
-    print(md)
+          "on a shared machine disturbs far less; τ = tokens per verification forward; "
+          "exact = output identical to plain greedy. Per-question speedups are in the .json.\n\n"
+          + markdown_table(header, rows) + "\n")
     write_results(args.out, {"machine": info, "args": vars(args), "summary": summary, "records": records}, md)
+    return md
 
 
 def summarize(records: list[dict], names: list[str]) -> dict:
