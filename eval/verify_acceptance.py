@@ -139,8 +139,8 @@ def main(argv=None):
                       f"tables, V={VOCAB}, draft = {args.mix} target + noise, {args.rows} rows x {args.tables} "
                       f"tables per cell; command: python eval/verify_acceptance.py --rows {args.rows})\n\n"
                       + table + "\n\nP(at least one drafted token accepted), with the optimal acceptance of "
-                      "k i.i.d. drafts (k = the tree's root branching; the chain rows have k = 1, chains k = "
-                      "the number of chains):\n\n" + first_table + "\n")
+                      "k i.i.d. drafts (k = the root branching of the tree and chains rows at that budget: 2 at "
+                      "N = 8, 4 above; it bounds their first level):\n\n" + first_table + "\n")
 
 
 if __name__ == "__main__":
