@@ -1,13 +1,15 @@
 """Public entry point: ``flashmm.wrap(model, drafter, **config).generate(...)``."""
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 
 import torch
 from transformers import GenerationConfig
 
 from .config import SpecConfig
-from .drafters.base import Drafter, make_drafter
+from .drafters.base import Drafter
+from .drafters.saved import resolve_name_or_dir
 from .engine import Decoding, GenerationStats, generate_one
 from .generation import finish, prepare
 from .batched import generate_batch
@@ -109,15 +111,16 @@ class SpeculativeModel:
 
 def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attention: str = "auto",
          linear: str = "auto", **config) -> SpeculativeModel:
-    """Wrap ``model`` for speculative decoding with ``drafter`` (an instance or a registered name).
+    """Wrap ``model`` for speculative decoding with ``drafter``: an instance, a registered name, or the
+    folder of a trained drafter (``flashmm.drafters.load``).
 
     config: SpecConfig fields (verifier, max_draft_tokens, ...). ``attention`` picks the tree
     attention path: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". ``linear``
     picks how the tree forwards' linear layers multiply: "auto" (oneDNN for an fp32 model on
     an x86-64 CPU, see flashmm.onednn; torch elsewhere), "onednn" or "torch" (the model's own layers).
     """
-    if isinstance(drafter, str):
-        drafter = make_drafter(drafter)
+    if isinstance(drafter, (str, os.PathLike)):
+        drafter = resolve_name_or_dir(os.fspath(drafter))
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter must be a flashmm Drafter or a registered name, got {type(drafter).__name__}")
     return SpeculativeModel(model, drafter, processor=processor, attention=attention, linear=linear, **config)

@@ -6,9 +6,11 @@ import glob
 import json
 import os
 
-from .drafters.base import Drafter, drafter_names, make_drafter
+from .drafters.base import Drafter, drafter_names
 from .drafters.flash import CONFIG_NAME as FLASH_CONFIG_NAME
 from .drafters.flash import FlashDrafter
+from .drafters.saved import CONFIG_FILE as SAVED_CONFIG
+from .drafters.saved import load, make_by_name
 
 TRAINING_FILES = ("flash_build_info.json",)  # written by flashmm's reference drafter builds
 
@@ -74,9 +76,11 @@ def resolve_drafter(drafter, device=None, allow_untrained: bool = False) -> Draf
                         f"{type(drafter).__name__}")
     name = os.fspath(drafter)
     if os.path.isdir(name):
+        if os.path.isfile(os.path.join(name, SAVED_CONFIG)):
+            return load(name)
         if not os.path.isfile(os.path.join(name, FLASH_CONFIG_NAME)):
             raise ValueError(f"drafter directory {name!r} has no {FLASH_CONFIG_NAME}: expected a directory "
-                             "written by FlashDrafter.save_pretrained")
+                             f"written by FlashDrafter.save_pretrained or a trained drafter with {SAVED_CONFIG}")
         if not allow_untrained and training_record(name) is None:
             raise _untrained(f"the FLASH drafter in {name!r} records no training ({FLASH_CONFIG_NAME} has no "
                              f"'training' entry, and there is no {TRAINING_FILES[0]} or "
@@ -85,6 +89,6 @@ def resolve_drafter(drafter, device=None, allow_untrained: bool = False) -> Draf
     if name in drafter_names():
         if name == FlashDrafter.name and not allow_untrained:
             raise _untrained(f"the drafter name {name!r} builds a new FLASH head for the model, untrained")
-        return make_drafter(name)
+        return make_by_name(name)
     raise ValueError(f"drafter {name!r} is neither a directory nor a registered drafter name "
                      f"{drafter_names()}")

@@ -1,6 +1,7 @@
 """Drafting methods, one class each, behind the Drafter protocol."""
 from .base import Draft, Drafter, SequenceStart, StepResult, drafter_names, make_drafter, register
 from .draft_model import DraftModel
+from .fastdraft import FastDraft
 from .flash import FlashDrafter
 from .length import AdaptiveDraftLength
 from .lookahead import Lookahead
@@ -8,6 +9,7 @@ from .prompt_lookup import PromptLookup
 from .rest import Rest
 from .suffix import SuffixDecoding
 from .token_recycling import TokenRecycling
+from .saved import load
 
 __all__ = ["Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "FlashDrafter", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength"]
+           "DraftModel", "FastDraft", "FlashDrafter", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength"]

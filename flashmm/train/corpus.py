@@ -211,8 +211,11 @@ def _forward_features(model, batch: list[tuple[list[int], int]], layers, top_k: 
         input_ids[row, :len(ids)] = torch.tensor(ids)
         mask[row, :len(ids)] = 1
     with torch.inference_mode():
-        out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-    hidden = torch.stack([out.hidden_states[layer] for layer in layers], dim=2)  # [B, W, n_layers, d]
+        out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=bool(layers), use_cache=False)
+    if layers:
+        hidden = torch.stack([out.hidden_states[layer] for layer in layers], dim=2)  # [B, W, n_layers, d]
+    else:  # distributions only (a draft LM's distillation): no features kept
+        hidden = out.logits.new_zeros((*input_ids.shape, 0, model.config.get_text_config().hidden_size))
     logits = out.logits.float()  # [B, W, V]
     values, ids = logits.topk(top_k, dim=-1)  # [B, W, k]
     lse = logits.logsumexp(-1)  # [B, W]

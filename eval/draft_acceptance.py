@@ -1,0 +1,134 @@
+"""Acceptance of draft LMs against SmolLM2 on the dev Spec-Bench questions, computed exactly offline.
+
+For greedy chain drafting, the tokens a draft proposes after an accepted prefix are its argmaxes
+on the target's own greedy text, so one teacher-forced draft forward over (prompt + the target's
+greedy answer) gives, at every answer position i, the run of consecutive agreements starting at i.
+A chain of k drafted tokens started at i accepts min(k, run_i) of them; walking the answer step by
+step gives the exact greedy τ of spec decoding with that draft and k (no timing, no noise).
+Sampling at T: the expected acceptance of one drafted token, Σ_v min(p_T, q_T), averaged over the
+same positions (the greedy trajectory stands in for sampled ones).
+
+    python -m eval.draft_acceptance --drafters assets/text_drafters/smollm2/fastdraft ... \\
+        --per-category 5 --out eval/results/draft_acceptance_smollm2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from eval.common import machine, markdown_table, write_results
+from flashmm.drafters import load
+
+DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl"
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def questions(path: Path, per_category: int) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    taken: dict[str, int] = defaultdict(int)
+    out = []
+    for row in rows:
+        if taken[row["category"]] < per_category:
+            taken[row["category"]] += 1
+            out.append(row)
+    return out
+
+
+@torch.no_grad()
+def target_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, cache: Path) -> list[dict]:
+    """The target's greedy answers (cached in ``cache``: they do not depend on the drafters)."""
+    done = json.loads(cache.read_text()) if cache.exists() else {}
+    for row in rows:
+        key = str(row["question_id"])
+        if key not in done:
+            ids = chat_ids(tokenizer, row["turns"][0])
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+            done[key] = {"prompt": ids, "answer": out[0, len(ids):].tolist()}
+            cache.write_text(json.dumps(done))
+    return [{**row, **done[str(row["question_id"])]} for row in rows]
+
+
+def greedy_tau(agree: list[bool], k: int) -> float:
+    """Exact tokens per verification step of greedy chain drafting with k tokens, from agreements."""
+    i, steps, n = 0, 0, len(agree)
+    while i < n:
+        run = 0
+        while run < k and i + run < n and agree[i + run]:
+            run += 1
+        i += run + 1  # accepted tokens + the target's own token
+        steps += 1
+    return n / steps if steps else 0.0
+
+
+@torch.no_grad()
+def measure(draft_lm, model, items: list[dict], temperature: float, ks: tuple[int, ...]) -> dict:
+    per_category: dict[str, dict] = defaultdict(lambda: defaultdict(list))
+    for item in items:
+        ids = torch.tensor([item["prompt"] + item["answer"]])
+        start = len(item["prompt"]) - 1  # position predicting the first answer token
+        q_logits = draft_lm(input_ids=ids, logits_to_keep=0).logits[0, start:-1].float()  # [A, V]
+        p_logits = model(input_ids=ids).logits[0, start:-1].float()
+        answer = torch.tensor(item["answer"])
+        agree = (q_logits.argmax(-1) == answer).tolist()
+        p = (p_logits / temperature).softmax(-1)
+        q = (q_logits / temperature).softmax(-1)
+        stats = per_category[item["category"]]
+        stats["alpha_greedy"].append(sum(agree) / len(agree))
+        stats["alpha_sampled"].append(float(torch.minimum(p, q).sum(-1).mean()))
+        for k in ks:
+            stats[f"tau_k{k}"].append(greedy_tau(agree, k))
+    return {c: {m: sum(v) / len(v) for m, v in s.items()} for c, s in per_category.items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafters", nargs="+", required=True, help="trained drafter folders")
+    ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
+    ap.add_argument("--per-category", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--answers-cache", type=Path, default=Path("/tmp/smollm2_dev_answers.json"))
+    ap.add_argument("--out", default="eval/results/draft_acceptance_smollm2")
+    args = ap.parse_args(argv)
+    from flashmm.weights import load_gguf_lm  # noqa: PLC0415
+
+    model, tokenizer = load_gguf_lm("smollm2", dtype=torch.float32)
+    items = target_answers(model, tokenizer, questions(args.questions, args.per_category), args.max_new_tokens,
+                           args.answers_cache)
+    ks = (4, 8)
+    results = {}
+    for folder in args.drafters:
+        drafter = load(folder)
+        results[Path(folder).name] = measure(drafter.model, model, items, args.temperature, ks)
+    metrics = ["alpha_greedy", "alpha_sampled"] + [f"tau_k{k}" for k in ks]
+    rows = []
+    for name, per_category in results.items():
+        overall = {m: sum(c[m] for c in per_category.values()) / len(per_category) for m in metrics}
+        rows.append([name, "all (mean of categories)"] + [overall[m] for m in metrics])
+        for category, stats in sorted(per_category.items()):
+            rows.append([name, category] + [stats[m] for m in metrics])
+    header = ["drafter", "category", "α greedy", f"α sampled T={args.temperature}", "τ greedy k=4", "τ greedy k=8"]
+    markdown = (f"# Draft acceptance on SmolLM2-135M-Instruct, dev Spec-Bench ({len(items)} questions, "
+                f"{args.per_category} per category, {args.max_new_tokens} new tokens)\n\n"
+                "Exact offline computation (eval/draft_acceptance.py docstring): α greedy = the draft's argmax "
+                "equals the target's greedy token; τ greedy k = tokens per verification step of chain drafting with "
+                f"k tokens; α sampled = mean Σ min(p, q) at T = {args.temperature} along the greedy answers.\n\n"
+                f"Command: `python -m eval.draft_acceptance --drafters {' '.join(args.drafters)} "
+                f"--per-category {args.per_category}`\n\n" + markdown_table(header, rows) + "\n")
+    write_results(args.out, {"machine": machine(), "args": vars(args) | {"questions": str(args.questions),
+                                                                       "answers_cache": str(args.answers_cache)},
+                             "results": results}, markdown)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""FastDraft (Intel, arXiv 2411.11055): a small LM trained for one target, drafting with DraftModel.
+
+The draft speaks the target's token ids but predicts only a reduced vocabulary: the tokens that
+carry almost all of the target's output mass (chosen from the self-distillation corpus). A token
+outside it is never drafted, and verification is exact whatever the draft proposes, so a smaller
+output layer only costs acceptance where the target writes a rare token; it saves most of the
+draft's step (SmolLM2's 49152-row LM head alone costs a fifth of a target step).
+
+On disk (``flashmm.drafters.load(dir)``): ``drafter.json`` (method, drafter "fastdraft", the target
+it was trained for, the draft LM's config) and ``model.safetensors`` (the LM's weights and the
+``draft_to_target`` id map), fp16.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .base import register
+from .draft_model import DraftModel
+from .length import AdaptiveDraftLength
+
+from .saved import CONFIG_FILE
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+class ReducedVocabLM(nn.Module):
+    """A causal LM over a subset of the target's vocabulary that reads and writes target ids.
+
+    lm: any causal LM with ``len(draft_to_target)`` input and output rows.
+    draft_to_target: LongTensor [Vd]; draft row i is target token draft_to_target[i] (distinct ids).
+    A target id outside the subset is read as draft row ``unknown_row`` (row 0 by convention: the
+    builder puts the most frequent token there, so the draft sees some token rather than garbage).
+    Logits come back over the full target vocabulary [.., V], -inf outside the subset.
+    """
+
+    def __init__(self, lm: nn.Module, draft_to_target: torch.Tensor, target_vocab: int, unknown_row: int = 0):
+        super().__init__()
+        if draft_to_target.unique().numel() != draft_to_target.numel():
+            raise ValueError("draft_to_target must list distinct target ids")
+        if int(draft_to_target.max()) >= target_vocab:
+            raise ValueError(f"draft_to_target names id {int(draft_to_target.max())} >= target vocabulary {target_vocab}")
+        self.lm = lm
+        self.config = lm.config
+        self.target_vocab = target_vocab
+        self.register_buffer("draft_to_target", draft_to_target.long(), persistent=False)
+        target_to_draft = torch.full((target_vocab,), unknown_row, dtype=torch.long)
+        target_to_draft[draft_to_target] = torch.arange(len(draft_to_target))
+        self.register_buffer("target_to_draft", target_to_draft, persistent=False)
+
+    @property
+    def output_rows(self) -> int:
+        return self.target_vocab
+
+    def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True,
+                logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+        out = self.lm(input_ids=self.target_to_draft[input_ids], past_key_values=past_key_values,
+                      use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        small = out.logits  # [B, L, Vd]
+        logits = small.new_full((*small.shape[:-1], self.target_vocab), float("-inf"))
+        logits.index_copy_(-1, self.draft_to_target, small)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+
+
+def build_lm(config: dict) -> LlamaForCausalLM:
+    """The draft LM of a FastDraft config (a Llama decoder; fp32 for CPU speed)."""
+    lm_config = LlamaConfig(**config)
+    lm_config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(lm_config).eval()
+
+
+@register
+class FastDraft(DraftModel):
+    """A DraftModel over a trained ReducedVocabLM; build with ``FastDraft.from_dir(dir)`` or
+    ``flashmm.drafters.load(dir)``. Same drafting and adaptive length as DraftModel."""
+
+    name = "fastdraft"
+
+    def __init__(self, model: ReducedVocabLM, max_draft_tokens: int = 8, tree_width: int = 1,
+                 confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None,
+                 info: dict | None = None):
+        if not isinstance(model, ReducedVocabLM):
+            raise TypeError("FastDraft drafts with a ReducedVocabLM; load a trained one with "
+                            "flashmm.drafters.load(dir), or use DraftModel for any other causal LM")
+        super().__init__(model, max_draft_tokens=max_draft_tokens, tree_width=tree_width, confidence=confidence,
+                         adaptive=adaptive, length=length)
+        self.info = info or {}
+
+    @classmethod
+    def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "FastDraft":
+        path = Path(path)
+        info = json.loads((path / CONFIG_FILE).read_text())
+        tensors = load_file(str(path / WEIGHTS_FILE))
+        draft_to_target = tensors.pop("draft_to_target")
+        lm = build_lm(info["lm_config"])
+        missing, unexpected = lm.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and lm.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, "
+                             f"unexpected {unexpected}")
+        model = ReducedVocabLM(lm.to(dtype), draft_to_target, info["target"]["vocab_size"])
+        return cls(model, info=info, **options)
+
+
+def save_reduced_lm(path, model: ReducedVocabLM, info: dict) -> Path:
+    """Write ``model`` (fp16) and ``info`` (must name method and target) as a loadable drafter folder."""
+    for key in ("method", "target"):
+        if key not in info:
+            raise ValueError(f"drafter info needs {key!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.lm.state_dict().items()
+             if not (k == "lm_head.weight" and model.lm.config.tie_word_embeddings)}
+    state["draft_to_target"] = model.draft_to_target.cpu()
+    save_file(state, str(path / WEIGHTS_FILE))
+    full = {**info, "drafter": FastDraft.name, "lm_config": model.lm.config.to_diff_dict()}
+    (path / CONFIG_FILE).write_text(json.dumps(full, indent=1) + "\n")
+    return path

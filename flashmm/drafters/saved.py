@@ -1,0 +1,54 @@
+"""Trained drafters on disk: ``flashmm.drafters.load(dir)``.
+
+A trained drafter is a folder holding ``drafter.json`` (at least ``method``: how it was trained,
+``drafter``: the registered Drafter class that runs it, ``target``: the model it was trained for)
+and safetensors weights, never a pickle. The class named by ``drafter`` reads the folder through
+its ``from_dir(path, **options)``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .base import _REGISTRY, Drafter, drafter_names, make_drafter
+
+CONFIG_FILE = "drafter.json"
+
+
+def read_info(path) -> dict:
+    """The drafter.json of a drafter folder, checked for the keys every trained drafter carries."""
+    path = Path(path)
+    config = path / CONFIG_FILE
+    if not config.is_file():
+        raise FileNotFoundError(f"{path} is not a trained drafter folder (no {CONFIG_FILE}); "
+                                f"untrained drafters are chosen by name: {drafter_names()}")
+    info = json.loads(config.read_text())
+    missing = [key for key in ("method", "drafter", "target") if key not in info]
+    if missing:
+        raise ValueError(f"{config} lacks {missing}")
+    return info
+
+
+def load(path, **options) -> Drafter:
+    """The trained drafter stored in folder ``path``; ``options`` go to its constructor
+    (e.g. ``max_draft_tokens=6``)."""
+    info = read_info(path)
+    cls = _REGISTRY.get(info["drafter"])
+    if cls is None or not hasattr(cls, "from_dir"):
+        raise ValueError(f"{path}: drafter {info['drafter']!r} (method {info['method']!r}) cannot be loaded "
+                         f"from a folder; loadable drafters: "
+                         f"{[n for n, c in sorted(_REGISTRY.items()) if hasattr(c, 'from_dir')]}")
+    return cls.from_dir(path, **options)
+
+
+def make_by_name(name: str, **options) -> Drafter:
+    """A registered drafter by name, refusing the trained ones (they need their folder)."""
+    if hasattr(_REGISTRY.get(name), "from_dir"):
+        raise ValueError(f"{name!r} is a trained drafter: give the folder it was saved in "
+                         "(flashmm.drafters.load(dir); SmolLM2's ship under assets/text_drafters/smollm2/)")
+    return make_drafter(name, **options)
+
+
+def resolve_name_or_dir(drafter: str, **options) -> Drafter:
+    """What ``flashmm.wrap(model, "<name or folder>")`` builds: a trained drafter's folder, else a name."""
+    return load(drafter, **options) if Path(drafter).is_dir() else make_by_name(drafter, **options)
