@@ -57,6 +57,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--tokens-per-batch", type=int, default=8192)
     ap.add_argument("--top-k", type=int, default=32)
+    ap.add_argument("--distill-sequences", type=int, default=800,
+                    help="greedy answers whose target distributions are computed (kd, distillspec, adaspec)")
     ap.add_argument("--on-policy-prompts", type=int, default=800)
     ap.add_argument("--on-policy-tokens", type=int, default=128)
     ap.add_argument("--divergence", default="tvd", choices=T.DIVERGENCES)
@@ -157,7 +159,9 @@ class Build:
                     "target's greedy answers (cross-entropy)")
 
     def greedy_features(self):
-        return self.features(corpus_sequences(self.records, "greedy", self.end_ids()[0]))
+        sequences = corpus_sequences(self.records, "greedy", self.end_ids()[0])
+        random.Random(self.args.seed).shuffle(sequences)
+        return self.features(sequences[:self.args.distill_sequences])
 
     def stage_features(self):
         self.greedy_features()
