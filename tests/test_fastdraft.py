@@ -1,6 +1,7 @@
 """FastDraft / DistillSpec / AdaSPEC: the reduced-vocabulary draft LM, its training objectives
 (against float64 references) and its exactness as a drafter (greedy and sampled)."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,3 +147,31 @@ def test_fastdraft_sampling_is_exact(models):  # noqa: F811 (fixture)
     p = chi_square_pvalue(histogram(sm), exact_joint(target))
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
     assert vocab == 8
+
+
+# ---------------------------------------------------------------- the shipped drafters on real weights
+
+SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2"
+
+
+@pytest.mark.parametrize("method", ["fastdraft", "distillspec", "adaspec"])
+def test_shipped_draft_is_exact_on_smollm2(smollm2, method):
+    if not (SHIPPED / method / "drafter.json").exists():
+        pytest.skip(f"{method} is not built (python -m tools.drafters.build_draft_lm)")
+    model, tokenizer = smollm2
+    drafter = load(SHIPPED / method)
+    assert drafter.info["method"] == method and drafter.info["target"]["vocab_size"] == model.config.vocab_size
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colours."}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    sm = flashmm.wrap(model, drafter)
+    out = sm.generate(ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=24, do_sample=False))
+    # trained: on the target's own corpus answers its argmax often is the target's token (chance ~ 0)
+    from flashmm.train.corpus import read_corpus  # noqa: PLC0415
+
+    record = read_corpus(SHIPPED.parents[1] / "corpus/smollm2")[0]
+    ids = torch.tensor([record.prompt_ids + record.greedy.ids])
+    with torch.no_grad():
+        guess = drafter.model(input_ids=ids, logits_to_keep=0).logits[0, len(record.prompt_ids) - 1:-1].argmax(-1)
+    assert (guess == torch.tensor(record.greedy.ids)).float().mean() > 0.15
