@@ -17,10 +17,10 @@ Two layers of checks, both generic (no list of architecture names):
    - *no cache*: the forward takes no ``past_key_values``.
 2. ``self_check(target)`` runs flashmm's own path once on a 5-token prompt and a 4-node tree
    (prefill into flashmm's cache, one tree forward with two branches) and compares its logits
-   with plain uncached forwards of the same sequences. A model whose positions, masks or cache
-   the generic path gets wrong (own cache classes, special position schemes, a new architecture
-   a later transformers adds) differs here, or raises, and is refused with what happened.
-   Cost: four forwards of <= 8 tokens, once per ``wrap``. Recurrent targets also commit part of
+   with the model's own ``generate`` on the same sequences (its prefill, then cached steps). A
+   model whose positions, masks or cache the generic path gets wrong (own cache classes, special
+   position schemes, a new architecture a later transformers adds) differs here, or raises, and is
+   refused with what happened. Cost: a prefill and ~10 one-token steps, once per ``wrap``. Recurrent targets also commit part of
    the tree and run a chain after it (restore + replay checked), and first compare their states
    after one forward and after two (``recurrent.continues_state``): a mixer whose multi-token
    forward restarts the scan (transformers' Mamba-1) is then verified one token per forward.
@@ -122,7 +122,7 @@ _TOLERANCE_16BIT = 5e-2
 
 def self_check(target) -> None:
     """Run flashmm's path once (prefill + one branching tree forward; for recurrent targets also a
-    commit and a chain forward after it) against plain forwards; raise UnsupportedModel when it
+    commit and a chain forward after it) against the model's own generate; raise UnsupportedModel when it
     fails or gives other logits. A recurrent target whose multi-token forward does not continue the
     state it is given (transformers' Mamba-1 mixers restart the scan from zero) verifies one token
     per forward (``target.stepwise``), with a warning."""
@@ -151,7 +151,7 @@ def self_check(target) -> None:
 
 
 def _check_gap(target) -> float:
-    """Largest relative gap between flashmm's logits and plain uncached forwards of the same text."""
+    """Largest relative gap between flashmm's logits and the model's own generate on the same text."""
     model = target.model
     tokens = _probe_tokens(model, target.vocab_size, 9)
     prompt, tree_tokens = tokens[:, :5], tokens[:, [5, 6, 7, 6]]  # root, child a, child b, a's child
@@ -160,15 +160,15 @@ def _check_gap(target) -> float:
         with torch.no_grad():
             target.prefill(prompt, None, False)
             got = target.forward_tree(tree_tokens, tree, False).logits.float()  # [1, 4, V]
-            branch_a = _plain_logits(model, torch.cat([prompt, tree_tokens[:, [0, 1, 3]]], 1))[:, -3:]
-            branch_b = _plain_logits(model, torch.cat([prompt, tree_tokens[:, [0, 2]]], 1))[:, -1:]
+            branch_a = _reference_logits(model, prompt, tree_tokens[:, [0, 1, 3]])
+            branch_b = _reference_logits(model, prompt, tree_tokens[:, [0, 2]])[:, -1:]
             want = torch.cat([branch_a[:, :2], branch_b, branch_a[:, 2:]], 1)  # nodes in tree order
             if getattr(target, "recurrent", False):  # keep root → a, then a chain (b', c') after it
                 target.commit(torch.tensor([[0, 1]], device=tokens.device))
                 chain = tokens[:, [8, 5]]
                 got = torch.cat([got, target.forward_tree(chain, TokenTree.chain(1), False).logits.float()], 1)
-                text = torch.cat([prompt, tree_tokens[:, [0, 1]], chain], 1)
-                want = torch.cat([want, _plain_logits(model, text)[:, -2:]], 1)
+                text = torch.cat([tree_tokens[:, [0, 1]], chain], 1)
+                want = torch.cat([want, _reference_logits(model, prompt, text)[:, -2:]], 1)
     except Exception as error:  # noqa: BLE001 (a model the generic path cannot run is refused, not crashed)
         raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: its cached tree forward fails "
                                f"({type(error).__name__}: {error}){_HOW_TO_RUN}") from error
@@ -177,9 +177,31 @@ def _check_gap(target) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
-def _plain_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """ids [1, T] → fp32 logits [1, T, V] of one uncached forward, with generate's positions."""
-    return model(input_ids=ids, **generate_position_ids(model, ids, None)).logits.float()
+def _reference_logits(model, prompt: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [1, n, V] after each of the n ``forced`` tokens that follow ``prompt`` [1, T], as
+    ``model.generate`` computes them: its own prefill of the prompt, then one cached step per token
+    (``output_logits`` are the raw logits, before any processor; the forced tokens are imposed
+    through ``prefix_allowed_tokens_fn``). This is the path flashmm promises to reproduce, and it
+    differs from one uncached forward over the whole text in models whose prompt is special
+    (PaliGemma attends bidirectionally over its prefix). A model whose ``generate`` cannot run here
+    is checked against one uncached forward with generate's positions instead."""
+    steps = forced[0].tolist()
+
+    def allowed(batch_id, ids):  # noqa: ARG001 (generate's signature)
+        return [steps[min(ids.shape[-1] - prompt.shape[1], len(steps) - 1)]]
+
+    try:
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(steps) + 1,
+                             do_sample=False, num_beams=1,
+                             prefix_allowed_tokens_fn=allowed, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0, eos_token_id=None)
+        if len(out.logits) == len(steps) + 1 and torch.equal(out.sequences[0, prompt.shape[1]:-1], forced[0]):
+            return torch.stack(out.logits[1:], 1).float()
+    except Exception:  # noqa: BLE001 (e.g. a generation_config the model's generate refuses)
+        pass
+    ids = torch.cat([prompt, forced], 1)
+    plain = model(input_ids=ids, **generate_position_ids(model, ids, None)).logits.float()
+    return plain[:, -forced.shape[1]:]
 
 
 def _probe_tokens(model, vocab_size: int, count: int) -> torch.Tensor:
