@@ -66,6 +66,13 @@ def test_encoder_head_with_is_decoder_gets_generates_positions():
     assert_exact(tiny_causal_lm("roberta", is_decoder=True), repeated_prompt())
 
 
+def test_causal_model_whose_config_says_is_decoder_false():
+    """GPT-NeoX's config carries is_decoder=False, yet it attends causally: decoded, not refused."""
+    model = tiny_causal_lm("gpt_neox")
+    assert model.config.is_decoder is False
+    assert_exact(model, repeated_prompt(), min_tau=4.0)
+
+
 @pytest.mark.parametrize("model_type, overrides, reason", [
     ("roberta", {}, "is_decoder=False"),  # encoder-derived: bidirectional, no autoregressive decoding
     ("rwkv", {"attention_hidden_size": 64}, "stateful"),  # recurrence outside transformers' cache layers

@@ -11,9 +11,10 @@ Two layers of checks, both generic (no list of architecture names):
    - *own caches / other layers*: the model brings its own cache (``_supports_default_dynamic_cache()``
      is False), or the cache ``generate`` builds has layers that are neither per-token key/value
      rows nor recurrent states (DSA indexer keys).
-   - *encoder-style heads*: a config with ``is_decoder=False`` (BERT, RoBERTa, XLM-RoBERTa, ...
-     ``*ForCausalLM`` heads loaded as encoders) attends bidirectionally and keeps no cache, so
-     each token depends on the ones after it: nothing decodes it autoregressively.
+   - *encoder-style heads*: a config with ``is_decoder=False`` whose logits do depend on later
+     tokens (one 7- and one 6-token forward: BERT, RoBERTa, XLM-RoBERTa, ... ``*ForCausalLM`` heads
+     loaded as encoders) attends bidirectionally and keeps no cache: nothing decodes it
+     autoregressively. (GPT-NeoX's config says ``is_decoder=False`` too, but it attends causally.)
    - *no cache*: the forward takes no ``past_key_values``.
 2. ``self_check(target)`` runs flashmm's own path once on a 5-token prompt and a 4-node tree
    (prefill into flashmm's cache, one tree forward with two branches) and compares its logits
@@ -73,13 +74,28 @@ def refusal(model: torch.nn.Module) -> str:
     if layers:
         return (f"the cache its generate builds has {', '.join(layers)} layers, which hold more than one key/value "
                 "row per token (a recurrent or indexer state) that flashmm cannot keep or crop to an accepted draft")
-    if getattr(text_config, "is_decoder", True) is False and not getattr(model.config, "is_encoder_decoder", False):
+    if (getattr(text_config, "is_decoder", True) is False and not getattr(model.config, "is_encoder_decoder", False)
+            and not attends_causally(model)):
         return ("its config has is_decoder=False, so it attends bidirectionally (an encoder with a language-model "
                 "head) and does not decode autoregressively; load it with is_decoder=True to use it as a decoder")
     forward = inspect.signature(model.forward).parameters
     if "past_key_values" not in forward and not any(p.kind == p.VAR_KEYWORD for p in forward.values()):
         return "its forward takes no past_key_values (no KV cache to verify drafts against)"
     return ""
+
+
+def attends_causally(model: torch.nn.Module) -> bool:
+    """Whether no position's logits depend on later tokens: one uncached forward of 7 tokens and one
+    of their first 6. A config's ``is_decoder=False`` alone does not say it (GPT-NeoX's config
+    carries it, yet its attention is always causal); BERT-style heads loaded as encoders differ here."""
+    tokens = _probe_tokens(model, model.get_output_embeddings().weight.shape[0], 7)
+    try:
+        with torch.no_grad():
+            full = model(input_ids=tokens, use_cache=False).logits[:, :6].float()
+            short = model(input_ids=tokens[:, :6], use_cache=False).logits.float()
+    except Exception:  # noqa: BLE001 (a forward that fails is left to the self-check)
+        return True
+    return bool((full - short).abs().max() <= 1e-4 * short.abs().max().clamp_min(1e-6))
 
 
 def cache_layer_kinds(text_config) -> list[str]:
