@@ -202,6 +202,7 @@ def _reference_logits(model, prompt: torch.Tensor, forced: torch.Tensor) -> torc
     (PaliGemma attends bidirectionally over its prefix). A model whose ``generate`` cannot run here
     is checked against one uncached forward with generate's positions instead."""
     steps = forced[0].tolist()
+    cached = [(m, m.rope_deltas) for m in model.modules() if hasattr(m, "rope_deltas")]  # generate sets them
 
     def allowed(batch_id, ids):  # noqa: ARG001 (generate's signature)
         return [steps[min(ids.shape[-1] - prompt.shape[1], len(steps) - 1)]]
@@ -215,6 +216,9 @@ def _reference_logits(model, prompt: torch.Tensor, forced: torch.Tensor) -> torc
             return torch.stack(out.logits[1:], 1).float()
     except Exception:  # noqa: BLE001 (e.g. a generation_config the model's generate refuses)
         pass
+    finally:  # the user's model keeps the state it had (M-RoPE models cache their rope deltas)
+        for module, value in cached:
+            module.rope_deltas = value
     ids = torch.cat([prompt, forced], 1)
     plain = model(input_ids=ids, **generate_position_ids(model, ids, None)).logits.float()
     return plain[:, -forced.shape[1]:]
