@@ -4,6 +4,7 @@ from .draft_model import DraftModel
 from .fastdraft import FastDraft
 from .flash import FlashDrafter
 from .length import AdaptiveDraftLength
+from .layerskip import LayerSkip
 from .lookahead import Lookahead
 from .prompt_lookup import PromptLookup
 from .rest import Rest

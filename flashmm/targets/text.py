@@ -83,6 +83,17 @@ class CausalLMTarget(Target):
         return self.model.get_output_embeddings().weight.device
 
     @property
+    def kv_cache(self):
+        """The running sequence's DynamicCache (None before a prefill and on the batched path), for
+        self-speculation that runs the model's own layers on it (flashmm.targets.layers)."""
+        return self._cache
+
+    def tree_started(self, prefix_len: int) -> None:
+        """A tree forward run outside forward_tree (ProPD, flashmm.verify_prune) appended its rows after
+        prefix_len cached rows: commit keeps the accepted ones after it."""
+        self._tree_prefix_len = prefix_len
+
+    @property
     def mask_types(self) -> list[str]:
         """The attention layer types whose masks a tree forward passes ("full_attention", ...)."""
         return self._mask_types

@@ -1,0 +1,107 @@
+"""Self-speculation: the target drafts for itself through a slice of its own layers.
+
+``SelfDrafter`` is the chain-drafting loop shared by LayerSkip, SWIFT and Kangaroo. It works on
+the target's own KV cache (``target.kv_cache``): when a step starts, the engine has committed the
+accepted tokens, so every layer's cache entry holds exactly the committed text but the root (the
+last committed token). A drafting step feeds one token through whichever layers the method runs,
+each appending its row to its own entry; when the chain is drafted those rows are cropped away, so
+the target's cache is back to what the engine left and the committed tokens' KV is never
+recomputed. Subclasses implement ``draft_logits`` (one token → next-token logits).
+
+Drafting stops at ``max_draft_tokens`` or, with ``confidence`` > 0, before the first token whose
+draft probability falls below it (Kangaroo's early exit of the draft; SWIFT's confidence-aware
+drafting). Sampling drafts from q processed exactly as the target's p; a chain, so every exact
+verifier applies.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import SamplingParams
+from ..sampling import sample
+from ..targets.layers import LayerRunner, crop_layers, layer_len
+from ..tree import TokenTree
+from .base import Draft, Drafter, root_only
+
+
+class SelfDrafter(Drafter):
+    """Chain drafting through the target's own layers (base class; see the module docstring)."""
+
+    drafting_scheme = "chain"
+
+    def __init__(self, max_draft_tokens: int = 4, confidence: float = 0.0):
+        if max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
+        if not 0.0 <= confidence < 1.0:
+            raise ValueError(f"confidence must be in [0, 1), got {confidence}")
+        self.max_draft_tokens = max_draft_tokens
+        self.confidence = confidence
+        self.target = None
+        self.runner: LayerRunner | None = None
+
+    def bind(self, target) -> None:
+        if not hasattr(target, "kv_cache") or getattr(target, "recurrent", False):
+            raise ValueError(f"{type(self).__name__} drafts through the target's own attention layers and KV "
+                             f"cache; {type(target).__name__} (recurrent or multimodal) has none it can share")
+        self.runner = LayerRunner(target.model)  # refuses unsupported families, naming the supported ones
+        self.target = target
+
+    # ------------------------------------------------------------------ what a method defines
+    def draft_logits(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
+        """token [1, 1] at ``position`` (= rows every drafting layer already holds) → logits [1, V];
+        appends the token's rows to the cache entries of the layers it runs."""
+        raise NotImplementedError
+
+    def drafting_layers(self) -> range | list[int]:
+        """Indices of the cache entries draft_logits appends to (cropped after each chain)."""
+        raise NotImplementedError
+
+    def after_chain(self) -> None:
+        """Called once the chain is drafted and the cache cropped (per-method bookkeeping)."""
+
+    # ------------------------------------------------------------------ the loop
+    def shared_cache(self, committed: torch.Tensor):
+        cache = self.target.kv_cache if self.target is not None else None
+        if cache is None or committed.shape[0] != 1:
+            raise ValueError(f"{type(self).__name__} drafts on the target's own cache, one sequence at a time: "
+                             "wrap with batching='rows' to decode a batch")
+        held = layer_len(cache, 0)
+        if held != committed.shape[1] - 1:
+            raise RuntimeError(f"target cache holds {held} rows, expected {committed.shape[1] - 1} "
+                               "(the committed text without its root)")
+        return cache
+
+    @torch.no_grad()
+    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams, generator) -> Draft:
+        cache = self.shared_cache(committed)
+        depth = min(max_tokens, self.max_draft_tokens)
+        if depth <= 0:
+            return root_only(committed)
+        prefix = committed.shape[1] - 1
+        ids = committed[0].tolist()
+        tokens, q_rows = [ids[-1]], []
+        try:
+            with self.target.tree_linears():
+                for step in range(depth):
+                    logits = self.draft_logits(committed.new_tensor([[tokens[-1]]]), prefix + step, cache)
+                    if sampling.do_sample:  # q processed exactly as the target's p at this node
+                        context = [committed.new_tensor(ids + tokens[1:])] if sampling.needs_prefix else None
+                        q = sampling.probs(logits, context)[0]
+                        if self.confidence and float(q.max()) < self.confidence:
+                            break
+                        token = int(sample(q[None], generator)[0])
+                    else:
+                        q = None
+                        if self.confidence and float(logits[0].softmax(-1).max()) < self.confidence:
+                            break
+                        token = int(logits[0].argmax())
+                    q_rows.append(q)
+                    tokens.append(token)
+        finally:
+            crop_layers(cache, self.drafting_layers(), prefix)
+        self.after_chain()
+        q_probs = None
+        if sampling.do_sample and q_rows:
+            q_probs = torch.zeros(1, len(tokens), q_rows[0].shape[-1], device=q_rows[0].device)
+            q_probs[0, : len(q_rows)] = torch.stack(q_rows)
+        return Draft(tokens=committed.new_tensor([tokens]), tree=TokenTree.chain(len(tokens) - 1), q_probs=q_probs)
