@@ -14,7 +14,7 @@ import flashmm
 import flashmm.engine
 from flashmm.drafters.base import Draft
 from flashmm.drafters.flash import FlashDrafter
-from flashmm.drafters.prompt_lookup import PromptLookup
+from flashmm.drafters.prompt_lookup import NgramIndex, PromptLookup
 from flashmm.drafters.flash_modules import (FlashConfig, FlashNet, VisualCompressor, build_units, merge_adjacent,
                                             unit_layout)
 from flashmm.sampling import warp_logits
@@ -405,6 +405,21 @@ def test_lookup_continuation_is_an_overlapping_copy():
         ids = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
         assert finder.find(ids, 7) == lz77_reference(ids, 7), ids
     assert finder.find([9, 1, 2, 1, 2], 6) == ([1, 2, 1, 2, 1, 2], 2)  # period 2 drafts past the text's end
+
+
+def test_incremental_ngram_index_matches_the_brute_force_lookup():
+    """NgramIndex (what PromptLookup and FLASH's lookup branch use: O(new tokens) per step) gives
+    the brute-force continuation after every growth of the text, and rebuilds on a text it did
+    not index."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        index, ids = NgramIndex(3, 2), []
+        for step in range(25):
+            ids += torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+            index.sync(torch.tensor([ids]))
+            assert index.continuation(7) == lz77_reference(ids, 7), ids
+        index.sync(torch.tensor([[3, 1, 2, 0, 1, 2]]))  # not an extension: rebuilt
+        assert index.continuation(3) == lz77_reference([3, 1, 2, 0, 1, 2], 3)
 
 
 def token_paths(draft):

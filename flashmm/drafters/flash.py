@@ -41,7 +41,7 @@ from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units
-from .prompt_lookup import ngram_continuation
+from .prompt_lookup import NgramIndex
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
 
@@ -206,6 +206,7 @@ class FlashDrafter(Drafter):
         self._prompt_embeds = None             # [T, d]
         self._pending = None                   # [P, d] features f_t for t >= _next_pos without a unit
         self._next_pos = 0
+        self._lookup = NgramIndex(3, 2)        # the lookup branch's n-grams, grown by new tokens only
 
     @torch.no_grad()
     def begin(self, start: SequenceStart) -> None:
@@ -249,7 +250,8 @@ class FlashDrafter(Drafter):
         dists = self._draft_distributions(predicted, depth)                     # [depth, V]
         chain = []
         if self.lookup_tokens:
-            chain, _ = ngram_continuation(committed[0].tolist(), min(self.lookup_tokens, max_tokens), 3, 2)
+            self._lookup.sync(committed)
+            chain, _ = self._lookup.continuation(min(self.lookup_tokens, max_tokens))
         return self._make_draft(committed, dists, shape, chain, max_tokens)
 
     # ------------------------------------------------------------------ internals

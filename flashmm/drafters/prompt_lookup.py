@@ -25,6 +25,43 @@ def ngram_continuation(ids: list[int], max_tokens: int, max_ngram: int, min_ngra
     return [], 0
 
 
+class NgramIndex:
+    """``ngram_continuation`` for a text that only grows, in O(new tokens) per step.
+
+    For every n in [min_ngram, max_ngram] a dict maps each n-gram that has a following token to its
+    latest start; ``sync(committed)`` appends only the tokens it has not seen (the first call, or a
+    text that does not extend the one indexed, rebuilds), ``continuation`` looks the tail up in
+    O(max_ngram) instead of rescanning the text."""
+
+    def __init__(self, max_ngram: int, min_ngram: int):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.ids: list[int] = []
+        self.starts = {n: {} for n in range(min_ngram, max_ngram + 1)}
+
+    def sync(self, committed: torch.Tensor) -> None:
+        """Index committed [1, T] (a view of the engine's committed tokens: only the tail is read)."""
+        known = len(self.ids)
+        if known == 0 or committed.shape[1] < known or int(committed[0, known - 1]) != self.ids[-1]:
+            self.ids, self.starts = [], {n: {} for n in self.starts}
+            known = 0
+        new = committed[0, known:].tolist()
+        for token in new:
+            self.ids.append(token)
+            end = len(self.ids) - 1  # the n-gram just before the new token now has a continuation
+            for n, table in self.starts.items():
+                if end >= n:
+                    table[tuple(self.ids[end - n:end])] = end - n
+
+    def continuation(self, max_tokens: int) -> tuple[list[int], int]:
+        ids, total = self.ids, len(self.ids)
+        for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
+            start = self.starts[n].get(tuple(ids[total - n:]))
+            if start is not None:
+                period = total - n - start
+                return [ids[start + n + i % period] for i in range(max_tokens)], n
+        return [], 0
+
+
 @register
 class PromptLookup(Drafter):
     """Deterministic n-gram lookup over prompt + output (Saxena 2023; HF ``prompt_lookup_num_tokens``).
@@ -49,10 +86,12 @@ class PromptLookup(Drafter):
         self.lengths = {n: AdaptiveDraftLength(**{**template.__dict__, "prior_reject": max(1.0, 4.0 - n)})
                         for n in range(min_ngram, max_ngram + 1)}
         self._last = (0, 0)  # (matched n, drafted tokens) of the last proposal
+        self._index = NgramIndex(max_ngram, min_ngram)
 
     def begin(self, start) -> None:
         for length in self.lengths.values():
             length.reset()
+        self._index = NgramIndex(self.max_ngram, self.min_ngram)
 
     def find(self, ids: list[int], max_tokens: int) -> tuple[list[int], int]:
         """(continuation of the latest, longest n-gram match of the tail of ids, n); see ngram_continuation."""
@@ -65,7 +104,8 @@ class PromptLookup(Drafter):
         limit = min(max_tokens, self.max_draft_tokens)
         if limit <= 0:
             return root_only(committed)
-        continuation, n = self.find(committed[0].tolist(), limit)
+        self._index.sync(committed)
+        continuation, n = self._index.continuation(limit)
         k = self.lengths[n].choose(len(continuation)) if continuation else 0
         if k == 0:
             return root_only(committed)
