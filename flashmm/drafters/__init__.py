@@ -11,6 +11,7 @@ from .rest import Rest
 from .suffix import SuffixDecoding
 from .token_recycling import TokenRecycling
 from .saved import load
+from .specdecpp import SpecDecPP
 
 __all__ = ["Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "FastDraft", "FlashDrafter", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength"]
+           "DraftModel", "FastDraft", "FlashDrafter", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP"]

@@ -164,7 +164,7 @@ class DraftModel(Drafter):
                 children = sample(q.expand(width, -1), generator).tolist()
             else:
                 children = q.topk(width).indices.tolist()
-                if float(q[children[0]]) < self.confidence:
+                if self._stop_before(q, children[0], len(q_rows)):
                     break
             q_rows.append((chain_node, q))
             first_child = len(tokens)
@@ -218,6 +218,12 @@ class DraftModel(Drafter):
             for node, q in tree.q_rows.items():
                 q_probs[0, node] = q
         return Draft(tokens=committed.new_tensor([tree.tokens]), tree=token_tree, q_probs=q_probs)
+
+    def _stop_before(self, q: torch.Tensor, token: int, drafted: int) -> bool:
+        """Whether greedy drafting stops before adding ``token`` (q [V]: the draft's distribution at
+        the chain's tip, after ``drafted`` tokens of this chain): here when q[token] < ``confidence``.
+        SpecDec++ (flashmm.drafters.specdecpp) overrides it with a trained acceptance predictor."""
+        return float(q[token]) < self.confidence
 
     @staticmethod
     def _chain(parents: list[int], node: int) -> list[int]:

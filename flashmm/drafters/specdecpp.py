@@ -1,0 +1,152 @@
+"""SpecDec++ (Huang et al., arXiv 2405.19715): a draft LM that learns when to stop drafting.
+
+A small acceptance head reads the draft's own state at each drafted token — the final-normed
+hidden state its LM head reads, the top-1 probability and the entropy of its distribution — and
+predicts p_i = P(the target accepts draft token i | tokens 1..i-1 were accepted). Drafting a greedy
+chain stops before token j when P(at least one rejection among 1..j) = 1 - prod_{i<=j} p_i exceeds
+``threshold``, so the chain is as long as the draft is likely right, not a length fixed in
+advance or chosen from a running acceptance average (DraftModel's AdaptiveDraftLength).
+
+Verification is untouched (the policy only chooses how many tokens to propose), so output stays
+exact. The head is trained for greedy decoding (labels: the draft's argmax equals the target's
+greedy token, flashmm.train.acceptance); when sampling, the chain falls back to the wrapped
+draft's adaptive length.
+
+On disk (``flashmm.drafters.load(dir)``): ``drafter.json`` (method and drafter "specdecpp", the
+target, ``draft``: the draft model's folder relative to this one, ``head``: the head's sizes,
+``threshold``) and ``head.safetensors``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .base import register
+from .draft_model import DraftModel
+from .saved import CONFIG_FILE, load
+
+HEAD_FILE = "head.safetensors"
+
+
+class AcceptanceHead(nn.Module):
+    """MLP: (hidden [.., d], probs [.., V]) -> logit [..] of P(target accepts the draft's top-1 token).
+
+    Inputs: the draft's final-normed hidden state (what its LM head reads) and 2 scalars of the draft
+    distribution: top-1 probability and entropy in nats.
+    """
+
+    def __init__(self, hidden_size: int, width: int = 128):
+        super().__init__()
+        self.hidden_size, self.width = hidden_size, width
+        self.net = nn.Sequential(nn.Linear(hidden_size + 2, width), nn.SiLU(), nn.Linear(width, width), nn.SiLU(),
+                                 nn.Linear(width, 1))
+
+    @staticmethod
+    def scalars(probs: torch.Tensor) -> torch.Tensor:
+        """probs [.., V] -> [.., 2]: top-1 probability, entropy (nats)."""
+        top = probs.max(-1).values
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+        return torch.stack([top, entropy], dim=-1)
+
+    def forward(self, hidden: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
+        """hidden [.., d], scalars [.., 2] (``scalars(probs)``) -> logits [..]."""
+        return self.net(torch.cat([hidden.float(), scalars.float()], dim=-1))[..., 0]
+
+
+def output_layer(model: nn.Module) -> nn.Module:
+    """The LM head of a draft LM (a ReducedVocabLM's inner LM, or any HF causal LM)."""
+    inner = getattr(model, "lm", model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"{type(model).__name__} exposes no output embeddings; SpecDec++ reads the hidden state "
+                         "its LM head receives, so it needs a causal LM with get_output_embeddings()")
+    return head
+
+
+@register
+class SpecDecPP(DraftModel):
+    """A DraftModel whose greedy chains stop by a trained acceptance head (see module docstring).
+
+    model: the draft LM; head: its AcceptanceHead; threshold: stop before the token that would make
+    P(at least one rejection) exceed it. ``max_draft_tokens`` caps the chain (default 12).
+    Options of DraftModel other than ``adaptive`` (always off for greedy chains here) pass through.
+    """
+
+    name = "specdecpp"
+
+    def __init__(self, model: nn.Module, head: AcceptanceHead, threshold: float = 0.7,
+                 max_draft_tokens: int = 12, info: dict | None = None, **options):
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+        if options.get("tree_width", 1) != 1 or options.get("drafting", "sibling") != "sibling":
+            raise ValueError("SpecDec++ stops greedy chains; use DraftModel for trees (tree_width / drafting)")
+        super().__init__(model, max_draft_tokens=max_draft_tokens, **options)
+        self.head = head.eval()
+        self.threshold = threshold
+        self.info = info or {}
+        self._all_accepted = 1.0   # prod of predicted acceptances along the current chain
+        self._hidden: torch.Tensor | None = None
+        self._output_layer = output_layer(model)
+
+    def _keep_hidden(self, module, args) -> None:
+        self._hidden = args[0][:, -1]  # [1, d]: the state the LM head reads at the chain's tip
+
+    def _logits_after(self, ids: list[int], device) -> torch.Tensor:
+        # hooked per call, not once: a fork shares the model but must keep its own tip state
+        handle = self._output_layer.register_forward_pre_hook(self._keep_hidden)
+        try:
+            return super()._logits_after(ids, device)
+        finally:
+            handle.remove()
+
+    def propose(self, committed, max_tokens, sampling, generator):
+        if sampling.do_sample:  # the head predicts greedy acceptance; sampling keeps the adaptive length
+            return super().propose(committed, max_tokens, sampling, generator)
+        adaptive, self.adaptive = self.adaptive, False
+        try:
+            return super().propose(committed, max_tokens, sampling, generator)
+        finally:
+            self.adaptive = adaptive
+
+    def _stop_before(self, q: torch.Tensor, token: int, drafted: int) -> bool:
+        if drafted == 0:
+            self._all_accepted = 1.0
+        with torch.no_grad():
+            logit = self.head(self._hidden[0], AcceptanceHead.scalars(q.float()))
+        self._all_accepted *= float(torch.sigmoid(logit))
+        return 1.0 - self._all_accepted > self.threshold
+
+    @classmethod
+    def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "SpecDecPP":
+        path = Path(path)
+        info = json.loads((path / CONFIG_FILE).read_text())
+        draft_dir = (path / info["draft"]).resolve()
+        if not draft_dir.is_dir():
+            raise FileNotFoundError(f"{path}: its draft folder {info['draft']!r} ({draft_dir}) is missing; "
+                                    "SpecDec++ heads are trained for one draft model, keep the two folders together")
+        draft = load(draft_dir, dtype=dtype)
+        head = AcceptanceHead(info["head"]["hidden_size"], info["head"]["width"])
+        head.load_state_dict({k: v.float() for k, v in load_file(str(path / HEAD_FILE)).items()})
+        options.setdefault("threshold", info.get("threshold", 0.7))
+        options.setdefault("max_draft_tokens", info.get("max_draft_tokens", 12))
+        return cls(draft.model, head, info=info, **options)
+
+
+def save_specdecpp(path, head: AcceptanceHead, draft_dir, info: dict) -> Path:
+    """Write ``head`` (fp32: it is tiny) and ``info`` (must name method and target) into folder ``path``,
+    pointing at ``draft_dir`` by a path relative to it."""
+    for key in ("method", "target"):
+        if key not in info:
+            raise ValueError(f"drafter info needs {key!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().float().contiguous() for k, v in head.state_dict().items()}, str(path / HEAD_FILE))
+    full = {**info, "drafter": SpecDecPP.name, "draft": os.path.relpath(Path(draft_dir).resolve(), path.resolve()),
+            "head": {"hidden_size": head.hidden_size, "width": head.width}}
+    (path / CONFIG_FILE).write_text(json.dumps(full, indent=1) + "\n")
+    return path

@@ -1,0 +1,146 @@
+"""Training SpecDec++'s acceptance head (flashmm.drafters.specdecpp) from the target's greedy text.
+
+Labels need no target forward: the corpus's greedy answers ARE the target's greedy tokens, so
+under greedy verification the draft token at answer position i — drafted after an accepted
+prefix, i.e. with the draft reading the target's own text — is accepted iff the draft's argmax
+there equals answer token i. One teacher-forced draft forward per sequence gives, at every
+answer position, the head's inputs (the draft's final-normed hidden state, its top-1
+probability and entropy) and that label.
+
+    examples = acceptance_examples(draft_lm, sequences)          # sequences: [(ids, answer_start)]
+    summary = train_head(head, examples, work_dir="/tmp/specdecpp", epochs=4)
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.specdecpp import AcceptanceHead, output_layer
+
+
+@torch.no_grad()
+def draft_tip_states(draft_lm: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced draft over ids [T] -> (hidden [T, d], scalars [T, 2], argmax target ids [T]).
+
+    Row t describes the draft's prediction of token t + 1. A ReducedVocabLM runs its inner LM over
+    its own rows (the softmax over them equals the one over the full vocabulary: the rest is -inf).
+    """
+    captured = {}
+    handle = output_layer(draft_lm).register_forward_pre_hook(lambda m, args: captured.update(h=args[0]))
+    try:
+        if hasattr(draft_lm, "draft_to_target"):
+            logits = draft_lm.lm(input_ids=draft_lm.target_to_draft[ids][None], logits_to_keep=0).logits[0]
+            top = draft_lm.draft_to_target[logits.argmax(-1)]
+        else:
+            logits = draft_lm(input_ids=ids[None], logits_to_keep=0).logits[0]
+            top = logits.argmax(-1)
+    finally:
+        handle.remove()
+    probs = logits.float().softmax(-1)
+    return captured["h"][0].float(), AcceptanceHead.scalars(probs), top
+
+
+def acceptance_examples(draft_lm: torch.nn.Module, sequences: list[tuple[list[int], int]],
+                        log=print) -> dict[str, torch.Tensor]:
+    """Head inputs and greedy-acceptance labels at every answer position of ``sequences``.
+
+    sequences: (prompt + greedy answer ids, answer start). Returns hidden [N, d] fp16, scalars [N, 2],
+    label [N] bool (draft argmax == the target's next greedy token), sequence [N] (index into sequences).
+    """
+    parts: dict[str, list[torch.Tensor]] = {"hidden": [], "scalars": [], "label": [], "sequence": []}
+    start_time = time.time()
+    for index, (ids, start) in enumerate(sequences):
+        ids = torch.tensor(ids)
+        hidden, scalars, top = draft_tip_states(draft_lm, ids)
+        rows = slice(start - 1, len(ids) - 1)  # row t predicts token t + 1: the answer's tokens
+        parts["hidden"].append(hidden[rows].half())
+        parts["scalars"].append(scalars[rows])
+        parts["label"].append(top[rows] == ids[start:])
+        parts["sequence"].append(torch.full((len(ids) - start,), index))
+        if index % 200 == 0:
+            log(f"acceptance examples: {index}/{len(sequences)} sequences, {time.time() - start_time:.0f}s")
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def head_loss(head: AcceptanceHead, examples: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of the head on examples[rows] (mean, nats)."""
+    logits = head(examples["hidden"][rows].float(), examples["scalars"][rows])
+    return F.binary_cross_entropy_with_logits(logits, examples["label"][rows].float())
+
+
+@torch.no_grad()
+def head_metrics(head: AcceptanceHead, examples: dict[str, torch.Tensor]) -> dict:
+    """Log-loss, accuracy, AUC of the head, and the log-loss of two baselines: the base rate and
+    the draft's own top-1 probability used as P(accept)."""
+    labels = examples["label"].float()
+    prob = torch.sigmoid(head(examples["hidden"].float(), examples["scalars"]))
+    rate = float(labels.mean())
+    top1 = examples["scalars"][:, 0].clamp(1e-6, 1 - 1e-6)
+    return {"examples": len(labels), "accept_rate": rate,
+            "log_loss": float(F.binary_cross_entropy(prob.clamp(1e-6, 1 - 1e-6), labels)),
+            "log_loss_base_rate": -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)),
+            "log_loss_top1_prob": float(F.binary_cross_entropy(top1, labels)),
+            "accuracy": float(((prob > 0.5).float() == labels).float().mean()),
+            "auc": auc(prob, labels.bool()), "auc_top1_prob": auc(top1, labels.bool())}
+
+
+def auc(score: torch.Tensor, label: torch.Tensor) -> float:
+    """Area under the ROC curve: P(score of a random positive > a random negative), ties halved."""
+    order = score.double().argsort()
+    ranks = torch.empty_like(order, dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(score) + 1, dtype=torch.float64)
+    # average ranks over ties
+    values, inverse, counts = score.double().unique(return_inverse=True, return_counts=True)
+    if len(values) < len(score):
+        sums = torch.zeros(len(values), dtype=torch.float64).index_add_(0, inverse, ranks)
+        ranks = (sums / counts)[inverse]
+    pos, neg = int(label.sum()), int((~label).sum())
+    if pos == 0 or neg == 0:
+        return float("nan")
+    return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def train_head(head: AcceptanceHead, examples: dict[str, torch.Tensor], *, work_dir, epochs: int = 4,
+               lr: float = 2e-3, batch_size: int = 1024, seed: int = 0, log=print) -> dict:
+    """AdamW on BCE, checkpointed after each epoch under work_dir (a killed run resumes there;
+    a finished run is read back). Returns the summary (epochs done, last epoch's mean loss)."""
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = work_dir / "head_checkpoint.pt"
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
+    done, losses = 0, []
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=True)
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        done, losses = state["epochs"], state["losses"]
+    n = len(examples["label"])
+    steps_per_epoch = math.ceil(n / batch_size)
+    total_steps = epochs * steps_per_epoch
+    head.train()
+    for epoch in range(done, epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        total = 0.0
+        for b in range(steps_per_epoch):
+            rows = order[b * batch_size : (b + 1) * batch_size]
+            step = epoch * steps_per_epoch + b  # cosine decay to 0, a function of the step (so resuming is exact)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
+            loss = head_loss(head, examples, rows)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(rows)
+        losses.append(total / n)
+        log(f"head epoch {epoch + 1}/{epochs}: loss {losses[-1]:.4f}")
+        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epochs": epoch + 1,
+                    "losses": losses}, checkpoint)
+    head.eval()
+    summary = {"epochs": epochs, "losses": losses, "examples": n, "lr": lr, "batch_size": batch_size, "seed": seed}
+    (work_dir / "head_summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
