@@ -54,7 +54,9 @@ from tools.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_items
 PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
 TASK_ORDER = ("image", "video", "vqa", "photo")
 METHODS = ("flash", "flash_no_lookup", "flash_per_span", "flash_k1", "flash_none", "prompt_lookup",
-           "plain_onednn", "flash_torch_linear")
+           "token_recycling", "suffix", "lookahead", "rest", "plain_onednn", "flash_torch_linear")
+#: the SmolLM2 REST datastore (the reference LMM's language model is SmolLM2: same token ids)
+REST_DATASTORE = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2/rest/datastore.safetensors"
 
 
 # ----------------------------------------------------------------------------------- items
@@ -446,6 +448,13 @@ def main(argv=None):
                      "its visual-unit layer was trained on the learned compressor's outputs).")
     if "prompt_lookup" in wanted:
         drafters["prompt_lookup"] = "prompt_lookup"
+    for name in ("token_recycling", "suffix", "lookahead"):  # model-free, registered by name
+        if name in wanted:
+            drafters[name] = name
+    if "rest" in wanted and REST_DATASTORE.exists():
+        drafters["rest"] = flashmm.drafters.make_drafter("rest", datastore=str(REST_DATASTORE))
+        notes.append("rest = REST over the SmolLM2 self-distillation corpus's answers (the reference LMM speaks "
+                     "SmolLM2's ids); no caption text is in it.")
     onednn_here = resolve_linear_backend("auto", model) == "onednn"
     if "flash_torch_linear" in wanted and onednn_here:
         drafters["flash_torch_linear"] = (FlashDrafter(flash.net, **flash.drafting_options()), dict(linear="torch"))
