@@ -11,6 +11,7 @@ from .config import SpecConfig
 from .drafters.base import Drafter
 from .drafters.saved import resolve_name_or_dir
 from .engine import Decoding, GenerationStats, generate_one
+from .verify_prune import check_prunable
 from .generation import finish, prepare
 from .batched import generate_batch
 from .targets import CausalLMTarget, make_target
@@ -38,6 +39,8 @@ class SpeculativeModel:
         self.target = make_target(model, processor=processor, attention=attention, linear=linear)
         self.drafter = drafter
         drafter.bind(self.target)
+        if self.spec.prune != "none":
+            check_prunable(self.target)  # ProPD splits the target's forward layer by layer
         self.last_stats: GenerationStats | None = None
 
     @torch.no_grad()

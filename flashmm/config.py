@@ -23,6 +23,9 @@ class SpecConfig:
       LMs; other targets decode rows one after another); "rows" always decodes one row after another.
     typical_epsilon / typical_delta: the lossy rule accepts x iff p(x) > min(epsilon, delta·exp(−H(p)));
       defaults are Medusa's (posterior_threshold 0.09, posterior_alpha 0.3).
+    prune: "propd" prunes each draft tree with the target's early-layer logits before its remaining layers
+      run (flashmm.verify_prune; exact): a node survives iff its token is in the top ``prune_top_k`` of the
+      logits after layer ``prune_layer`` (0: a quarter of the layers) at its parent. "none" (default).
     """
 
     verifier: str = "auto"
@@ -30,6 +33,9 @@ class SpecConfig:
     batching: str = "auto"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
+    prune: str = "none"
+    prune_layer: int = 0
+    prune_top_k: int = 8
 
     def __post_init__(self):
         if self.verifier not in VERIFIERS:
@@ -39,3 +45,8 @@ class SpecConfig:
                              f"got {self.batching!r}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if self.prune not in ("none", "propd"):
+            raise ValueError(f"prune must be 'none' or 'propd' (ProPD early-layer tree pruning), got {self.prune!r}")
+        if self.prune_layer < 0 or self.prune_top_k < 1:
+            raise ValueError(f"prune_layer must be >= 0 (0: a quarter of the layers) and prune_top_k >= 1, "
+                             f"got {self.prune_layer}, {self.prune_top_k}")

@@ -13,6 +13,7 @@ from .drafters.base import Drafter, SequenceStart, StepResult
 from .sampling import sample
 from .targets.base import Target
 from .verify import drafting_scheme_of, select_verifier
+from .verify_prune import score_draft, unprune
 
 
 @dataclass
@@ -37,6 +38,8 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    #: draft nodes ProPD pruned before verification (prune="propd"; not counted in drafted_tokens)
+    pruned_tokens: int = 0
 
     @property
     def tau(self) -> float:
@@ -55,7 +58,7 @@ class GenerationStats:
 
     def merge(self, other: "GenerationStats") -> None:
         for name in ("new_tokens", "target_forwards", "verify_steps", "drafted_tokens",
-                     "accepted_tokens", "draft_seconds", "verify_seconds", "total_seconds"):
+                     "accepted_tokens", "draft_seconds", "verify_seconds", "total_seconds", "pruned_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_hist.update(other.accepted_hist)
         self.drafted_at_depth.update(other.drafted_at_depth)
@@ -67,7 +70,7 @@ class GenerationStats:
                     accepted_tokens=self.accepted_tokens, accepted_hist=dict(sorted(self.accepted_hist.items())),
                     position_acceptance=self.position_acceptance, draft_seconds=self.draft_seconds,
                     verify_seconds=self.verify_seconds, total_seconds=self.total_seconds,
-                    tokens_per_second=self.tokens_per_second)
+                    tokens_per_second=self.tokens_per_second, pruned_tokens=self.pruned_tokens)
 
 
 @dataclass
@@ -248,10 +251,12 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, d
         # drafts keep their width on the last step.
         draft = drafter.propose(row.committed, spec.max_draft_tokens, decoding.sampling, generator)
         t1 = time.perf_counter()
-        scored = target.forward_tree(*draft.forward_layout(), want_hidden)
-        n = draft.tree.num_nodes  # aux rows (if any) follow the tree's n nodes; commit keeps tree nodes only
-        path = verify_row(verifier, spec, draft, scored.logits[:, :n], row, generator)
+        # the tree the verifier sees: the draft, or (prune="propd") its subtree surviving early-layer pruning
+        verified, scored = score_draft(target, draft, want_hidden, spec, decoding.sampling, stats)
+        n = verified.tree.num_nodes  # aux rows (if any) follow the tree's n nodes; commit keeps tree nodes only
+        path = verify_row(verifier, spec, verified, scored.logits[:, :n], row, generator)
         target.commit(path)
+        path, scored = unprune(scored, path)  # the drafter observes its own tree's indexing
         stats.verify_seconds += time.perf_counter() - t1
         stats.draft_seconds += t1 - t0
         if not row.finished:

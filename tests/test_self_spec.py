@@ -5,9 +5,15 @@ import pytest
 import torch
 
 import flashmm
+from flashmm.config import SamplingParams
+from flashmm.drafters.kangaroo import Kangaroo, KangarooAdapter
 from flashmm.drafters.layerskip import LayerSkip, chain_tau, choose_exit_layer
+from flashmm.drafters.swift import Swift
+from flashmm.sampling import warp_logits
 from flashmm.targets.layers import LayerRunner, check_supported
 from flashmm.tree import TokenTree
+from flashmm.verify_prune import score_draft, unprune
+from stats_utils import chi_square_pvalue
 from text_models import prompt, tiny_lm
 
 torch.set_num_threads(1)
@@ -116,3 +122,153 @@ def test_exit_layer_choice_measures_exact_chain_acceptance():
     sm = flashmm.wrap(model, LayerSkip(exit_layer=best.exit_layer, max_draft_tokens=2))
     sm.generate(text[None, :6], max_new_tokens=14, do_sample=False)
     assert sm.last_stats.accepted_tokens > 0
+
+
+# ---------------------------------------------------------------------------- SWIFT
+def test_swift_searches_a_skip_set_and_decodes_greedy_identically():
+    model = deep("llama")
+    drafter = Swift(search_budget=6, evals_per_step=2, random_trials=3, window=16, max_draft_tokens=3)
+    sm = flashmm.wrap(model, drafter)
+    ids = prompt(12, seed=6)
+    assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False), greedy_reference(model, ids, 24))
+    assert len(drafter.trials) == 6 and not drafter.searching
+    assert len(drafter.skip_attention) + len(drafter.skip_mlp) == round(0.45 * 8)
+    best = max(drafter.trials, key=lambda t: t[1])[0]
+    assert drafter.skip_attention == {i for i in range(4) if best[i]}  # the best set found is the one used
+    # reused by the next request, which searches no more
+    sm.generate(prompt(12, seed=7), max_new_tokens=8, do_sample=False)
+    assert len(drafter.trials) == 6
+
+
+def test_swift_skipping_nothing_is_the_target_itself():
+    model = deep("qwen3")
+    drafter = Swift(skip=((), ()), max_draft_tokens=4, confidence=0.0)
+    sm = flashmm.wrap(model, drafter)
+    ids = prompt(10, seed=8)
+    assert torch.equal(sm.generate(ids, max_new_tokens=21, do_sample=False), greedy_reference(model, ids, 21))
+    assert sm.last_stats.tau == 5.0  # every drafted token accepted
+    window = ids[0]
+    full = model(window[None]).logits[0].argmax(-1)
+    assert drafter.matchness(window, full, (0,) * 8) == 1.0
+    assert drafter.matchness(window, full, (1,) * 8) < 1.0
+
+
+# ---------------------------------------------------------------------------- Kangaroo
+def untrained_kangaroo(model, exit_layer=2, **options):
+    adapter = KangarooAdapter(model)
+    adapter.init_from(model, exit_layer)
+    return Kangaroo(adapter.state_dict(), exit_layer=exit_layer, **options)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_kangaroo_greedy_is_token_identical_and_its_adapter_cache_is_teacher_forced(arch):
+    model = deep(arch)
+    drafter = untrained_kangaroo(model, confidence=0.0, max_draft_tokens=3)
+    sm = flashmm.wrap(model, drafter)
+    ids = prompt(11, seed=9)
+    out = sm.generate(ids, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, greedy_reference(model, ids, 20))
+    assert sm.last_stats.accepted_tokens > 0
+    # the adapter cache's committed rows equal the adapter run over the text's layer-2 states at once
+    rows = drafter._chain_start
+    states = model(out[:, :rows], output_hidden_states=True).hidden_states[2]
+    reference = flashmm.cache.new_cache()
+    runner = LayerRunner(model)
+    drafter.adapter(states, runner.rotary(states, torch.arange(rows)[None]), runner.causal_mask(rows, 0), reference)
+    torch.testing.assert_close(drafter.adapter_cache.layers[0].keys[:, :, :rows], reference.layers[0].keys,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_kangaroo_saves_and_loads_through_drafter_json(tmp_path):
+    model = deep("llama")
+    untrained_kangaroo(model).save(tmp_path, {"method": "kangaroo", "drafter": "kangaroo", "target": "tiny"})
+    loaded = flashmm.drafters.load(tmp_path, confidence=0.0)
+    sm = flashmm.wrap(model, loaded)
+    ids = prompt(8, seed=10)
+    assert torch.equal(sm.generate(ids, max_new_tokens=12, do_sample=False), greedy_reference(model, ids, 12))
+    with pytest.raises(ValueError, match="trained drafter"):
+        flashmm.wrap(model, "kangaroo")
+    with pytest.raises(ValueError, match="another target"):
+        flashmm.wrap(tiny_lm("llama", num_hidden_layers=4, hidden_size=32), loaded)
+
+
+# ---------------------------------------------------------------------------- sampling
+V = 8
+SAMPLING = dict(do_sample=True, temperature=0.9, top_k=6, top_p=0.95)
+PROMPT = torch.tensor([[3, 7, 3, 7, 3]])
+
+
+def exact_joint(target) -> torch.Tensor:
+    params = SamplingParams(**SAMPLING)
+    with torch.no_grad():
+        first = warp_logits(target(PROMPT).logits[0, -1].double(), params).softmax(-1)
+        ext = torch.cat([PROMPT.expand(V, -1), torch.arange(V)[:, None]], dim=1)
+        second = warp_logits(target(ext).logits[:, -1].double(), params).softmax(-1)
+    return first[:, None] * second  # [V, V]
+
+
+def test_sampling_has_the_target_distribution():
+    """Trials alternate LayerSkip and SWIFT (both chains of SelfDrafter): a mixture of exact methods has
+    the target's distribution, and a bias in either shows in the histogram."""
+    target = tiny_lm("llama", seed=1, vocab_size=V, num_hidden_layers=4, bos_token_id=None, eos_token_id=None,
+                     pad_token_id=None)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.15)
+    wrapped = [flashmm.wrap(target, LayerSkip(exit_layer=2, max_draft_tokens=2)),
+               flashmm.wrap(target, Swift(skip=((1,), (2,)), max_draft_tokens=2, confidence=0.0))]
+    counts, g = torch.zeros(V, V), torch.Generator().manual_seed(1234)
+    for trial in range(400):
+        a, b = wrapped[trial % 2].generate(PROMPT, max_new_tokens=2, generator=g, **SAMPLING)[0, -2:].tolist()
+        counts[a, b] += 1
+    assert all(sm.last_stats.drafted_tokens > 0 for sm in wrapped)
+    p = chi_square_pvalue(counts, exact_joint(target))
+    assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
+
+
+# ---------------------------------------------------------------------------- ProPD
+def test_propd_scores_only_the_surviving_subtree_exactly():
+    model = deep("qwen2")
+    ids = prompt(10, seed=11)
+    tree = TokenTree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4])
+    tokens = torch.tensor([[ids[0, -1].item(), 5, 9, 17, 33, 40, 41, 60]])
+    spec = flashmm.config.SpecConfig(prune="propd", prune_layer=2, prune_top_k=3)
+    sm = flashmm.wrap(model, "prompt_lookup", prune="propd", prune_layer=2, prune_top_k=3)
+    target = sm.target
+    target.prefill(ids[:, :-1], None, False)
+    stats = flashmm.engine.GenerationStats()
+    draft = flashmm.drafters.Draft(tokens=tokens, tree=tree)
+    verified, scored = score_draft(target, draft, False, spec, SamplingParams(), stats)
+    # reference: the whole tree through the model, and its early exit after layer 2
+    full_cache = flashmm.cache.new_cache()
+    model(input_ids=ids[:, :-1], past_key_values=full_cache, use_cache=True)
+    ref = model(input_ids=tokens, past_key_values=full_cache, use_cache=True, output_hidden_states=True,
+                attention_mask=tree.attention_bias(9, torch.float32), position_ids=tree.positions(9)[None])
+    early_top = LayerRunner(model).logits(ref.hidden_states[2])[0].topk(3).indices
+    parents = tree.parents.tolist()
+    alive = [True] + [False] * 7
+    for i in range(1, 8):
+        alive[i] = alive[parents[i]] and tokens[0, i].item() in early_top[parents[i]].tolist()
+    kept = [i for i in range(8) if alive[i]]
+    assert scored.kept.tolist() == kept and 1 < len(kept) < 8 and stats.pruned_tokens == 8 - len(kept)
+    torch.testing.assert_close(scored.logits, ref.logits[:, kept], atol=1e-5, rtol=1e-5)
+    assert verified.tree.parents.tolist() == [-1] + [kept.index(parents[i]) for i in kept[1:]]
+    # every layer's cache holds the prefix then exactly the survivors' rows
+    for mine, theirs in zip(target.kv_cache.layers, full_cache.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys[:, :, [*range(9), *[9 + i for i in kept]]],
+                                   atol=1e-5, rtol=1e-5)
+    # the drafter observes its own tree: path and logits mapped back
+    path, back = unprune(scored, torch.tensor([[0, 1]]))
+    assert path.tolist() == [[0, kept[1]]] and back.logits.shape[1] == 8
+    target.release()
+
+
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_propd_greedy_is_token_identical_with_a_tree_drafter(top_k):
+    model = deep("llama")
+    drafter = flashmm.drafters.DraftModel(deep("llama", seed=1), tree_width=2, max_draft_tokens=6, adaptive=False)
+    sm = flashmm.wrap(model, drafter, prune="propd", prune_layer=2, prune_top_k=top_k)
+    ids = prompt(10, seed=12)
+    assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False), greedy_reference(model, ids, 24))
+    assert sm.last_stats.pruned_tokens > 0
+    with pytest.raises(ValueError, match="prune must be"):
+        flashmm.wrap(model, "prompt_lookup", prune="early")

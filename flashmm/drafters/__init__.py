@@ -5,6 +5,8 @@ from .fastdraft import FastDraft
 from .flash import FlashDrafter
 from .length import AdaptiveDraftLength
 from .layerskip import LayerSkip
+from .kangaroo import Kangaroo
+from .swift import Swift
 from .lookahead import Lookahead
 from .prompt_lookup import PromptLookup
 from .rest import Rest

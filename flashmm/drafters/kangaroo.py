@@ -1,0 +1,151 @@
+"""Kangaroo (Liu et al., 2024): the target's first l layers + a small trained adapter + its LM head.
+
+The adapter is Kangaroo's: one attention layer between two norms, built from the target's own
+classes (its attention and RMSNorm, so RoPE, GQA and biases are the target's) and trained on the
+target's features (flashmm.train.kangaroo). A draft step runs the token through layers [0, l) on the
+target's own cache (flashmm.drafters.self_spec: the committed rows are reused, the chain's are
+cropped), then ``post_norm(h + attn(input_norm(h)))`` on the adapter's own KV cache, then the
+target's LM head. Double early exit: the shallow sub-network exits at layer l, and drafting stops
+before the first token whose draft confidence (top-1 probability) is below ``confidence``.
+
+The adapter's cache holds one row per committed token (the root excluded, like the target's).
+Rows of tokens it has not seen (the prompt, a last drafted token it never fed) are caught up at
+the next propose: their layer-l states come from running them through layers [0, l) appended to
+the target's cache with a mask that shows each only the rows before its position (the very
+computation teacher forcing does), then cropped.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
+
+from ..targets.layers import LayerRunner, crop_layers, layer_len
+from .base import SequenceStart, StepResult, register
+from .saved import CONFIG_FILE, read_info
+from .self_spec import SelfDrafter
+
+
+class KangarooAdapter(torch.nn.Module):
+    """input_norm → self-attention (the target's attention class, layer_idx 0 of its own cache) →
+    residual → post_norm; its output goes to the target's LM head."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        layer = model.model.layers[0]
+        config = model.config
+        self.input_norm = type(layer.input_layernorm)(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = type(layer.self_attn)(config, layer_idx=0)
+        self.post_norm = type(model.model.norm)(config.hidden_size, eps=config.rms_norm_eps)
+
+    def init_from(self, model: torch.nn.Module, layer_index: int) -> None:
+        """Start from the target's attention of layer ``layer_index`` and its final norm."""
+        layer = model.model.layers[layer_index]
+        self.input_norm.load_state_dict(layer.input_layernorm.state_dict())
+        self.self_attn.load_state_dict(layer.self_attn.state_dict())
+        self.post_norm.load_state_dict(model.model.norm.state_dict())
+
+    def forward(self, hidden: torch.Tensor, rotary, attention_mask, cache: DynamicCache | None) -> torch.Tensor:
+        """hidden [B, T, d] (layer-l states) → [B, T, d] for the LM head. rotary: the target's
+        (cos, sin) of the positions; attention_mask additive [B, 1, T, P + T] or None (T == 1)."""
+        attended, _ = self.self_attn(hidden_states=self.input_norm(hidden), attention_mask=attention_mask,
+                                     position_embeddings=rotary, past_key_values=cache, use_cache=cache is not None)
+        return self.post_norm(hidden + attended)
+
+
+@register
+class Kangaroo(SelfDrafter):
+    """Layers [0, exit_layer) + a trained KangarooAdapter + the target's LM head (see module docstring)."""
+
+    name = "kangaroo"
+
+    def __init__(self, adapter_state: dict, exit_layer: int = 2, max_draft_tokens: int = 6,
+                 confidence: float = 0.6):
+        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence)
+        self.adapter_state = adapter_state
+        self.exit_layer = exit_layer
+        self.adapter: KangarooAdapter | None = None
+        self.adapter_cache = DynamicCache()
+        self._fed = 0  # chain tokens fed through the adapter during the last propose
+        self._chain_start = 0  # committed rows (root excluded) when that chain started
+        self._committed = None
+
+    @classmethod
+    def from_dir(cls, path, **options) -> "Kangaroo":
+        info = read_info(path)
+        state = load_file(str(Path(path) / "model.safetensors"))
+        return cls(state, exit_layer=info["exit_layer"], **{**info.get("options", {}), **options})
+
+    def save(self, path, info: dict) -> None:
+        """Write drafter.json (info + exit_layer) and the adapter's weights in fp16."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.to(torch.float16).contiguous() for k, v in self.adapter_state.items()},
+                  str(path / "model.safetensors"))
+        (path / CONFIG_FILE).write_text(json.dumps({**info, "exit_layer": self.exit_layer}, indent=1))
+
+    def bind(self, target) -> None:
+        super().bind(target)
+        if not 1 <= self.exit_layer < self.runner.num_layers:
+            raise ValueError(f"exit_layer must be in [1, {self.runner.num_layers - 1}], got {self.exit_layer}")
+        adapter = KangarooAdapter(target.model)
+        try:
+            adapter.load_state_dict(self.adapter_state)
+        except RuntimeError as error:
+            raise ValueError(f"this Kangaroo adapter was trained for another target: {error}") from None
+        self.adapter = adapter.to(device=self.runner.device, dtype=self.runner.dtype).eval()
+
+    def begin(self, start: SequenceStart) -> None:
+        self.adapter_cache = DynamicCache()
+        self._fed = 0
+
+    def drafting_layers(self) -> range:
+        return range(self.exit_layer)
+
+    # ------------------------------------------------------------------ drafting
+    def draft_logits(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
+        runner = self.runner
+        if self._fed == 0:  # the chain's first step: the adapter's cache must hold every committed row
+            self._catch_up(cache, position)
+        positions = token.new_tensor([[position]])
+        hidden = runner.run(runner.embed(token), 0, self.exit_layer, cache, None, positions)
+        hidden = self.adapter(hidden, runner.rotary(hidden, positions), None, self.adapter_cache)
+        self._fed += 1
+        return runner.lm_head(hidden)[:, -1]
+
+    def observe(self, step: StepResult) -> None:
+        # rows of the root and the accepted tokens the chain fed are exact: keep them, drop the rest
+        keep = min(step.accepted_len + 1, self._fed)
+        crop_layers(self.adapter_cache, [0], self._chain_start + keep)
+
+    def propose(self, committed, max_tokens, sampling, generator):
+        self._committed, self._chain_start, self._fed = committed, committed.shape[1] - 1, 0
+        return super().propose(committed, max_tokens, sampling, generator)
+
+    def _catch_up(self, cache, prefix: int) -> None:
+        """Give the adapter cache rows for committed positions [held, prefix): their layer-l states are
+        recomputed by appending them to the target's cache behind a mask showing each only the rows
+        before its own position (and itself), then cropped away."""
+        held = layer_len(self.adapter_cache, 0)
+        if held >= prefix:
+            return
+        runner, count = self.runner, prefix - held
+        # the missing tokens' input ids are not in the cache: the engine's committed text is
+        tokens = self._committed[:, held:prefix]  # [1, count]
+        positions = torch.arange(held, prefix, device=runner.device)[None]
+        # query i (position held + i) sees the target's rows [0, held + i]: its own row included, the
+        # same token at the same position; the appended copies are only computed, then cropped
+        visible = torch.zeros(count, prefix + count, dtype=torch.bool, device=runner.device)
+        visible[:, :held] = True
+        visible[:, held:prefix] = torch.ones(count, count, dtype=torch.bool, device=runner.device).tril()
+        mask = torch.zeros(1, 1, count, prefix + count, dtype=runner.dtype, device=runner.device)
+        mask.masked_fill_(~visible[None, None], torch.finfo(runner.dtype).min)
+        try:
+            hidden = runner.run(runner.embed(tokens), 0, self.exit_layer, cache, mask, positions)
+        finally:
+            crop_layers(cache, range(self.exit_layer), prefix)
+        causal = runner.causal_mask(count, held)
+        self.adapter(hidden, runner.rotary(hidden, positions), causal, self.adapter_cache)

@@ -1,0 +1,111 @@
+"""ProPD (Zhong et al., 2024): prune a draft tree with the target's early-layer logits before the
+remaining layers run. ``flashmm.wrap(model, drafter, prune="propd", prune_layer=l, prune_top_k=k)``.
+
+The tree forward is split (flashmm.targets.layers): layers [0, l) run on all N nodes; the final norm
+and LM head on their layer-l states give early logits; node i survives iff its parent survives and
+its token is among the top-k early tokens at its parent. Layers [l, L) then run on the M surviving
+nodes only (the cost saved: (L − l)/L of a step's layer work on N − M nodes, less the early LM head
+on the nodes with children); the first l layers' cache rows are compacted to the survivors first.
+The verifier sees the surviving subtree: pruned nodes are simply not verified, so greedy output is
+unchanged, and so is the sampled distribution for deterministic children (the candidate set is a
+function of the context, as any drafter's is). Drafts with sampled children (q_probs) while
+sampling, drafts with aux rows, and drafters that need hidden states are verified unpruned.
+
+The drafter then observes the step in its own tree's indexing: the path mapped back, and logits
+whose pruned rows are the early logits (so ``node_topk`` at a pruned node is the early top-k).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .drafters.base import Draft
+from .targets.base import TargetOutput
+from .targets.layers import LayerRunner, check_supported
+from .tree import TokenTree
+
+PRUNE_MODES = ("none", "propd")
+
+
+def check_prunable(target) -> None:
+    """Raise ValueError unless ProPD can split ``target``'s forward (a Llama-like text LM, PyTorch path)."""
+    if not hasattr(target, "kv_cache") or getattr(target, "recurrent", False) or getattr(target, "backend", "torch") != "torch":
+        raise ValueError("prune='propd' splits the target's forward layer by layer: it needs a text causal LM "
+                         "verified through the PyTorch path (attention='torch'), not a recurrent or Triton target")
+    check_supported(target.model)
+
+
+@dataclass
+class PrunedOutput(TargetOutput):
+    """The target's output over the surviving nodes, and what the drafter's own tree needs.
+
+    kept:         LongTensor [M]; indices of the surviving nodes in the original tree (0 = root).
+    early_logits: FloatTensor [1, N, V]; layer-l logits of every original node.
+    """
+
+    kept: torch.Tensor | None = None
+    early_logits: torch.Tensor | None = None
+
+
+def surviving_nodes(tree: TokenTree, tokens: torch.Tensor, early_topk: torch.Tensor) -> list[int]:
+    """Nodes whose every ancestor-to-node token is in the early top-k at its parent.
+    tokens [N]; early_topk [N, k] (the ids of the k largest early logits at each node)."""
+    parents = tree.parents.tolist()
+    alive = [True] * len(parents)
+    for i in range(1, len(parents)):
+        p = parents[i]
+        alive[i] = alive[p] and bool((early_topk[p] == tokens[i]).any())
+    return [i for i, a in enumerate(alive) if a]
+
+
+def subtree(tree: TokenTree, kept: list[int]) -> TokenTree:
+    """The tree restricted to ``kept`` (closed under parents, BFS order kept), renumbered 0 .. M-1."""
+    index = {node: j for j, node in enumerate(kept)}
+    parents = tree.parents.tolist()
+    return TokenTree.from_parents([-1] + [index[parents[node]] for node in kept[1:]])
+
+
+def score_draft(target, draft: Draft, want_hidden, spec, sampling, stats=None) -> tuple[Draft, TargetOutput]:
+    """(the draft the verifier sees, the target's output over it); unpruned unless spec.prune says so
+    and the draft qualifies (see the module docstring). stats.pruned_tokens counts pruned nodes."""
+    if (spec.prune == "none" or draft.tree.num_nodes <= 2 or draft.aux is not None or want_hidden
+            or (sampling.do_sample and draft.q_probs is not None)):
+        return draft, target.forward_tree(*draft.forward_layout(), want_hidden)
+    runner = LayerRunner(target.model)
+    split = spec.prune_layer or max(1, runner.num_layers // 4)
+    if not 1 <= split < runner.num_layers:
+        raise ValueError(f"prune_layer must be in [1, {runner.num_layers - 1}], got {split}")
+    cache, tree, tokens = target.kv_cache, draft.tree, draft.tokens
+    prefix = target.cache_len
+    with torch.no_grad(), target.tree_linears():
+        hidden = runner.run(runner.embed(tokens), 0, split, cache, target.tree_attention_mask(tree, prefix),
+                            target.tree_position_ids(tree, prefix, 1))  # [1, N, d]
+        early = runner.logits(hidden)  # [1, N, V]
+        kept = surviving_nodes(tree, tokens[0], early[0].topk(spec.prune_top_k, dim=-1).indices)
+        if len(kept) < tree.num_nodes:
+            index = torch.tensor(kept, device=hidden.device)
+            for layer in cache.layers[:split]:  # compact the first layers' tree rows to the survivors
+                rows = torch.cat([torch.arange(prefix, device=hidden.device), prefix + index])
+                layer.keys, layer.values = layer.keys[:, :, rows], layer.values[:, :, rows]
+            hidden, tree, tokens = hidden[:, index], subtree(tree, kept), tokens[:, index]
+        hidden = runner.run(hidden, split, runner.num_layers, cache, target.tree_attention_mask(tree, prefix),
+                            target.tree_position_ids(tree, prefix, 1))
+        logits = runner.logits(hidden)
+    target.tree_started(prefix)
+    if stats is not None:
+        stats.pruned_tokens += draft.tree.num_nodes - len(kept)
+    q_probs = draft.q_probs[:, kept] if draft.q_probs is not None else None
+    verified = Draft(tokens=tokens, tree=tree, q_probs=q_probs)
+    return verified, PrunedOutput(logits, None, kept=torch.tensor(kept), early_logits=early)
+
+
+def unprune(scored: TargetOutput, path: torch.Tensor) -> tuple[torch.Tensor, TargetOutput]:
+    """(path [1, L] in the drafter's own tree, output over its N nodes: real logits at the verified nodes,
+    early logits at the pruned ones); unpruned outputs pass through."""
+    if not isinstance(scored, PrunedOutput):
+        return path, scored
+    kept = scored.kept.to(path.device)
+    logits = scored.early_logits.clone()
+    logits[:, scored.kept.to(logits.device)] = scored.logits
+    return kept[path], TargetOutput(logits, None)
