@@ -14,7 +14,7 @@ from .engine import Decoding, GenerationStats, generate_one
 from .verify_prune import check_prunable
 from .generation import finish, prepare
 from .batched import generate_batch
-from .targets import CausalLMTarget, make_target
+from .targets import make_target
 
 _SPEC_FIELDS = {f.name for f in fields(SpecConfig)}
 
@@ -42,6 +42,7 @@ class SpeculativeModel:
         if self.spec.prune != "none":
             check_prunable(self.target)  # ProPD splits the target's forward layer by layer
         self.last_stats: GenerationStats | None = None
+        self.last_row_stats: list[GenerationStats] = []  # per output row of the last call (last_stats sums them)
 
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
@@ -80,7 +81,7 @@ class SpeculativeModel:
         try:
             if self.batches(plan):
                 rows = generate_batch(self.target, self.drafter, plan.input_ids, plan.attention_mask, decodings,
-                                      self.spec, generator)
+                                      self.spec, generator, plan.model_inputs)
             else:
                 rows = [generate_one(self.target, self.drafter, plan.input_ids[b : b + 1, plan.padding(b):],
                                      decoding=decodings[b], spec=self.spec, generator=generator,
@@ -91,6 +92,9 @@ class SpeculativeModel:
             width = max(len(r.new_tokens) for r in rows)
             for b, row in enumerate(rows):
                 if not plan.has_eos_criteria and len(row.new_tokens) < width:
+                    if plan.model_inputs and plan.batch_size > (plan.config.num_return_sequences or 1):
+                        raise NotImplementedError("a stopping criterion other than EOS stopped one row of a batch "
+                                                  "with media early; call generate once per item")
                     # model.generate without an EOS criterion keeps decoding a row that another
                     # criterion stopped until every row has stopped: decode it to the batch's width
                     ids = plan.input_ids[b : b + 1, plan.padding(b):]
@@ -102,14 +106,30 @@ class SpeculativeModel:
         finally:
             self.target.release()  # frees the cache; restores the model's attention implementation
         self.last_stats = stats
+        self.last_row_stats = [row.stats for row in rows]
         return finish(plan, [r.new_tokens for r in rows], [r.scores for r in rows] if keep_scores else None,
                       [r.logits for r in rows] if keep_logits else None)
 
     def batches(self, plan) -> bool:
-        """Whether this call verifies its rows together (text causal LMs, more than one row). Recurrent
-        and hybrid targets decode row by row: their states are snapshot and restored per sequence."""
-        return (plan.batch_size > 1 and self.spec.batching == "auto" and type(self.target) is CausalLMTarget
-                and not plan.model_inputs and not self.target.recurrent)
+        """Whether this call verifies its rows together (more than one row; causal LMs and the
+        vision-language adapters, media per row). Recurrent and hybrid targets decode row by row: their
+        states are snapshot and restored per sequence. A batch with media that cannot be decoded
+        together is refused here (its media cannot be split per row), naming why."""
+        expand = plan.config.num_return_sequences or 1
+        if plan.model_inputs and expand > 1:  # media belong to the items, not to their expanded rows
+            if plan.batch_size > expand:
+                raise NotImplementedError("num_return_sequences > 1 with a batch of media items: call generate "
+                                          "once per item")
+            return False  # one item: its sequences decode one after another, each with the item's media
+        together = (plan.batch_size > 1 and self.spec.batching == "auto" and self.target.batchable
+                    and not self.target.recurrent)
+        if plan.batch_size > 1 and plan.model_inputs and not together:
+            why = ("batching='rows' was asked for" if self.spec.batching != "auto" else
+                   f"{type(self.model).__name__} keeps recurrent states per sequence" if self.target.recurrent else
+                   f"{type(self.model).__name__} is not decoded in batches")
+            raise NotImplementedError(f"a batch with media ({', '.join(sorted(plan.model_inputs))}) is decoded in one "
+                                      f"batch or not at all, and {why}: call generate once per item")
+        return together
 
 
 def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attention: str = "auto",

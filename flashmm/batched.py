@@ -30,12 +30,15 @@ class BatchState:
     slot_pos:  LongTensor [B, L]; position id of each slot (meaningless where not valid).
     root_pos:  LongTensor [B]; position id of each row's root (its last committed token, not in
                the cache yet): the number of real tokens the row has in the cache.
+    offset:    LongTensor [B]; what the model's position ids add to these (Qwen-VL: the row's
+               M-RoPE delta; PaliGemma: 1; text: 0); masks and windows use the positions above.
     """
 
     cache: object
     valid: torch.Tensor
     slot_pos: torch.Tensor
     root_pos: torch.Tensor
+    offset: torch.Tensor
 
     @property
     def num_slots(self) -> int:
@@ -48,12 +51,17 @@ class BatchState:
                 layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
                 layer.values = layer.values.index_select(0, rows.to(layer.values.device))
         self.valid, self.slot_pos, self.root_pos = self.valid[rows], self.slot_pos[rows], self.root_pos[rows]
+        self.offset = self.offset[rows.to(self.offset.device)]
 
 
-def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_hidden: bool):
-    """Run the padded prompts [B, T] as model.generate does (positions from the mask, pads at 0).
+def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_hidden, model_inputs: dict):
+    """Run the padded prompts [B, T] as model.generate does: the model's own forward on the whole
+    batch, its media (model_inputs: pixel_values, image_grid_thw, ...) and the positions generate
+    gives (target.batch_prompt: from the mask; M-RoPE from get_rope_index).
 
-    Returns (logits [B, V] of each row's last position, hidden [B, T, d] or None, BatchState).
+    Returns (logits [B, V] of each row's last position, hidden [B, T, d] or None, the language
+    model's input embeddings [B, T, d] (multimodal targets asked for hidden states) or None,
+    BatchState).
     """
     from transformers import DynamicCache  # noqa: PLC0415
 
@@ -62,11 +70,14 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     full = bool((mask == 1).all())
     target.start_sequence()
-    out = target.model(input_ids=input_ids, attention_mask=None if full else mask, position_ids=positions,
-                       past_key_values=cache, use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1)
+    kwargs, offset = target.batch_prompt(input_ids, mask, dict(model_inputs))
+    with target.watching_prompt(input_ids, bool(want_hidden)) as embeds:
+        out = target.model(input_ids=input_ids, attention_mask=None if full else mask, past_key_values=cache,
+                           use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=1, **kwargs)
     hidden = out.hidden_states[-1] if want_hidden else None
-    state = BatchState(cache=cache, valid=mask.bool(), slot_pos=positions, root_pos=mask.long().sum(-1))
-    return out.logits[:, -1], hidden, state
+    state = BatchState(cache=cache, valid=mask.bool(), slot_pos=positions, root_pos=mask.long().sum(-1),
+                       offset=offset.to(mask.device))
+    return out.logits[:, -1], hidden, (embeds[0] if embeds else None), state
 
 
 def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dtype) -> tuple[dict, torch.Tensor]:
@@ -103,7 +114,8 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
     masks, positions = tree_masks(target, state, trees, tokens.shape[1], target.model.dtype)
     mask = masks if len(masks) > 1 else next(iter(masks.values()))
     with target.tree_linears():
-        out = target.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
+        out = target.model(input_ids=tokens, attention_mask=mask,
+                           position_ids=target.batch_position_ids(positions + state.offset[:, None]),
                            past_key_values=state.cache, use_cache=True, output_hidden_states=want_hidden)
     return out.logits, (out.hidden_states[-1] if want_hidden else None)
 
@@ -139,9 +151,10 @@ def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   decodings: list, spec, generator: torch.Generator | None) -> list:
-    """Decode the left-padded rows input_ids [B, T] together: one prefill, then one target
-    forward per step for all rows still running. Returns one engine.RowOutput per row."""
+                   decodings: list, spec, generator: torch.Generator | None, model_inputs: dict | None = None) -> list:
+    """Decode the left-padded rows input_ids [B, T] together: one prefill (with the batch's media,
+    model_inputs), then one target forward per step for all rows still running. Each row's drafter
+    begins with its own prompt, features and visual spans. Returns one engine.RowOutput per row."""
     from .drafters.base import SequenceStart  # noqa: PLC0415 (engine imports drafters)
     from .engine import RowWriter, step_result, verify_row  # noqa: PLC0415
     from .verify import drafting_scheme_of, select_verifier  # noqa: PLC0415
@@ -155,7 +168,7 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
                                drafting_scheme=drafting_scheme_of(drafter))
     want_hidden = drafter.needs_hidden_states
 
-    logits, hidden, state = prefill(target, input_ids, attention_mask, want_hidden)
+    logits, hidden, embeds, state = prefill(target, input_ids, attention_mask, want_hidden, model_inputs or {})
     for b, row in enumerate(rows):
         row.out.stats.target_forwards += 1
         if row.finished:
@@ -163,9 +176,13 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
         row.first_token(logits[b], generator)
         if not row.finished:
             ids = input_ids[b : b + 1, padding[b]:]
+            row_embeds = target.input_embeddings()(ids) if want_hidden else None
+            spans = []
+            if embeds is not None:  # a multimodal target: its visual features merged in, and their spans
+                row_embeds, spans = embeds[b : b + 1, padding[b]:], target.visual_spans(ids)
             drafters[b].begin(SequenceStart(
                 input_ids=ids, hidden_states=None if hidden is None else hidden[b : b + 1, padding[b]:],
-                input_embeds=target.input_embeddings()(ids) if want_hidden else None))
+                input_embeds=row_embeds, visual_spans=spans))
     active = [b for b in range(batch) if not rows[b].finished]
     state.select(torch.tensor(active, dtype=torch.long))
 

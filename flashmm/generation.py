@@ -152,10 +152,6 @@ def prepare(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     expand = config.num_return_sequences or 1
     extra = {k: v for k, v in model_kwargs.items()
              if k not in ("attention_mask", "use_cache") and v is not None}
-    if extra and batch > 1:
-        raise NotImplementedError(
-            "batched multimodal generation is not supported yet: call generate once per item "
-            "(flashmm.CaptionPipeline does this for you)")
     input_ids = input_ids.repeat_interleave(expand, dim=0)
     mask = mask.repeat_interleave(expand, dim=0)
     if streamer is not None:

@@ -13,9 +13,14 @@ Videos: models whose processor has a video path (LLaVA-OneVision, Qwen-VL with a
 processor) get the sampled frames as one video; LLaVA-1.5-class models (no video input), and
 processors built without a video processor, get the frames as N images, one placeholder each.
 
-Batching: the engine decodes one sequence at a time, so ``batch_size`` only groups media
-loading and preprocessing (``batch_size`` items are loaded and preprocessed, then decoded one
-after another). It bounds memory held by decoded media; it does not batch the forward passes.
+Batching: ``batch_size`` items are loaded and preprocessed, then decoded together: their processor
+outputs are collated into one left-padded batch (flashmm.collate) and decoded by one ``generate``
+call (speculative: one target forward per step for all rows; drafter=None: the model's own batched
+``generate``). Greedy captions equal batch_size=1's up to the model's own batched-vs-single
+floating-point differences (none on the tested models). A group that cannot be collated, or a
+model that decodes batches with media row by row only (recurrent / hybrid language models), is
+decoded one item at a time; an item that fails inside a batched call is retried alone, so its
+error is its own.
 
 Errors: a file that is missing, unreadable, or of an unsupported type yields a result whose
 ``error`` names the problem; the other items are still captioned (``raise_errors=True``
@@ -34,6 +39,7 @@ import torch
 from PIL import Image
 
 from .api import wrap
+from .collate import collate
 from .config import SpecConfig
 from .engine import GenerationStats
 from .resolve import UntrainedDrafterError, resolve_drafter, training_record  # noqa: F401 (public here too)
@@ -279,7 +285,7 @@ class CaptionPipeline:
         inputs: an image path, a video path, a PIL image, a VideoFrames, or a list of these.
         prompt: the instruction (None: "Describe the image." / "Describe the video.").
         num_frames / fps: video frame sampling (at most one; default 8 frames evenly spread).
-        batch_size: items loaded and preprocessed together before they are decoded one by one.
+        batch_size: items loaded, preprocessed and decoded together (one generate call per group).
         max_new_tokens, **generation: what ``model.generate`` accepts (do_sample, temperature, top_k,
             top_p, repetition_penalty, generation_config, ...); both decoding paths (speculative and
             drafter=None) get exactly these, merged over the model's generation_config. None
@@ -306,10 +312,13 @@ class CaptionPipeline:
         for start in range(0, len(items), batch_size):
             prepared = [self._prepare(start + i, item, prompt, num_frames, fps, raise_errors)
                         for i, item in enumerate(items[start:start + batch_size])]
+            loaded = [entry for entry in prepared if entry.inputs is not None]
+            if len(loaded) > 1:
+                loaded = self._decode_batch(loaded, settings)  # the entries left to decode alone
+            for entry in loaded:
+                self._decode(entry, settings, raise_errors)
             for entry in prepared:
-                if entry.inputs is not None:
-                    self._decode(entry, settings, raise_errors)
-                    entry.inputs = None  # release the media tensors
+                entry.inputs = None  # release the media tensors
                 yield entry.result
 
     # ------------------------------------------------------------------ stages
@@ -369,6 +378,53 @@ class CaptionPipeline:
         return {k: (v.to(device, dtype) if k.startswith("pixel_values") and v.is_floating_point() else v.to(device))
                 if isinstance(v, torch.Tensor) else v for k, v in dict(out).items()}
 
+    def _decode_batch(self, entries: list[_Prepared], settings) -> list[_Prepared]:
+        """Decode the entries in one generate call; returns the entries still to decode one by one
+        (all of them when they cannot be collated, their model decodes media row by row, or the
+        batched call failed: then each item meets its own error alone)."""
+        generation, generator = settings
+        pad = self.processor.tokenizer.pad_token_id
+        try:
+            batch = collate([entry.inputs for entry in entries], 0 if pad is None else pad)
+        except ValueError:
+            return entries
+        width = batch["input_ids"].shape[1]
+        t0 = time.perf_counter()
+        try:
+            if self.spec_model is not None:
+                out = self.spec_model.generate(**batch, **generation, generator=generator)
+                row_stats = self.spec_model.last_row_stats
+            else:
+                out = plain_generate(self.model, batch, generation, generator)
+                row_stats = None
+        except NotImplementedError:
+            return entries
+        except Exception:  # noqa: BLE001 (one bad item: decode each alone, so its error is its own)
+            return entries
+        seconds = (time.perf_counter() - t0) / len(entries)
+        sequences = getattr(out, "sequences", out)
+        for b, entry in enumerate(entries):
+            new = sequences[b, width:]
+            stats = row_stats[b] if row_stats is not None else plain_stats(self._plain_length(new, generation), seconds)
+            self._fill(entry.result, new[: stats.new_tokens], stats, seconds)
+        return []
+
+    def _plain_length(self, new: torch.Tensor, generation: dict) -> int:
+        """How many of a row's tokens from the model's batched generate are its own: up to and with its
+        first EOS (the rest is the pad generate writes after a row finished)."""
+        config = generation.get("generation_config") or self.model.generation_config
+        eos = generation.get("eos_token_id", config.eos_token_id)
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        hits = torch.isin(new, torch.tensor(eos, device=new.device)).nonzero() if eos else []
+        return int(hits[0, 0]) + 1 if len(hits) else int(new.shape[0])
+
+    def _fill(self, result: CaptionResult, new: torch.Tensor, stats: GenerationStats, seconds: float) -> None:
+        result.seconds = seconds
+        result.new_tokens = int(new.shape[0])
+        result.token_ids = new.tolist()
+        result.caption = self.processor.tokenizer.decode(new, skip_special_tokens=True).strip()
+        result.stats = stats.as_dict()
+
     def _decode(self, entry: _Prepared, settings: tuple[dict, torch.Generator | None], raise_errors: bool) -> None:
         inputs, result = entry.inputs, entry.result
         generation, generator = settings
@@ -386,16 +442,12 @@ class CaptionPipeline:
                 raise
             result.error = f"{type(err).__name__}: {err}"
             return
-        result.seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         sequences = getattr(out, "sequences", out)  # return_dict_in_generate=True gives an output class
         new = sequences[0, prompt_len:]
         if stats is None:
-            stats = plain_stats(len(new), result.seconds)
-        new = new[: stats.new_tokens]
-        result.new_tokens = int(new.shape[0])
-        result.token_ids = new.tolist()
-        result.caption = self.processor.tokenizer.decode(new, skip_special_tokens=True).strip()
-        result.stats = stats.as_dict()
+            stats = plain_stats(len(new), seconds)
+        self._fill(result, new[: stats.new_tokens], stats, seconds)
 
 def plain_generate(model: torch.nn.Module, inputs: dict, generation: dict, generator: torch.Generator | None = None):
     """``model.generate(**inputs, **generation)``; ``generator``, which HF's generate does not take,

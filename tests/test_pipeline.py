@@ -147,29 +147,34 @@ def test_captions_equal_model_generate(saved, media, drafter_kind, tmp_path):
             assert stats["tau"] == 1.0 and stats["target_forwards"] == MAX_NEW
 
 
-def test_batch_size_groups_loading_not_decoding(saved, media, monkeypatch):
+def test_batch_size_groups_loading_and_decoding(saved, media, monkeypatch):
     model, processor = llava()
     pipe = CaptionPipeline(model, drafter="prompt_lookup", processor=processor)
     items = [media / "a.png", media / "b.jpg", media / "bad.png", media / "a.png", media / "b.jpg"]
     events = []
-    prepare, decode_one = pipe._prepare, pipe._decode
+    prepare, decode_batch, decode_one = pipe._prepare, pipe._decode_batch, pipe._decode
 
     def spy_prepare(index, *args):
         events.append(("load", index))
         return prepare(index, *args)
 
+    def spy_decode_batch(entries, *args):
+        events.append(("decode", [e.result.source for e in entries]))
+        return decode_batch(entries, *args)
+
     def spy_decode(entry, *args):
-        events.append(("decode", entry.result.source))
+        events.append(("decode", [entry.result.source]))
         return decode_one(entry, *args)
 
     monkeypatch.setattr(pipe, "_prepare", spy_prepare)
+    monkeypatch.setattr(pipe, "_decode_batch", spy_decode_batch)
     monkeypatch.setattr(pipe, "_decode", spy_decode)
     stream = pipe.stream(items, max_new_tokens=4, batch_size=2)
-    first = next(stream)  # the first group is loaded; its items are decoded (and yielded) one by one
-    assert events == [("load", 0), ("load", 1), ("decode", str(items[0]))]
+    first = next(stream)  # the first group is loaded, then decoded together (one generate call)
+    assert events == [("load", 0), ("load", 1), ("decode", [str(items[0]), str(items[1])])]
     rest = list(stream)
-    assert [e[0] for e in events] == ["load", "load", "decode", "decode", "load", "load", "decode",
-                                        "load", "decode"]  # bad.png: loaded, never decoded
+    assert events[3:] == [("load", 2), ("load", 3), ("decode", [str(items[3])]),  # bad.png: loaded, never decoded
+                          ("load", 4), ("decode", [str(items[4])])]
     batched = [first] + rest
     single = pipe(items, max_new_tokens=4, batch_size=1)
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]

@@ -185,6 +185,11 @@ class PlaceholderVLMTarget(VisualTarget):
         """LongTensor [B, N]: prefix_len + depth (+ the model's generate offset)."""
         return super().tree_position_ids(tree, prefix_len, batch_size) + self.position_offset
 
+    def batch_prompt(self, input_ids, attention_mask, model_inputs: dict):
+        """VisualTarget's, with the model's generate offset on every position."""
+        kwargs, offset = super().batch_prompt(input_ids, attention_mask, model_inputs)
+        return kwargs, offset + self.position_offset
+
     @property
     def explicit_chain_positions(self) -> bool:  # a shifted position scheme is never left to the model
         return self.position_offset != 0
@@ -245,6 +250,19 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
         positions = base + delta.to(self.device)  # [B, N]
         return positions[None].expand(self._rope_rows, batch_size, -1)
 
+    def batch_prompt(self, input_ids, attention_mask, model_inputs: dict):
+        """Media + the padded batch's positions [R, B, T] from get_rope_index (as generate);
+        offset: each row's rope delta."""
+        model_inputs = {k: v for k, v in model_inputs.items() if k != "position_ids"}
+        self.check_media(input_ids, model_inputs)
+        positions, delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
+        self._rope_rows = positions.shape[0]
+        return {**model_inputs, "position_ids": positions}, delta.reshape(-1)
+
+    def batch_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, W] → [R, B, W], equal in every row."""
+        return positions[None].expand(self._rope_rows, -1, -1)
+
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
         """input_ids [1, T]; any position_ids given are replaced by the model's own rope index."""
         model_inputs.pop("position_ids", None)
@@ -275,10 +293,17 @@ class UnplacedMediaTarget(CausalLMTarget):
         super().__init__(model, attention=attention, linear=linear)
 
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+        self.refuse_media(model_inputs)
+        return super().prefill(input_ids, attention_mask, want_hidden, **model_inputs)
+
+    def batch_prompt(self, input_ids, attention_mask, model_inputs: dict):
+        self.refuse_media(model_inputs)
+        return super().batch_prompt(input_ids, attention_mask, model_inputs)
+
+    def refuse_media(self, model_inputs: dict) -> None:
         media = media_keys(model_inputs)
         if media:
             raise UnsupportedModel(
                 f"flashmm cannot decode {architecture(self.model)} with {', '.join(media)}: its config names no "
                 "image/video placeholder token, so flashmm cannot place the media's positions in its cache and "
                 "verify drafts after them exactly; run it with model.generate (text-only prompts are served)")
-        return super().prefill(input_ids, attention_mask, want_hidden, **model_inputs)

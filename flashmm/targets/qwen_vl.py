@@ -63,6 +63,19 @@ class QwenVLTarget(VisualTarget):
         positions = base + self._rope_delta.to(self.device)  # [B, N]
         return positions[None].expand(3, batch_size, -1)
 
+    def batch_prompt(self, input_ids, attention_mask, model_inputs: dict):
+        """Media + the M-RoPE positions [3, B, T] get_rope_index gives the padded batch (as generate);
+        offset: each row's rope delta (after the prompt, the k-th real token sits at k + delta)."""
+        model_inputs = {k: v for k, v in model_inputs.items() if k != "position_ids"}
+        self.check_media(input_ids, model_inputs)
+        positions, delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
+        kwargs = {k: v for k, v in model_inputs.items() if k != "mm_token_type_ids"}
+        return {**kwargs, "position_ids": positions}, delta.reshape(-1)
+
+    def batch_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, W] → [3, B, W]: text tokens have equal positions in the three rows."""
+        return positions[None].expand(3, -1, -1)
+
     def model_kwargs(self, input_ids, attention_mask, model_inputs: dict) -> dict:
         """Media + explicit M-RoPE position_ids [3, B, T]; mm_token_type_ids are only needed by the
         model's own position code, which explicit positions bypass."""

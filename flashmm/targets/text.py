@@ -107,6 +107,27 @@ class CausalLMTarget(Target):
         """The context the tree forwards run their linear layers in (oneDNN routing or nothing)."""
         return self._linears
 
+    # ------------------------------------------------------------------ batched decoding (flashmm.batched)
+    #: whether a padded batch is verified together; False: api decodes it row by row
+    batchable = True
+
+    def batch_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict):
+        """(forward kwargs of a padded batch's prefill [B, T]: position_ids as generate gives them, plus
+        media; offset LongTensor [B]: the k-th real token of row b, prompt or new, has position id
+        k + offset[b]). Text: positions count real tokens, offset 0."""
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        offset = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+        return {"position_ids": positions, **model_inputs}, offset
+
+    def batch_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """A batched tree forward's position ids [B, W] in the layout the model takes (1-D: as given)."""
+        return positions
+
+    def watching_prompt(self, input_ids: torch.Tensor, want_embeds: bool):
+        """Context around a batched prefill forward; yields a list that then holds the language model's
+        input embeddings [B, T, d] (multimodal targets only: text drafters embed the ids themselves)."""
+        return nullcontext([])
+
     #: chains are verified with the model's own causal mask unless positions are non-trivial
     explicit_chain_positions = False
 

@@ -100,24 +100,13 @@ class VisualTarget(CausalLMTarget):
         model_inputs = self.model_kwargs(input_ids, attention_mask, model_inputs)
         self.start_sequence()
         self._prompt_cache = None
-        captured = []
-        capture = self.merges_embeds and (want_hidden or self.check_filled_on_prefill)
-        watch = self._language_model_input(captured.append) if capture else contextlib.nullcontext()
-        try:
-            with watch:
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                                 output_hidden_states=want_hidden, logits_to_keep=1,
-                                 **{self.cache_argument: self._cache}, **model_inputs)
-        except ValueError as err:
-            # Counts the pre-checks cannot know (anyres tiles) are checked by the model itself.
-            if "tokens do not match" in str(err):
-                raise self._media_error("visual placeholders and media differ",
-                                        f"the model's own count check failed ({err})") from err
-            raise
+        with self.watching_prompt(input_ids, bool(want_hidden)) as captured:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                             output_hidden_states=bool(want_hidden), logits_to_keep=1,
+                             **{self.cache_argument: self._cache}, **model_inputs)
         if self.recurrent:
             self._cache.counted = input_ids.shape[1]
         if captured:
-            self.check_filled(input_ids, captured[0])
             self._prompt_cache = (input_ids, captured[0])
         hidden = out.hidden_states[-1] if want_hidden else None
         return TargetOutput(out.logits[:, -1:], hidden)
@@ -125,6 +114,34 @@ class VisualTarget(CausalLMTarget):
     def release(self) -> None:
         super().release()
         self._prompt_cache = None
+
+    @contextlib.contextmanager
+    def watching_prompt(self, input_ids: torch.Tensor, want_embeds: bool):
+        """Around the prefill forward of input_ids [B, T]: yields a list that afterwards holds the merged
+        input embeddings [B, T, d] the language model got (when wanted, or to check them), checked by
+        check_filled; the model's own feature/placeholder count error is rephrased."""
+        captured = []
+        capture = self.merges_embeds and (want_embeds or self.check_filled_on_prefill)
+        watch = self._language_model_input(captured.append) if capture else contextlib.nullcontext()
+        try:
+            with watch:
+                yield captured
+        except ValueError as err:
+            # Counts the pre-checks cannot know (anyres tiles) are checked by the model itself.
+            if "tokens do not match" in str(err):
+                raise self._media_error("visual placeholders and media differ",
+                                        f"the model's own count check failed ({err})") from err
+            raise
+        if captured:
+            self.check_filled(input_ids, captured[0])
+
+    def batch_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict):
+        """CausalLMTarget's, after the placeholders of every row are checked against the batch's media
+        (the model scatters the media over the placeholders in row order, as in generate); families
+        with their own positions (model_kwargs) keep them."""
+        self.check_media(input_ids, model_inputs)
+        kwargs, offset = super().batch_prompt(input_ids, attention_mask, {})
+        return {**kwargs, **self.model_kwargs(input_ids, attention_mask, model_inputs)}, offset
 
     # ------------------------------------------------------------------ family hooks
     def model_kwargs(self, input_ids: torch.Tensor, attention_mask, model_inputs: dict) -> dict:
