@@ -272,3 +272,17 @@ def test_propd_greedy_is_token_identical_with_a_tree_drafter(top_k):
     assert sm.last_stats.pruned_tokens > 0
     with pytest.raises(ValueError, match="prune must be"):
         flashmm.wrap(model, "prompt_lookup", prune="early")
+
+
+def test_shipped_smollm2_kangaroo_is_an_adapter_only_folder():
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    folder = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2/kangaroo"
+    info = flashmm.drafters.saved.read_info(folder)
+    assert info["method"] == "kangaroo" and info["exit_layer"] == 2 and "build_kangaroo" in info["command"]
+    weights = load_file(str(folder / "model.safetensors"))
+    assert {k.split(".")[0] for k in weights} == {"input_norm", "self_attn", "post_norm"}  # no layers, no LM head
+    assert all(w.dtype == torch.float16 for w in weights.values())
+    assert (folder / "model.safetensors").stat().st_size < 30e6

@@ -79,7 +79,7 @@ def chain_tau(agree: list[torch.Tensor], draft_tokens: int) -> float:
 @torch.no_grad()
 def choose_exit_layer(model: torch.nn.Module, sequences: list[torch.Tensor], exits: list[int] | None = None,
                       draft_tokens: tuple[int, ...] = (1, 2, 3, 4, 6), head_cost: float = 0.2,
-                      verify_extra: float = 0.05) -> list[ExitChoice]:
+                      verify_extra: float = 0.05, starts: list[int] | None = None) -> list[ExitChoice]:
     """Measure every exit layer on ``sequences`` (LongTensor [T] each; the model's own greedy text is
     the faithful choice): the E-layer argmax (final norm + LM head on output_hidden_states[E]) against
     the model's argmax at every position, teacher-forced, so its chain acceptance is exact for greedy
@@ -90,11 +90,12 @@ def choose_exit_layer(model: torch.nn.Module, sequences: list[torch.Tensor], exi
     total = runner.num_layers
     exits = exits or list(range(1, total))
     agree = {e: [] for e in exits}
-    for ids in sequences:
+    for n, ids in enumerate(sequences):
         out = model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
-        final = out.logits[0].argmax(-1)  # [T]
+        first = starts[n] if starts is not None else 0
+        final = out.logits[0, first:].argmax(-1)  # [T - first]
         for e in exits:
-            agree[e].append(runner.logits(out.hidden_states[e])[0].argmax(-1) == final)
+            agree[e].append(runner.logits(out.hidden_states[e][:, first:])[0].argmax(-1) == final)
     choices = []
     for e in exits:
         flags = torch.cat(agree[e])

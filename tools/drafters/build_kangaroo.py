@@ -1,7 +1,7 @@
 """Build SmolLM2's Kangaroo adapter from the target's cached corpus features.
 
-    python -m tools.drafters.build_kangaroo --features /tmp/head_work/features \\
-        --train-shards 10 --work /tmp/kangaroo_work --out assets/text_drafters/smollm2/kangaroo --seed 0
+    python -m tools.drafters.build_kangaroo --features /tmp/head_work/features --train-shards 10 \\
+        --epochs 1 --exit-layer 2 --work /tmp/kangaroo_work_e1 --out assets/text_drafters/smollm2/kangaroo --seed 0
 
 The features are the lead's cache of ``flashmm.train.corpus.features(model, "assets/corpus/smollm2",
 layers=(2, 15, 27, 30), top_k=32, cache_dir=..., which="greedy", batch_size=8, shard_size=64,
@@ -72,7 +72,8 @@ def main(argv=None) -> None:
                          "train_tokens": tokens, "held_out_sequences": len(held_out), **scores,
                          "train_seconds_this_run": round(seconds), "threads": 1},
             "command": f"python -m tools.drafters.build_kangaroo --features {args.features} --train-shards "
-                       f"{args.train_shards} --work {args.work} --out {args.out} --seed {args.seed}"}
+                       f"{args.train_shards} --epochs {args.epochs:g} --exit-layer {args.exit_layer} --work {args.work} "
+                       f"--out {args.out} --seed {args.seed}"}
     Kangaroo({k: v.detach() for k, v in adapter.state_dict().items()}, exit_layer=args.exit_layer).save(args.out, info)
     print(json.dumps(info, indent=1))
 
