@@ -4,8 +4,8 @@ remaining layers run. ``flashmm.wrap(model, drafter, prune="propd", prune_layer=
 The tree forward is split (flashmm.targets.layers): layers [0, l) run on all N nodes; the final norm
 and LM head on their layer-l states give early logits; node i survives iff its parent survives and
 its token is among the top-k early tokens at its parent. Layers [l, L) then run on the M surviving
-nodes only (the cost saved: (L − l)/L of a step's layer work on N − M nodes, less the early LM head
-on the nodes with children); the first l layers' cache rows are compacted to the survivors first.
+nodes only (the cost saved: (L − l)/L of a step's layer work on N − M nodes, less the early LM head,
+which runs on the nodes with children and on pruned leaves only); the first l layers' cache rows are compacted to the survivors first.
 The verifier sees the surviving subtree: pruned nodes are simply not verified, so greedy output is
 unchanged, and so is the sampled distribution for deterministic children (the candidate set is a
 function of the context, as any drafter's is). Drafts with sampled children (q_probs) while
@@ -41,7 +41,7 @@ class PrunedOutput(TargetOutput):
     """The target's output over the surviving nodes, and what the drafter's own tree needs.
 
     kept:         LongTensor [M]; indices of the surviving nodes in the original tree (0 = root).
-    early_logits: FloatTensor [1, N, V]; layer-l logits of every original node.
+    early_logits: FloatTensor [1, N, V]; layer-l logits at the pruned nodes (rows of kept nodes: unused).
     """
 
     kept: torch.Tensor | None = None
@@ -81,9 +81,20 @@ def score_draft(target, draft: Draft, want_hidden, spec, sampling, stats=None) -
     with torch.no_grad(), target.tree_linears():
         hidden = runner.run(runner.embed(tokens), 0, split, cache, target.tree_attention_mask(tree, prefix),
                             target.tree_position_ids(tree, prefix, 1))  # [1, N, d]
-        early = runner.logits(hidden)  # [1, N, V]
-        kept = surviving_nodes(tree, tokens[0], early[0].topk(spec.prune_top_k, dim=-1).indices)
+        # the early LM head runs only where a decision needs it: at nodes with children
+        internal = sorted(set(tree.parents.tolist()[1:]))
+        early_internal = runner.logits(hidden[:, internal])  # [1, I, V]
+        early_topk = tokens.new_full((tree.num_nodes, spec.prune_top_k), -1)
+        early_topk[internal] = early_internal[0].topk(spec.prune_top_k, dim=-1).indices
+        kept = surviving_nodes(tree, tokens[0], early_topk)
+        early = None
         if len(kept) < tree.num_nodes:
+            # what the drafter observes at pruned nodes: early logits (the pruned leaves' computed now)
+            early = hidden.new_zeros(1, tree.num_nodes, early_internal.shape[-1])
+            early[:, internal] = early_internal
+            leaves = [i for i in set(range(tree.num_nodes)) - set(kept) - set(internal)]
+            if leaves:
+                early[:, leaves] = runner.logits(hidden[:, leaves])
             index = torch.tensor(kept, device=hidden.device)
             for layer in cache.layers[:split]:  # compact the first layers' tree rows to the survivors
                 rows = torch.cat([torch.arange(prefix, device=hidden.device), prefix + index])
@@ -97,6 +108,8 @@ def score_draft(target, draft: Draft, want_hidden, spec, sampling, stats=None) -
         stats.pruned_tokens += draft.tree.num_nodes - len(kept)
     q_probs = draft.q_probs[:, kept] if draft.q_probs is not None else None
     verified = Draft(tokens=tokens, tree=tree, q_probs=q_probs)
+    if early is None:  # nothing pruned
+        return verified, TargetOutput(logits, None)
     return verified, PrunedOutput(logits, None, kept=torch.tensor(kept), early_logits=early)
 
 
