@@ -1,0 +1,191 @@
+"""What Medusa, Hydra and MTP heads share: the target's own LM head (optionally over a reduced
+vocabulary), the target feature they read, static trees from measured head accuracies, and the
+folder layout of a trained head drafter.
+
+Every head reads the target's final hidden state h_t (the state its LM head reads; the engine
+hands it over because ``needs_hidden_states``): after a verification step, h at the last accepted
+node is the state that produced the new root (token t + 1), and head k predicts token t + k + 1.
+
+Static trees (Medusa's sparse tree, Cai et al. 2024): with acc[k][r] = P(head k's rank-r token is
+the right one), measured on held-out corpus answers with the preceding tokens right, a node whose
+path from the root takes ranks (r_1, ..., r_j) is accepted with probability prod_k acc[k][r_k]
+(treating heads as independent). The tree of ``budget`` nodes with the largest such products is
+chosen greedily (flashmm.shapes.dyspec_tree); its expected accepted tokens is their sum.
+
+On disk: ``drafter.json`` (method, drafter, target, ``heads`` config, ``accuracy`` table, training
+info, the rebuild command) and ``model.safetensors`` (the head weights in fp16 and ``vocab``, the
+target ids of the reduced vocabulary; absent = the full vocabulary). No LM head or embedding is
+stored: they are the target's, taken at ``bind``.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..shapes import dyspec_tree
+from ..tree import TokenTree
+from .base import Drafter, SequenceStart, StepResult
+from .saved import CONFIG_FILE
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def default_accuracy(num_heads: int, top_s: int) -> list[list[float]]:
+    """A guess for untrained heads (0.6, 0.5, ... at rank 0, halving per rank): only shapes the tree."""
+    return [[max(0.05, 0.6 - 0.1 * k) * 0.5 ** r for r in range(top_s)] for k in range(num_heads)]
+
+
+def static_tree(accuracy: list[list[float]], budget: int) -> TokenTree:
+    """Medusa's sparse tree: the ``budget`` drafted nodes with the largest products of per-rank head
+    accuracies along their path; node depth j takes head j's token of rank ``tree.ranks[node]``.
+
+    accuracy: [K][S] (head k, rank r); each row is made non-increasing in r (a rank never looks
+    better than the one before it), so the greedy expansion takes the top products exactly.
+    """
+    rows = []
+    for row in accuracy:
+        fixed, low = [], float("inf")
+        for value in row:
+            low = min(low, float(value))
+            fixed.append(max(low, 0.0))
+        rows.append(fixed)
+
+    def child_probs(path: tuple[int, ...]) -> list[float]:
+        return rows[len(path)] if len(path) < len(rows) else []
+
+    paths, _ = dyspec_tree(child_probs, budget)
+    return TokenTree.from_choices(paths) if paths else TokenTree.chain(0)
+
+
+def chain_tree(depth: int) -> TokenTree:
+    """A chain of ``depth`` drafted nodes, each taking its head's top-1 token (ranks all 0)."""
+    return TokenTree.from_choices([[0] * j for j in range(1, depth + 1)]) if depth else TokenTree.chain(0)
+
+
+class HeadDrafter(Drafter):
+    """Base of the drafters that run trained heads on the target's final hidden state.
+
+    heads:       the trained module (MedusaHeads, HydraHeads, MTPModules); ``heads.num_heads`` deep.
+    vocab:       LongTensor [Vd] of target ids the heads predict (a reduced vocabulary), or None for all.
+    accuracy:    [K][S] held-out per-head rank accuracies (shape the static tree), or None for a guess.
+    tree_nodes:  drafted nodes of the static tree; 0 drafts a chain (each head's top-1).
+    info:        the drafter.json of a trained folder (kept for reporting).
+    """
+
+    needs_hidden_states = True
+    chain_only = False
+
+    def __init__(self, heads: nn.Module, vocab: torch.Tensor | None = None, accuracy=None,
+                 tree_nodes: int = 0, top_s: int = 4, info: dict | None = None):
+        if tree_nodes < 0:
+            raise ValueError(f"tree_nodes must be >= 0 (0 = a chain), got {tree_nodes}")
+        if tree_nodes and self.chain_only:
+            raise ValueError(f"{type(self).__name__} drafts chains only: use tree_nodes=0")
+        self.heads = heads.eval()
+        self.vocab = None if vocab is None else vocab.long()
+        self.accuracy = accuracy or default_accuracy(heads.num_heads, top_s)
+        self.tree_nodes = tree_nodes
+        self.info = info or {}
+        self._weight = self._bias = self._embed = None
+        self._feature = None                         # [d]: target feature at the root's parent
+
+    # ------------------------------------------------------------------ binding and state
+    def bind(self, target) -> None:
+        head = target.output_embeddings()
+        weight = getattr(head, "weight", None)
+        if weight is None or weight.shape[-1] != self.heads.hidden_size:
+            raise ValueError(f"{type(self).__name__} heads were trained for hidden size {self.heads.hidden_size}; "
+                             f"the target's LM head is {tuple(weight.shape) if weight is not None else head}. "
+                             "Train heads for this target (tools/drafters/build_heads.py)")
+        if self.vocab is not None and int(self.vocab.max()) >= weight.shape[0]:
+            raise ValueError(f"the heads' vocabulary names token id {int(self.vocab.max())} but the target has "
+                             f"{weight.shape[0]} output rows: these heads belong to another target")
+        device = weight.device
+        self.heads = self.heads.to(device)
+        rows = slice(None) if self.vocab is None else self.vocab.to(device)
+        self._weight = weight.detach()[rows]                                   # [Vd, d]
+        bias = getattr(head, "bias", None)
+        self._bias = None if bias is None else bias.detach()[rows]
+        self._embed = target.input_embeddings()
+        if self.vocab is not None:
+            self.vocab = self.vocab.to(device)
+
+    def begin(self, start: SequenceStart) -> None:
+        if self._weight is None:
+            raise RuntimeError(f"{type(self).__name__}.begin before bind(target)")
+        if start.hidden_states is None:
+            raise RuntimeError(f"{type(self).__name__} needs the target's hidden states (needs_hidden_states)")
+        if start.input_ids.shape[0] != 1:
+            raise NotImplementedError(f"{type(self).__name__} drafts one sequence at a time (batches fork it per row)")
+        self._feature = start.hidden_states[0, -1]
+
+    def observe(self, step: StepResult) -> None:
+        if step.hidden_states is None:
+            raise RuntimeError(f"{type(self).__name__} needs the target's hidden states at accepted nodes")
+        self._feature = step.hidden_states[0, -1]
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """states [..., d] → logits [..., Vd] through the target's LM head rows."""
+        out = states.to(self._weight.dtype) @ self._weight.T
+        return out if self._bias is None else out + self._bias
+
+    def target_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Reduced-vocabulary rows → target token ids."""
+        return rows if self.vocab is None else self.vocab[rows]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids [...] → the target's input embeddings [..., d] (in the heads' dtype)."""
+        return self._embed(ids).to(next(self.heads.parameters()).dtype)
+
+    def tree_for(self, max_tokens: int) -> TokenTree | None:
+        """The static tree (or chain) of at most ``max_tokens`` drafted nodes; None drafts nothing."""
+        depth = self.heads.num_heads
+        if max_tokens < 1:
+            return None
+        if not self.tree_nodes:
+            return chain_tree(min(depth, max_tokens))
+        return _cached_tree(json.dumps(self.accuracy), min(self.tree_nodes, max_tokens))
+
+    # ------------------------------------------------------------------ folders
+    @classmethod
+    def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "HeadDrafter":
+        path = Path(path)
+        info = json.loads((path / CONFIG_FILE).read_text())
+        tensors = load_file(str(path / WEIGHTS_FILE))
+        vocab = tensors.pop("vocab", None)
+        heads = cls.heads_class(**info["heads"])
+        missing, unexpected = heads.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected {unexpected}")
+        defaults = dict(info.get("drafting", {}))
+        defaults.update(options)
+        return cls(heads.to(dtype), vocab=vocab, accuracy=info.get("accuracy"), info=info, **defaults)
+
+
+@lru_cache(maxsize=64)
+def _cached_tree(accuracy_json: str, budget: int) -> TokenTree:
+    return static_tree(json.loads(accuracy_json), budget)
+
+
+def save_heads(path, drafter_name: str, heads: nn.Module, config: dict, vocab: torch.Tensor | None,
+               info: dict) -> Path:
+    """Write ``heads`` (fp16), the reduced ``vocab`` and ``info`` (must name method and target) as a
+    folder ``flashmm.drafters.load`` reads; ``config`` rebuilds the heads module."""
+    for key in ("method", "target"):
+        if key not in info:
+            raise ValueError(f"drafter info needs {key!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in heads.state_dict().items()}
+    if vocab is not None:
+        state["vocab"] = vocab.long().cpu().contiguous()
+    save_file(state, str(path / WEIGHTS_FILE))
+    full = {**info, "drafter": drafter_name, "heads": config}
+    (path / CONFIG_FILE).write_text(json.dumps(full, indent=1) + "\n")
+    return path

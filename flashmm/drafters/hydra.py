@@ -1,0 +1,86 @@
+"""Hydra (Ankner et al. 2024, arXiv 2402.05109): sequentially dependent draft heads.
+
+Head k (k = 1..K) reads the target feature h_t *and* the input embeddings of the tokens before the
+one it predicts: the root (token t + 1, the target's own choice) and the tokens heads 1..k-1
+drafted on the same path. Hydra's MLP form:
+
+    x_k = [h ; E(root) ; E(d_1) ; ... ; E(d_{k-1})]        [(k + 1) d]
+    z_k = h + U_k x_k                                       (U_k zero at init)
+    s_k = z_k + SiLU(W_k z_k + b_k)                         → the target's LM head → token t + k + 1
+
+Tree drafting uses the same static tree as Medusa (head_base.static_tree from measured rank
+accuracies), but every node's children come from head k run on *that node's own path*, so siblings
+under different parents differ (one batched head call per depth). Hydra++'s teacher-distillation
+objective is a training option (flashmm.train.heads, ``--loss distill``); deterministic drafts, so
+verification is exact with every verifier (``typical_lossy`` is the lossy one).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import SamplingParams
+from .base import Draft, register, root_only
+from .head_base import HeadDrafter
+
+
+class HydraHeads(nn.Module):
+    """K sequential heads: inputs.k: Linear((k + 2) d → d) (k 0-based), blocks weight [K, d, d], bias [K, d]."""
+
+    def __init__(self, hidden_size: int, num_heads: int = 4):
+        super().__init__()
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.inputs = nn.ModuleList(nn.Linear((k + 2) * hidden_size, hidden_size, bias=False)
+                                    for k in range(num_heads))
+        for layer in self.inputs:
+            nn.init.zeros_(layer.weight)
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+
+    def head(self, k: int, h: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Head k (0-based): h [..., d], embeds [..., k + 1, d] (root first) → state [..., d]."""
+        h = h.to(self.weight.dtype)
+        x = torch.cat([h, embeds.to(h.dtype).flatten(-2)], dim=-1)              # [..., (k + 2) d]
+        z = h + self.inputs[k](x)
+        return z + nn.functional.silu(z @ self.weight[k].T + self.bias[k])
+
+    def config(self) -> dict:
+        return {"hidden_size": self.hidden_size, "num_heads": self.num_heads}
+
+
+@register
+class Hydra(HeadDrafter):
+    """Hydra heads as a drafter; trained ones load with ``flashmm.drafters.load(dir)``.
+    ``tree_nodes``: drafted nodes of the static tree (0 = a chain of K)."""
+
+    name = "hydra"
+    heads_class = HydraHeads
+
+    @torch.no_grad()
+    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        if committed.shape[0] != 1:
+            raise NotImplementedError("Hydra drafts one sequence at a time (batches fork it per row)")
+        tree = self.tree_for(max_tokens)
+        if tree is None or self._feature is None:
+            return root_only(committed)
+        tokens = committed[0, -1:].repeat(tree.num_nodes)                      # [N]; root first
+        path_embeds = {0: self.embed(tokens[:1])}                               # node → [depth + 1, d]
+        ranks, children = tree.ranks.tolist(), tree.children
+        level = [0]
+        for k in range(tree.max_depth):
+            parents = [node for node in level if children[node]]
+            embeds = torch.stack([path_embeds[node] for node in parents])       # [P, k + 1, d]
+            states = self.heads.head(k, self._feature.expand(len(parents), -1), embeds)  # [P, d]
+            width = max(ranks[c] for node in parents for c in children[node]) + 1
+            top = self.target_ids(self.logits(states).topk(width, dim=-1).indices)  # [P, s]
+            level = []
+            for row, node in enumerate(parents):
+                for child in children[node]:
+                    tokens[child] = top[row, ranks[child]]
+                    level.append(child)
+            if k + 1 < tree.max_depth:
+                new = self.embed(tokens[level])                                 # [L, d]
+                for j, child in enumerate(level):
+                    path_embeds[child] = torch.cat([path_embeds[tree.parents[child].item()], new[j:j + 1]])
+        return Draft(tokens=tokens[None], tree=tree, q_probs=None)

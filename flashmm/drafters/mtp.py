@@ -1,0 +1,210 @@
+"""Multi-token prediction modules (DeepSeek-V3, arXiv 2412.19437, section 2.2), trained post hoc on
+a frozen target and drafted sequentially.
+
+Module k (k = 1..D) at position i combines the previous depth's representation with the embedding
+of token i + k, then runs one transformer block (a Llama decoder layer, causal over positions):
+
+    u_i^k = M_k [RMSNorm(h_i^{k-1}) ; RMSNorm(E(x_{i+k}))]        (M_k: Linear 2d → d)
+    h^k   = Block_k(u^k)                                         (attends to positions <= i)
+    token i + k + 1 ~ LMHead(RMSNorm_k(h_i^k))                   (the target's own LM head)
+
+h^0 is the target's final hidden state. Module k at position i needs tokens up to i + k, so with
+committed tokens x_0..x_R (R: the root), module k's KV cache holds positions 0..R-k, computed from
+committed tokens only; drafting runs module k at positions R-k+1..R-1, whose inputs are the tokens
+modules 1..k-1 just drafted, and keeps nothing of them. Token R + k comes from module k at
+position R - 1. Chains only (depth D); drafts are deterministic, verification exact.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import SamplingParams
+from .base import Draft, SequenceStart, StepResult, register, root_only
+from .head_base import HeadDrafter
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotary embedding of x [B, H, T, hd] with cos / sin [T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d // heads
+        self.q_proj = nn.Linear(d, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
+
+    def forward(self, x, cos, sin, past):
+        """x [B, T, d] at the T positions after ``past`` ((k, v) [B, Hkv, P, hd] or None) → (out, (k, v) incl. past)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        groups = self.heads // self.kv_heads
+        kk, vv = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        p = k.shape[2] - t
+        if p == 0:
+            out = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+        else:  # query j (position p + j) sees keys 0 .. p + j
+            allowed = torch.arange(p + t, device=x.device)[None, :] <= (p + torch.arange(t, device=x.device))[:, None]
+            out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=allowed)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, inner, bias=False)
+        self.up_proj = nn.Linear(d, inner, bias=False)
+        self.down_proj = nn.Linear(inner, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """A Llama decoder layer (pre-norm attention and SwiGLU MLP, residuals)."""
+
+    def __init__(self, d: int, heads: int, kv_heads: int, inner: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = Attention(d, heads, kv_heads)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = MLP(d, inner)
+
+    def forward(self, x, cos, sin, past):
+        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, past)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class MTPModule(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, inner: int, eps: float):
+        super().__init__()
+        self.hidden_norm = RMSNorm(d, eps)
+        self.embed_norm = RMSNorm(d, eps)
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        self.block = Block(d, heads, kv_heads, inner, eps)
+        self.out_norm = RMSNorm(d, eps)
+
+    def forward(self, h_prev, embeds, cos, sin, past=None):
+        """h_prev, embeds [B, T, d] → (h^k [B, T, d], cache)."""
+        u = self.proj(torch.cat([self.hidden_norm(h_prev), self.embed_norm(embeds)], dim=-1))
+        return self.block(u, cos, sin, past)
+
+
+class MTPModules(nn.Module):
+    """D sequential MTP modules sharing the target's embeddings and LM head (``num_heads`` = D)."""
+
+    def __init__(self, hidden_size: int, num_heads: int = 3, num_attention_heads: int = 9,
+                 num_key_value_heads: int = 3, intermediate_size: int = 1536, rms_norm_eps: float = 1e-5,
+                 rope_theta: float = 10000.0):
+        super().__init__()
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self._config = dict(hidden_size=hidden_size, num_heads=num_heads, num_attention_heads=num_attention_heads,
+                            num_key_value_heads=num_key_value_heads, intermediate_size=intermediate_size,
+                            rms_norm_eps=rms_norm_eps, rope_theta=rope_theta)
+        self.layers = nn.ModuleList(MTPModule(hidden_size, num_attention_heads, num_key_value_heads,
+                                              intermediate_size, rms_norm_eps) for _ in range(num_heads))
+        head_dim = hidden_size // num_attention_heads
+        inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def config(self) -> dict:
+        return dict(self._config)
+
+    def rope(self, start: int, length: int, dtype: torch.dtype):
+        """(cos, sin) [length, hd] for positions start .. start + length - 1."""
+        positions = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
+        angles = positions[:, None] * self.inv_freq[None]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def run(self, k: int, h_prev, embeds, start: int = 0, past=None):
+        """Module k (0-based) at positions start .. start + T - 1: h_prev, embeds [B, T, d] → (h [B, T, d], cache)."""
+        cos, sin = self.rope(start, h_prev.shape[1], h_prev.dtype)
+        return self.layers[k](h_prev, embeds, cos, sin, past)
+
+    def output(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        """What the shared LM head reads for module k's prediction."""
+        return self.layers[k].out_norm(h)
+
+
+@register
+class MTP(HeadDrafter):
+    """MTP modules as a drafter (chains of depth D); trained ones load with ``flashmm.drafters.load(dir)``."""
+
+    name = "mtp"
+    heads_class = MTPModules
+    chain_only = True
+
+    def begin(self, start: SequenceStart) -> None:
+        super().begin(start)
+        depth = self.heads.num_heads
+        dtype = next(self.heads.parameters()).dtype
+        self._states = [start.hidden_states[0].to(dtype)] + [None] * depth   # h^k [positions, d] per depth
+        self._caches = [None] * depth                                          # module k's committed KV
+        self._fed = [0] * depth                                                # positions in module k's cache
+
+    def observe(self, step: StepResult) -> None:
+        super().observe(step)
+        self._states[0] = torch.cat([self._states[0], step.hidden_states[0].to(self._states[0].dtype)])
+
+    def _sync(self, committed: torch.Tensor) -> None:
+        """Extend every module's cache over the positions its inputs now fix: module k (1-based) up to R - k."""
+        root = committed.shape[1] - 1
+        for k in range(self.heads.num_heads):
+            prev = self._states[k]
+            start, stop = self._fed[k], min(prev.shape[0], root - k)           # 0-based k: positions <= R-(k+1)
+            if stop <= start:
+                continue
+            embeds = self.embed(committed[0, start + k + 1:stop + k + 1])      # x_{i+k+1}
+            out, self._caches[k] = self.heads.run(k, prev[None, start:stop], embeds[None], start, self._caches[k])
+            self._states[k + 1] = out[0] if self._states[k + 1] is None else torch.cat([self._states[k + 1], out[0]])
+            self._fed[k] = stop
+
+    @torch.no_grad()
+    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        if committed.shape[0] != 1:
+            raise NotImplementedError("MTP drafts one sequence at a time (batches fork it per row)")
+        root = committed.shape[1] - 1
+        depth = min(self.heads.num_heads, max_tokens, root)
+        if depth < 1 or self._weight is None:
+            return root_only(committed)
+        self._sync(committed)
+        drafted: list[torch.Tensor] = []
+        drafted.append(self._pick(0, self._states[1][root - 1]))              # module 1 at position R-1
+        prev_draft = self._states[1][:0]                                       # module k's drafted positions
+        for k in range(1, depth):                                              # module k+1 (1-based)
+            first = root - k                                                   # positions R-k .. R-1
+            h_prev = torch.cat([self._states[k][first:first + 1], prev_draft])  # [k, d]
+            embeds = self.embed(torch.stack(drafted))                          # x_{R+1} .. x_{R+k}
+            out, _ = self.heads.run(k, h_prev[None], embeds[None], first, self._caches[k])
+            prev_draft = out[0]
+            drafted.append(self._pick(k, prev_draft[-1]))
+        tokens = torch.cat([committed[0, -1:], torch.stack(drafted).to(committed.device)])[None]
+        return Draft(tokens=tokens, tree=self.tree_for(depth), q_probs=None)
+
+    def _pick(self, k: int, state: torch.Tensor) -> torch.Tensor:
+        return self.target_ids(self.logits(self.heads.output(k, state)).argmax(-1))

@@ -1,0 +1,214 @@
+"""Medusa, Hydra and MTP heads: exact decoding (greedy and sampled), the MTP drafter against a
+teacher-forced forward, training on cached corpus features, the offline replay of τ against the
+engine, and the shipped SmolLM2 heads."""
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashmm
+from flashmm.drafters import Hydra, Medusa, MTP, load
+from flashmm.drafters.base import SequenceStart
+from flashmm.drafters.head_base import save_heads, static_tree
+from flashmm.drafters.hydra import HydraHeads
+from flashmm.drafters.medusa import MedusaHeads
+from flashmm.drafters.mtp import MTPModules
+from flashmm.sampling import SamplingParams
+from flashmm.shapes import expected_accepted
+from flashmm.train import heads as H
+from flashmm.train.corpus import features
+
+from stats_utils import chi_square_pvalue
+from test_sampling_exactness import exact_joint, histogram, models  # noqa: F401 (fixture)
+from text_models import prompt, tiny_lm
+
+ANSWER = 40
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A tiny target, its greedy answers to 20 random prompts and their cached features (final-normed layer)."""
+    target = tiny_lm("llama", seed=3)
+    sequences = []
+    for seed in range(20):
+        ids = prompt(8, seed=100 + seed)
+        out = target.generate(ids, max_new_tokens=ANSWER, do_sample=False, eos_token_id=None)
+        sequences.append((out[0].tolist(), 8))
+    feats = features(target, sequences, layers=(target.config.num_hidden_layers,), top_k=8,
+                     cache_dir=tmp_path_factory.mktemp("features"), shard_size=8)
+    data = H.load_head_data(feats, list(range(16)), 0)
+    held = H.load_head_data(feats, list(range(16, 20)), 0)
+    return target, data, held
+
+
+def tools(target):
+    lm = target.get_output_embeddings().weight.detach()
+    return lm, target.get_input_embeddings().weight.detach(), H.Vocab(None, lm.shape[0])
+
+
+def mtp_modules(target, depth=3):
+    return H.build_heads("mtp", target.config, depth, 96)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus):
+    """Each family trained briefly; also its held-out loss before and after."""
+    target, data, held = corpus
+    lm, embeds, vocab = tools(target)
+    out = {}
+    for method, steps, batch, lr in (("medusa", 80, 64, 1e-2), ("hydra", 80, 64, 1e-2), ("mtp", 30, 4, 3e-3)):
+        torch.manual_seed(0)
+        heads = H.build_heads(method, target.config, 3, 96) if method == "mtp" else H.build_heads(method, target.config, 3)
+
+        def held_loss():
+            with torch.no_grad():
+                if method == "mtp":
+                    return float(H.mtp_loss(heads, held, list(range(held.num_sequences)), lm, embeds, vocab, "reduced", "ce")[0])
+                return float(H.batch_loss(heads, held, held.positions(3), lm, embeds, vocab, "reduced", "ce")[0])
+
+        before = held_loss()
+        H.train_heads(heads, data, lm, embeds, vocab, steps=steps, batch=batch, lr=lr, loss_vocab="reduced",
+                      log=lambda m: None)
+        out[method] = (heads, before, held_loss(), H.head_accuracy(heads, held, lm, embeds, vocab, ranks=4))
+    return out
+
+
+DRAFTERS = {
+    "medusa_chain": lambda t: Medusa(t["medusa"][0], accuracy=t["medusa"][3]),
+    "medusa_tree": lambda t: Medusa(t["medusa"][0], accuracy=t["medusa"][3], tree_nodes=10),
+    "hydra_chain": lambda t: Hydra(t["hydra"][0], accuracy=t["hydra"][3]),
+    "hydra_tree": lambda t: Hydra(t["hydra"][0], accuracy=t["hydra"][3], tree_nodes=10),
+    "mtp_chain": lambda t: MTP(t["mtp"][0]),
+}
+
+
+def test_training_lowers_held_out_loss(trained):
+    for method, (_, before, after, accuracy) in trained.items():
+        assert after < before - 0.3, f"{method}: held-out loss {before:.2f} -> {after:.2f}"
+        assert accuracy[0][0] > 0.1, f"{method}: head 1 top-1 accuracy {accuracy[0][0]:.2f} (chance: 1/128)"
+
+
+@pytest.mark.parametrize("kind", sorted(DRAFTERS))
+def test_greedy_identical_to_generate_and_replay_matches_engine(corpus, trained, kind):
+    target, data, _ = corpus
+    for s in range(2):
+        ids = data.ids[int(data.starts[s]):int(data.starts[s]) + 8][None]
+        sm = flashmm.wrap(target, DRAFTERS[kind](trained))
+        out = sm.generate(ids, max_new_tokens=30, eos_token_id=[])
+        assert torch.equal(out, target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None))
+        # the offline replay (no target forward) reproduces the engine's steps exactly
+        one = H.HeadData(**{k: getattr(data, k) for k in ("hidden", "ids", "topk_ids", "topk_logits", "lse")},
+                         starts=data.starts, prompt_lens=data.prompt_lens)
+        one.starts, one.prompt_lens = data.starts[s:s + 2], data.prompt_lens[s:s + 1]
+        replay = DRAFTERS[kind](trained)
+        replay.bind(H.ModelFacts(target))
+        got = H.replay_tau(replay, one, max_new_tokens=30)
+        assert got["steps"] == sm.last_stats.verify_steps and got["tau"] == pytest.approx(sm.last_stats.tau)
+    assert sm.last_stats.tau > 1.1  # trained heads get drafts accepted (the accepted paths are exercised)
+
+
+def test_mtp_draft_equals_teacher_forced_forward(corpus, trained):
+    """Module k's drafted token equals the argmax of a plain causal forward of modules 1..k over the
+    committed text followed by the tokens drafted before it (DeepSeek's training computation)."""
+    target, data, _ = corpus
+    modules = trained["mtp"][0]
+    drafter = MTP(modules)
+    drafter.bind(H.ModelFacts(target))
+    lm, embeds, _ = tools(target)
+    a = int(data.starts[0])
+    ids, h = data.ids[a:a + 30], data.hidden[a:a + 30].float()
+    drafter.begin(SequenceStart(input_ids=ids[None, :12], hidden_states=h[None, :12]))
+    from flashmm.drafters.base import StepResult  # noqa: PLC0415
+
+    drafter.observe(StepResult(committed=ids[None, :16], accepted_len=3, path=torch.tensor([[0, 1, 2, 3]]),
+                               hidden_states=h[None, 12:15]))
+    root = 15
+    drafted = drafter.propose(ids[None, :root + 1], 8, SamplingParams(), None).tokens[0, 1:].tolist()
+    text = ids[:root + 1].tolist() + drafted
+    with torch.no_grad():
+        prev = h[None, :root]                                                   # h^0 at positions 0..R-1
+        for k in range(modules.num_heads):
+            tokens = torch.tensor(text[k + 1:k + 1 + root])                      # x_{i+k+1}
+            prev, _ = modules.run(k, prev, embeds[tokens][None])
+            assert int((modules.output(k, prev[0, -1]) @ lm.T).argmax()) == drafted[k]
+
+
+def test_static_tree_takes_the_best_rank_products():
+    """The tree's nodes are the 6 rank paths with the largest accuracy products, found by enumeration."""
+    accuracy = [[0.7, 0.2, 0.05], [0.5, 0.2, 0.1], [0.3, 0.25, 0.1]]
+
+    def product(path):
+        value = 1.0
+        for k, r in enumerate(path):
+            value *= accuracy[k][r]
+        return value
+
+    tree = static_tree(accuracy, 6)
+    assert tree.num_nodes == 7
+    paths = []
+    for node in range(1, tree.num_nodes):
+        path, v = [], node
+        while v:
+            path.append(int(tree.ranks[v]))
+            v = int(tree.parents[v])
+        paths.append(tuple(path[::-1]))
+    every = [p for depth in (1, 2, 3) for p in itertools.product(range(3), repeat=depth)]
+    best = sorted((product(p) for p in every), reverse=True)[:6]
+    assert sorted((product(p) for p in paths), reverse=True) == pytest.approx(best)
+    assert expected_accepted(paths, [1.0, 1.0, 1.0]) == 6  # each path counted once
+
+
+def random_medusa(target, seed=0, scale=0.3):
+    torch.manual_seed(seed)
+    heads = MedusaHeads(target.config.hidden_size, 3)
+    with torch.no_grad():
+        heads.weight.normal_(0, scale)
+    return heads
+
+
+def test_medusa_sampling_is_exact_and_typical_lossy_is_not(models):  # noqa: F811 (fixture)
+    target, _ = models
+    exact = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4))
+    p = chi_square_pvalue(histogram(exact), exact_joint(target))
+    assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
+    lossy = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4), verifier="typical_lossy",
+                         typical_epsilon=0.05, typical_delta=0.05)
+    assert "lossy" in lossy.spec.verifier
+    p = chi_square_pvalue(histogram(lossy), exact_joint(target))
+    assert p < 1e-3, "Medusa with typical acceptance should be distinguishable from the target"
+
+
+def test_folder_round_trip(tmp_path, corpus, trained):
+    target, data, _ = corpus
+    for method, cls in (("medusa", Medusa), ("hydra", Hydra), ("mtp", MTP)):
+        heads = trained[method][0]
+        save_heads(tmp_path / method, cls.name, heads, heads.config(), torch.arange(0, 128, 2),
+                   {"method": method, "target": {"vocab_size": 128}, "accuracy": trained[method][3],
+                    "drafting": {"tree_nodes": 0 if method == "mtp" else 5}})
+        drafter = load(tmp_path / method)
+        assert isinstance(drafter, cls) and drafter.tree_nodes == (0 if method == "mtp" else 5)
+        ids = data.ids[:8][None]
+        out = flashmm.wrap(target, drafter).generate(ids, max_new_tokens=20, eos_token_id=[])
+        assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
+    with pytest.raises(ValueError, match="trained drafter"):
+        flashmm.wrap(target, "medusa")
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2"
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra", "mtp"])
+def test_shipped_heads_are_exact_on_smollm2(request, method):
+    if not (SHIPPED / method / "drafter.json").exists():
+        pytest.skip(f"{method} is not built (python -m tools.drafters.build_heads --method {method})")
+    model, tokenizer = request.getfixturevalue("smollm2")
+    drafter = load(SHIPPED / method)
+    assert drafter.info["method"] == method and drafter.info["target"]["vocab_size"] == model.config.vocab_size
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colours."}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    sm = flashmm.wrap(model, drafter)
+    out = sm.generate(ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=24, do_sample=False))
+    assert drafter.info["accuracy"][0][0] > 0.3  # trained: head 1's top-1 is often right on held-out answers
