@@ -212,7 +212,9 @@ def check(model_type: str, cls_name: str) -> dict:
     row["params"] = sum(p.numel() for p in model.parameters())
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, min(vocab, 256), (1, PROMPT_LEN), generator=g)
+    special = set(_special_ids(model.config.to_dict()))  # placeholders (image / video ids) are not text
+    allowed = torch.tensor([i for i in range(3, min(vocab, 256)) if i not in special])
+    ids = allowed[torch.randint(0, len(allowed), (1, PROMPT_LEN), generator=g)]
     ids = torch.cat([ids, ids], dim=1)
     try:
         with torch.no_grad():
