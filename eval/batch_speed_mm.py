@@ -1,0 +1,148 @@
+"""Batched multimodal speed: captioning batches with the reference LMM, batched vs row by row.
+
+    python eval/batch_speed_mm.py --batch-sizes 1 4 8 --batches 1 --max-new-tokens 48 \
+        --out eval/results/batch_speed_mm_reference
+
+The multimodal counterpart of eval/batch_speed.py. Items are the benchmark's procedural scenes
+(tools.reference.flash_build: image captioning and VQA, seeds < 1000, formatted as CaptionPipeline
+formats them; ``--videos`` adds 8-frame clips), collated into left-padded batches
+(flashmm.collate). Per batch the methods run back to back in a rotating order, greedy: the model's
+own batched ``generate``; flashmm with each drafter verifying all rows together (one target forward
+per step); and the same drafter decoding the items one after another (one ``generate`` per item,
+what CaptionPipeline(batch_size=1) does). Reported per batch size: total tokens/s (every method is
+credited with plain's token count: rows up to their EOS), speedups, τ, and the share of rows
+identical to plain's batched output; τ (batched methods) = tokens per row per verification forward.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import machine, markdown_table, timed_with_cpu, write_results  # noqa: E402
+
+import flashmm  # noqa: E402
+from flashmm.collate import collate  # noqa: E402
+from flashmm.drafters.flash import FlashDrafter  # noqa: E402
+from flashmm.reference.load import default_assets_dir, load_reference_llava  # noqa: E402
+from tools.reference.flash_build import item_inputs, make_items  # noqa: E402
+
+
+def new_tokens(row: torch.Tensor, eos: set[int]) -> list[int]:
+    """A row's new tokens up to and including its first EOS."""
+    out = []
+    for token in row.tolist():
+        out.append(token)
+        if token in eos:
+            break
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafters", nargs="+", default=["flash", "prompt_lookup"],
+                    help="'flash' (the reference LMM's FLASH drafter) and / or registered drafter names")
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 8])
+    ap.add_argument("--batches", type=int, default=1, help="batches per size")
+    ap.add_argument("--videos", type=int, default=0, help="8-frame clips among the items (one per batch at most)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="eval/results/batch_speed_mm")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, processor = load_reference_llava()
+    pad = processor.tokenizer.pad_token_id
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    need = max(args.batch_sizes) * args.batches
+    items = make_items("image", range(need)) + make_items("vqa", range(need))
+    items = [items[i // 2 + (i % 2) * need] for i in range(2 * need)]  # image, vqa, image, ...
+    videos = make_items("video", range(args.videos))
+    inputs = [item_inputs(processor, it["images"], it["prompt"]) for it in items]
+    video_inputs = [item_inputs(processor, it["images"], it["prompt"]) for it in videos]
+    n = args.max_new_tokens
+
+    def plain(rows):
+        return model.generate(**collate(rows, pad), max_new_tokens=n, do_sample=False)
+
+    methods, wrapped = {"plain": plain}, {}
+    for name in args.drafters:
+        drafter = FlashDrafter.from_pretrained(default_assets_dir() / "flash_drafter") if name == "flash" else name
+        sm = flashmm.wrap(model, drafter, processor=processor)
+        wrapped[name] = wrapped[f"{name}:rows"] = sm
+        methods[name] = (lambda sm: lambda rows: sm.generate(**collate(rows, pad), max_new_tokens=n))(sm)
+        methods[f"{name}:rows"] = (lambda sm: lambda rows: [sm.generate(**r, max_new_tokens=n) for r in rows])(sm)
+    names = list(methods)
+    for fn in methods.values():
+        fn(inputs[:2])
+
+    records, cursor = [], 0
+    for size in args.batch_sizes:
+        for bi in range(args.batches):
+            rows = inputs[cursor: cursor + size]
+            cursor += size
+            if bi < len(video_inputs) and size > 1:
+                rows = rows[:-1] + [video_inputs[bi]]
+            order = names[bi % len(names):] + names[: bi % len(names)]
+            rec, outs = {"batch_size": size}, {}
+            width = max(r["input_ids"].shape[1] for r in rows)
+            for name in order:
+                out, seconds, cpu = timed_with_cpu(lambda: methods[name](rows))
+                if isinstance(out, list):  # one output per item
+                    outs[name] = [new_tokens(o[0, r["input_ids"].shape[1]:], eos) for o, r in zip(out, rows)]
+                else:
+                    outs[name] = [new_tokens(o[width:], eos) for o in out]
+                rec[name] = {"seconds": seconds, "cpu_seconds": cpu}
+                if name in wrapped and not name.endswith(":rows"):
+                    st = wrapped[name].last_stats
+                    rec[name].update(verify_steps=st.verify_steps, accepted=st.accepted_tokens)
+            rec["tokens"] = sum(len(t) for t in outs["plain"])
+            for name in names:
+                same = [a == b for a, b in zip(outs[name], outs["plain"])]
+                rec[name]["exact_rows"], rec[name]["rows"] = sum(same), len(same)
+            records.append(rec)
+            print(size, {nm: round(rec["tokens"] / rec[nm]["seconds"], 1) for nm in names}, flush=True)
+
+    summary = defaultdict(dict)
+    for size in args.batch_sizes:
+        rs = [r for r in records if r["batch_size"] == size]
+        tokens = sum(r["tokens"] for r in rs)
+        plain_tps = tokens / sum(r["plain"]["seconds"] for r in rs)
+        for name in names:
+            secs = sum(r[name]["seconds"] for r in rs)
+            summary[size][name] = {"tok_per_s": tokens / secs, "speedup": tokens / secs / plain_tps,
+                                   "exact_rate": sum(r[name]["exact_rows"] for r in rs) / sum(r[name]["rows"] for r in rs)}
+            if "verify_steps" in rs[0][name]:
+                steps = sum(r[name]["verify_steps"] for r in rs)
+                summary[size][name]["tau"] = (sum(r[name]["accepted"] for r in rs) + steps) / steps if steps else 0.0
+    header = ["batch", "plain tok/s"] + [h for nm in names[1:] for h in (f"{nm} tok/s", f"{nm} speedup", f"{nm} τ", f"{nm} exact")]
+    table = []
+    for size, s in summary.items():
+        row = [size, s["plain"]["tok_per_s"]]
+        for name in names[1:]:
+            row += [s[name]["tok_per_s"], s[name]["speedup"], s[name].get("tau", "-"), f"{s[name]['exact_rate']:.0%}"]
+        table.append(row)
+    batched = [nm for nm in names if nm != "plain" and not nm.endswith(":rows")]
+    extra = [[size] + [s[nm]["tok_per_s"] / s[nm + ":rows"]["tok_per_s"] for nm in batched]
+             for size, s in summary.items()]
+    info = machine()
+    md = (f"# Batched multimodal speed: reference LMM, greedy, {n} new tokens\n\n"
+          f"Machine: {info}\n\nCommand: `python eval/batch_speed_mm.py {' '.join(argv or sys.argv[1:])}`\n\n"
+          "speedup = total tokens/s of the method / that of the model's own batched `generate` on the same "
+          "batches, interleaved (wall clock); `:rows` = one `generate` per item; exact = rows identical to "
+          "plain's batched output.\n\n" + markdown_table(header, table) + "\n\nBatched over row by row "
+          "(flashmm verifying all rows together / one generate per item):\n\n"
+          + markdown_table(["batch"] + batched, extra) + "\n")
+    print(md)
+    write_results(args.out, {"machine": info, "args": vars(args), "summary": summary, "records": records}, md)
+
+
+if __name__ == "__main__":
+    main()
