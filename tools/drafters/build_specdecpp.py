@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from eval.specdecpp_policy import greedy_replay, summarize
+from eval.specdecpp_policy import cpu_cost_model, greedy_replay, summarize
 from flashmm.drafters import load
-from flashmm.drafters.length import measure_verify_cost
 from flashmm.drafters.specdecpp import AcceptanceHead, SpecDecPP, save_specdecpp
 from flashmm.train.acceptance import acceptance_examples, head_metrics, train_head
 from flashmm.train.corpus import corpus_sequences, read_corpus
@@ -46,8 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--train-sequences", type=int, default=500)
     ap.add_argument("--heldout-first", type=int, default=3000)
     ap.add_argument("--heldout-sequences", type=int, default=100)
-    ap.add_argument("--calibrate-sequences", type=int, default=40)
-    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    ap.add_argument("--calibrate-sequences", type=int, default=20)
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     ap.add_argument("--max-draft-tokens", type=int, default=8)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=6)
@@ -95,8 +94,7 @@ def main(argv=None) -> None:
     from flashmm.weights import load_gguf_lm  # noqa: PLC0415
 
     target, _ = load_gguf_lm("smollm2", dtype=torch.float32)
-    verify_cost = measure_verify_cost(target)
-    draft_cost = measure_verify_cost(draft.model, grid=(1,)).seconds[0] / verify_cost.seconds[0]
+    verify_cost, draft_cost = cpu_cost_model(target, draft.model)
     calibrate = heldout[: args.calibrate_sequences]
     replay = {}
     for h in args.thresholds:
@@ -117,7 +115,7 @@ def main(argv=None) -> None:
                          "heldout_metrics": metrics,
                          "threshold_replay": {str(h): r for h, r in replay.items()},
                          "cost_model": {"draft_forward_in_target_steps": draft_cost,
-                                        "verify_relative": {n: verify_cost.relative(n) for n in (2, 4, 8)}},
+                                        "verify_relative": {n: verify_cost.relative(n) for n in (2, 4, 9)}},
                          "seconds": time.time() - started},
             "notes": "SpecDec++: stop drafting before the token that makes P(at least one rejection) exceed threshold",
             "command": "python -m tools.drafters.build_specdecpp --corpus assets/corpus/smollm2 --draft "
