@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .targets.base import select_hidden
 from .tree import TokenTree
 
 
@@ -74,7 +75,7 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     with target.watching_prompt(input_ids, bool(want_hidden)) as embeds:
         out = target.model(input_ids=input_ids, attention_mask=None if full else mask, past_key_values=cache,
                            use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=1, **kwargs)
-    hidden = out.hidden_states[-1] if want_hidden else None
+    hidden = select_hidden(out.hidden_states, want_hidden)
     state = BatchState(cache=cache, valid=mask.bool(), slot_pos=positions, root_pos=mask.long().sum(-1),
                        offset=offset.to(mask.device))
     return out.logits[:, -1], hidden, (embeds[0] if embeds else None), state
@@ -116,8 +117,8 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
     with target.tree_linears():
         out = target.model(input_ids=tokens, attention_mask=mask,
                            position_ids=target.batch_position_ids(positions + state.offset[:, None]),
-                           past_key_values=state.cache, use_cache=True, output_hidden_states=want_hidden)
-    return out.logits, (out.hidden_states[-1] if want_hidden else None)
+                           past_key_values=state.cache, use_cache=True, output_hidden_states=bool(want_hidden))
+    return out.logits, select_hidden(out.hidden_states, want_hidden)
 
 
 def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
@@ -155,7 +156,7 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
     """Decode the left-padded rows input_ids [B, T] together: one prefill (with the batch's media,
     model_inputs), then one target forward per step for all rows still running. Each row's drafter
     begins with its own prompt, features and visual spans. Returns one engine.RowOutput per row."""
-    from .drafters.base import SequenceStart  # noqa: PLC0415 (engine imports drafters)
+    from .drafters.base import SequenceStart, hidden_request  # noqa: PLC0415 (engine imports drafters)
     from .engine import RowWriter, step_result, verify_row  # noqa: PLC0415
     from .verify import drafting_scheme_of, select_verifier  # noqa: PLC0415
 
@@ -166,7 +167,7 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
     drafters = [drafter.fork() for _ in range(batch)]
     verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample,
                                drafting_scheme=drafting_scheme_of(drafter))
-    want_hidden = drafter.needs_hidden_states
+    want_hidden = hidden_request(drafter)
 
     logits, hidden, embeds, state = prefill(target, input_ids, attention_mask, want_hidden, model_inputs or {})
     for b, row in enumerate(rows):

@@ -81,6 +81,7 @@ def add_decoding_options(parser: argparse.ArgumentParser, max_new_tokens: int) -
 
 def build_parser() -> argparse.ArgumentParser:
     from .cli_generate import add_generate_command
+    from .export import add_export_command
 
     parser = argparse.ArgumentParser(
         prog="flashmm", description="Lossless speculative decoding for Hugging Face vision-language and text models.")
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--keep-shards", action="store_true", help="leave the shard files in place")
     merge.set_defaults(run=run_caption_merge)
     add_generate_command(commands)
+    add_export_command(commands)
     return parser
 
 

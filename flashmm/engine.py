@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from .config import SamplingParams, SpecConfig
-from .drafters.base import Drafter, SequenceStart, StepResult
+from .drafters.base import Drafter, SequenceStart, StepResult, hidden_request
 from .sampling import sample
 from .targets.base import Target
 from .verify import drafting_scheme_of, select_verifier
@@ -233,7 +233,7 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, d
         return row.out
     verifier = select_verifier(spec.verifier, decoding.sampling.do_sample, backend=getattr(target, "backend", "torch"),
                                drafting_scheme=drafting_scheme_of(drafter))  # a mismatch is refused here
-    want_hidden = drafter.needs_hidden_states
+    want_hidden = hidden_request(drafter)
 
     out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
     stats.target_forwards += 1

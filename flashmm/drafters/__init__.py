@@ -1,6 +1,7 @@
 """Drafting methods, one class each, behind the Drafter protocol."""
 from .base import Draft, Drafter, SequenceStart, StepResult, drafter_names, make_drafter, register
 from .draft_model import DraftModel
+from .eagle3 import Eagle3Drafter
 from .fastdraft import FastDraft
 from .flash import FlashDrafter
 from .hydra import Hydra
@@ -19,4 +20,4 @@ from .saved import load
 from .specdecpp import SpecDecPP
 
 __all__ = ["Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP"]
+           "DraftModel", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP"]

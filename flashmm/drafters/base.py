@@ -73,7 +73,8 @@ class SequenceStart:
 
     input_ids:      LongTensor [B, T]; the prompt (multimodal placeholders already expanded).
     hidden_states:  FloatTensor [B, T, d] or None; target last-layer features of the prompt
-                    (only filled when the drafter sets needs_hidden_states).
+                    (only filled when the drafter sets needs_hidden_states); [B, T, n * d] when it
+                    sets feature_layers (n indices): those output_hidden_states, concatenated.
     input_embeds:   FloatTensor [B, T, d] or None; the target's input embeddings of the prompt,
                     visual features at the visual positions (multimodal targets; hidden drafters).
     visual_spans:   list of (start, end) half-open index ranges of visual tokens in input_ids.
@@ -96,7 +97,8 @@ class StepResult:
     accepted_len:  int; drafted tokens accepted this step.
     path:          LongTensor [B, accepted_len + 1]; accepted node indices (root first).
     hidden_states: FloatTensor [B, accepted_len + 1, d] or None; target last-layer features at
-                   the accepted nodes (root first), when needs_hidden_states.
+                   the accepted nodes (root first), when needs_hidden_states ([.., n * d] with
+                   feature_layers, as in SequenceStart).
     aux_logits:    FloatTensor [B, A, V] or None; the target's raw logits at the draft's aux rows.
     node_topk:     LongTensor [B, N, k] or None; the ids of the k largest raw target logits at
                    every scored tree node (accepted or not), when the drafter sets score_topk = k.
@@ -122,6 +124,10 @@ class Drafter:
 
     name: ClassVar[str] = ""
     needs_hidden_states: ClassVar[bool] = False
+    #: with needs_hidden_states: the output_hidden_states indices whose features the drafter gets,
+    #: concatenated in this order (0 = embeddings, num_hidden_layers = the final-normed state);
+    #: () = the last entry alone. A class or an instance attribute.
+    feature_layers: tuple[int, ...] = ()
     #: k > 0: observe gets StepResult.node_topk, the target's top-k ids at every scored node
     score_topk: ClassVar[int] = 0
 
@@ -144,6 +150,14 @@ class Drafter:
         one's weights (its modules and tensors), copies its per-sequence state."""
         memo = {id(v): v for v in vars(self).values() if isinstance(v, (torch.nn.Module, torch.Tensor))}
         return copy.deepcopy(self, memo)
+
+
+def hidden_request(drafter: Drafter) -> bool | tuple[int, ...]:
+    """What the targets return as hidden states for ``drafter``: False (none), True (the last
+    layer's features) or a tuple of output_hidden_states indices (targets.base.select_hidden)."""
+    if not drafter.needs_hidden_states:
+        return False
+    return tuple(int(i) for i in drafter.feature_layers) or True
 
 
 def root_only(committed: torch.Tensor) -> Draft:

@@ -22,6 +22,17 @@ class TargetOutput:
     hidden_states: torch.Tensor | None = None
 
 
+def select_hidden(hidden_states, want) -> torch.Tensor | None:
+    """A forward's ``output_hidden_states`` tuple → what the drafter asked for (``want``, see
+    drafters.base.hidden_request): None when falsy, the last entry [B, N, d] when True, else the
+    entries at the indices ``want`` concatenated on the feature axis [B, N, len(want) * d]."""
+    if not want:
+        return None
+    if want is True:
+        return hidden_states[-1]
+    return torch.cat([hidden_states[i] for i in want], dim=-1)
+
+
 class Target:
     """A wrapped model plus its KV cache for one generation.
 

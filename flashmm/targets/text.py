@@ -26,7 +26,7 @@ from .. import cache as kv
 from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..tree import TokenTree
 from . import recurrent
-from .base import Target, TargetOutput
+from .base import Target, TargetOutput, select_hidden
 from .support import generate_position_ids, takes_position_ids
 
 
@@ -158,11 +158,11 @@ class CausalLMTarget(Target):
         self.start_sequence()
         model_inputs = {**generate_position_ids(self.model, input_ids, attention_mask), **model_inputs}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                         output_hidden_states=want_hidden, logits_to_keep=1,
+                         output_hidden_states=bool(want_hidden), logits_to_keep=1,
                          **{self.cache_argument: self._cache}, **model_inputs)
         if self.recurrent:
             self._cache.counted = input_ids.shape[1]
-        hidden = out.hidden_states[-1] if want_hidden else None
+        hidden = select_hidden(out.hidden_states, want_hidden)
         return TargetOutput(out.logits[:, -1:], hidden)
 
     def forward_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
@@ -173,11 +173,11 @@ class CausalLMTarget(Target):
         self._tree_prefix_len = prefix_len
         use_kernel = self.backend == "triton" and self._kernel_fits(tree)
         args = dict(input_ids=tokens, past_key_values=self._cache, use_cache=True,
-                    output_hidden_states=want_hidden,
+                    output_hidden_states=bool(want_hidden),
                     **self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel))
         with self._linears, (self._tree_attention if use_kernel else nullcontext()):
             out = self.model(**args)
-        hidden = out.hidden_states[-1] if want_hidden else None
+        hidden = select_hidden(out.hidden_states, want_hidden)
         return TargetOutput(out.logits, hidden)
 
     def _run_chain(self, tokens: torch.Tensor, want_hidden: bool):
@@ -189,10 +189,10 @@ class CausalLMTarget(Target):
         positions = dict(position_ids=self.tree_position_ids(TokenTree.chain(tokens.shape[1] - 1), prefix_len, 1)) \
             if takes_position_ids(self.model) else {}
         with self._linears:
-            out = self.model(input_ids=tokens, use_cache=True, output_hidden_states=want_hidden,
+            out = self.model(input_ids=tokens, use_cache=True, output_hidden_states=bool(want_hidden),
                              **{self.cache_argument: self._cache}, **positions)
         self._cache.counted = prefix_len + tokens.shape[1]
-        return out.logits, out.hidden_states[-1] if want_hidden else None
+        return out.logits, select_hidden(out.hidden_states, want_hidden)
 
     def _kernel_fits(self, tree: TokenTree) -> bool:
         """Whether the kernel can apply this model's sliding window to ``tree`` (it cannot to a

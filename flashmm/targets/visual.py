@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from .base import TargetOutput
+from .base import TargetOutput, select_hidden
 from .text import CausalLMTarget
 
 
@@ -108,7 +108,7 @@ class VisualTarget(CausalLMTarget):
             self._cache.counted = input_ids.shape[1]
         if captured:
             self._prompt_cache = (input_ids, captured[0])
-        hidden = out.hidden_states[-1] if want_hidden else None
+        hidden = select_hidden(out.hidden_states, want_hidden)
         return TargetOutput(out.logits[:, -1:], hidden)
 
     def release(self) -> None:

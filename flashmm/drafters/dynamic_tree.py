@@ -1,0 +1,136 @@
+"""EAGLE-2 dynamic draft trees (arXiv 2406.16858), shared by every head that drafts token by token.
+
+Every node's children come from the head run on that node's own path: the grower asks an
+``expand`` callback for the child distributions of the nodes it chose, and the head computes
+each of them with the tree attention of its own (the committed context, the node's ancestors,
+itself). Growth, per depth:
+
+1. depth 1: the ``top_k`` tokens of the root distribution, each scored by its log probability;
+2. depths 2 .. ``depth``: the ``top_k`` nodes of the previous depth with the largest cumulative
+   log probability (the product of draft probabilities along the path) are expanded, each adding
+   its ``top_k`` children (score = parent score + log p(child));
+3. rerank: the ``budget`` nodes of largest score among all grown ones are kept. A child's score
+   never exceeds its parent's, and ties keep the earlier-grown node first, so the kept set always
+   holds every kept node's parent (checked).
+
+Children of a node are distinct tokens chosen deterministically (top-k), so a draft built from the
+tree has ``q_probs = None`` and is verified exactly by the deterministic-children rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Node:
+    """A grown node. parent: index into the grower's node list (-1 = the root); row: the head's
+    output row (draft-vocabulary index) of its token; score: cumulative log probability."""
+
+    parent: int
+    row: int
+    score: float
+    depth: int
+
+
+@dataclass
+class GrownTree:
+    """The kept nodes in tree order (parents before children). parents[i]: node index in
+    0 .. i (0 = the root, kept node j is node j + 1); rows[i]: the head row of kept node i + 1."""
+
+    parents: list[int]
+    rows: list[int]
+    scores: list[float]
+    expanded: int                     # head calls' worth of nodes expanded (drafting cost)
+
+
+Expand = Callable[[list[int], list[Node]], torch.Tensor]
+"""expand(indices, nodes) → log probabilities [len(indices), V'] of the children of nodes[i]."""
+
+
+def _children(nodes: list[Node], parent: int, logp: torch.Tensor, top_k: int, depth: int, base: float) -> list[int]:
+    values, rows = logp.float().topk(min(top_k, logp.shape[-1]))
+    first = len(nodes)
+    for value, row in zip(values.tolist(), rows.tolist()):
+        nodes.append(Node(parent, row, base + value, depth))
+    return list(range(first, len(nodes)))
+
+
+def _best(indices: list[int], nodes: list[Node], count: int) -> list[int]:
+    return sorted(indices, key=lambda i: (-nodes[i].score, i))[:count]
+
+
+def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, budget: int) -> GrownTree:
+    """EAGLE-2 growth from root log probabilities [V'] (see the module docstring)."""
+    if top_k < 1 or depth < 1 or budget < 1:
+        raise ValueError(f"top_k, depth and budget must be >= 1, got {top_k}, {depth}, {budget}")
+    nodes: list[Node] = []
+    frontier = _children(nodes, -1, root_logp, top_k, 1, 0.0)
+    expanded = 0
+    for level in range(2, depth + 1):
+        chosen = _best(frontier, nodes, top_k)
+        logps = expand(chosen, nodes)                                  # [len(chosen), V']
+        expanded += len(chosen)
+        frontier = []
+        for index, logp in zip(chosen, logps):
+            frontier += _children(nodes, index, logp, top_k, level, nodes[index].score)
+    kept = _best(list(range(len(nodes))), nodes, budget)
+    kept_set = set(kept)
+    if any(nodes[i].parent >= 0 and nodes[i].parent not in kept_set for i in kept):
+        raise AssertionError("rerank dropped a kept node's parent (scores must not grow along a path)")
+    kept.sort(key=lambda i: (nodes[i].depth, i))
+    position = {index: j + 1 for j, index in enumerate(kept)}
+    return GrownTree(parents=[0 if nodes[i].parent < 0 else position[nodes[i].parent] for i in kept],
+                     rows=[nodes[i].row for i in kept], scores=[nodes[i].score for i in kept], expanded=expanded)
+
+
+def ancestors(nodes: list[Node], index: int) -> list[int]:
+    """Indices of nodes[index]'s ancestors, root side first (the root itself excluded)."""
+    out = []
+    parent = nodes[index].parent
+    while parent >= 0:
+        out.append(parent)
+        parent = nodes[parent].parent
+    return out[::-1]
+
+
+class TreeUnits:
+    """The draft units of one growth: keys/values and outputs of every expanded node, and the
+    boolean attention mask that lets a new node see the committed context, its expanded
+    ancestors and itself (tree attention inside the drafter).
+
+    A head drafting with it implements ``run(embeds-or-tokens, features, positions, mask, past)``
+    itself; this class only keeps the bookkeeping: ``slot[node]`` = the node's row in the
+    concatenated draft keys, ``outputs[node]`` = its output feature.
+    """
+
+    def __init__(self):
+        self.keys = self.values = None          # [1, Hkv, M, hd] draft keys / values so far
+        self.slot: dict[int, int] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @property
+    def count(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def mask(self, chosen: list[int], nodes: list[Node], past_len: int, device) -> torch.Tensor:
+        """BoolTensor [1, m, past_len + M + m] for the m chosen nodes about to be run."""
+        m, drafted = len(chosen), self.count
+        mask = torch.zeros(1, m, past_len + drafted + m, dtype=torch.bool, device=device)
+        mask[:, :, :past_len] = True
+        for row, index in enumerate(chosen):
+            for ancestor in ancestors(nodes, index):
+                mask[0, row, past_len + self.slot[ancestor]] = True
+            mask[0, row, past_len + drafted + row] = True
+        return mask
+
+    def add(self, chosen: list[int], keys: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor) -> None:
+        """Record the chosen nodes' new keys/values [1, Hkv, m, hd] and outputs [m, d]."""
+        base = self.count
+        self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=2)
+        self.values = values if self.values is None else torch.cat([self.values, values], dim=2)
+        for row, index in enumerate(chosen):
+            self.slot[index] = base + row
+            self.outputs[index] = outputs[row]

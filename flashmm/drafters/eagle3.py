@@ -1,0 +1,184 @@
+"""EAGLE-3 drafting (arXiv 2503.01840): the head of eagle3_net on the target's low/mid/high features.
+
+The drafter keeps the head's KV cache over committed units (unit t: embedding of x_{t+1} and the
+target's fused features of x_t; see eagle3_net). ``propose`` first adds the units the last
+verification made known (their features arrive through ``observe``), whose last output predicts
+the token after the root. Then:
+
+- ``tree="chain"``: the head's greedy chain, each drafted unit reading its parent's output;
+- ``tree="dynamic"``: an EAGLE-2 tree (dynamic_tree.grow), each expanded node run on its own
+  path with tree attention over the committed cache and its ancestors' draft units.
+
+Children are the head's top tokens (deterministic), so drafts carry ``q_probs = None`` and are
+verified exactly, greedy or sampled. Tokens outside the head's reduced vocabulary (t2d) are never
+drafted. Loaded from a folder by ``flashmm.drafters.load(dir)`` (drafter.json + model.safetensors).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import SamplingParams
+from ..tree import TokenTree
+from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
+from .dynamic_tree import GrownTree, TreeUnits, grow
+from .eagle3_net import Eagle3Config, Eagle3Net
+
+CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
+
+
+@register
+class Eagle3Drafter(Drafter):
+    """net: an Eagle3Net. tree: "chain" or "dynamic" (EAGLE-2). depth: deepest drafted token.
+    top_k: children per expanded node and nodes expanded per depth ("dynamic").
+    max_nodes: cap on drafted tokens (None: the engine's budget, i.e. max_draft_tokens)."""
+
+    name = "eagle3"
+    needs_hidden_states = True
+
+    def __init__(self, net: Eagle3Net, *, tree: str = "dynamic", depth: int = 6, top_k: int = 8,
+                 max_nodes: int | None = None, info: dict | None = None):
+        if not isinstance(net, Eagle3Net):
+            raise TypeError(f"net must be an Eagle3Net (flashmm.drafters.load(dir) reads a trained one), "
+                            f"got {type(net).__name__}")
+        if tree not in ("chain", "dynamic"):
+            raise ValueError(f"tree must be 'chain' or 'dynamic', got {tree!r}")
+        if depth < 1 or top_k < 1:
+            raise ValueError(f"depth and top_k must be >= 1, got {depth}, {top_k}")
+        self.net = net.eval()
+        self.tree, self.depth, self.top_k, self.max_nodes = tree, depth, top_k, max_nodes
+        self.feature_layers = tuple(net.cfg.feature_layers)
+        self.info = info or {}
+        self._embed = None
+        self._reset()
+
+    # ------------------------------------------------------------------ folders
+    @classmethod
+    def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "Eagle3Drafter":
+        path = Path(path)
+        info = json.loads((path / CONFIG_FILE).read_text())
+        if "eagle3_config" not in info:
+            raise ValueError(f"{path / CONFIG_FILE} has no eagle3_config: not an EAGLE-3 head folder")
+        net = Eagle3Net(Eagle3Config.from_dict(info["eagle3_config"]))
+        tensors = load_file(str(path / WEIGHTS_FILE))
+        missing, unexpected = net.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, "
+                             f"unexpected {unexpected}")
+        drafting = {**info.get("drafting", {}), **options}
+        return cls(net.to(dtype), info=info, **drafting)
+
+    def save(self, path, info: dict) -> Path:
+        """Write drafter.json (``info`` must name method and target) and model.safetensors (fp16 weights)."""
+        return save_head(path, self.net, info, dict(tree=self.tree, depth=self.depth, top_k=self.top_k))
+
+    # ------------------------------------------------------------------ protocol
+    def bind(self, target) -> None:
+        cfg = self.net.cfg
+        layers = target.model.config.get_text_config().num_hidden_layers
+        if (target.hidden_size != cfg.target_hidden_size or target.vocab_size != cfg.vocab_size
+                or max(cfg.feature_layers) > layers):
+            raise ValueError(
+                f"this EAGLE-3 head reads features {cfg.feature_layers} of width {cfg.target_hidden_size} and "
+                f"proposes ids < {cfg.vocab_size}, but the target has {layers} layers of width "
+                f"{target.hidden_size} and {target.vocab_size} ids; train a head for this model "
+                "(python -m tools.drafters.build_eagle3)")
+        self._embed = target.input_embeddings()
+        device = self._embed.weight.device
+        self.net = self.net.to(device)
+
+    def _reset(self) -> None:
+        self._past = None                       # (keys, values) [1, Hkv, U, hd] of committed units
+        self._pending = None                    # [P, 3D] target features not yet in a unit
+        self._next = 0                          # first position without a unit
+        self._root_out = None
+
+    def begin(self, start: SequenceStart) -> None:
+        if self._embed is None:
+            raise RuntimeError("Eagle3Drafter.begin before bind(target)")
+        if start.hidden_states is None:
+            raise RuntimeError("Eagle3Drafter needs the target's features (needs_hidden_states)")
+        if start.input_ids.shape[0] != 1:
+            raise NotImplementedError("Eagle3Drafter drafts one sequence at a time (the batched engine forks it)")
+        self._reset()
+        self._pending = start.hidden_states[0]
+
+    def observe(self, step: StepResult) -> None:
+        if step.hidden_states is None:
+            raise RuntimeError("Eagle3Drafter needs the target's features at the accepted nodes")
+        self._pending = torch.cat([self._pending, step.hidden_states[0]], dim=0)
+
+    @torch.no_grad()
+    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        if committed.shape[0] != 1:
+            raise NotImplementedError("Eagle3Drafter drafts one sequence at a time")
+        self._sync(committed)
+        budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        if budget <= 0:
+            return root_only(committed)
+        grown = self.grow(committed, budget)
+        ids = self.net.draft_to_target[torch.tensor(grown.rows, device=self.net.d2t.device)]
+        tokens = torch.cat([committed[0, -1:], ids.to(committed.device)])[None]
+        return Draft(tokens=tokens, tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)
+
+    # ------------------------------------------------------------------ internals
+    def _sync(self, committed: torch.Tensor) -> None:
+        """Add units next .. root-1 to the committed cache; keep the last one's output."""
+        root = committed.shape[1] - 1
+        count = root - self._next
+        if count < 1 or self._pending is None or self._pending.shape[0] < count:
+            raise RuntimeError(f"Eagle3Drafter is out of step with the target: {count} new positions, "
+                               f"{0 if self._pending is None else self._pending.shape[0]} features")
+        embeds = self._embed(committed[:, self._next + 1: root + 1])                    # [1, count, d]
+        positions = torch.arange(self._next, root, device=committed.device)[None]
+        past_len = 0 if self._past is None else self._past[0].shape[2]
+        mask = torch.ones(1, count, past_len + count, dtype=torch.bool, device=committed.device)
+        mask[:, :, past_len:] = torch.tril(mask[:, :, past_len:])
+        out, self._past = self.net(embeds, self._pending[None, :count], positions, mask, self._past)
+        self._pending = self._pending[count:]
+        self._next = root
+        self._root_out = out[0, -1]
+
+    def grow(self, committed: torch.Tensor, budget: int) -> GrownTree:
+        """The draft tree after the synced root (chain: top_k = 1, depth = min(depth, budget))."""
+        root_logp = self.net.logits(self._root_out).log_softmax(-1)
+        units = TreeUnits()
+        root_pos = committed.shape[1] - 1                  # the root unit's position is root_pos - 1
+
+        def expand(chosen, nodes):
+            feats = torch.stack([self._root_out if nodes[i].parent < 0 else units.outputs[nodes[i].parent]
+                                 for i in chosen])[None]                                      # [1, m, d]
+            rows = torch.tensor([nodes[i].row for i in chosen], device=feats.device)
+            embeds = self._embed(self.net.draft_to_target[rows].to(committed.device))[None]
+            positions = torch.tensor([root_pos - 1 + nodes[i].depth for i in chosen], device=feats.device)[None]
+            past_len = self._past[0].shape[2]
+            mask = units.mask(chosen, nodes, past_len, feats.device)
+            past = self._past if units.count == 0 else (torch.cat([self._past[0], units.keys], 2),
+                                                         torch.cat([self._past[1], units.values], 2))
+            out, (keys, values) = self.net(embeds, feats, positions, mask, past)
+            units.add(chosen, keys[:, :, -len(chosen):], values[:, :, -len(chosen):], out[0])
+            return self.net.logits(out[0]).log_softmax(-1)
+
+        if self.tree == "chain":
+            return grow(root_logp, expand, top_k=1, depth=min(self.depth, budget), budget=budget)
+        return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, budget=budget)
+
+
+def save_head(path, net: Eagle3Net, info: dict, drafting: dict) -> Path:
+    """A loadable EAGLE-3 folder: drafter.json (info + eagle3_config + drafting options) and
+    model.safetensors (fp16 weights, int64 d2t, bool t2d)."""
+    for key in ("method", "target"):
+        if key not in info:
+            raise ValueError(f"drafter info needs {key!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(torch.float16) if v.is_floating_point() else v).detach().cpu().contiguous()
+             for k, v in net.state_dict().items()}
+    save_file(state, str(path / WEIGHTS_FILE))
+    full = {**info, "drafter": Eagle3Drafter.name, "eagle3_config": net.cfg.to_dict(), "drafting": drafting}
+    (path / CONFIG_FILE).write_text(json.dumps(full, indent=1) + "\n")
+    return path

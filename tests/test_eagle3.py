@@ -1,0 +1,264 @@
+"""EAGLE-3 heads and EAGLE-2 dynamic trees: multi-layer features through the engines, training-time
+test equal to what drafting computes, the grown tree equal to a brute-force reference that runs the
+head on every node's path alone, greedy identity with model.generate, sampled output with the
+target's distribution (a biased twin must fail), and the shipped SmolLM2 head."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashmm
+from flashmm.drafters import Eagle3Drafter, load
+from flashmm.drafters.base import Draft, Drafter, SequenceStart, root_only
+from flashmm.drafters.dynamic_tree import grow
+from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
+from flashmm.train import eagle3 as E
+
+from stats_utils import chi_square_pvalue
+from test_sampling_exactness import exact_joint, histogram, models  # noqa: F401 (fixture)
+from text_models import VOCAB, prompt, tiny_lm
+
+LAYERS = (2, 1, 0)
+
+
+def head_for(target, rows: list[int], seed: int = 0) -> Eagle3Net:
+    torch.manual_seed(seed)
+    net = Eagle3Net(Eagle3Config.for_target(target.config, len(rows), LAYERS))
+    net.set_vocab(torch.tensor(rows))
+    return net.eval()
+
+
+def features_of(target, ids: torch.Tensor, layers=LAYERS) -> torch.Tensor:
+    """Reference: the target's output_hidden_states at ``layers``, concatenated [1, T, n * d]."""
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    return torch.cat([hs[i] for i in layers], dim=-1)
+
+
+# ---------------------------------------------------------------- multi-layer features in the engines
+
+SEEN: list = []   # (kind, committed or prompt ids, features) from every Spy, forks included
+
+
+class Spy(Drafter):
+    """Drafts nothing; records the features the engine hands over."""
+
+    needs_hidden_states = True
+    feature_layers = (0, 2)
+
+    def begin(self, start):
+        SEEN.append(("start", start.input_ids.clone(), start.hidden_states))
+
+    def propose(self, committed, max_tokens, sampling, generator):
+        return root_only(committed)
+
+    def observe(self, step):
+        SEEN.append(("step", step.committed.clone(), step.hidden_states))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_feature_layers_reach_the_drafter(rows):
+    """Single-row and batched engines hand a drafter the concatenated output_hidden_states it names."""
+    target = tiny_lm("llama", seed=0)
+    ids = torch.cat([prompt(7, seed=1 + b) for b in range(rows)])
+    SEEN.clear()
+    out = flashmm.wrap(target, Spy()).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                               eos_token_id=[])
+    assert out.shape == (rows, 11) and len(SEEN) == rows * 3   # begin + 2 observes (none after the last step)
+    for kind, tokens, hidden in SEEN:
+        row = next(b for b in range(rows) if torch.equal(out[b, : tokens.shape[1]], tokens[0]))
+        full = features_of(target, out[row: row + 1], layers=(0, 2))                  # [1, 11, 2d]
+        if kind == "start":
+            assert torch.allclose(hidden, full[:, :7], atol=1e-4)
+        else:   # a root-only step: the root's features (the root is the next-to-last committed token)
+            assert torch.allclose(hidden[0, 0], full[0, tokens.shape[1] - 2], atol=1e-4)
+
+
+# ---------------------------------------------------------------- training-time test = drafting
+
+def test_ttt_outputs_equal_the_drafted_chain():
+    """Step j's output at unit t is what drafting computes for the depth-(j+1) unit after the
+    committed prefix x_0 .. x_{t+1}, when the drafted tokens are the sequence's own."""
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(VOCAB)), seed=3).double()
+    ids = prompt(12, seed=4)[0]
+    feats = features_of(target, ids[None])[0].double()
+    embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach().double())
+    ex = E.Example(ids, feats, torch.zeros(12, 1, dtype=torch.long), torch.zeros(12, 1), torch.zeros(12), 4)
+    first, outputs = E.ttt_outputs(net, embed, ex, steps=3)
+    drafter = Eagle3Drafter(net, tree="chain", depth=3)
+    drafter._embed = embed
+    for t in (first, 6, 8):
+        # reference: a fresh drafter on x_0 .. x_{t+1} (features 0 .. t), chain tokens forced to the truth
+        drafter.begin(SequenceStart(input_ids=ids[None, : t + 1], hidden_states=feats[None, : t + 1]))
+        drafter._sync(ids[None, : t + 2])
+        out, past = drafter._root_out, drafter._past
+        assert torch.allclose(out, outputs[0][t - first], atol=1e-9)
+        for step in (1, 2):
+            emb = embed(ids[t + 1 + step: t + 2 + step])[None]
+            out_all, past = net(emb, out[None, None], torch.tensor([[t + step]]),
+                                torch.ones(1, 1, past[0].shape[2] + 1, dtype=torch.bool), past)
+            out = out_all[0, 0]
+            assert torch.allclose(out, outputs[step][t - first], atol=1e-9), (t, step)
+
+
+def test_training_lowers_the_loss():
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(VOCAB)), seed=0)
+    embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach())
+    examples = []
+    for seed in range(6):
+        ids = target.generate(prompt(6, seed=seed), max_new_tokens=18, do_sample=False, eos_token_id=None)[0]
+        with torch.no_grad():
+            logits = target(ids[None]).logits[0]
+        values, top = logits.topk(8, dim=-1)
+        examples.append(E.Example(ids, features_of(target, ids[None])[0], top, values, logits.logsumexp(-1), 6))
+    rows = E.target_rows(net)
+    for style in ("plain", "hass", "griffin"):
+        opts = E.TrainOptions(style=style, ttt_steps=3, steps=60, lr=3e-3, warmup=5, checkpoint_every=1000)
+        trial = head_for(target, list(range(VOCAB)), seed=0)
+        before = sum(float(E.sequence_loss(trial, embed, ex, rows, opts)[0]) for ex in examples)
+        E.train(trial, embed, examples, opts, work_dir=_tmp(style), log=lambda m: None)
+        after = sum(float(E.sequence_loss(trial, embed, ex, rows, opts)[0]) for ex in examples)
+        assert after < 0.6 * before, (style, before, after)
+    # the last trained head drafts the target's own continuation
+    drafter = Eagle3Drafter(trial, tree="dynamic", depth=4, top_k=3)
+    ids = prompt(6, seed=1)
+    sm = flashmm.wrap(target, drafter)
+    assert torch.equal(sm.generate(ids, max_new_tokens=18, eos_token_id=[]),
+                       target.generate(ids, max_new_tokens=18, do_sample=False, eos_token_id=None))
+    assert sm.last_stats.tau > 1.5
+
+
+def _tmp(name):
+    import tempfile  # noqa: PLC0415
+
+    return Path(tempfile.mkdtemp(prefix=f"eagle3_{name}_"))
+
+
+# ---------------------------------------------------------------- EAGLE-2 trees against brute force
+
+def brute_expand(net, embed, committed: torch.Tensor, feats: torch.Tensor):
+    """expand() that runs the head from scratch, causally, on the committed units and then the
+    node's own path (no cache, no tree mask)."""
+    n = committed.shape[1] - 1
+
+    def path_units(nodes, index):
+        chain = []
+        while index >= 0:
+            chain.append(index)
+            index = nodes[index].parent
+        return chain[::-1]
+
+    def run(nodes, index):
+        path = path_units(nodes, index) if index >= 0 else []
+        ctx = embed(committed[0, 1:])                                                  # units 0 .. n-1
+        hidden = net.fuse(feats[0, :n])
+        tokens = [int(net.draft_to_target[nodes[i].row]) for i in path]
+        embeds = torch.cat([ctx, embed(torch.tensor(tokens, dtype=torch.long))]) if tokens else ctx
+        # sequential: drafted units read the previous unit's output
+        count = n + len(tokens)
+        mask = torch.tril(torch.ones(count, count, dtype=torch.bool))
+        out_ctx, _ = net(ctx[None], hidden[None], torch.arange(n)[None], mask[None, :n, :n])
+        outs = out_ctx[0]
+        for j in range(len(tokens)):
+            full_hidden = torch.cat([hidden, outs[n - 1:]])                          # fused or own outputs
+            out, _ = net(embeds[None, : n + j + 1], full_hidden[None, : n + j + 1],
+                         torch.arange(n + j + 1)[None], mask[None, : n + j + 1, : n + j + 1])
+            outs = torch.cat([out_ctx[0], out[0, n:]])
+        return outs[-1]
+
+    def expand(chosen, nodes):
+        return torch.stack([net.logits(run(nodes, i)).log_softmax(-1) for i in chosen])
+
+    return expand, run
+
+
+def test_dynamic_tree_equals_brute_force_per_node_paths():
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(0, VOCAB, 2)), seed=5).double()
+    with torch.no_grad():
+        net.lm_head.weight.mul_(4.0)
+    embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach().double())
+    ids = prompt(10, seed=6)
+    feats = features_of(target, ids).double()
+    drafter = Eagle3Drafter(net, tree="dynamic", depth=4, top_k=3)
+    drafter._embed = embed
+    drafter.begin(SequenceStart(input_ids=ids[:, :9], hidden_states=feats[:, :9]))
+    drafter._sync(ids)
+    mine = drafter.grow(ids, budget=12)
+    expand, run = brute_expand(net, embed, ids, feats)
+    root = net.logits(run([], -1)).log_softmax(-1)
+    assert torch.allclose(root, net.logits(drafter._root_out).log_softmax(-1), atol=1e-9)
+    ref = grow(root, expand, top_k=3, depth=4, budget=12)
+    assert mine.parents == ref.parents and mine.rows == ref.rows
+    assert max(abs(a - b) for a, b in zip(mine.scores, ref.scores)) < 1e-9
+    assert len(mine.rows) == 12 and max(_depths(mine.parents)) >= 3       # a real tree, several levels deep
+    # siblings are distinct (deterministic children) and every kept node's parent is kept
+    pairs = list(zip(mine.parents, mine.rows))
+    assert len(set(pairs)) == len(pairs) and all(p <= i for i, p in enumerate(mine.parents))
+
+
+def _depths(parents):
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    return depth
+
+
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_is_token_identical(tree, arch):
+    target = tiny_lm(arch, seed=0)
+    net = head_for(target, list(range(3, VOCAB)), seed=1)
+    sm = flashmm.wrap(target, Eagle3Drafter(net, tree=tree, depth=3, top_k=3))
+    for seed in (0, 1):
+        ids = prompt(9, seed=seed)
+        assert torch.equal(sm.generate(ids, max_new_tokens=20, eos_token_id=[]),
+                           target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
+
+
+# ---------------------------------------------------------------- sampling
+
+class ClaimsSampled(Eagle3Drafter):
+    """Biased twin: drafts the same deterministic top-k trees but claims its children were drawn
+    i.i.d. from its softmax (q_probs), so the verifier corrects for a distribution it never used."""
+
+    def propose(self, committed, max_tokens, sampling, generator):
+        draft = super().propose(committed, max_tokens, sampling, generator)
+        q = torch.zeros(1, draft.tree.num_nodes, self.net.cfg.vocab_size)
+        q[..., self.net.draft_to_target] = 1.0 / self.net.cfg.draft_vocab_size
+        q[..., self.net.draft_to_target[0]] += 0.5
+        return Draft(tokens=draft.tokens, tree=draft.tree, q_probs=q / q.sum(-1, keepdim=True))
+
+
+def test_sampling_keeps_the_target_distribution_and_a_biased_twin_fails(models):  # noqa: F811 (fixture)
+    target, _ = models
+    net = head_for(target, [0, 2, 3, 5, 6], seed=4)
+    with torch.no_grad():
+        net.lm_head.weight.mul_(20.0)           # confident and often wrong: rejections matter
+    sm = flashmm.wrap(target, Eagle3Drafter(net, tree="dynamic", depth=2, top_k=2))
+    p = chi_square_pvalue(histogram(sm), exact_joint(target))
+    assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
+    biased = flashmm.wrap(target, ClaimsSampled(net, tree="dynamic", depth=2, top_k=2))
+    assert chi_square_pvalue(histogram(biased), exact_joint(target)) < 1e-3
+
+
+# ---------------------------------------------------------------- the shipped head
+
+SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2/eagle3"
+
+
+def test_shipped_head_is_exact_on_smollm2(smollm2):
+    if not (SHIPPED / "drafter.json").exists():
+        pytest.skip("eagle3 is not built (python -m tools.drafters.build_eagle3)")
+    model, tokenizer = smollm2
+    drafter = load(SHIPPED)
+    assert isinstance(drafter, Eagle3Drafter) and drafter.info["method"] == "eagle3"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colours."}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    sm = flashmm.wrap(model, drafter)
+    assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False),
+                       model.generate(ids, max_new_tokens=24, do_sample=False))
+    assert sm.last_stats.tau > 1.3          # trained: it drafts what SmolLM2 writes

