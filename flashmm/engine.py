@@ -256,7 +256,7 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, d
         n = verified.tree.num_nodes  # aux rows (if any) follow the tree's n nodes; commit keeps tree nodes only
         path = verify_row(verifier, spec, verified, scored.logits[:, :n], row, generator)
         target.commit(path)
-        path, scored = unprune(scored, path)  # the drafter observes its own tree's indexing
+        path, scored = unprune(scored, path, drafter.score_topk > 0)  # the drafter observes its own tree's indexing
         stats.verify_seconds += time.perf_counter() - t1
         stats.draft_seconds += t1 - t0
         if not row.finished:

@@ -46,6 +46,7 @@ class PrunedOutput(TargetOutput):
 
     kept: torch.Tensor | None = None
     early_logits: torch.Tensor | None = None
+    pending: tuple | None = None  # (pruned leaves, their layer-l states [1, P, d], runner): early logits on demand
 
 
 def surviving_nodes(tree: TokenTree, tokens: torch.Tensor, early_topk: torch.Tensor) -> list[int]:
@@ -87,14 +88,13 @@ def score_draft(target, draft: Draft, want_hidden, spec, sampling, stats=None) -
         early_topk = tokens.new_full((tree.num_nodes, spec.prune_top_k), -1)
         early_topk[internal] = early_internal[0].topk(spec.prune_top_k, dim=-1).indices
         kept = surviving_nodes(tree, tokens[0], early_topk)
-        early = None
+        early, pending = None, None
         if len(kept) < tree.num_nodes:
-            # what the drafter observes at pruned nodes: early logits (the pruned leaves' computed now)
+            # what the drafter observes at pruned nodes: early logits (the pruned leaves' only if it asks)
             early = hidden.new_zeros(1, tree.num_nodes, early_internal.shape[-1])
             early[:, internal] = early_internal
-            leaves = [i for i in set(range(tree.num_nodes)) - set(kept) - set(internal)]
-            if leaves:
-                early[:, leaves] = runner.logits(hidden[:, leaves])
+            leaves = sorted(set(range(tree.num_nodes)) - set(kept) - set(internal))
+            pending = (leaves, hidden[:, leaves], runner)
             index = torch.tensor(kept, device=hidden.device)
             for layer in cache.layers[:split]:  # compact the first layers' tree rows to the survivors
                 rows = torch.cat([torch.arange(prefix, device=hidden.device), prefix + index])
@@ -110,15 +110,20 @@ def score_draft(target, draft: Draft, want_hidden, spec, sampling, stats=None) -
     verified = Draft(tokens=tokens, tree=tree, q_probs=q_probs)
     if early is None:  # nothing pruned
         return verified, TargetOutput(logits, None)
-    return verified, PrunedOutput(logits, None, kept=torch.tensor(kept), early_logits=early)
+    return verified, PrunedOutput(logits, None, kept=torch.tensor(kept), early_logits=early, pending=pending)
 
 
-def unprune(scored: TargetOutput, path: torch.Tensor) -> tuple[torch.Tensor, TargetOutput]:
+def unprune(scored: TargetOutput, path: torch.Tensor, want_logits: bool = True) -> tuple[torch.Tensor, TargetOutput]:
     """(path [1, L] in the drafter's own tree, output over its N nodes: real logits at the verified nodes,
-    early logits at the pruned ones); unpruned outputs pass through."""
+    early logits at the pruned ones, computed at pruned leaves only when ``want_logits``: the drafter reads
+    them, Drafter.score_topk); unpruned outputs pass through."""
     if not isinstance(scored, PrunedOutput):
         return path, scored
     kept = scored.kept.to(path.device)
     logits = scored.early_logits.clone()
+    leaves, states, runner = scored.pending
+    if want_logits and leaves:
+        with torch.no_grad():
+            logits[:, leaves] = runner.logits(states)
     logits[:, scored.kept.to(logits.device)] = scored.logits
     return kept[path], TargetOutput(logits, None)

@@ -257,8 +257,11 @@ def test_propd_scores_only_the_surviving_subtree_exactly():
         torch.testing.assert_close(mine.keys, theirs.keys[:, :, [*range(9), *[9 + i for i in kept]]],
                                    atol=1e-5, rtol=1e-5)
     # the drafter observes its own tree: path and logits mapped back
-    path, back = unprune(scored, torch.tensor([[0, 1]]))
+    path, back = unprune(scored, torch.tensor([[0, 1]]))  # early logits at every pruned node
     assert path.tolist() == [[0, kept[1]]] and back.logits.shape[1] == 8
+    pruned = [i for i in range(8) if i not in kept]
+    torch.testing.assert_close(back.logits[:, pruned], LayerRunner(model).logits(ref.hidden_states[2])[:, pruned],
+                               atol=1e-5, rtol=1e-5)
     target.release()
 
 
