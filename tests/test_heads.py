@@ -2,6 +2,7 @@
 teacher-forced forward, training on cached corpus features, the offline replay of τ against the
 engine, and the shipped SmolLM2 heads."""
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,40 @@ def test_shipped_heads_are_exact_on_smollm2(request, method):
     out = sm.generate(ids, max_new_tokens=24, do_sample=False)
     assert torch.equal(out, model.generate(ids, max_new_tokens=24, do_sample=False))
     assert drafter.info["accuracy"][0][0] > 0.3  # trained: head 1's top-1 is often right on held-out answers
+
+
+def test_distill_loss_is_soft_cross_entropy_over_the_candidates():
+    """Hydra++'s objective: -sum_j p~_j log q_j, p~ the target's top-k renormalised over the
+    candidates it shares with the vocabulary; checked against float64 by hand."""
+    g = torch.Generator().manual_seed(0)
+    lm = torch.randn(10, 4, generator=g)
+    vocab = H.Vocab(torch.tensor([1, 3, 4, 6, 8, 9]), 10)                      # rows 0..5
+    states = torch.randn(2, 4, generator=g)
+    teacher_ids = torch.tensor([[3, 5, 8], [9, 1, 2]])                         # 5 and 2 are outside the vocab
+    teacher_logp = torch.tensor([[-0.5, -1.0, -2.0], [-0.2, -2.5, -3.0]])
+    cand = torch.tensor([0, 1, 4, 5])                                           # target ids 1, 3, 8, 9
+    loss, n = H.head_loss(states, torch.tensor([3, 9]), teacher_ids, teacher_logp, lm[vocab.ids], vocab, cand,
+                          "distill")
+    want = 0.0
+    for b, pairs in enumerate([[(3, -0.5), (8, -2.0)], [(9, -0.2), (1, -2.5)]]):
+        logq = (states[b].double() @ lm[vocab.ids[cand]].double().T).log_softmax(-1)
+        slot = {int(t): i for i, t in enumerate(vocab.ids[cand])}
+        total = sum(math.exp(lp) for _, lp in pairs)
+        want -= sum(math.exp(lp) / total * float(logq[slot[t]]) for t, lp in pairs)
+    assert n == 2 and float(loss) == pytest.approx(want, rel=1e-5)
+    ce, _ = H.head_loss(states, torch.tensor([3, 9]), teacher_ids, teacher_logp, lm[vocab.ids], vocab, cand, "ce")
+    logq0 = (states.double() @ lm[vocab.ids[cand]].double().T).log_softmax(-1)
+    assert float(ce) == pytest.approx(-float(logq0[0, 1] + logq0[1, 3]), rel=1e-5)
+
+
+def test_left_padded_batch_identical_to_batched_generate(corpus, trained):
+    target, _, _ = corpus
+    ids = torch.cat([prompt(10, seed=1), prompt(10, seed=2)])
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    for kind in ("medusa_tree", "hydra_tree", "mtp_chain"):
+        sm = flashmm.wrap(target, DRAFTERS[kind](trained))
+        out = sm.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[], pad_token_id=0)
+        assert torch.equal(out, ref), kind

@@ -154,7 +154,7 @@ def main(argv=None) -> None:
         "training": {"seed": args.seed, "steps": state["step"], "planned_steps": steps, "batch": batch, "lr": lr, "loss_vocab": args.loss_vocab,
                      "objective": args.objective, "feature_layer": 30, "train_sequences": len(train),
                      "train_positions": int(train_data.ids.numel()), "held_out_sequences": len(held),
-                     "cpu_seconds_1_thread": round(state["seconds"], 1),
+                     "train_wall_seconds_1_thread": round(state["seconds"], 1),
                      "final_loss": round(sum(l[0] for l in state["losses"][-25:]) / 25, 4),
                      "vocab": f"{vocab.ids.numel()} ids of {args.vocab_from}"},
         "command": command,
