@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     header = ["method", "ms / token", "τ", "exact", "guesses kept", "overlap s", "drafting-thread s", "verify s"]
     markdown = (f"# Mirror-SD vs the sequential loop, SmolLM2-135M-Instruct + {Path(args.draft).name} "
                 f"({options}), {len(items)} dev questions, {args.max_new_tokens} new tokens, greedy\n\n"
-                "Machine shared with other jobs (load 5-10 on 2 cores): wall times are noisy; the overlap "
+                "Machine shared with other jobs (load 14-17 on 2 cores when measured): wall times are noisy; the overlap "
                 "column is the drafting thread's time inside the target's verify intervals (timestamps).\n\n"
                 f"Command: `python -m eval.mirror_speed --questions-count {args.questions_count} "
                 f"--max-new-tokens {args.max_new_tokens}`\n\n" + markdown_table(header, rows) + "\n")
