@@ -83,7 +83,7 @@ def greedy_reference(model, ids, n):
 def test_layerskip_greedy_is_token_identical(arch, exit_layer):
     model = deep(arch)
     ids = prompt(10, seed=3)
-    sm = flashmm.wrap(model, LayerSkip(exit_layer=exit_layer, max_draft_tokens=3))
+    sm = flashmm.wrap(model, LayerSkip(adaptive=False, exit_layer=exit_layer, max_draft_tokens=3))
     assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False), greedy_reference(model, ids, 24))
     if exit_layer == 3:  # one layer short of the model: its early exit agrees often
         assert sm.last_stats.accepted_tokens > 0
@@ -91,7 +91,7 @@ def test_layerskip_greedy_is_token_identical(arch, exit_layer):
 
 def test_layerskip_leaves_the_target_cache_as_the_engine_left_it():
     model = deep("llama")
-    sm = flashmm.wrap(model, LayerSkip(exit_layer=2, max_draft_tokens=4))
+    sm = flashmm.wrap(model, LayerSkip(adaptive=False, exit_layer=2, max_draft_tokens=4))
     ids = prompt(9, seed=4)
     target, drafter = sm.target, sm.drafter
     target.prefill(ids, None, False)
@@ -119,15 +119,32 @@ def test_exit_layer_choice_measures_exact_chain_acceptance():
     assert choices[0].speedup >= choices[-1].speedup
     # tau of E measured offline = what a greedy decode of the same text with LayerSkip(E) gets
     best = choices[0]
-    sm = flashmm.wrap(model, LayerSkip(exit_layer=best.exit_layer, max_draft_tokens=2))
+    sm = flashmm.wrap(model, LayerSkip(adaptive=False, exit_layer=best.exit_layer, max_draft_tokens=2))
     sm.generate(text[None, :6], max_new_tokens=14, do_sample=False)
     assert sm.last_stats.accepted_tokens > 0
+
+
+def test_adaptive_budget_declines_drafts_that_cost_a_whole_step():
+    """The budget prices a draft token by the weights it reads: SWIFT skipping nothing costs a full
+    target step per draft token, so it never drafts (plain decoding, exact); LayerSkip's first layer
+    of four plus the LM head costs less, and its price is exactly that share of the weights."""
+    model = deep("qwen3")
+    sm = flashmm.wrap(model, Swift(skip=((), ()), max_draft_tokens=4, confidence=0.0))
+    ids = prompt(10, seed=8)
+    assert torch.equal(sm.generate(ids, max_new_tokens=12, do_sample=False), greedy_reference(model, ids, 12))
+    assert sm.last_stats.drafted_tokens == 0 and sm.drafter.draft_token_cost() == pytest.approx(1.0)
+    layerskip = LayerSkip(exit_layer=1)
+    flashmm.wrap(model, layerskip)
+    weights = lambda modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    head = weights([model.lm_head])
+    assert layerskip.draft_token_cost() == pytest.approx(
+        (weights(model.model.layers[:1]) + head) / (weights(model.model.layers) + head))
 
 
 # ---------------------------------------------------------------------------- SWIFT
 def test_swift_searches_a_skip_set_and_decodes_greedy_identically():
     model = deep("llama")
-    drafter = Swift(search_budget=6, evals_per_step=2, random_trials=3, window=16, max_draft_tokens=3)
+    drafter = Swift(adaptive=False, search_budget=6, evals_per_step=2, random_trials=3, window=16, max_draft_tokens=3)
     sm = flashmm.wrap(model, drafter)
     ids = prompt(12, seed=6)
     assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False), greedy_reference(model, ids, 24))
@@ -142,7 +159,7 @@ def test_swift_searches_a_skip_set_and_decodes_greedy_identically():
 
 def test_swift_skipping_nothing_is_the_target_itself():
     model = deep("qwen3")
-    drafter = Swift(skip=((), ()), max_draft_tokens=4, confidence=0.0)
+    drafter = Swift(adaptive=False, skip=((), ()), max_draft_tokens=4, confidence=0.0)
     sm = flashmm.wrap(model, drafter)
     ids = prompt(10, seed=8)
     assert torch.equal(sm.generate(ids, max_new_tokens=21, do_sample=False), greedy_reference(model, ids, 21))
@@ -157,7 +174,7 @@ def test_swift_skipping_nothing_is_the_target_itself():
 def untrained_kangaroo(model, exit_layer=2, **options):
     adapter = KangarooAdapter(model)
     adapter.init_from(model, exit_layer)
-    return Kangaroo(adapter.state_dict(), exit_layer=exit_layer, **options)
+    return Kangaroo(adapter.state_dict(), exit_layer=exit_layer, **{"adaptive": False, **options})
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -214,8 +231,8 @@ def test_sampling_has_the_target_distribution():
                      pad_token_id=None)
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(0.15)
-    wrapped = [flashmm.wrap(target, LayerSkip(exit_layer=2, max_draft_tokens=2)),
-               flashmm.wrap(target, Swift(skip=((1,), (2,)), max_draft_tokens=2, confidence=0.0))]
+    wrapped = [flashmm.wrap(target, LayerSkip(adaptive=False, exit_layer=2, max_draft_tokens=2)),
+               flashmm.wrap(target, Swift(adaptive=False, skip=((1,), (2,)), max_draft_tokens=2, confidence=0.0))]
     counts, g = torch.zeros(V, V), torch.Generator().manual_seed(1234)
     for trial in range(400):
         a, b = wrapped[trial % 2].generate(PROMPT, max_new_tokens=2, generator=g, **SAMPLING)[0, -2:].tolist()

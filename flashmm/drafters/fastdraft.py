@@ -58,6 +58,10 @@ class ReducedVocabLM(nn.Module):
     def output_rows(self) -> int:
         return self.target_vocab
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The draft LM's own (reduced) head: what timing a draft step needs (budget="auto")."""
+        return self.lm.get_output_embeddings()
+
     def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True,
                 logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
         out = self.lm(input_ids=self.target_to_draft[input_ids], past_key_values=past_key_values,

@@ -63,8 +63,8 @@ class Kangaroo(SelfDrafter):
     name = "kangaroo"
 
     def __init__(self, adapter_state: dict, exit_layer: int = 2, max_draft_tokens: int = 6,
-                 confidence: float = 0.6):
-        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence)
+                 confidence: float = 0.6, adaptive: bool = True):
+        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive)
         self.adapter_state = adapter_state
         self.exit_layer = exit_layer
         self.adapter: KangarooAdapter | None = None
@@ -105,6 +105,9 @@ class Kangaroo(SelfDrafter):
     def drafting_layers(self) -> range:
         return range(self.exit_layer)
 
+    def draft_parameters(self) -> int:
+        return super().draft_parameters() + sum(p.numel() for p in self.adapter.parameters())
+
     # ------------------------------------------------------------------ drafting
     def draft_logits(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
         runner = self.runner
@@ -117,6 +120,7 @@ class Kangaroo(SelfDrafter):
         return runner.lm_head(hidden)[:, -1]
 
     def observe(self, step: StepResult) -> None:
+        super().observe(step)
         # rows of the root and the accepted tokens the chain fed are exact: keep them, drop the rest
         keep = min(step.accepted_len + 1, self._fed)
         crop_layers(self.adapter_cache, [0], self._chain_start + keep)

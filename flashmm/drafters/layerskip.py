@@ -23,8 +23,9 @@ class LayerSkip(SelfDrafter):
 
     name = "layerskip"
 
-    def __init__(self, exit_layer: int | None = None, max_draft_tokens: int = 4, confidence: float = 0.0):
-        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence)
+    def __init__(self, exit_layer: int | None = None, max_draft_tokens: int = 4, confidence: float = 0.0,
+                 adaptive: bool = True):
+        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive)
         self.exit_layer = exit_layer
 
     def bind(self, target) -> None:

@@ -120,7 +120,8 @@ class AdaptiveDraftLength:
 
     A chain of k drafts emits (1 - α^(k+1)) / (1 - α) tokens in expectation; verifying it costs
     ``cost(k)`` one-token forwards: with a measured ``verify_cost`` (budget="auto" in the
-    drafters) t(k + 1) / t(1) + draft_token_cost · k, else 1 + step_cost + token_cost · k, whose
+    drafters) t(k + 1) / t(1) + draft_token_cost · k, else 1 + step_cost + (token_cost +
+    draft_token_cost) · k (draft_token_cost: 0 unless the drafter prices its own steps), whose
     defaults are CPU figures for a ~100M model (SmolLM2-135M, 1-2 threads: a 2-token forward
     costs ~1.2x a 1-token one, each further token ~0.06x more); on a GPU both are near 0.01.
     k = 0 (a plain step) is chosen whenever drafting would not pay, so low acceptance never costs
@@ -154,7 +155,7 @@ class AdaptiveDraftLength:
             return 1.0
         if self.verify_cost is not None:
             return self.verify_cost.relative(k + 1) + self.draft_token_cost * k
-        return 1.0 + self.step_cost + self.token_cost * k
+        return 1.0 + self.step_cost + self.token_cost * k + self.draft_token_cost * k
 
     def choose(self, max_tokens: int, alpha: float | None = None) -> int:
         alpha = self.alpha if alpha is None else alpha

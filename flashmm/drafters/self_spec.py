@@ -10,7 +10,11 @@ recomputed. Subclasses implement ``draft_logits`` (one token → next-token logi
 
 Drafting stops at ``max_draft_tokens`` or, with ``confidence`` > 0, before the first token whose
 draft probability falls below it (Kangaroo's early exit of the draft; SWIFT's confidence-aware
-drafting). Sampling drafts from q processed exactly as the target's p; a chain, so every exact
+drafting). With ``adaptive`` (the default) the chain length comes from AdaptiveDraftLength, priced
+with what a draft token costs here: the parameters it runs (its layers, the LM head) over the
+target's (a decoding step reads every weight once). A method whose drafts cannot pay for that
+(SmolLM2's early exits: a draft token runs most of the model) drafts nothing, so it costs no more
+than plain decoding, and tries again as its acceptance estimate drifts back to the prior. Sampling drafts from q processed exactly as the target's p; a chain, so every exact
 verifier applies.
 """
 from __future__ import annotations
@@ -21,7 +25,8 @@ from ..config import SamplingParams
 from ..sampling import sample
 from ..targets.layers import LayerRunner, crop_layers, layer_len
 from ..tree import TokenTree
-from .base import Draft, Drafter, root_only
+from .base import Draft, Drafter, StepResult, root_only
+from .length import AdaptiveDraftLength
 
 
 class SelfDrafter(Drafter):
@@ -29,7 +34,7 @@ class SelfDrafter(Drafter):
 
     drafting_scheme = "chain"
 
-    def __init__(self, max_draft_tokens: int = 4, confidence: float = 0.0):
+    def __init__(self, max_draft_tokens: int = 4, confidence: float = 0.0, adaptive: bool = True):
         if max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
         if not 0.0 <= confidence < 1.0:
@@ -38,6 +43,9 @@ class SelfDrafter(Drafter):
         self.confidence = confidence
         self.target = None
         self.runner: LayerRunner | None = None
+        self.adaptive = adaptive
+        self.length = AdaptiveDraftLength()
+        self._drafted = 0
 
     def bind(self, target) -> None:
         if not hasattr(target, "kv_cache") or getattr(target, "recurrent", False):
@@ -59,6 +67,23 @@ class SelfDrafter(Drafter):
     def after_chain(self) -> None:
         """Called once the chain is drafted and the cache cropped (per-method bookkeeping)."""
 
+    def draft_parameters(self) -> int:
+        """Weights one draft token reads: the drafting layers' and the LM head's (methods that skip
+        blocks or add an adapter override this)."""
+        layers = self.runner.layers
+        return sum(p.numel() for i in self.drafting_layers() for p in layers[i].parameters()) + self.head_parameters()
+
+    def head_parameters(self) -> int:
+        return sum(p.numel() for p in self.runner.lm_head.parameters())
+
+    def draft_token_cost(self) -> float:
+        """A draft token's cost in target decoding steps: weights read, over the target's."""
+        full = sum(p.numel() for layer in self.runner.layers for p in layer.parameters()) + self.head_parameters()
+        return self.draft_parameters() / full
+
+    def observe(self, step: StepResult) -> None:
+        self.length.update(self._drafted, min(step.accepted_len, self._drafted))
+
     # ------------------------------------------------------------------ the loop
     def shared_cache(self, committed: torch.Tensor):
         cache = self.target.kv_cache if self.target is not None else None
@@ -75,6 +100,10 @@ class SelfDrafter(Drafter):
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams, generator) -> Draft:
         cache = self.shared_cache(committed)
         depth = min(max_tokens, self.max_draft_tokens)
+        if self.adaptive and depth > 0:
+            self.length.draft_token_cost = self.draft_token_cost()
+            depth = self.length.choose(depth)
+        self._drafted = 0
         if depth <= 0:
             return root_only(committed)
         prefix = committed.shape[1] - 1
@@ -100,6 +129,7 @@ class SelfDrafter(Drafter):
         finally:
             crop_layers(cache, self.drafting_layers(), prefix)
         self.after_chain()
+        self._drafted = len(tokens) - 1
         q_probs = None
         if sampling.do_sample and q_rows:
             q_probs = torch.zeros(1, len(tokens), q_rows[0].shape[-1], device=q_rows[0].device)

@@ -35,8 +35,8 @@ class Swift(SelfDrafter):
 
     def __init__(self, skip_ratio: float = 0.45, max_draft_tokens: int = 4, confidence: float = 0.6,
                  search_budget: int = 48, evals_per_step: int = 2, random_trials: int = 12, window: int = 48,
-                 skip: tuple | None = None, seed: int = 0):
-        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence)
+                 skip: tuple | None = None, seed: int = 0, adaptive: bool = True):
+        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive)
         if not 0.0 < skip_ratio < 1.0:
             raise ValueError(f"skip_ratio must be in (0, 1), got {skip_ratio}")
         self.skip_ratio, self.search_budget, self.evals_per_step = skip_ratio, search_budget, evals_per_step
@@ -66,6 +66,11 @@ class Swift(SelfDrafter):
     # ------------------------------------------------------------------ drafting
     def drafting_layers(self) -> range:
         return range(self.runner.num_layers)
+
+    def draft_parameters(self) -> int:
+        skipped = [self.runner.layers[i].self_attn for i in self.skip_attention] + \
+                  [self.runner.layers[i].mlp for i in self.skip_mlp]
+        return super().draft_parameters() - sum(p.numel() for block in skipped for p in block.parameters())
 
     def draft_logits(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
         runner = self.runner
