@@ -262,3 +262,49 @@ def test_shipped_head_is_exact_on_smollm2(smollm2):
     assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False),
                        model.generate(ids, max_new_tokens=24, do_sample=False))
     assert sm.last_stats.tau > 1.3          # trained: it drafts what SmolLM2 writes
+
+
+# ---------------------------------------------------------------- FLASH's K = 1 head grows the same trees
+
+def test_flash_k1_eagle2_tree_equals_brute_force_and_is_exact():
+    from flashmm.drafters import FlashDrafter  # noqa: PLC0415
+    from flashmm.drafters.flash import head_logits  # noqa: PLC0415
+
+    target = tiny_lm("llama", seed=0)
+    drafter = FlashDrafter.from_target(target, tokens_per_step=1, seed=3, tree="eagle2", depth=3, top_k=3)
+    sm = flashmm.wrap(target, drafter)
+    ids = prompt(9, seed=2)
+    assert torch.equal(sm.generate(ids, max_new_tokens=16, eos_token_id=[]),
+                       target.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None))
+    # one step's tree, in float64, against the head run from scratch on each node's path (plain causal units)
+    from flashmm.config import SamplingParams  # noqa: PLC0415
+    from flashmm.targets import CausalLMTarget  # noqa: PLC0415
+
+    target64 = target.double()
+    drafter = FlashDrafter(drafter.net.double(), tree="eagle2", depth=3, top_k=3)
+    drafter.bind(CausalLMTarget(target64))
+    net, head, embed = drafter.net, drafter._head, drafter._embed
+    committed = prompt(12, seed=5)
+    n = committed.shape[1] - 1
+    with torch.no_grad():
+        hs = target64(committed, output_hidden_states=True).hidden_states[-1]               # [1, T, d]
+        drafter.begin(SequenceStart(input_ids=committed[:, :n], hidden_states=hs[:, :n]))
+        draft = drafter.propose(committed, 14, SamplingParams(), None)
+        base = net.text_units(embed(committed[0, 1:]), hs[0, :n])                          # units 0 .. n-1
+
+        def run(nodes, index):
+            path = []
+            while index >= 0:
+                path.append(index)
+                index = nodes[index].parent
+            units = base
+            out = net(units[None], torch.arange(n), None)[0][0, -1, 0]                     # f̂_n
+            for i in reversed(path):
+                units = torch.cat([units, net.text_units(embed(torch.tensor([nodes[i].row])), out[None])])
+                out = net(units[None], torch.arange(units.shape[0]), None)[0][0, -1, 0]
+            return head_logits(head, out, None).log_softmax(-1)
+
+        ref = grow(run([], -1), lambda chosen, nodes: torch.stack([run(nodes, i) for i in chosen]),
+                   top_k=3, depth=3, budget=14)
+    assert draft.tree.parents.tolist() == [-1] + ref.parents
+    assert draft.tokens[0, 1:].tolist() == ref.rows and max(_depths(ref.parents)) == 3

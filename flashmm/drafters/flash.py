@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
+from .dynamic_tree import TreeUnits, grow
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units
 from .prompt_lookup import NgramIndex
 
@@ -62,7 +63,9 @@ class FlashDrafter(Drafter):
                   net sized for the target is built at ``bind``, with a warning).
     compression:  "learned" | "prune" | "merge" | "none" (visual tokens; see flash_modules).
     tree:         "dynamic" (best-first by cumulative probability, budget = the engine's token
-                  budget or ``max_nodes``), "chain", or a list of rank paths (static shape).
+                  budget or ``max_nodes``), "chain", a list of rank paths (static shape), or
+                  "eagle2" (K = 1 heads: EAGLE-2 trees, every node expanded on its own path; see
+                  dynamic_tree).
     depth:        deepest drafted position for "dynamic"/"chain" (default: the smallest multiple
                   of K that is >= 5, i.e. one SAR pass for K = 5, five for K = 1).
     top_k:        most children per node ("dynamic").
@@ -94,8 +97,8 @@ class FlashDrafter(Drafter):
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
         if isinstance(tree, str):
-            if tree not in ("dynamic", "chain"):
-                raise ValueError(f"tree must be 'dynamic', 'chain' or a list of rank paths, got {tree!r}")
+            if tree not in ("dynamic", "chain", "eagle2"):
+                raise ValueError(f"tree must be 'dynamic', 'chain', 'eagle2' or a list of rank paths, got {tree!r}")
         else:
             tree = [list(map(int, p)) for p in tree]
             if not tree or any(len(p) == 0 for p in tree):
@@ -244,6 +247,8 @@ class FlashDrafter(Drafter):
         shape = self._shape_for(max_tokens)
         root = committed.shape[1] - 1
         predicted = self._sync(committed, root)                                 # [K, d]: f̂_root ..
+        if self.tree == "eagle2":
+            return self._eagle2(committed, predicted[0], max_tokens)
         if shape is None:
             return root_only(committed)
         depth = shape[1]
@@ -377,6 +382,41 @@ class FlashDrafter(Drafter):
         while len(paths) + len(chain) - len(shared) > max_tokens:
             paths.remove(next(p for p in reversed(paths) if p not in on_chain))
         return paths, shared
+
+    def _eagle2(self, committed: torch.Tensor, root_feature: torch.Tensor, max_tokens: int) -> Draft:
+        """EAGLE-2 tree (dynamic_tree.grow) for a K = 1 head: every expanded node runs the head on its
+        own path (its unit attends to the committed units, its ancestors' units and itself)."""
+        if self.net.tokens_per_step != 1:
+            raise ValueError(f"tree='eagle2' needs a K = 1 FLASH head (tokens_per_step = 1), this one has "
+                             f"K = {self.net.tokens_per_step}; use tree='dynamic' for K > 1")
+        budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        if budget <= 0:
+            return root_only(committed)
+        softcap = self.net.cfg.final_logit_softcapping
+        past_len = 0 if self._past is None else self._past[0].shape[2]
+        units = TreeUnits()
+
+        def expand(chosen, nodes):
+            feats = torch.stack([root_feature if nodes[i].parent < 0 else units.outputs[nodes[i].parent]
+                                 for i in chosen])                                           # [m, d]
+            tokens = self._token_ids(torch.tensor([nodes[i].row for i in chosen], device=feats.device))
+            x = self.net.text_units(self._embed(tokens), feats)[None]                       # [1, m, d]
+            positions = torch.tensor([past_len - 1 + nodes[i].depth for i in chosen], device=feats.device)
+            mask = units.mask(chosen, nodes, past_len, feats.device)[:, None]               # [1, 1, m, P + M + m]
+            past = self._past if units.count == 0 else (torch.cat([self._past[0], units.keys], 2),
+                                                         torch.cat([self._past[1], units.values], 2))
+            if past is None:
+                past = (x.new_zeros(1, self.net.block.num_kv_heads, 0, self.net.block.head_dim),) * 2
+            out, (keys, values) = self.net.block(x, positions, mask, past)
+            predicted = self.net.predict(out)[0, :, 0]                                      # [m, d] (K = 1)
+            units.add(chosen, keys[:, :, -len(chosen):], values[:, :, -len(chosen):], predicted)
+            return head_logits(self._head, predicted, softcap).log_softmax(-1)
+
+        root_logp = head_logits(self._head, root_feature, softcap).log_softmax(-1)
+        grown = grow(root_logp, expand, top_k=self.top_k, depth=self.depth or 5, budget=budget)
+        ids = self._token_ids(torch.tensor(grown.rows, device=root_logp.device)).to(committed.device)
+        tokens = torch.cat([committed[0, -1:], ids])[None]
+        return Draft(tokens=tokens, tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)
 
     def _best_first(self, top_p: list[list[float]], depth: int, budget: int) -> list[tuple[int, ...]]:
         """The ``budget`` rank paths of highest cumulative probability (prefix-closed)."""
