@@ -76,11 +76,11 @@ def trained(corpus):
 
 
 DRAFTERS = {
-    "medusa_chain": lambda t: Medusa(t["medusa"][0], accuracy=t["medusa"][3]),
-    "medusa_tree": lambda t: Medusa(t["medusa"][0], accuracy=t["medusa"][3], tree_nodes=10),
-    "hydra_chain": lambda t: Hydra(t["hydra"][0], accuracy=t["hydra"][3]),
-    "hydra_tree": lambda t: Hydra(t["hydra"][0], accuracy=t["hydra"][3], tree_nodes=10),
-    "mtp_chain": lambda t: MTP(t["mtp"][0]),
+    "medusa_chain": lambda t: Medusa(t["medusa"][0], adaptive=False, accuracy=t["medusa"][3]),
+    "medusa_tree": lambda t: Medusa(t["medusa"][0], adaptive=False, accuracy=t["medusa"][3], tree_nodes=10),
+    "hydra_chain": lambda t: Hydra(t["hydra"][0], adaptive=False, accuracy=t["hydra"][3]),
+    "hydra_tree": lambda t: Hydra(t["hydra"][0], adaptive=False, accuracy=t["hydra"][3], tree_nodes=10),
+    "mtp_chain": lambda t: MTP(t["mtp"][0], adaptive=False),
 }
 
 
@@ -114,7 +114,7 @@ def test_mtp_draft_equals_teacher_forced_forward(corpus, trained):
     committed text followed by the tokens drafted before it (DeepSeek's training computation)."""
     target, data, _ = corpus
     modules = trained["mtp"][0]
-    drafter = MTP(modules)
+    drafter = MTP(modules, adaptive=False)
     drafter.bind(H.ModelFacts(target))
     lm, embeds, _ = tools(target)
     a = int(data.starts[0])
@@ -168,12 +168,42 @@ def random_medusa(target, seed=0, scale=0.3):
     return heads
 
 
+def test_budget_drafts_only_what_pays(corpus):
+    """planned_tree: heads whose accuracy table says they are never right draft nothing (a plain step,
+    still exact); accurate heads draft their whole tree. expected_accepted is the sum of path products."""
+    target, data, _ = corpus
+    ids = data.ids[:8][None]
+    reference = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    hopeless = Medusa(random_medusa(target), tree_nodes=6, accuracy=[[0.01] * 4] * 3)
+    sm = flashmm.wrap(target, hopeless)
+    assert torch.equal(sm.generate(ids, max_new_tokens=12, eos_token_id=[]), reference)
+    assert sm.last_stats.drafted_tokens == 0
+    sure = Medusa(random_medusa(target), tree_nodes=6, accuracy=[[0.95, 0.6, 0.3, 0.1]] * 3)
+    flashmm.wrap(target, sure)
+    tree = sure.planned_tree(6)
+    assert tree.num_nodes == 7
+    products = {(): 1.0}
+    for i in range(1, tree.num_nodes):  # brute force over the tree's paths, parents first
+        path = tuple(int(tree.ranks[j]) for j in reversed(tree_path(tree, i)))
+        products[path] = products[path[:-1]] * sure.accuracy[len(path) - 1][path[-1]]
+    assert sure.expected_accepted(tree) == pytest.approx(sum(products.values()) - 1.0)
+
+
+def tree_path(tree, node):
+    """Nodes from ``node`` up to (not including) the root."""
+    out = []
+    while node:
+        out.append(node)
+        node = int(tree.parents[node])
+    return out
+
+
 def test_medusa_sampling_is_exact_and_typical_lossy_is_not(models):  # noqa: F811 (fixture)
     target, _ = models
-    exact = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4))
+    exact = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4, adaptive=False))
     p = chi_square_pvalue(histogram(exact), exact_joint(target))
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
-    lossy = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4), verifier="typical_lossy",
+    lossy = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4, adaptive=False), verifier="typical_lossy",
                          typical_epsilon=0.05, typical_delta=0.05)
     assert "lossy" in lossy.spec.verifier
     p = chi_square_pvalue(histogram(lossy), exact_joint(target))
@@ -204,7 +234,7 @@ def test_shipped_heads_are_exact_on_smollm2(request, method):
     if not (SHIPPED / method / "drafter.json").exists():
         pytest.skip(f"{method} is not built (python -m tools.drafters.build_heads --method {method})")
     model, tokenizer = request.getfixturevalue("smollm2")
-    drafter = load(SHIPPED / method)
+    drafter = load(SHIPPED / method, adaptive=False)  # draft every step: exactness of the drafts themselves
     assert drafter.info["method"] == method and drafter.info["target"]["vocab_size"] == model.config.vocab_size
     text = tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colours."}],
                                          tokenize=False, add_generation_prompt=True)

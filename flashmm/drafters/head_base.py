@@ -30,6 +30,7 @@ from torch import nn
 from ..shapes import dyspec_tree
 from ..tree import TokenTree
 from .base import Drafter, SequenceStart, StepResult
+from .length import AdaptiveDraftLength
 from .saved import CONFIG_FILE
 
 WEIGHTS_FILE = "model.safetensors"
@@ -75,13 +76,22 @@ class HeadDrafter(Drafter):
     accuracy:    [K][S] held-out per-head rank accuracies (shape the static tree), or None for a guess.
     tree_nodes:  drafted nodes of the static tree; 0 drafts a chain (each head's top-1).
     info:        the drafter.json of a trained folder (kept for reporting).
+    adaptive:    size the draft each step (``planned_tree``): among the trees of 1, 2, 4, 8 and
+                 ``tree_nodes`` nodes (chain prefixes for chains), the one maximising expected tokens per
+                 unit of cost, where the expected accepted tokens are the accuracy table's path products
+                 times a calibration learned online (accepted / predicted, forgetting old steps), and the
+                 cost is AdaptiveDraftLength's verify cost plus the heads' own (the weights they read
+                 over the target's: the heads, and the LM head rows once per sequential pass). No tree
+                 that pays → a plain step: heads that do not pay for themselves stop drafting.
     """
 
     needs_hidden_states = True
     chain_only = False
+    #: heads run one after another (Hydra, MTP: one LM-head pass per depth) rather than in one pass
+    sequential = False
 
     def __init__(self, heads: nn.Module, vocab: torch.Tensor | None = None, accuracy=None,
-                 tree_nodes: int = 0, top_s: int = 4, info: dict | None = None):
+                 tree_nodes: int = 0, top_s: int = 4, info: dict | None = None, adaptive: bool = True):
         if tree_nodes < 0:
             raise ValueError(f"tree_nodes must be >= 0 (0 = a chain), got {tree_nodes}")
         if tree_nodes and self.chain_only:
@@ -93,6 +103,10 @@ class HeadDrafter(Drafter):
         self.info = info or {}
         self._weight = self._bias = self._embed = None
         self._feature = None                         # [d]: target feature at the root's parent
+        self.adaptive, self.length = adaptive, AdaptiveDraftLength()
+        self.evidence = [0.0, 0.0]                   # forgetting sums of accepted and predicted tokens
+        self._predicted = 0.0                        # predicted accepted tokens of the last draft
+        self._target_weights = 0
 
     # ------------------------------------------------------------------ binding and state
     def bind(self, target) -> None:
@@ -112,6 +126,7 @@ class HeadDrafter(Drafter):
         bias = getattr(head, "bias", None)
         self._bias = None if bias is None else bias.detach()[rows]
         self._embed = target.input_embeddings()
+        self._target_weights = sum(p.numel() for p in target.model.parameters())
         if self.vocab is not None:
             self.vocab = self.vocab.to(device)
 
@@ -128,6 +143,11 @@ class HeadDrafter(Drafter):
         if step.hidden_states is None:
             raise RuntimeError(f"{type(self).__name__} needs the target's hidden states at accepted nodes")
         self._feature = step.hidden_states[0, -1]
+        if self._predicted:  # decay 0.95 per drafted step
+            self.evidence = [0.95 * self.evidence[0] + step.accepted_len, 0.95 * self.evidence[1] + self._predicted]
+        else:  # slowly back to the prior, so a drafter that stopped tries again
+            self.evidence = [0.995 * e for e in self.evidence]
+        self._predicted = 0.0
 
     # ------------------------------------------------------------------ helpers for subclasses
     def logits(self, states: torch.Tensor) -> torch.Tensor:
@@ -151,6 +171,38 @@ class HeadDrafter(Drafter):
         if not self.tree_nodes:
             return chain_tree(min(depth, max_tokens))
         return _cached_tree(json.dumps(self.accuracy), min(self.tree_nodes, max_tokens))
+
+    def expected_accepted(self, tree: TokenTree) -> float:
+        """Sum over drafted nodes of the accuracy table's product along the node's path."""
+        depth, ranks, parents = tree.depth.tolist(), tree.ranks.tolist(), tree.parents.tolist()
+        reach = [1.0] * tree.num_nodes
+        for i in range(1, tree.num_nodes):
+            row = self.accuracy[depth[i] - 1]
+            reach[i] = reach[parents[i]] * (row[ranks[i]] if ranks[i] < len(row) else 0.0)
+        return sum(reach[1:])
+
+    def draft_cost(self, tree: TokenTree) -> float:
+        """The heads' cost for ``tree`` in target decoding steps: the weights they read over the target's."""
+        heads = sum(p.numel() for p in self.heads.parameters())
+        passes = tree.max_depth if self.sequential else 1
+        return (heads + passes * self._weight.numel()) / max(self._target_weights, 1)
+
+    def planned_tree(self, max_tokens: int) -> TokenTree | None:
+        """tree_for(max_tokens), or with ``adaptive`` the best-paying smaller tree or None (see the class)."""
+        full = self.tree_for(max_tokens)
+        self._predicted = 0.0
+        if full is None or not self.adaptive:
+            return full
+        calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)  # prior: 2 steps as predicted
+        best, best_rate, best_expected = None, 1.0, 0.0
+        for n in sorted({n for n in (1, 2, 4, 8) if n < full.num_nodes - 1} | {full.num_nodes - 1}):
+            tree = self.tree_for(n)
+            expected = calibration * self.expected_accepted(tree)
+            rate = (1.0 + expected) / (self.length.cost(n) + self.draft_cost(tree))
+            if rate > best_rate:
+                best, best_rate, best_expected = tree, rate, expected / calibration
+        self._predicted = best_expected
+        return best
 
     # ------------------------------------------------------------------ folders
     @classmethod

@@ -53,6 +53,8 @@ class Hydra(HeadDrafter):
     """Hydra heads as a drafter; trained ones load with ``flashmm.drafters.load(dir)``.
     ``tree_nodes``: drafted nodes of the static tree (0 = a chain of K)."""
 
+    sequential = True
+
     name = "hydra"
     heads_class = HydraHeads
 
@@ -61,7 +63,7 @@ class Hydra(HeadDrafter):
                 generator: torch.Generator | None) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("Hydra drafts one sequence at a time (batches fork it per row)")
-        tree = self.tree_for(max_tokens)
+        tree = self.planned_tree(max_tokens)
         if tree is None or self._feature is None:
             return root_only(committed)
         tokens = committed[0, -1:].repeat(tree.num_nodes)                      # [N]; root first

@@ -57,7 +57,7 @@ class Medusa(HeadDrafter):
                 generator: torch.Generator | None) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("Medusa drafts one sequence at a time (batches fork it per row)")
-        tree = self.tree_for(max_tokens)
+        tree = self.planned_tree(max_tokens)
         if tree is None or self._feature is None:
             return root_only(committed)
         states = self.heads(self._feature)[:tree.max_depth]                     # [D, d]

@@ -157,6 +157,7 @@ class MTP(HeadDrafter):
     name = "mtp"
     heads_class = MTPModules
     chain_only = True
+    sequential = True
 
     def begin(self, start: SequenceStart) -> None:
         super().begin(start)
@@ -189,9 +190,10 @@ class MTP(HeadDrafter):
         if committed.shape[0] != 1:
             raise NotImplementedError("MTP drafts one sequence at a time (batches fork it per row)")
         root = committed.shape[1] - 1
-        depth = min(self.heads.num_heads, max_tokens, root)
-        if depth < 1 or self._weight is None:
+        tree = self.planned_tree(min(self.heads.num_heads, max_tokens, root)) if self._weight is not None else None
+        if tree is None or tree.num_nodes < 2:
             return root_only(committed)
+        depth = tree.num_nodes - 1
         self._sync(committed)
         drafted: list[torch.Tensor] = []
         drafted.append(self._pick(0, self._states[1][root - 1]))              # module 1 at position R-1
@@ -204,7 +206,7 @@ class MTP(HeadDrafter):
             prev_draft = out[0]
             drafted.append(self._pick(k, prev_draft[-1]))
         tokens = torch.cat([committed[0, -1:], torch.stack(drafted).to(committed.device)])[None]
-        return Draft(tokens=tokens, tree=self.tree_for(depth), q_probs=None)
+        return Draft(tokens=tokens, tree=tree, q_probs=None)
 
     def _pick(self, k: int, state: torch.Tensor) -> torch.Tensor:
         return self.target_ids(self.logits(self.heads.output(k, state)).argmax(-1))
