@@ -86,7 +86,7 @@ def test_ttt_outputs_equal_the_drafted_chain():
     embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach().double())
     ex = E.Example(ids, feats, torch.zeros(12, 1, dtype=torch.long), torch.zeros(12, 1), torch.zeros(12), 4)
     first, outputs = E.ttt_outputs(net, embed, ex, steps=3)
-    drafter = Eagle3Drafter(net, tree="chain", depth=3)
+    drafter = Eagle3Drafter(net, tree="chain", depth=3, adaptive=False)
     drafter._embed = embed
     for t in (first, 6, 8):
         # reference: a fresh drafter on x_0 .. x_{t+1} (features 0 .. t), chain tokens forced to the truth
@@ -122,7 +122,7 @@ def test_training_lowers_the_loss():
         after = sum(float(E.sequence_loss(trial, embed, ex, rows, opts)[0]) for ex in examples)
         assert after < 0.6 * before, (style, before, after)
     # the last trained head drafts the target's own continuation
-    drafter = Eagle3Drafter(trial, tree="dynamic", depth=4, top_k=3)
+    drafter = Eagle3Drafter(trial, tree="dynamic", depth=4, top_k=3, adaptive=False)
     ids = prompt(6, seed=1)
     sm = flashmm.wrap(target, drafter)
     assert torch.equal(sm.generate(ids, max_new_tokens=18, eos_token_id=[]),
@@ -182,7 +182,7 @@ def test_dynamic_tree_equals_brute_force_per_node_paths():
     embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach().double())
     ids = prompt(10, seed=6)
     feats = features_of(target, ids).double()
-    drafter = Eagle3Drafter(net, tree="dynamic", depth=4, top_k=3)
+    drafter = Eagle3Drafter(net, tree="dynamic", depth=4, top_k=3, adaptive=False)
     drafter._embed = embed
     drafter.begin(SequenceStart(input_ids=ids[:, :9], hidden_states=feats[:, :9]))
     drafter._sync(ids)
@@ -211,11 +211,36 @@ def _depths(parents):
 def test_greedy_is_token_identical(tree, arch):
     target = tiny_lm(arch, seed=0)
     net = head_for(target, list(range(3, VOCAB)), seed=1)
-    sm = flashmm.wrap(target, Eagle3Drafter(net, tree=tree, depth=3, top_k=3))
+    sm = flashmm.wrap(target, Eagle3Drafter(net, tree=tree, depth=3, top_k=3, adaptive=False))
     for seed in (0, 1):
         ids = prompt(9, seed=seed)
         assert torch.equal(sm.generate(ids, max_new_tokens=20, eos_token_id=[]),
                            target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
+
+
+def test_budget_keeps_the_best_paying_prefix_and_stays_exact():
+    """adaptive: the verified tree is the grown tree's best nodes by score (parents included, tree
+    order kept); a head that never pays pauses drafting; greedy output stays generate's."""
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(3, VOCAB)), seed=1)
+    drafter = Eagle3Drafter(net, tree="dynamic", depth=3, top_k=3)
+    sm = flashmm.wrap(target, drafter)
+    ids = prompt(9, seed=2)
+    assert torch.equal(sm.generate(ids, max_new_tokens=20, eos_token_id=[]),
+                       target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
+    from flashmm.drafters.dynamic_tree import GrownTree
+    grown = GrownTree(parents=[0, 0, 1, 2, 3], rows=[5, 6, 7, 8, 9], scores=[-0.1, -0.2, -0.3, -3.0, -0.4],
+                      expanded=3)
+    drafter.evidence, drafter._backoff = [0.0, 0.0], 0
+    kept = drafter._paying(grown)
+    scores = sorted(grown.scores, reverse=True)[:len(kept.rows)]
+    assert sorted(kept.scores, reverse=True) == scores and 8 not in kept.rows  # the -3.0 node is not worth it
+    assert all(p < i + 1 for i, p in enumerate(kept.parents))  # parents before children, indices remapped
+    assert [kept.rows[p - 1] if p else None for p in kept.parents] == \
+           [grown.rows[grown.parents[grown.rows.index(r)] - 1] if grown.parents[grown.rows.index(r)] else None
+            for r in kept.rows]
+    drafter.evidence = [0.0, 1000.0]  # nothing ever accepted of a thousand predicted: no draft, and a pause
+    assert drafter._paying(grown) is None and drafter._pause >= 1
 
 
 # ---------------------------------------------------------------- sampling
@@ -237,7 +262,7 @@ def test_sampling_keeps_the_target_distribution_and_a_biased_twin_fails(models):
     net = head_for(target, [0, 2, 3, 5, 6], seed=4)
     with torch.no_grad():
         net.lm_head.weight.mul_(20.0)           # confident and often wrong: rejections matter
-    sm = flashmm.wrap(target, Eagle3Drafter(net, tree="dynamic", depth=2, top_k=2))
+    sm = flashmm.wrap(target, Eagle3Drafter(net, tree="dynamic", depth=2, top_k=2, adaptive=False))
     p = chi_square_pvalue(histogram(sm), exact_joint(target))
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
     biased = flashmm.wrap(target, ClaimsSampled(net, tree="dynamic", depth=2, top_k=2))
@@ -258,7 +283,7 @@ def test_shipped_head_is_exact_on_smollm2(smollm2):
     if not (SHIPPED / "drafter.json").exists():
         pytest.skip("eagle3 is not built (python -m tools.drafters.build_eagle3)")
     model, tokenizer = smollm2
-    drafter = load(SHIPPED)
+    drafter = load(SHIPPED, adaptive=False)  # draft every step: exactness of the drafts themselves
     assert isinstance(drafter, Eagle3Drafter) and drafter.info["method"] == "eagle3"
     text = tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colours."}],
                                          tokenize=False, add_generation_prompt=True)

@@ -25,6 +25,7 @@ from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import GrownTree, TreeUnits, grow
+from .length import AdaptiveDraftLength
 from .eagle3_net import Eagle3Config, Eagle3Net
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
@@ -34,13 +35,18 @@ CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
 class Eagle3Drafter(Drafter):
     """net: an Eagle3Net. tree: "chain" or "dynamic" (EAGLE-2). depth: deepest drafted token.
     top_k: children per expanded node and nodes expanded per depth ("dynamic").
-    max_nodes: cap on drafted tokens (None: the engine's budget, i.e. max_draft_tokens)."""
+    max_nodes: cap on drafted tokens (None: the engine's budget, i.e. max_draft_tokens).
+    adaptive: verify only the best-paying prefix of the grown tree (nodes by cumulative draft
+    probability, times a calibration learned online: accepted / predicted), priced by
+    AdaptiveDraftLength's verify cost; when even the best prefix does not repay the head's own passes
+    (its weights read once per depth, over the target's), drafting pauses for 1, 2, 4, .. 32 steps
+    before trying again, so a head that cannot pay for itself decodes at plain speed."""
 
     name = "eagle3"
     needs_hidden_states = True
 
     def __init__(self, net: Eagle3Net, *, tree: str = "dynamic", depth: int = 6, top_k: int = 8,
-                 max_nodes: int | None = None, info: dict | None = None):
+                 max_nodes: int | None = None, info: dict | None = None, adaptive: bool = True):
         if not isinstance(net, Eagle3Net):
             raise TypeError(f"net must be an Eagle3Net (flashmm.drafters.load(dir) reads a trained one), "
                             f"got {type(net).__name__}")
@@ -53,6 +59,9 @@ class Eagle3Drafter(Drafter):
         self.feature_layers = tuple(net.cfg.feature_layers)
         self.info = info or {}
         self._embed = None
+        self.adaptive, self.length = adaptive, AdaptiveDraftLength()
+        self.evidence = [0.0, 0.0]              # forgetting sums of accepted and predicted tokens
+        self._predicted, self._pause, self._backoff, self._target_weights = 0.0, 0, 0, 0
         self._reset()
 
     # ------------------------------------------------------------------ folders
@@ -87,6 +96,7 @@ class Eagle3Drafter(Drafter):
                 f"{target.hidden_size} and {target.vocab_size} ids; train a head for this model "
                 "(python -m tools.drafters.build_eagle3)")
         self._embed = target.input_embeddings()
+        self._target_weights = sum(p.numel() for p in target.model.parameters())
         device = self._embed.weight.device
         self.net = self.net.to(device)
 
@@ -110,6 +120,11 @@ class Eagle3Drafter(Drafter):
         if step.hidden_states is None:
             raise RuntimeError("Eagle3Drafter needs the target's features at the accepted nodes")
         self._pending = torch.cat([self._pending, step.hidden_states[0]], dim=0)
+        if self._predicted:
+            self.evidence = [0.95 * self.evidence[0] + step.accepted_len, 0.95 * self.evidence[1] + self._predicted]
+        else:
+            self.evidence = [0.995 * e for e in self.evidence]
+        self._predicted = 0.0
 
     @torch.no_grad()
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
@@ -118,14 +133,44 @@ class Eagle3Drafter(Drafter):
             raise NotImplementedError("Eagle3Drafter drafts one sequence at a time")
         self._sync(committed)
         budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
-        if budget <= 0:
+        if budget <= 0 or self._pause > 0:
+            self._pause = max(0, self._pause - 1)
             return root_only(committed)
         grown = self.grow(committed, budget)
+        if self.adaptive:
+            grown = self._paying(grown)
+            if grown is None:
+                return root_only(committed)
         ids = self.net.draft_to_target[torch.tensor(grown.rows, device=self.net.d2t.device)]
         tokens = torch.cat([committed[0, -1:], ids.to(committed.device)])[None]
         return Draft(tokens=tokens, tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)
 
     # ------------------------------------------------------------------ internals
+    def _paying(self, grown: GrownTree) -> GrownTree | None:
+        """The best-paying prefix of ``grown`` by node score (None: no draft), pausing drafting when
+        even that does not repay the head's passes (see the class docstring)."""
+        order = sorted(range(len(grown.rows)), key=lambda j: (-grown.scores[j], j))  # parents first
+        calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
+        probs = [float(torch.tensor(grown.scores[j]).exp()) for j in order]
+        best_n, best_rate, predicted, total = 0, 1.0, 0.0, 0.0
+        for n, p in enumerate(probs, start=1):
+            total += p
+            rate = (1.0 + calibration * total) / self.length.cost(n)
+            if rate > best_rate:
+                best_n, best_rate, predicted = n, rate, total
+        passes = 1 if self.tree == "chain" else self.depth
+        spent = passes * sum(p.numel() for p in self.net.parameters()) / max(self._target_weights, 1)
+        paid = best_n and (1.0 + calibration * predicted) / (self.length.cost(best_n) + spent) > 1.0
+        self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
+        self._pause = self._backoff
+        if not best_n:
+            return None
+        keep = sorted(order[:best_n])                   # tree order: parents before children
+        index = {j + 1: i + 1 for i, j in enumerate(keep)}
+        self._predicted = predicted
+        return GrownTree(parents=[index.get(grown.parents[j], 0) for j in keep], rows=[grown.rows[j] for j in keep],
+                         scores=[grown.scores[j] for j in keep], expanded=grown.expanded)
+
     def _sync(self, committed: torch.Tensor) -> None:
         """Add units next .. root-1 to the committed cache; keep the last one's output."""
         root = committed.shape[1] - 1
