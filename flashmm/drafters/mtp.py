@@ -176,6 +176,8 @@ class MTP(HeadDrafter):
         root = committed.shape[1] - 1
         for k in range(self.heads.num_heads):
             prev = self._states[k]
+            if prev is None:  # module k's inputs are not known yet (module k-1 has run on nothing)
+                break
             start, stop = self._fed[k], min(prev.shape[0], root - k)           # 0-based k: positions <= R-(k+1)
             if stop <= start:
                 continue
@@ -190,11 +192,13 @@ class MTP(HeadDrafter):
         if committed.shape[0] != 1:
             raise NotImplementedError("MTP drafts one sequence at a time (batches fork it per row)")
         root = committed.shape[1] - 1
-        tree = self.planned_tree(min(self.heads.num_heads, max_tokens, root)) if self._weight is not None else None
+        if self._weight is None or min(self.heads.num_heads, max_tokens, root) < 1:
+            return root_only(committed)
+        self._sync(committed)                       # every step, drafting or not: the caches stay in step
+        tree = self.planned_tree(min(self.heads.num_heads, max_tokens, root))
         if tree is None or tree.num_nodes < 2:
             return root_only(committed)
         depth = tree.num_nodes - 1
-        self._sync(committed)
         drafted: list[torch.Tensor] = []
         drafted.append(self._pick(0, self._states[1][root - 1]))              # module 1 at position R-1
         prev_draft = self._states[1][:0]                                       # module k's drafted positions
