@@ -16,6 +16,7 @@ drafted. Loaded from a folder by ``flashmm.drafters.load(dir)`` (drafter.json + 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -151,7 +152,7 @@ class Eagle3Drafter(Drafter):
         even that does not repay the head's passes (see the class docstring)."""
         order = sorted(range(len(grown.rows)), key=lambda j: (-grown.scores[j], j))  # parents first
         calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
-        probs = [float(torch.tensor(grown.scores[j]).exp()) for j in order]
+        probs = [math.exp(grown.scores[j]) for j in order]
         best_n, best_rate, predicted, total = 0, 1.0, 0.0, 0.0
         for n, p in enumerate(probs, start=1):
             total += p

@@ -107,6 +107,7 @@ class HeadDrafter(Drafter):
         self.evidence = [0.0, 0.0]                   # forgetting sums of accepted and predicted tokens
         self._predicted = 0.0                        # predicted accepted tokens of the last draft
         self._target_weights = 0
+        self._sizes: dict = {}                       # n -> (tree, expected accepted, draft cost)
 
     # ------------------------------------------------------------------ binding and state
     def bind(self, target) -> None:
@@ -127,6 +128,7 @@ class HeadDrafter(Drafter):
         self._bias = None if bias is None else bias.detach()[rows]
         self._embed = target.input_embeddings()
         self._target_weights = sum(p.numel() for p in target.model.parameters())
+        self._sizes = {}
         if self.vocab is not None:
             self.vocab = self.vocab.to(device)
 
@@ -187,6 +189,13 @@ class HeadDrafter(Drafter):
         passes = tree.max_depth if self.sequential else 1
         return (heads + passes * self._weight.numel()) / max(self._target_weights, 1)
 
+    def _sized(self, n: int) -> tuple[TokenTree, float, float]:
+        """(tree_for(n), its expected accepted tokens, its draft cost): fixed per size, computed once."""
+        if n not in self._sizes:
+            tree = self.tree_for(n)
+            self._sizes[n] = (tree, self.expected_accepted(tree), self.draft_cost(tree))
+        return self._sizes[n]
+
     def planned_tree(self, max_tokens: int) -> TokenTree | None:
         """tree_for(max_tokens), or with ``adaptive`` the best-paying smaller tree or None (see the class)."""
         full = self.tree_for(max_tokens)
@@ -196,11 +205,10 @@ class HeadDrafter(Drafter):
         calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)  # prior: 2 steps as predicted
         best, best_rate, best_expected = None, 1.0, 0.0
         for n in sorted({n for n in (1, 2, 4, 8) if n < full.num_nodes - 1} | {full.num_nodes - 1}):
-            tree = self.tree_for(n)
-            expected = calibration * self.expected_accepted(tree)
-            rate = (1.0 + expected) / (self.length.cost(n) + self.draft_cost(tree))
+            tree, predicted, own_cost = self._sized(n)
+            rate = (1.0 + calibration * predicted) / (self.length.cost(n) + own_cost)
             if rate > best_rate:
-                best, best_rate, best_expected = tree, rate, expected / calibration
+                best, best_rate, best_expected = tree, rate, predicted
         self._predicted = best_expected
         return best
 

@@ -107,14 +107,14 @@ class SelfDrafter(Drafter):
         if depth <= 0:
             return root_only(committed)
         prefix = committed.shape[1] - 1
-        ids = committed[0].tolist()
-        tokens, q_rows = [ids[-1]], []
+        tokens, q_rows = [int(committed[0, -1])], []
         try:
             with self.target.tree_linears():
                 for step in range(depth):
                     logits = self.draft_logits(committed.new_tensor([[tokens[-1]]]), prefix + step, cache)
                     if sampling.do_sample:  # q processed exactly as the target's p at this node
-                        context = [committed.new_tensor(ids + tokens[1:])] if sampling.needs_prefix else None
+                        context = [torch.cat([committed[0], committed.new_tensor(tokens[1:])])] \
+                            if sampling.needs_prefix else None
                         q = sampling.probs(logits, context)[0]
                         if self.confidence and float(q.max()) < self.confidence:
                             break
