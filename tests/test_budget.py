@@ -76,3 +76,47 @@ def test_auto_budget_measures_on_bind_and_stays_exact(tmp_path, monkeypatch):
     kept = DraftModel(draft, budget="constants")
     flashmm.wrap(target, kept)
     assert kept.cost_source == "constants" and kept.length.verify_cost is None
+
+
+def test_onednn_cost_has_its_own_entry_and_routes_the_linears(tmp_path):
+    """The onednn measurement times oneDNN's op (the one a text target's tree forwards use),
+    and is cached apart from the torch one."""
+    from flashmm.onednn import onednn_available
+
+    if not onednn_available():
+        pytest.skip("torch without oneDNN")
+    import flashmm.onednn as onednn
+
+    model = tiny_lm("llama", seed=0)
+    calls = []
+    real = onednn._onednn_linear
+    measure_verify_cost(model, grid=(1, 2), prefix_len=8, repeats=1, directory=tmp_path, linear="torch")
+    assert not calls
+    onednn._onednn_linear = lambda layer, x: calls.append(1) or real(layer, x)
+    try:
+        measure_verify_cost(model, grid=(1, 2), prefix_len=8, repeats=1, directory=tmp_path, linear="onednn")
+    finally:
+        onednn._onednn_linear = real
+    assert calls and len(list(tmp_path.glob("verify_cost_*.json"))) == 2
+    assert all("forward" not in layer.__dict__ for layer in model.modules())  # routing undone
+
+
+def test_cost_never_falls_with_more_nodes():
+    """A measured dip (noise, or MKL's 2-row quirk) is not planned on: t(n) >= t(m) for n > m."""
+    cost = VerifyCost((1, 2, 4, 8), (1.0, 1.6, 1.4, 2.0))
+    assert cost.relative(2) == 1.6 and cost.relative(4) == 1.6 and cost.relative(3) == 1.6
+    assert cost.relative(8) == 2.0 and cost.relative(6) == pytest.approx(1.8)
+
+
+@pytest.mark.parametrize("name", ["prompt_lookup", "token_recycling", "suffix", "lookahead"])
+def test_every_adaptive_drafter_is_priced_by_the_target_at_bind(tmp_path, monkeypatch, name):
+    monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
+    target = tiny_lm("llama", seed=0)
+    sm = flashmm.wrap(target, name)
+    assert sm.drafter.cost_source == "measured"
+    expected = sm.target.verify_cost()
+    lengths = (list(sm.drafter.lengths.values()) if name == "prompt_lookup" else [sm.drafter.sizer.cost])
+    assert all(length.verify_cost == expected for length in lengths)
+    ids = prompt(10, seed=2)
+    assert torch.equal(sm.generate(ids, do_sample=False, max_new_tokens=12),
+                       target.generate(ids, do_sample=False, max_new_tokens=12))

@@ -12,7 +12,7 @@ from flashmm.drafters import Rest, SuffixDecoding, TokenRecycling
 from flashmm.drafters.base import SequenceStart, StepResult
 from flashmm.drafters.rest import Datastore, read_documents, suffix_array
 from flashmm.drafters.suffix import SuffixTrie
-from flashmm.drafters.trie import DraftTrie, TreeBudget
+from flashmm.drafters.trie import DraftTrie, TreeBudget, shadow_accepted
 from flashmm.sampling import SamplingParams
 
 from text_models import prompt, tiny_lm
@@ -155,12 +155,43 @@ def test_budget_stops_drafting_what_is_rejected():
     for i in range(len(plain) - 1):
         wrong += [plain[i], (plain[i + 1] + 1) % 128, (plain[i + 1] + 2) % 128, -1]
     rest = Rest(Datastore(np.asarray(wrong)), min_match=1)
+    rest.budget = "constants"  # a tiny model's measured verify cost is flat: drafting would be free
     sm = flashmm.wrap(target, rest)
     out = sm.generate(ids, max_new_tokens=80, eos_token_id=[])
     assert out[0].tolist() == plain
     stats = sm.last_stats
     drafting_steps = stats.drafted_at_depth[1]
     assert stats.accepted_tokens == 0 and 0 < drafting_steps <= 14, drafting_steps  # of 79 steps
+
+
+def test_shadow_accepted_reads_the_committed_text():
+    """A shadow's accepted length is its deepest path the committed text follows; undecided while
+    a longer path could still match."""
+    paths = [(5,), (5, 6), (5, 6, 7), (8,)]
+    assert shadow_accepted(paths, [5, 6, 9]) == 2
+    assert shadow_accepted(paths, [8]) == 1 and shadow_accepted(paths, [3, 4, 4]) == 0
+    assert shadow_accepted(paths, [5, 6]) is None and shadow_accepted(paths, []) is None
+    assert shadow_accepted(paths, [5, 6, 7, 1]) == 3
+
+
+def test_plain_steps_teach_the_budget_through_shadows():
+    """A drafter whose hypotheses stopped paying resumes as soon as the text it declined to draft
+    starts matching them (no costly retries); without the text it only drifts back by idle decay."""
+    trie = DraftTrie()
+    trie.add([1, 2, 3, 4], [0.9, 0.8, 0.7, 0.6])
+    budget = TreeBudget()
+    for _ in range(20):                      # drafted and rejected: drafting stops
+        budget.choose(trie, 8)
+        budget.update(0)
+    assert budget.choose(trie, 8) == []
+    text = [7, 7]
+    for _ in range(6):                       # plain steps whose text is exactly what would have been drafted
+        budget.choose(trie, 8, position=len(text))
+        text += [1, 2, 3, 4]
+        budget.update(0, torch.tensor([text]))
+    assert not budget.shadows and len(budget.choose(trie, 8, position=len(text))) == 4
+    budget.new_sequence()
+    assert not budget.shadows
 
 
 def test_budget_calibration_learns_and_recovers():

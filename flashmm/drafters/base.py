@@ -130,6 +130,11 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()
     #: k > 0: observe gets StepResult.node_topk, the target's top-k ids at every scored node
     score_topk: ClassVar[int] = 0
+    #: how an adaptive drafter prices a draft of n tokens: "auto" with the target's verify cost
+    #: measured on this machine at bind (flashmm.drafters.length.price_with_target), "constants"
+    #: with AdaptiveDraftLength's linear model; ``cost_source`` says which one is in use
+    budget: str = "auto"
+    cost_source: str = "constants"
 
     def bind(self, target: "Target") -> None:
         """Check this drafter can serve ``target``; raise ValueError naming the mismatch."""

@@ -89,12 +89,12 @@ class DraftModel(Drafter):
         self._shared_vocab = min(rows, target.vocab_size)
         self._target_vocab = target.vocab_size
         if self.budget == "auto" and self.adaptive and self.length.verify_cost is None:
-            self._measure_costs(target.model)
+            self._measure_costs(target)
 
-    def _measure_costs(self, target_model) -> None:
+    def _measure_costs(self, target) -> None:
         """Fill the length's verify_cost / draft_token_cost from this machine's timings."""
         try:
-            verify = measure_verify_cost(target_model)
+            verify = target.verify_cost()
             draft_one = measure_verify_cost(self.model, grid=(1,)).seconds[0]
         except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError) as err:
             # a model whose cache cannot be cropped (recurrent state) or forwarded this way

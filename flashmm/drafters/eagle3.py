@@ -26,7 +26,7 @@ from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import GrownTree, TreeUnits, grow
-from .length import AdaptiveDraftLength
+from .length import AdaptiveDraftLength, price_with_target
 from .eagle3_net import Eagle3Config, Eagle3Net
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
@@ -96,6 +96,8 @@ class Eagle3Drafter(Drafter):
                 f"proposes ids < {cfg.vocab_size}, but the target has {layers} layers of width "
                 f"{target.hidden_size} and {target.vocab_size} ids; train a head for this model "
                 "(python -m tools.drafters.build_eagle3)")
+        if self.budget == "auto":
+            self.cost_source = price_with_target(target, [self.length])
         self._embed = target.input_embeddings()
         self._target_weights = sum(p.numel() for p in target.model.parameters())
         device = self._embed.weight.device

@@ -30,7 +30,7 @@ from torch import nn
 from ..shapes import dyspec_tree
 from ..tree import TokenTree
 from .base import Drafter, SequenceStart, StepResult
-from .length import AdaptiveDraftLength
+from .length import AdaptiveDraftLength, price_with_target
 from .saved import CONFIG_FILE
 
 WEIGHTS_FILE = "model.safetensors"
@@ -120,6 +120,8 @@ class HeadDrafter(Drafter):
         if self.vocab is not None and int(self.vocab.max()) >= weight.shape[0]:
             raise ValueError(f"the heads' vocabulary names token id {int(self.vocab.max())} but the target has "
                              f"{weight.shape[0]} output rows: these heads belong to another target")
+        if self.budget == "auto":
+            self.cost_source = price_with_target(target, [self.length])
         device = weight.device
         self.heads = self.heads.to(device)
         rows = slice(None) if self.vocab is None else self.vocab.to(device)

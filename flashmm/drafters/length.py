@@ -1,23 +1,33 @@
 """How many tokens to draft: the choice that maximises expected tokens per unit of verify time.
 
 The verify cost of N tree nodes is either measured on this machine (``measure_verify_cost``:
-the target's forward of N new tokens after a cached prefix, timed once per model, device, dtype
-and thread count, cached on disk) or, without a measurement, the linear model
-``1 + step_cost + token_cost * k`` whose defaults are CPU figures for SmolLM2-135M.
+the target's forward of N new tokens after a cached prefix, through the linear backend its tree
+forwards use, timed once per model, device, dtype, thread count and backend, cached on disk) or,
+without a measurement, the linear model ``1 + step_cost + token_cost * k`` whose defaults are CPU
+figures for SmolLM2-135M. Drafters with ``budget = "auto"`` (the default) take the measurement at
+``bind`` (``price_with_target``); ``budget = "constants"`` keeps the linear model.
+
+Why it matters: on the 2-core EPYC these benchmarks run on, MKL's fp32 sgemm makes a 2- or 3-row
+forward of SmolLM2 *slower* than a 4-row one (103 / 119 / 92 ms against 64 ms for one row),
+while oneDNN, which flashmm's tree forwards use, costs 47 / 58 / 62 / 57 ms. A cost measured on
+the other backend, or the constants, misprice every small draft.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from .. import cache as kv
+from ..onednn import OneDNNLinears
 
 DEFAULT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -40,8 +50,10 @@ class VerifyCost:
             raise ValueError("seconds must be positive, one per node count")
 
     def seconds_at(self, n: int) -> float:
-        """Seconds for n nodes: linear between grid points, the last slope beyond the grid."""
-        nodes, secs = self.nodes, self.seconds
+        """Seconds for n nodes: linear between grid points, the last slope beyond the grid, never
+        below a smaller count's (a dip is timing noise, or a kernel quirk a draft cannot rely on:
+        more nodes never make a forward cheaper to plan for)."""
+        nodes, secs = self.nodes, list(itertools.accumulate(self.seconds, max))
         if n <= nodes[0]:
             return secs[0]
         for i in range(1, len(nodes)):
@@ -61,25 +73,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLASHMM_CACHE_DIR", Path.home() / ".cache" / "flashmm"))
 
 
-def _cost_key(model: torch.nn.Module, grid: Sequence[int], prefix_len: int) -> str:
+def _cost_key(model: torch.nn.Module, grid: Sequence[int], prefix_len: int, linear: str) -> str:
     param = next(model.parameters())
     config = model.config.to_json_string(use_diff=False) if hasattr(model, "config") else type(model).__name__
     ident = json.dumps([type(model).__name__, config, str(param.device), str(param.dtype),
-                        torch.get_num_threads(), list(grid), prefix_len, torch.__version__])
+                        torch.get_num_threads(), list(grid), prefix_len, torch.__version__, linear])
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 
 
 @torch.no_grad()
 def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GRID, prefix_len: int = 128,
-                        repeats: int = 3, directory: Path | None = None) -> VerifyCost:
+                        repeats: int = 3, directory: Path | None = None, linear: str = "torch") -> VerifyCost:
     """Time ``model``'s forward of N new tokens after a ``prefix_len``-token cache for N in grid.
 
-    Measured once per (model class and config, device, dtype, torch threads, grid, prefix) and
-    cached as JSON under ``directory`` (default ``cache_dir()``); later calls read the file.
+    Measured once per (model class and config, device, dtype, torch threads, grid, prefix, linear
+    backend) and cached as JSON under ``directory`` (default ``cache_dir()``); later calls read the
+    file. ``linear="onednn"`` times the forwards with the model's linears on oneDNN (flashmm.onednn),
+    as a text target's tree forwards run them.
     Raises what the model raises when it cannot run a cached multi-token forward.
     """
     directory = Path(directory) if directory is not None else cache_dir()
-    path = directory / f"verify_cost_{_cost_key(model, grid, prefix_len)}.json"
+    path = directory / f"verify_cost_{_cost_key(model, grid, prefix_len, linear)}.json"
     if path.is_file():
         data = json.loads(path.read_text())
         return VerifyCost(tuple(data["nodes"]), tuple(data["seconds"]))
@@ -89,6 +103,7 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     prefix = torch.randint(vocab, (1, prefix_len), generator=gen).to(param.device)
     cache = model(input_ids=prefix, use_cache=True).past_key_values
     seconds = []
+    routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
     for n in grid:
         feed = torch.randint(vocab, (1, n), generator=gen).to(param.device)
         best = float("inf")
@@ -96,7 +111,8 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
             kv.crop(cache, prefix_len)
             _synchronize(param.device)
             start = time.perf_counter()
-            model(input_ids=feed, past_key_values=cache, use_cache=True, logits_to_keep=n)
+            with routing:
+                model(input_ids=feed, past_key_values=cache, use_cache=True, logits_to_keep=n)
             _synchronize(param.device)
             if attempt:
                 best = min(best, time.perf_counter() - start)
@@ -107,6 +123,24 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     temporary.write_text(json.dumps(asdict(cost)))
     temporary.replace(path)                            # atomic: a concurrent reader sees all or nothing
     return cost
+
+
+def price_with_target(target, lengths: Iterable["AdaptiveDraftLength"]) -> str:
+    """Give each AdaptiveDraftLength without a verify cost the target's measured one
+    (``target.verify_cost()``: its forward of N tree tokens on this machine, measured once and
+    cached on disk). Returns how the drafts are priced: "measured", or "constants (...)" naming
+    why the target could not be timed (a recurrent state that cannot be cropped, a model that
+    refuses a cached multi-token forward); the lengths then keep their linear cost model."""
+    pending = [length for length in lengths if length.verify_cost is None]
+    if not pending:
+        return "given"
+    try:
+        cost = target.verify_cost()
+    except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError, IndexError) as err:
+        return f"constants (verify cost not measurable: {type(err).__name__}: {err})"
+    for length in pending:
+        length.verify_cost = cost
+    return "measured"
 
 
 def _synchronize(device: torch.device) -> None:

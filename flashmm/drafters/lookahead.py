@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .base import AuxRows, Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength
+from .length import AdaptiveDraftLength, price_with_target
 from .trie import DraftTrie, TreeBudget
 
 
@@ -39,7 +39,7 @@ class Lookahead(Drafter):
         self.window, self.ngram, self.candidates, self.pool_size = window, ngram, candidates, pool_size
         self.seed_from_context, self.merge, self.seed = seed_from_context, merge, seed
         self.always_window = always_window
-        self.budget = TreeBudget(cost=cost)
+        self.sizer = TreeBudget(cost=cost)
         self.pool: dict[int, list[tuple[int, ...]]] = {}
         self.levels: list[list[int]] = []    # N-1 levels of W guessed tokens
         self.hits = [0.0] * ngram            # per depth: accepted / drafted, for candidate scores
@@ -57,12 +57,16 @@ class Lookahead(Drafter):
         picks = torch.randint(len(self._context), (count,), generator=self._rng).tolist()
         return [self._context[i] for i in picks]
 
+    def bind(self, target) -> None:
+        if self.budget == "auto":
+            self.cost_source = price_with_target(target, [self.sizer.cost])
+
     def begin(self, start) -> None:
         self._context = start.input_ids[0].tolist()
         self._rng = torch.Generator().manual_seed(self.seed)
         self.levels = [self._fresh_tokens(self.window) for _ in range(self.ngram - 1)]
         self._seen = 0
-        self.budget.reset()
+        self.sizer.reset()
         self._add_context_ngrams(self._context)
 
     def _remember(self, gram: list[int]) -> None:
@@ -93,10 +97,12 @@ class Lookahead(Drafter):
             scores = [(self.hits[d] + 0.5 ** d) / (self.tries[d] + 1) / (1 + rank) for d in range(1, len(gram) + 1)]
             trie.add(list(gram), scores, group=rank)
         limit = max_tokens
-        keep = self.budget.choose(trie, limit, extra_rows=0 if self.always_window else self.aux_rows)
+        position = committed.shape[1]
+        keep = self.sizer.choose(trie, limit, extra_rows=0 if self.always_window else self.aux_rows,
+                                 position=position if self.always_window else None)
         self._window_on = bool(keep) or self.always_window
         if not keep and not self.always_window:
-            keep = self.budget.choose(trie, limit)
+            keep = self.sizer.choose(trie, limit, position=position)
         if not keep and not self._window_on:
             return root_only(committed)
         draft = trie.to_draft(committed[:, -1:], keep)
@@ -121,7 +127,7 @@ class Lookahead(Drafter):
         return AuxRows(tokens=tokens, parents=torch.tensor(parents))
 
     def observe(self, step: StepResult) -> None:
-        self.budget.update(step.accepted_len if self._drafted else 0)
+        self.sizer.update(step.accepted_len if self._drafted else 0, step.committed)
         accepted = step.accepted_len
         for d in self._drafted:
             self.tries[d] = 0.95 * self.tries[d] + 1

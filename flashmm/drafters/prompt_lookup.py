@@ -5,7 +5,7 @@ import torch
 
 from ..tree import TokenTree
 from .base import Draft, Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength
+from .length import AdaptiveDraftLength, price_with_target
 
 
 def ngram_continuation(ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
@@ -87,6 +87,10 @@ class PromptLookup(Drafter):
                         for n in range(min_ngram, max_ngram + 1)}
         self._last = (0, 0)  # (matched n, drafted tokens) of the last proposal
         self._index = NgramIndex(max_ngram, min_ngram)
+
+    def bind(self, target) -> None:
+        if self.budget == "auto":
+            self.cost_source = price_with_target(target, self.lengths.values())
 
     def begin(self, start) -> None:
         for length in self.lengths.values():

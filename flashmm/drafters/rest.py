@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .base import Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength
+from .length import AdaptiveDraftLength, price_with_target
 from .trie import DraftTrie, TreeBudget, match_bucket
 
 SEPARATOR = -1
@@ -196,7 +196,7 @@ class Rest(Drafter):
         self.datastore = datastore
         self.max_match, self.min_match, self.max_depth = max_match, min_match, max_depth
         self.max_occurrences, self.max_draft_tokens, self.merge = max_occurrences, max_draft_tokens, merge
-        self.budget = TreeBudget(cost=cost)
+        self.sizer = TreeBudget(cost=cost)
 
     @classmethod
     def from_corpus(cls, paths, tokenizer=None, max_tokens: int | None = None, **kwargs) -> "Rest":
@@ -233,6 +233,8 @@ class Rest(Drafter):
         if top >= target.vocab_size:
             raise ValueError(f"the datastore holds token id {top} but the target's vocabulary has "
                              f"{target.vocab_size} tokens: a datastore built with another tokenizer")
+        if self.budget == "auto":
+            self.cost_source = price_with_target(target, [self.sizer.cost])
 
     def retrieve(self, context: list[int]) -> tuple[list[list[int]], int]:
         """(continuations of the longest matched context suffix, its length), or ([], 0)."""
@@ -255,6 +257,9 @@ class Rest(Drafter):
         return [(follow, [counts[tuple(follow[:d])] * weight for d in range(1, len(follow) + 1)])
                 for follow in follows], p
 
+    def begin(self, start) -> None:
+        self.sizer.new_sequence()
+
     def propose(self, committed, max_tokens, sampling, generator):
         if committed.shape[0] != 1:
             raise NotImplementedError("Rest drafts one sequence at a time")
@@ -262,10 +267,11 @@ class Rest(Drafter):
         trie = DraftTrie(merge=self.merge)
         for g, (follow, scores) in enumerate(found):
             trie.add(follow, scores, group=g)
-        keep = self.budget.choose(trie, min(max_tokens, self.max_draft_tokens), bucket=match_bucket(p))
+        keep = self.sizer.choose(trie, min(max_tokens, self.max_draft_tokens), bucket=match_bucket(p),
+                                 position=committed.shape[1])
         if not keep:
             return root_only(committed)
         return trie.to_draft(committed[:, -1:], keep)
 
     def observe(self, step: StepResult) -> None:
-        self.budget.update(step.accepted_len if self.budget.last_nodes else 0)
+        self.sizer.update(step.accepted_len if self.sizer.last_nodes else 0, step.committed)

@@ -26,7 +26,7 @@ from ..sampling import sample
 from ..targets.layers import LayerRunner, crop_layers, layer_len
 from ..tree import TokenTree
 from .base import Draft, Drafter, StepResult, root_only
-from .length import AdaptiveDraftLength
+from .length import AdaptiveDraftLength, price_with_target
 
 
 class SelfDrafter(Drafter):
@@ -53,6 +53,8 @@ class SelfDrafter(Drafter):
                              f"cache; {type(target).__name__} (recurrent or multimodal) has none it can share")
         self.runner = LayerRunner(target.model)  # refuses unsupported families, naming the supported ones
         self.target = target
+        if self.budget == "auto":
+            self.cost_source = price_with_target(target, [self.length])
 
     # ------------------------------------------------------------------ what a method defines
     def draft_logits(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 
 from .base import Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength
+from .length import AdaptiveDraftLength, price_with_target
 from .rest import Rest
 from .trie import DraftTrie, TreeBudget, match_bucket
 
@@ -117,7 +117,7 @@ class SuffixDecoding(Drafter):
         self.outputs = SuffixTrie(max_depth, max_global_tokens)  # shared by forks
         # a REST datastore (Datastore or its file) as a third source: text the target wrote before
         self.corpus = None if datastore is None else Rest(datastore, max_match=max_match, max_depth=max_depth // 2)
-        self.budget = TreeBudget(cost=cost)
+        self.sizer = TreeBudget(cost=cost)
         self.local: SuffixTrie | None = None
         self._local_doc: list[int] = []
         self._output_doc: list[int] = []
@@ -137,8 +137,11 @@ class SuffixDecoding(Drafter):
     def bind(self, target) -> None:
         if self.corpus is not None:
             self.corpus.bind(target)
+        if self.budget == "auto":
+            self.cost_source = price_with_target(target, [self.sizer.cost])
 
     def begin(self, start) -> None:
+        self.sizer.new_sequence()
         ids = start.input_ids[0].tolist()
         self.local = SuffixTrie(self.max_depth, max_tokens=len(ids) + 1_000_000)
         self._local_doc = self.local.extend(self.local.new_document(), ids)
@@ -172,10 +175,10 @@ class SuffixDecoding(Drafter):
             longest = max(longest, p)
             for follow, scores in found:
                 trie.add(follow, scores, 2)
-        keep = self.budget.choose(trie, limit, bucket=match_bucket(longest))
+        keep = self.sizer.choose(trie, limit, bucket=match_bucket(longest), position=committed.shape[1])
         if not keep:
             return root_only(committed)
         return trie.to_draft(committed[:, -1:], keep)
 
     def observe(self, step: StepResult) -> None:
-        self.budget.update(step.accepted_len if self.budget.last_nodes else 0)
+        self.sizer.update(step.accepted_len if self.sizer.last_nodes else 0, step.committed)

@@ -15,7 +15,7 @@ import torch
 
 from ..tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength
+from .length import AdaptiveDraftLength, price_with_target
 from .trie import DraftTrie, TreeBudget
 
 UNSEEN = -1
@@ -52,7 +52,7 @@ class TokenRecycling(Drafter):
         self.prior = [float(0.6 ** depth[i] * 0.5 ** ranks[i]) for i in range(self.template.num_nodes)]
         self.hits = [0.0] * self.template.num_nodes
         self.tries = [0.0] * self.template.num_nodes
-        self.budget = TreeBudget(cost=cost)
+        self.sizer = TreeBudget(cost=cost)
         self._nodes: list[int] = []       # template node of each drafted node (draft order), root first
         self._tokens: torch.Tensor | None = None
 
@@ -87,8 +87,11 @@ class TokenRecycling(Drafter):
         elif self.successors.shape[0] < target.vocab_size:
             raise ValueError(f"the successor matrix has {self.successors.shape[0]} rows but the target's vocabulary "
                              f"has {target.vocab_size} tokens: a matrix saved for another model")
+        if self.budget == "auto":
+            self.cost_source = price_with_target(target, [self.sizer.cost])
 
     def begin(self, start) -> None:
+        self.sizer.new_sequence()
         if self.successors is None:  # used without bind (drafter tests): size from the prompt
             self.successors = self._empty(int(start.input_ids.max()) + 1)
 
@@ -117,7 +120,7 @@ class TokenRecycling(Drafter):
                 continue
             template_of[child] = node
             token_at[node], trie_at[node] = token, child
-        keep = self.budget.choose(trie, min(max_tokens, self.max_draft_tokens))
+        keep = self.sizer.choose(trie, min(max_tokens, self.max_draft_tokens), position=committed.shape[1])
         if not keep:
             return root_only(committed)
         draft = trie.to_draft(committed[:, -1:], keep)
@@ -126,7 +129,7 @@ class TokenRecycling(Drafter):
         return draft
 
     def observe(self, step: StepResult) -> None:
-        self.budget.update(step.accepted_len if self._nodes else 0)
+        self.sizer.update(step.accepted_len if self._nodes else 0, step.committed)
         if step.node_topk is None:
             return
         # every scored node's input token (the root and each drafted token) gets the target's

@@ -76,6 +76,14 @@ class DraftTrie:
         self.capped = capped
         return order
 
+    def path(self, node: int) -> tuple[int, ...]:
+        """The tokens from the root's first child down to ``node``."""
+        tokens = []
+        while node > 0:
+            tokens.append(self.tokens[node])
+            node = self.parents[node]
+        return tuple(reversed(tokens))
+
     def to_draft(self, root: torch.Tensor, keep: list[int]) -> Draft:
         """The Draft of the root plus the nodes ``keep`` (closed under parents), in BFS order.
         root: LongTensor [1, 1] (the last committed token)."""
@@ -101,10 +109,17 @@ class TreeBudget:
 
     calibration: accepted tokens per unit of predicted score, estimated per ``bucket`` (a
     drafter's own notion of how reliable a step's hypotheses are, e.g. its match length) with
-    exponential forgetting (``decay`` per drafted step, ``idle_decay`` per plain step, so a
-    drafter that stopped drafts again once its prior returns) and a prior of ``prior_weight``
-    steps at 1. With nothing accepted a drafter drafts on ~1 step in 20 once it has stopped
-    (each retry costs a fraction of a forward: ~1-2% at most).
+    exponential forgetting (``decay`` per observed draft) and a prior of ``prior_weight`` steps
+    at 1.
+
+    A step that does not draft still teaches the calibration: ``choose`` keeps the tree it would
+    have drafted (the best size, although it did not pay) as a *shadow*, and once the committed
+    text has grown far enough (``update(..., committed)``; ``choose(..., position)`` says where
+    the root stood) the shadow's accepted length is read off the text: its deepest path that the
+    committed tokens follow. Under greedy decoding that is exactly what verification would have
+    accepted (under sampling, a slight underestimate), so a drafter that stopped drafting resumes
+    as soon as its hypotheses start matching, at no cost. Without ``position`` / ``committed`` a
+    plain step only lets the evidence fade (``idle_decay``), so the drafter retries now and then.
     """
 
     cost: AdaptiveDraftLength = None
@@ -119,40 +134,81 @@ class TreeBudget:
         if self.cost is None:
             self.cost = AdaptiveDraftLength()
         self.evidence: dict = {}  # bucket -> [accepted, predicted]
+        self.shadows: list[tuple[int, list[tuple[int, ...]], float, object]] = []  # (position, paths, predicted, bucket)
 
     def calibration(self, bucket=0) -> float:
         accepted, predicted = self.evidence.get(bucket, (0.0, 0.0))
         return (accepted + self.prior_weight) / (predicted + self.prior_weight)
 
-    def choose(self, trie: DraftTrie, max_nodes: int, extra_rows: int = 0, bucket=0) -> list[int]:
+    def choose(self, trie: DraftTrie, max_nodes: int, extra_rows: int = 0, bucket=0,
+               position: int | None = None) -> list[int]:
         """The nodes to draft (best first; empty = a plain step). extra_rows: rows the forward
-        carries besides the chosen nodes whenever it drafts (aux rows), counted in its cost."""
+        carries besides the chosen nodes whenever it drafts (aux rows), counted in its cost.
+        position: the committed length at the root (enables learning from plain steps)."""
         self.last_predicted, self.last_nodes, self.last_bucket = 0.0, 0, bucket
         if len(trie) <= 1 or max_nodes <= 0:
             return []
         order = trie.ranked()[:max_nodes]
         c = self.calibration(bucket)
-        best_n, best_rate, expected = 0, 1.0, 1.0
+        best_n, best_rate, expected = 0, 0.0, 1.0
         for n, node in enumerate(order, start=1):
             expected += c * trie.capped[node]
             rate = expected / self.cost.cost(n + extra_rows)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         keep = order[:best_n]
-        self.last_predicted = sum(trie.capped[i] for i in keep)
-        self.last_nodes = best_n
+        predicted = sum(trie.capped[i] for i in keep)
+        if best_rate <= 1.0:                   # drafting does not pay: a plain step, and a shadow
+            if position is not None:
+                self.shadows.append((position, [trie.path(i) for i in keep], predicted, bucket))
+            return []
+        self.last_predicted, self.last_nodes = predicted, best_n
         return keep
 
-    def update(self, accepted_len: int) -> None:
-        """After a step: the drafted tokens that were accepted (0 after a plain step)."""
-        if self.last_nodes == 0:
+    def update(self, accepted_len: int, committed: torch.Tensor | None = None) -> None:
+        """After a step: the drafted tokens that were accepted (0 after a plain step), and the
+        committed tokens [1, T] (resolves the shadows of earlier plain steps)."""
+        if self.last_nodes:
+            self._learn(self.last_bucket, accepted_len, self.last_predicted)
+        elif committed is None or not self.shadows:
             for pair in self.evidence.values():
                 pair[0] *= self.idle_decay
                 pair[1] *= self.idle_decay
-            return
-        pair = self.evidence.setdefault(self.last_bucket, [0.0, 0.0])
-        pair[0] = self.decay * pair[0] + accepted_len
-        pair[1] = self.decay * pair[1] + self.last_predicted
+        if committed is not None and self.shadows:
+            offset = min(shadow[0] for shadow in self.shadows)
+            text = committed[0, offset:].tolist()
+            waiting = []
+            for shadow in self.shadows:
+                accepted = shadow_accepted(shadow[1], text[shadow[0] - offset:])
+                if accepted is None:
+                    waiting.append(shadow)
+                else:
+                    self._learn(shadow[3], accepted, shadow[2])
+            self.shadows = waiting
+
+    def _learn(self, bucket, accepted: float, predicted: float) -> None:
+        pair = self.evidence.setdefault(bucket, [0.0, 0.0])
+        pair[0] = self.decay * pair[0] + accepted
+        pair[1] = self.decay * pair[1] + predicted
+
+    def new_sequence(self) -> None:
+        """A new sequence begins: shadows point into the old one's text and are dropped."""
+        self.shadows.clear()
 
     def reset(self) -> None:
         self.evidence.clear()
+        self.shadows.clear()
+
+
+def shadow_accepted(paths: list[tuple[int, ...]], text: list[int]) -> int | None:
+    """The length of the longest of ``paths`` (token paths after a root) that ``text`` (the
+    tokens committed after that root so far) begins with; None while a longer path could still
+    match (the text is too short to tell)."""
+    best = 0
+    for path in paths:
+        if len(path) <= len(text):
+            if list(path) == text[:len(path)]:
+                best = max(best, len(path))
+        elif list(path[:len(text)]) == text:
+            return None
+    return best
