@@ -225,7 +225,7 @@ def check(model_type: str, cls_name: str) -> dict:
         return dict(row, outcome="transformers fails", reason=_short(error))
     runs = [("prompt lookup", lambda: PromptLookup()),
             ("drafter = target", lambda: DraftModel(model, max_draft_tokens=4, adaptive=False)),
-            ("drafter = target, tree", lambda: DraftModel(model, max_draft_tokens=4, tree_width=2, adaptive=False))]
+            ("drafter = target, tree", lambda: DraftModel(model, max_draft_tokens=8, tree_width=2, adaptive=False))]
     taus = {}
     for name, make in runs:
         try:

@@ -18,7 +18,7 @@ def assert_exact(model, ids, min_tau=1.0):
     model.generate's greedy tokens; τ > min_tau with drafter = target."""
     ref = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
     for drafter in (PromptLookup(), DraftModel(model, max_draft_tokens=4, adaptive=False),
-                    DraftModel(model, max_draft_tokens=4, tree_width=2, adaptive=False)):
+                    DraftModel(model, max_draft_tokens=8, tree_width=2, adaptive=False)):
         sm = flashmm.wrap(model, drafter)
         out = sm.generate(ids, max_new_tokens=MAX_NEW)
         assert torch.equal(out, ref), type(drafter).__name__

@@ -20,7 +20,7 @@ def test_triton_path_greedy_exact(arch):
     target = tiny_lm(arch).to(DEVICE)
     previous = target.config._attn_implementation
     ids = prompt(30, seed=4).to(DEVICE)
-    sm = flashmm.wrap(target, DraftModel(target, max_draft_tokens=3, tree_width=2, adaptive=False),
+    sm = flashmm.wrap(target, DraftModel(target, max_draft_tokens=6, tree_width=2, adaptive=False),
                       attention="triton")
     assert sm.target.backend == "triton"
     out = sm.generate(ids, max_new_tokens=10)
@@ -32,7 +32,7 @@ def test_triton_path_greedy_exact(arch):
 def test_triton_path_sampling_runs_the_kernel_verifier():
     target = tiny_lm("llama").to(DEVICE)
     ids = prompt(12, seed=5).to(DEVICE)
-    sm = flashmm.wrap(target, DraftModel(tiny_lm("llama", seed=9).to(DEVICE), max_draft_tokens=4, tree_width=2,
+    sm = flashmm.wrap(target, DraftModel(tiny_lm("llama", seed=9).to(DEVICE), max_draft_tokens=8, tree_width=2,
                                          adaptive=False), attention="triton")
     out = sm.generate(ids, max_new_tokens=6, do_sample=True, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 18)

@@ -60,9 +60,10 @@ def test_random_drafter(target, stranger, prompt_len, width):
 
 @pytest.mark.parametrize("prompt_len", [1, 40])
 def test_self_drafted_tree(target, prompt_len):
-    """Sibling trees (top-3 at each depth) with the target as drafter: exact, main chain accepted."""
+    """Sibling trees (top-3 at each depth) with the target as drafter: exact, main chain accepted.
+    max_draft_tokens counts drafted nodes: 12 nodes of width 3 reach depth 4."""
     ids = prompt(prompt_len, seed=3 + prompt_len)
-    sm = flashmm.wrap(target, DraftModel(target, max_draft_tokens=4, tree_width=3, adaptive=False))
+    sm = flashmm.wrap(target, DraftModel(target, max_draft_tokens=12, tree_width=3, adaptive=False))
     out = sm.generate(ids, max_new_tokens=MAX_NEW)
     assert torch.equal(out, reference(target, ids))
     assert sm.last_stats.tau > 3

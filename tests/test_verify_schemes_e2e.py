@@ -96,7 +96,7 @@ def test_drafts_have_the_declared_shape(greedy_models):
     committed = prompt(6, seed=1)
     sampling = flashmm.config.SamplingParams(True)
     gen = torch.Generator().manual_seed(0)
-    rsd_c = DraftModel(draft, max_draft_tokens=3, **DRAFTINGS["rsd_c"])
+    rsd_c = DraftModel(draft, max_draft_tokens=12, **DRAFTINGS["rsd_c"])
     rsd_c.begin(None)
     d = rsd_c.propose(committed, 12, sampling, gen)
     assert [len(c) for c in d.tree.children][:4] == [3, 2, 2, 2] and d.tree.num_nodes == 1 + 3 + 6
@@ -104,7 +104,7 @@ def test_drafts_have_the_declared_shape(greedy_models):
         assert len(set(d.tokens[0, kids].tolist())) == len(kids)
         if kids:
             assert abs(float(d.q_probs[0, v].sum()) - 1) < 1e-5
-    chains = DraftModel(draft, max_draft_tokens=3, **DRAFTINGS["chains"])
+    chains = DraftModel(draft, max_draft_tokens=9, **DRAFTINGS["chains"])  # 3 chains x depth 3
     chains.begin(None)
     d = chains.propose(committed, 12, sampling, gen)
     assert len(d.tree.children[0]) == 3 and all(len(c) <= 1 for c in d.tree.children[1:])

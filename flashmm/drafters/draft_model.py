@@ -31,14 +31,18 @@ class DraftModel(Drafter):
     probability falls below ``confidence`` (greedy only). ``adaptive=False`` always drafts
     ``max_draft_tokens``.
 
+    ``max_draft_tokens`` caps the drafted tokens of one step (tree nodes besides the root), as it
+    does for every drafter and as SpecConfig.max_draft_tokens caps them for the engine; a tree's
+    depth is what fits: max_draft_tokens // tree_width (beam_width, num_chains).
+
     ``drafting`` picks the tree and how it is sampled (flashmm.drafters.tree_drafting), each
     matching an exact verifier (``drafting_scheme`` tells the engine which):
       "sibling" (default): the chain / sibling tree above; scheme "chain" (tree_width 1) or "iid".
       "rsd_c":  Gumbel-Top-k per node, ``branching[d]`` children at depth d (cut to the node
                 budget); scheme "without_replacement" (verifier "rsd" or "traversal").
-      "rsd_s":  stochastic beam search, ``beam_width`` sequences of up to max_draft_tokens tokens
-                (width x depth within the budget); scheme "without_replacement".
-      "chains": ``num_chains`` i.i.d. chains of up to max_draft_tokens tokens; scheme
+      "rsd_s":  stochastic beam search, ``beam_width`` sequences (width x depth within the
+                budget); scheme "without_replacement".
+      "chains": ``num_chains`` i.i.d. chains (chains x depth within the budget); scheme
                 "iid_chains" (verifier "spectr" or "tree").
     """
 
@@ -144,9 +148,8 @@ class DraftModel(Drafter):
         if self.drafting != "sibling":
             return self._propose_tree(committed, max_tokens, sampling, generator)
         width = self.tree_width
-        depth_budget = max_tokens // width
-        depth = self.length.choose(min(depth_budget, self.max_draft_tokens)) if self.adaptive \
-            else min(depth_budget, self.max_draft_tokens)
+        depth_budget = min(max_tokens, self.max_draft_tokens) // width
+        depth = self.length.choose(depth_budget) if self.adaptive else depth_budget
         self._last_depth = 0
         if depth <= 0:
             return root_only(committed)
@@ -197,15 +200,13 @@ class DraftModel(Drafter):
                     memo[key] = logits[0].softmax(-1)
             return memo[key]
 
-        sample, depth = sampling.do_sample, self.max_draft_tokens
+        sample, nodes = sampling.do_sample, min(max_tokens, self.max_draft_tokens)
         if self.drafting == "rsd_c":
-            tree = rsd_c_tree(next_probs, ids, profile_within(self.branching, max_tokens), sample, generator)
+            tree = rsd_c_tree(next_probs, ids, profile_within(self.branching, nodes), sample, generator)
         elif self.drafting == "rsd_s":
-            tree = rsd_s_tree(next_probs, ids, self.beam_width, min(depth, max_tokens // self.beam_width),
-                              sample, generator)
+            tree = rsd_s_tree(next_probs, ids, self.beam_width, nodes // self.beam_width, sample, generator)
         else:
-            tree = iid_chains_tree(next_probs, ids, self.num_chains, min(depth, max_tokens // self.num_chains),
-                                   sample, generator)
+            tree = iid_chains_tree(next_probs, ids, self.num_chains, nodes // self.num_chains, sample, generator)
         if tree.num_drafted == 0:
             self._last_depth = 0
             return root_only(committed)
