@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, on_onednn, timed_with_cpu, write_results  # noqa: E402
+from common import machine, markdown_table, on_onednn, summarize_batches, timed_with_cpu, write_results  # noqa: E402
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
 
 import flashmm  # noqa: E402
@@ -106,19 +105,7 @@ def main(argv=None):
             records.append(rec)
             print(size, {n: round(rec["tokens"] / rec[n]["seconds"], 1) for n in names}, flush=True)
 
-    summary = defaultdict(dict)
-    for size in args.batch_sizes:
-        rs = [r for r in records if r["batch_size"] == size]
-        tokens = sum(r["tokens"] for r in rs)
-        plain_tps = tokens / sum(r["plain"]["seconds"] for r in rs)
-        for name in names:
-            secs = sum(r[name]["seconds"] for r in rs)
-            m = {"tok_per_s": tokens / secs, "speedup": tokens / secs / plain_tps,
-                 "exact_rate": sum(r[name]["exact_rows"] for r in rs) / sum(r[name]["rows"] for r in rs)}
-            if name in wrapped:
-                steps = sum(r[name]["verify_steps"] for r in rs)
-                m["tau"] = (sum(r[name]["accepted"] for r in rs) + steps) / steps if steps else 0.0
-            summary[size][name] = m
+    summary = summarize_batches(records, names, args.batch_sizes)
     header = ["batch", "plain tok/s"] + [h for n in names[1:] for h in (f"{n} speedup", f"{n} τ", f"{n} exact")]
     rows = []
     for size, s in summary.items():

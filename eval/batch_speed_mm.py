@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import machine, markdown_table, timed_with_cpu, write_results  # noqa: E402
+from common import machine, markdown_table, summarize_batches, timed_with_cpu, write_results  # noqa: E402
 
 import flashmm  # noqa: E402
 from flashmm.collate import collate  # noqa: E402
@@ -110,18 +109,7 @@ def main(argv=None):
             records.append(rec)
             print(size, {nm: round(rec["tokens"] / rec[nm]["seconds"], 1) for nm in names}, flush=True)
 
-    summary = defaultdict(dict)
-    for size in args.batch_sizes:
-        rs = [r for r in records if r["batch_size"] == size]
-        tokens = sum(r["tokens"] for r in rs)
-        plain_tps = tokens / sum(r["plain"]["seconds"] for r in rs)
-        for name in names:
-            secs = sum(r[name]["seconds"] for r in rs)
-            summary[size][name] = {"tok_per_s": tokens / secs, "speedup": tokens / secs / plain_tps,
-                                   "exact_rate": sum(r[name]["exact_rows"] for r in rs) / sum(r[name]["rows"] for r in rs)}
-            if "verify_steps" in rs[0][name]:
-                steps = sum(r[name]["verify_steps"] for r in rs)
-                summary[size][name]["tau"] = (sum(r[name]["accepted"] for r in rs) + steps) / steps if steps else 0.0
+    summary = summarize_batches(records, names, args.batch_sizes)
     header = ["batch", "plain tok/s"] + [h for nm in names[1:] for h in (f"{nm} tok/s", f"{nm} speedup", f"{nm} τ", f"{nm} exact")]
     table = []
     for size, s in summary.items():

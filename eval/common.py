@@ -77,6 +77,26 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def summarize_batches(records: list[dict], names: list[str], batch_sizes) -> dict:
+    """Per batch size and method: total tokens/s, speedup over "plain", share of rows identical to
+    plain's, and τ (tokens per row per verification forward) where the records carry verify steps."""
+    summary = {}
+    for size in batch_sizes:
+        rs = [r for r in records if r["batch_size"] == size]
+        tokens = sum(r["tokens"] for r in rs)
+        plain_tps = tokens / sum(r["plain"]["seconds"] for r in rs)
+        summary[size] = {}
+        for name in names:
+            tps = tokens / sum(r[name]["seconds"] for r in rs)
+            m = {"tok_per_s": tps, "speedup": tps / plain_tps,
+                 "exact_rate": sum(r[name]["exact_rows"] for r in rs) / sum(r[name]["rows"] for r in rs)}
+            if "verify_steps" in rs[0][name]:
+                steps = sum(r[name]["verify_steps"] for r in rs)
+                m["tau"] = (sum(r[name]["accepted"] for r in rs) + steps) / steps if steps else 0.0
+            summary[size][name] = m
+    return summary
+
+
 def write_results(out_prefix: str, payload: dict, markdown: str) -> None:
     path = Path(out_prefix)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from ..config import SamplingParams
 from ..sampling import sample
 from ..tree import TokenTree
 from .base import Draft, Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength, measure_verify_cost
+from .length import AdaptiveDraftLength, measure_verify_cost, price_with_target
 from .tree_drafting import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
 
 DRAFTINGS = ("sibling", "rsd_c", "rsd_s", "chains")
@@ -96,17 +96,19 @@ class DraftModel(Drafter):
             self._measure_costs(target)
 
     def _measure_costs(self, target) -> None:
-        """Fill the length's verify_cost / draft_token_cost from this machine's timings."""
+        """Fill the length's verify_cost (the target's, price_with_target) and draft_token_cost
+        (the draft model's one-token forward, in target forwards) from this machine's timings."""
+        self.cost_source = price_with_target(target, [self.length])
+        if self.cost_source != "measured":
+            return
         try:
-            verify = target.verify_cost()
             draft_one = measure_verify_cost(self.model, grid=(1,)).seconds[0]
         except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError) as err:
-            # a model whose cache cannot be cropped (recurrent state) or forwarded this way
-            self.cost_source = f"constants (verify cost not measurable: {type(err).__name__}: {err})"
+            # a draft whose cache cannot be cropped (recurrent state) or forwarded this way
+            self.length.verify_cost = None
+            self.cost_source = f"constants (draft cost not measurable: {type(err).__name__}: {err})"
             return
-        self.length.verify_cost = verify
-        self.length.draft_token_cost = draft_one / verify.seconds[0]
-        self.cost_source = "measured"
+        self.length.draft_token_cost = draft_one / self.length.verify_cost.seconds[0]
 
     def begin(self, start) -> None:
         self._cache, self._cached_ids = kv.new_cache(self.model), []
