@@ -204,13 +204,15 @@ def verify_row(verifier, spec: SpecConfig, draft, logits: torch.Tensor, row: Row
 def step_result(drafter: Drafter, draft, row: RowWriter, path: torch.Tensor, logits: torch.Tensor,
                 hidden: torch.Tensor | None) -> StepResult:
     """What ``drafter`` observes after one row's step; logits [1, N + A, V] (tree nodes, then aux
-    rows), hidden [1, N, d] or None. Aux logits and top-k ids are only handed out when asked for."""
+    rows), hidden [1, N, d] or None. Aux logits, top-k ids and path logits are only handed out
+    when asked for."""
     n = draft.tree.num_nodes
     topk = drafter.score_topk
     return StepResult(committed=row.committed, accepted_len=path.shape[1] - 1, path=path,
                       hidden_states=gather_hidden(hidden, path),
                       aux_logits=logits[:, n:] if draft.aux is not None else None,
-                      node_topk=logits[:, :n].topk(topk, dim=-1).indices if topk else None)
+                      node_topk=logits[:, :n].topk(topk, dim=-1).indices if topk else None,
+                      path_logits=logits[:, path[0].to(logits.device)] if drafter.score_path_logits else None)
 
 
 def gather_hidden(hidden: torch.Tensor | None, path: torch.Tensor) -> torch.Tensor | None:

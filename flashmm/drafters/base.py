@@ -102,6 +102,10 @@ class StepResult:
     aux_logits:    FloatTensor [B, A, V] or None; the target's raw logits at the draft's aux rows.
     node_topk:     LongTensor [B, N, k] or None; the ids of the k largest raw target logits at
                    every scored tree node (accepted or not), when the drafter sets score_topk = k.
+    path_logits:   FloatTensor [B, accepted_len + 1, V] or None; the target's raw logits at the
+                   accepted path's nodes (root first; the last one is its distribution where the
+                   draft was rejected, or the bonus position), when the drafter sets
+                   score_path_logits (a gather from the verification forward, no extra forward).
     """
 
     committed: torch.Tensor
@@ -110,6 +114,7 @@ class StepResult:
     hidden_states: torch.Tensor | None = None
     aux_logits: torch.Tensor | None = None
     node_topk: torch.Tensor | None = None
+    path_logits: torch.Tensor | None = None
 
 
 class Drafter:
@@ -130,6 +135,8 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()
     #: k > 0: observe gets StepResult.node_topk, the target's top-k ids at every scored node
     score_topk: ClassVar[int] = 0
+    #: True: observe gets StepResult.path_logits, the target's raw logits at the accepted nodes
+    score_path_logits: ClassVar[bool] = False
     #: how an adaptive drafter prices a draft of n tokens: "auto" with the target's verify cost
     #: measured on this machine at bind (flashmm.drafters.length.price_with_target), "constants"
     #: with AdaptiveDraftLength's linear model; ``cost_source`` says which one is in use
