@@ -1,5 +1,6 @@
 """Drafting methods, one class each, behind the Drafter protocol."""
 from .base import Draft, Drafter, SequenceStart, StepResult, drafter_names, make_drafter, register
+from .cascade import HorizontalCascade, VerticalCascade
 from .draft_model import DraftModel
 from .eagle3 import Eagle3Drafter
 from .fastdraft import FastDraft
@@ -20,4 +21,5 @@ from .saved import load
 from .specdecpp import SpecDecPP
 
 __all__ = ["Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP"]
+           "DraftModel", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
+           "HorizontalCascade", "VerticalCascade"]

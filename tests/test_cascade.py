@@ -1,0 +1,284 @@
+"""Cascade drafting (flashmm.drafters.cascade): greedy output token-identical to the target's own
+generate (one row and batched), the vertical cascade's chain equal to the draft LM's own in fewer
+draft forwards, sampled output with the target's distribution (χ², and a biased twin that fails it),
+the horizontal cascade's tail rule, and the refusals of compositions that cannot work."""
+import copy
+
+import pytest
+import torch
+
+import flashmm
+from flashmm.config import SamplingParams
+from flashmm.drafters import (AdaptiveDraftLength, Draft, DraftModel, Drafter, HorizontalCascade, PromptLookup,
+                              TokenRecycling, VerticalCascade, make_drafter)
+from flashmm.drafters import cascade
+from flashmm.sampling import warp_logits
+from flashmm.tree import TokenTree
+
+from stats_utils import chi_square_pvalue
+from test_sampling_exactness import PROMPT, SAMPLING, TRIALS, V, exact_joint
+from test_sampling_exactness import models as sampling_models  # noqa: F401 (fixture)
+from text_models import prompt, tiny_lm
+
+MAX_NEW = 30
+FREE = dict(step_cost=0.0, token_cost=0.0)  # drafting always pays: every step drafts its maximum
+BIASED_TRIALS = 300  # the biased twins are far off: fewer trials tell them apart
+
+
+def repetitive(length: int, seed: int) -> torch.Tensor:
+    ids = prompt(length, seed=seed)
+    return torch.cat([ids, ids[:, : length // 2], ids], dim=1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_lm("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    """(a draft LM that agrees with the target: its copy, one that does not: another random LM)."""
+    return copy.deepcopy(target), tiny_lm("llama", seed=5, num_hidden_layers=1)
+
+
+class ForwardCounter:
+    """Counts a module's forwards (a hook: independent of what the drafters count themselves)."""
+
+    def __init__(self, module):
+        self.calls = 0
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+
+def cascades(draft):
+    return {
+        "vertical": VerticalCascade(DraftModel(draft, budget="constants"), budget="constants"),
+        "horizontal": HorizontalCascade(DraftModel(draft, max_draft_tokens=3, budget="constants"), budget="constants"),
+        "horizontal_free_tail": HorizontalCascade(DraftModel(draft, max_draft_tokens=2, adaptive=False),
+                                                  PromptLookup(length=AdaptiveDraftLength(**FREE)),
+                                                  length=AdaptiveDraftLength(**FREE), budget="constants"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["vertical", "horizontal", "horizontal_free_tail"])
+@pytest.mark.parametrize("agrees", [True, False], ids=["draft_agrees", "draft_differs"])
+def test_greedy_identical_to_generate(target, drafts, kind, agrees):
+    drafter = cascades(drafts[0] if agrees else drafts[1])[kind]
+    sm = flashmm.wrap(target, drafter)
+    accepted = 0
+    for ids in [repetitive(12, 1), repetitive(10, 2), prompt(16, seed=3)]:
+        out = sm.generate(ids, max_new_tokens=MAX_NEW, eos_token_id=[])
+        ref = target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+        assert torch.equal(out, ref), (kind, ids)
+        accepted += sm.last_stats.accepted_tokens
+    if agrees:
+        assert accepted > MAX_NEW, "a draft equal to the target should be accepted: the test would prove little"
+    if kind == "vertical" and agrees:
+        assert drafter.counts.kept > 0, "the lookup never saved a draft forward on repetitive prompts"
+
+
+@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
+def test_batched_identical_to_batched_generate(target, drafts, kind):
+    lengths = (30, 9, 20)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, width - n:] = repetitive(n // 2 + 1, seed=b + 1)[0, :n]
+        mask[b, width - n:] = 1
+    sm = flashmm.wrap(target, cascades(drafts[0])[kind])
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    assert torch.equal(sm.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), ref)
+    assert sm.last_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("agrees", [True, False], ids=["draft_agrees", "draft_differs"])
+def test_vertical_chain_is_the_draft_lms_own_in_fewer_forwards(target, drafts, agrees):
+    """Propose after every prefix of the target's greedy continuation of a repetitive prompt: the
+    cascade's chain is DraftModel's greedy chain token for token; its draft forwards are fewer when
+    the draft agrees with the text's repetitions (and never more)."""
+    draft = drafts[0] if agrees else drafts[1]
+    ids = repetitive(12, 1)
+    text = target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+    greedy = SamplingParams()
+    alone = DraftModel(draft, max_draft_tokens=8, adaptive=False)
+    cascaded = VerticalCascade(DraftModel(draft, max_draft_tokens=8, adaptive=False),
+                               PromptLookup(length=AdaptiveDraftLength(**FREE)), budget="constants")
+    counter = ForwardCounter(draft)
+    forwards = {}
+    for name, drafter in (("alone", alone), ("cascade", cascaded)):
+        drafter.begin(None)
+        counter.calls = 0
+        chains = [drafter.propose(text[:, :t], 8, greedy, None).tokens for t in range(ids.shape[1], text.shape[1])]
+        forwards[name] = (counter.calls, chains)
+    counter.handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(forwards["alone"][1], forwards["cascade"][1]))
+    assert forwards["cascade"][0] == cascaded.counts.forwards
+    assert forwards["alone"][0] == sum(c.shape[1] - 1 for c in forwards["alone"][1])  # one forward per token
+    if agrees:
+        assert forwards["cascade"][0] < 0.6 * forwards["alone"][0], forwards
+    else:
+        assert forwards["cascade"][0] <= forwards["alone"][0], forwards
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+def vertical_sampled(draft):
+    return VerticalCascade(DraftModel(draft, max_draft_tokens=3, adaptive=False),
+                           PromptLookup(length=AdaptiveDraftLength(**FREE)), budget="constants")
+
+
+def test_vertical_sampling_lossless_and_bias_detected(sampling_models, monkeypatch):  # noqa: F811
+    """The 2nd new token is the chain's first, drawn after a lookup guess (PROMPT repeats "3 7").
+    A twin that keeps every guess (no acceptance with probability q(guess)) while still recording
+    the draft LM's q hands the target a q its tokens were not drawn from: it must fail."""
+    target, draft = sampling_models
+    drafter = vertical_sampled(draft)
+    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, drafter), 2, TRIALS), exact_joint(target))
+    assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
+    assert drafter.counts.guessed > TRIALS / 2, "the lookup guessed too rarely for the test to mean anything"
+    monkeypatch.setattr(cascade, "accept_or_resample", lambda q, guess, generator: guess)
+    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, vertical_sampled(draft)), 2, BIASED_TRIALS),
+                           exact_joint(target))
+    assert p < 1e-3, "a cascade that keeps the lookup's guesses unchecked should be detected"
+
+
+def exact_second_third(target) -> torch.Tensor:
+    """Exact joint [V, V] of the 2nd and 3rd sampled tokens (the first marginalised out)."""
+    params = SamplingParams(**SAMPLING)
+    with torch.no_grad():
+        first = warp_logits(target(PROMPT).logits[0, -1].double(), params).softmax(-1)            # [V]
+        one = torch.cat([PROMPT.expand(V, -1), torch.arange(V)[:, None]], dim=1)                  # [V, T+1]
+        second = warp_logits(target(one).logits[:, -1].double(), params).softmax(-1)              # [V, V]
+        two = torch.cat([one.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], dim=1)  # [V*V, T+2]
+        third = warp_logits(target(two).logits[:, -1].double(), params).softmax(-1).view(V, V, V)
+    return torch.einsum("a,ab,abc->bc", first, second, third)
+
+
+def last_two_histogram(sm, new_tokens: int, trials: int) -> torch.Tensor:
+    """Counts [V, V] of the last two of ``new_tokens`` sampled tokens over seeded trials."""
+    counts = torch.zeros(V, V)
+    g = torch.Generator().manual_seed(4321)
+    for _ in range(trials):
+        a, b = sm.generate(PROMPT, max_new_tokens=new_tokens, generator=g, **SAMPLING)[0, -2:].tolist()
+        counts[a, b] += 1
+    return counts
+
+
+def horizontal_sampled(draft):
+    """One sampled draft-LM token, then a lookup tail with a one-hot q (always drafted)."""
+    return HorizontalCascade(DraftModel(draft, max_draft_tokens=1, adaptive=False),
+                             PromptLookup(length=AdaptiveDraftLength(**FREE)),
+                             length=AdaptiveDraftLength(**FREE), budget="constants")
+
+
+def test_horizontal_sampling_lossless_and_bias_detected(sampling_models, monkeypatch):  # noqa: F811
+    """Sampled head, deterministic tail: the 3rd token is often the tail's. A twin that declares the
+    whole chain deterministic (q None: the head's sampled token verified as if chosen) must fail."""
+    target, draft = sampling_models
+    exact = exact_second_third(target)
+    sm = flashmm.wrap(target, horizontal_sampled(draft))
+    assert sm.drafter.drafting_scheme == "chain"
+    p = chi_square_pvalue(last_two_histogram(sm, 3, TRIALS), exact)
+    assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
+    monkeypatch.setattr(cascade, "merged_q", lambda head, tail: None)
+    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, horizontal_sampled(draft)), 3, BIASED_TRIALS), exact)
+    assert p < 1e-3, "a cascade that drops the head's q should be detected"
+
+
+def test_merged_q_one_hot_rows_for_the_deterministic_part():
+    q = torch.softmax(torch.randn(1, 3, 5), -1)
+    q[0, 2] = 0
+    head = Draft(tokens=torch.tensor([[0, 1, 4]]), tree=TokenTree.chain(2), q_probs=q)
+    tail = Draft(tokens=torch.tensor([[4, 2, 3]]), tree=TokenTree.chain(2))
+    merged = cascade.merged_q(head, tail)
+    assert merged.shape == (1, 5, 5)
+    assert torch.equal(merged[0, :2], q[0, :2])
+    assert torch.equal(merged[0, 2:4], torch.eye(5)[[2, 3]])
+    assert torch.equal(merged[0, 4], torch.zeros(5))
+
+
+# -------------------------------------------------------------------------------- the tail's length
+
+def test_tail_stops_when_it_does_not_pay():
+    drafter = HorizontalCascade(PromptLookup(), PromptLookup(), budget="constants")
+    drafter.head_rate.accepted, drafter.tail_rate.accepted = 50.0, 50.0   # both accepted almost always
+    assert drafter.tail_room(2, 6) == 6
+    drafter.head_rate.accepted, drafter.head_rate.rejected = 0.0, 50.0    # the head is almost always rejected
+    assert drafter.tail_room(2, 6) == 0
+    assert drafter.tail_room(0, 6) == 6                                   # ... unless there is no head
+    drafter.tail_rate.accepted, drafter.tail_rate.rejected = 0.0, 50.0
+    assert drafter.tail_room(0, 6) == 0                                   # a tail never accepted: none
+
+
+def test_parts_observe_their_own_tokens(target, drafts):
+    first = DraftModel(drafts[1], max_draft_tokens=2, adaptive=False)
+    drafter = HorizontalCascade(first, PromptLookup(length=AdaptiveDraftLength(**FREE)),
+                                length=AdaptiveDraftLength(**FREE), budget="constants")
+    seen = []
+    original = PromptLookup.observe
+    drafter.second.observe = lambda step: seen.append((step.accepted_len, step.path.tolist())) or original(
+        drafter.second, step)
+    sm = flashmm.wrap(target, drafter)
+    sm.generate(repetitive(12, 1), max_new_tokens=MAX_NEW, eos_token_id=[])
+    assert first.length.accepted + first.length.rejected > 0
+    for accepted, path in seen:  # the tail's own node indices, root first
+        assert path == [list(range(accepted + 1))]
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+class NeedsFeatures(Drafter):
+    needs_hidden_states = True
+
+
+class OwnStop(DraftModel):
+    def _stop_before(self, q, token, drafted):
+        return False
+
+
+def test_bad_compositions_refused(drafts):
+    draft = drafts[1]
+    with pytest.raises(ValueError, match="needs draft="):
+        make_drafter("vertical_cascade")
+    with pytest.raises(ValueError, match="needs first="):
+        make_drafter("horizontal_cascade")
+    with pytest.raises(ValueError, match="draft LM with its own KV cache"):
+        VerticalCascade(PromptLookup())
+    with pytest.raises(ValueError, match="drafts a chain"):
+        VerticalCascade(DraftModel(draft, tree_width=2))
+    with pytest.raises(ValueError, match="reads the state of its one-token forwards"):
+        VerticalCascade(OwnStop(draft))
+    with pytest.raises(ValueError, match="must be a PromptLookup"):
+        VerticalCascade(DraftModel(draft), TwoGuesses())
+    with pytest.raises(ValueError, match="max_lookup_tokens"):
+        VerticalCascade(DraftModel(draft), max_lookup_tokens=0)
+    lookup = PromptLookup()
+    with pytest.raises(ValueError, match="two drafter instances"):
+        HorizontalCascade(lookup, lookup)
+    with pytest.raises(ValueError, match="'iid' trees"):
+        HorizontalCascade(DraftModel(draft, tree_width=2))
+    with pytest.raises(ValueError, match="target features"):
+        HorizontalCascade(DraftModel(draft), NeedsFeatures())
+    with pytest.raises(ValueError, match="target features"):
+        HorizontalCascade(DraftModel(draft), TokenRecycling())  # reads the target's top-k at every node
+    with pytest.raises(ValueError, match="must be a Drafter"):
+        HorizontalCascade(draft)
+    assert isinstance(HorizontalCascade(DraftModel(draft), "prompt_lookup").second, PromptLookup)  # by name
+
+
+class TwoGuesses(Drafter):
+    """A deterministic drafter (no scheme declared) whose drafts are trees: two children of the root."""
+
+    def propose(self, committed, max_tokens, sampling, generator):
+        tokens = torch.cat([committed[:, -1:], committed.new_tensor([[3, 4]])], dim=1)
+        return Draft(tokens=tokens, tree=TokenTree.from_parents([-1, 0, 0]))
+
+
+def test_tree_drafting_part_refused_when_it_drafts(target, drafts):
+    sm = flashmm.wrap(target, HorizontalCascade(DraftModel(drafts[0], max_draft_tokens=2, adaptive=False),
+                                                TwoGuesses(), length=AdaptiveDraftLength(**FREE), budget="constants"))
+    with pytest.raises(ValueError, match="returned a tree"):
+        sm.generate(repetitive(12, 1), max_new_tokens=MAX_NEW, eos_token_id=[])
