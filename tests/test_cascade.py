@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flashmm
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 from flashmm.config import SamplingParams
 from flashmm.drafters import (AdaptiveDraftLength, Draft, DraftModel, Drafter, HorizontalCascade, PromptLookup,
                               TokenRecycling, VerticalCascade, make_drafter)
@@ -16,13 +17,13 @@ from flashmm.sampling import warp_logits
 from flashmm.tree import TokenTree
 
 from stats_utils import chi_square_pvalue
-from test_sampling_exactness import PROMPT, SAMPLING, TRIALS, V, exact_joint
+from test_sampling_exactness import PROMPT, SAMPLING, V, exact_joint
 from test_sampling_exactness import models as sampling_models  # noqa: F401 (fixture)
 from text_models import prompt, tiny_lm
 
 MAX_NEW = 30
 FREE = dict(step_cost=0.0, token_cost=0.0)  # drafting always pays: every step drafts its maximum
-BIASED_TRIALS = 300  # the biased twins are far off: fewer trials tell them apart
+EXACT_TRIALS = 800  # 64 cells, the rare ones pooled (stats_utils)
 
 
 def repetitive(length: int, seed: int) -> torch.Tensor:
@@ -126,7 +127,7 @@ def test_vertical_chain_is_the_draft_lms_own_in_fewer_forwards(target, drafts, a
 # ------------------------------------------------------------------------------------------ sampling
 
 def vertical_sampled(draft):
-    return VerticalCascade(DraftModel(draft, max_draft_tokens=3, adaptive=False),
+    return VerticalCascade(DraftModel(draft, max_draft_tokens=2, adaptive=False),
                            PromptLookup(length=AdaptiveDraftLength(**FREE)), budget="constants")
 
 
@@ -136,13 +137,46 @@ def test_vertical_sampling_lossless_and_bias_detected(sampling_models, monkeypat
     the draft LM's q hands the target a q its tokens were not drawn from: it must fail."""
     target, draft = sampling_models
     drafter = vertical_sampled(draft)
-    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, drafter), 2, TRIALS), exact_joint(target))
+    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, drafter), 2, EXACT_TRIALS), exact_joint(target))
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
-    assert drafter.counts.guessed > TRIALS / 2, "the lookup guessed too rarely for the test to mean anything"
+    assert drafter.counts.guessed > EXACT_TRIALS / 2, "the lookup guessed too rarely for the test to mean anything"
     monkeypatch.setattr(cascade, "accept_or_resample", lambda q, guess, generator: guess)
-    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, vertical_sampled(draft)), 2, BIASED_TRIALS),
+    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, vertical_sampled(draft)), 2, 200),
                            exact_joint(target))
     assert p < 1e-3, "a cascade that keeps the lookup's guesses unchecked should be detected"
+
+
+class BoostByLength(LogitsProcessor):
+    """Raises the score of an id picked by the prefix's length: a processor whose output depends on
+    where the prefix ends (a repetition penalty only sees which tokens it holds)."""
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, 3 + input_ids.shape[1] % 5] += 2.0
+        return scores
+
+
+def test_vertical_q_rows_are_the_draft_lms_processed_distributions(target, drafts):
+    """With a processor that reads each position's prefix (where it ends), every q row the cascade records equals the draft LM's processed
+    distribution after that node's own prefix, recomputed from a cache-free forward."""
+    draft = drafts[0]
+    sampling = SamplingParams(do_sample=True, processors=LogitsProcessorList(
+        [BoostByLength(), TemperatureLogitsWarper(0.9)]))
+    drafter = VerticalCascade(DraftModel(draft, max_draft_tokens=6, adaptive=False),
+                              PromptLookup(length=AdaptiveDraftLength(**FREE)), budget="constants")
+    drafter.begin(None)
+    committed = target.generate(repetitive(12, 1), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        proposal = drafter.propose(committed, 6, sampling, g)
+        chain = proposal.tokens[0, 1:].tolist()
+        with torch.no_grad():
+            for i in range(len(chain)):
+                prefix = torch.cat([committed[0], torch.tensor(chain[:i], dtype=torch.long)])
+                want = sampling.probs(draft(prefix[None]).logits[:, -1], [prefix])[0]
+                torch.testing.assert_close(proposal.q_probs[0, i], want, rtol=1e-4, atol=1e-6)
+        committed = torch.cat([committed, proposal.tokens[:, 1:]], dim=1)
+    assert drafter.counts.kept > 0, "no guess was kept: the rows after a guess were never checked"
 
 
 def exact_second_third(target) -> torch.Tensor:
@@ -181,10 +215,10 @@ def test_horizontal_sampling_lossless_and_bias_detected(sampling_models, monkeyp
     exact = exact_second_third(target)
     sm = flashmm.wrap(target, horizontal_sampled(draft))
     assert sm.drafter.drafting_scheme == "chain"
-    p = chi_square_pvalue(last_two_histogram(sm, 3, TRIALS), exact)
+    p = chi_square_pvalue(last_two_histogram(sm, 3, EXACT_TRIALS), exact)
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
     monkeypatch.setattr(cascade, "merged_q", lambda head, tail: None)
-    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, horizontal_sampled(draft)), 3, BIASED_TRIALS), exact)
+    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, horizontal_sampled(draft)), 3, 400), exact)
     assert p < 1e-3, "a cascade that drops the head's q should be detected"
 
 

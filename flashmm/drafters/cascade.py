@@ -65,9 +65,9 @@ class VerticalCascade(Drafter):
     guesses (the lookup's per-n AdaptiveDraftLength, priced with the draft LM's own measured forward
     costs, picks how many); the logits at every fed position give the draft LM's distribution after
     each guess. Greedy: guesses are kept while they equal the draft LM's argmax, then its own
-    argmax follows, so the chain is token for token DraftModel's greedy chain (same depth rule,
-    same ``confidence`` stop; logits of a multi-token forward equal one-token forwards' up to
-    float rounding). Sampling: each guess is accepted by the draft LM with probability q(guess)
+    argmax follows, so the chain is token for token the greedy chain DraftModel drafts to the same
+    depth (same ``confidence`` stop; logits of a multi-token forward equal one-token forwards' up
+    to float rounding). Sampling: each guess is accepted by the draft LM with probability q(guess)
     (speculative sampling of a deterministic proposal), otherwise a token is drawn from q with the
     guess removed, so every token is a draw from the draft LM's q; q_probs hold the draft LM's true
     distribution at every node (not a fallback to the plain chain), so the target verifies exactly
@@ -75,8 +75,9 @@ class VerticalCascade(Drafter):
 
     Depth: ``draft.length`` chooses it as in DraftModel; with ``reprice`` its price of a drafted
     token is scaled by the cascade's measured draft cost per token (forwards it saves make longer
-    chains pay). The lookup is bound to the draft LM (it prices its guesses against the draft's
-    forwards) and observes through the draft LM's verdicts, not the target's steps.
+    chains pay; reprice=False, or a draft priced by constants, keeps DraftModel's depths exactly). bind / begin / observe go to the draft LM; the lookup begins with it, is bound to
+    the draft LM (it prices its guesses against the draft's forwards) and learns from the draft
+    LM's verdicts on its guesses, not from the target's steps (it never drafts for the target).
     ``counts`` (CascadeCounts) says how many draft forwards the chain took.
     """
 
@@ -227,7 +228,8 @@ class VerticalCascade(Drafter):
         self.draft.length.draft_token_cost = self._token_cost * self._spent / self._made
 
     def observe(self, step: StepResult) -> None:
-        self.draft.length.update(self._drafted, step.accepted_len)
+        self.draft._last_depth = self._drafted  # what DraftModel.observe reads: the chain it would have drafted
+        self.draft.observe(step)
 
     def fork(self) -> "VerticalCascade":
         clone = copy.copy(self)

@@ -1,0 +1,136 @@
+"""Cascade drafting on SmolLM2 with the shipped FastDraft: τ, exactness and the draft LM's forwards.
+
+    python eval/cascade_drafts.py --max-new-tokens 128 --out eval/results/cascade_smollm2
+
+Methods (greedy, one question at a time, in a rotating order against plain ``model.generate``):
+FastDraft alone and inside a VerticalCascade (prompt lookup guesses verified by the draft LM), both
+with their adaptive length and at a fixed depth (``--depth``: every step drafts that many tokens, so
+the draft forwards per step compare like for like: the vertical chain is FastDraft's own chain);
+a HorizontalCascade (FastDraft for the first positions, prompt lookup for the rest); prompt lookup
+alone. Draft-LM forwards are counted with a forward hook on the draft LM (independent of what the
+drafters count). Timings on a shared machine are noise: they are reported "under load".
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import machine, markdown_table, timed_with_cpu, write_results  # noqa: E402
+from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
+
+import flashmm  # noqa: E402
+from flashmm.drafters import HorizontalCascade, PromptLookup, VerticalCascade, load  # noqa: E402
+from tools.corpus.build import load_target  # noqa: E402
+
+DRAFT = "assets/text_drafters/smollm2/fastdraft"
+CATEGORIES = ["writing", "coding", "summarization", "rag", "translation", "math_reasoning"]
+
+
+def methods(depth: int) -> dict:
+    """name -> (drafter, the draft LM whose forwards to count or None)."""
+    def fastdraft(**options):
+        return load(DRAFT, **options)
+
+    fixed = dict(adaptive=False, max_draft_tokens=depth)
+    built = {
+        "fastdraft": fastdraft(),
+        "vertical": VerticalCascade(fastdraft()),
+        f"fastdraft_d{depth}": fastdraft(**fixed),
+        f"vertical_d{depth}": VerticalCascade(fastdraft(**fixed)),
+        "horizontal": HorizontalCascade(fastdraft(), PromptLookup()),
+        "prompt_lookup": PromptLookup(),
+    }
+    out = {}
+    for name, drafter in built.items():
+        lm = getattr(drafter, "draft", None) or getattr(drafter, "first", None) or drafter
+        out[name] = (drafter, getattr(lm, "model", None))
+    return out
+
+
+class Counter:
+    def __init__(self, module):
+        self.calls = 0
+        if module is not None:
+            module.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
+    ap.add_argument("--categories", nargs="+", default=CATEGORIES, help="first question of each")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=4, help="fixed draft depth of the *_d<depth> methods")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="eval/results/cascade_smollm2")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_target("smollm2")
+    questions = load_questions(args.questions, 1, args.categories)
+    wrapped, counters = {}, {}
+    for name, (drafter, lm) in methods(args.depth).items():
+        wrapped[name] = flashmm.wrap(model, drafter)   # binds: measures verify / draft costs (cached)
+        counters[name] = Counter(lm)
+    names = ["plain", *wrapped]
+    warm = tokenizer("Hello", return_tensors="pt").input_ids
+    for sm in wrapped.values():
+        sm.generate(warm, max_new_tokens=4)
+
+    records = []
+    for qi, q in enumerate(questions):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
+                                             tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        rec, outs = {"id": q["question_id"], "category": q["category"]}, {}
+        for name in names[qi % len(names):] + names[: qi % len(names)]:
+            if name == "plain":
+                fn = lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # noqa: E731
+            else:
+                fn = (lambda sm: lambda: sm.generate(ids, max_new_tokens=args.max_new_tokens))(wrapped[name])
+                counters[name].calls = 0
+            outs[name], seconds, cpu = timed_with_cpu(fn)
+            rec[name] = {"seconds": seconds, "cpu_seconds": cpu, "new_tokens": outs[name].shape[1] - ids.shape[1]}
+            if name != "plain":
+                st = wrapped[name].last_stats
+                rec[name].update(verify_steps=st.verify_steps, drafted=st.drafted_tokens,
+                                 accepted=st.accepted_tokens, draft_forwards=counters[name].calls)
+        for name in names:
+            rec[name]["exact"] = bool(torch.equal(outs[name], outs["plain"]))
+        records.append(rec)
+        print(f"{qi + 1}/{len(questions)} {q['category']}", flush=True)
+        report(args, argv, records, names)
+
+
+def report(args, argv, records, names):
+    rows = []
+    plain_tps = sum(r["plain"]["new_tokens"] for r in records) / sum(r["plain"]["cpu_seconds"] for r in records)
+    summary = {}
+    for name in names[1:]:
+        tot = {k: sum(r[name][k] for r in records) for k in
+               ("new_tokens", "cpu_seconds", "verify_steps", "drafted", "accepted", "draft_forwards")}
+        s = {"tau": (tot["accepted"] + tot["verify_steps"]) / max(tot["verify_steps"], 1),
+             "drafted_per_step": tot["drafted"] / max(tot["verify_steps"], 1),
+             "draft_forwards_per_step": tot["draft_forwards"] / max(tot["verify_steps"], 1),
+             "draft_forwards_per_drafted": tot["draft_forwards"] / max(tot["drafted"], 1),
+             "exact": sum(r[name]["exact"] for r in records) / len(records),
+             "cpu_speedup_under_load": (tot["new_tokens"] / tot["cpu_seconds"]) / plain_tps, **tot}
+        summary[name] = s
+        rows.append([name, f"{s['tau']:.3f}", f"{s['drafted_per_step']:.2f}", f"{s['draft_forwards_per_step']:.2f}",
+                     f"{s['draft_forwards_per_drafted']:.2f}", f"{s['exact']:.0%}", f"{s['cpu_speedup_under_load']:.2f}"])
+    md = (f"# Cascade drafting: SmolLM2 + FastDraft, greedy, {args.max_new_tokens} new tokens, "
+          f"{len(records)} dev questions ({', '.join(r['category'] for r in records)})\n\n"
+          f"Command: `python eval/cascade_drafts.py {' '.join(argv or sys.argv[1:])}`\n\nMachine: {machine()}, "
+          "shared with other jobs: the speedups (CPU time against plain generate, same run) are under load.\n\n"
+          + markdown_table(["method", "τ", "drafted / step", "draft-LM forwards / step", "forwards / drafted token",
+                            "exact", "CPU-time speedup (under load)"], rows) + "\n")
+    write_results(args.out, {"args": vars(args), "summary": summary, "records": records}, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
