@@ -30,6 +30,15 @@ def test_measured_once_then_read_from_disk(tmp_path):
     assert len(list(tmp_path.glob("verify_cost_*.json"))) == 2 and other.nodes == first.nodes
 
 
+def test_a_sliding_window_model_is_timed_on_a_full_cache(tmp_path):
+    """Gemma 3's own cache has sliding-window layers that count the tokens they have seen and
+    cannot be cropped back to the prefix (the real Gemma-3-270M failed here): the measurement must
+    use flashmm's full-length cache, as the targets do."""
+    model = tiny_lm("gemma3", seed=0, sliding_window=512)
+    cost = measure_verify_cost(model, grid=(1, 2, 4), prefix_len=32, repeats=2, directory=tmp_path)
+    assert cost.nodes == (1, 2, 4) and min(cost.seconds) > 0
+
+
 def test_cost_interpolates_and_extrapolates():
     cost = VerifyCost((1, 2, 4), (1.0, 1.5, 2.5))
     assert cost.relative(1) == 1.0 and cost.relative(3) == 2.0 and cost.relative(6) == 3.5

@@ -101,7 +101,10 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(vocab, (1, prefix_len), generator=gen).to(param.device)
-    cache = model(input_ids=prefix, use_cache=True).past_key_values
+    # flashmm's own full-length cache, as the targets and drafters use (a model's default cache may
+    # evict sliding-window rows, and then cannot be cropped back to the prefix)
+    cache = kv.new_cache()
+    model(input_ids=prefix, past_key_values=cache, use_cache=True)
     seconds = []
     routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
     for n in grid:
