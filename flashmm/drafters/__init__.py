@@ -1,5 +1,6 @@
 """Drafting methods, one class each, behind the Drafter protocol."""
 from .base import Draft, Drafter, SequenceStart, StepResult, drafter_names, make_drafter, register
+from .cross_tokenizer import CrossTokenizerDraft
 from .cascade import HorizontalCascade, VerticalCascade
 from .draft_model import DraftModel
 from .eagle3 import Eagle3Drafter
@@ -20,6 +21,6 @@ from .token_recycling import TokenRecycling
 from .saved import load
 from .specdecpp import SpecDecPP
 
-__all__ = ["Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
+__all__ = ["CrossTokenizerDraft", "Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
            "DraftModel", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
            "HorizontalCascade", "VerticalCascade"]
