@@ -156,8 +156,8 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
     """Decode the left-padded rows input_ids [B, T] together: one prefill (with the batch's media,
     model_inputs), then one target forward per step for all rows still running. Each row's drafter
     begins with its own prompt, features and visual spans. Returns one engine.RowOutput per row."""
-    from .drafters.base import SequenceStart, hidden_request  # noqa: PLC0415 (engine imports drafters)
-    from .engine import RowWriter, step_result, verify_row  # noqa: PLC0415
+    from .drafters.base import SequenceStart  # noqa: PLC0415 (engine imports drafters)
+    from .engine import RowWriter, forward_hidden, step_result, verify_row  # noqa: PLC0415
     from .verify import drafting_scheme_of, select_verifier  # noqa: PLC0415
 
     start = time.perf_counter()
@@ -167,7 +167,7 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
     drafters = [drafter.fork() for _ in range(batch)]
     verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample,
                                drafting_scheme=drafting_scheme_of(drafter))
-    want_hidden = hidden_request(drafter)
+    want_hidden = forward_hidden(drafter, verifier)
 
     logits, hidden, embeds, state = prefill(target, input_ids, attention_mask, want_hidden, model_inputs or {})
     for b, row in enumerate(rows):
@@ -202,7 +202,8 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
         paths = []
         for i, b in enumerate(active):
             n = drafts[i].tree.num_nodes
-            paths.append(verify_row(verifier, spec, drafts[i], logits[i : i + 1, :n], rows[b], generator))
+            paths.append(verify_row(verifier, spec, drafts[i], logits[i : i + 1, :n], rows[b], generator,
+                                    None if hidden is None else hidden[i : i + 1, :n]))
         keep_paths(state, [p[0] for p in paths])
         t2 = time.perf_counter()
         for i, b in enumerate(active):

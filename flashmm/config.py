@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .sampling import SamplingParams  # noqa: F401 (re-exported: flashmm.config.SamplingParams)
 
-VERIFIERS = ("auto", "greedy", "chain", "tree", "typical_lossy", "rsd", "block", "traversal", "spectr")
+VERIFIERS = ("auto", "greedy", "chain", "tree", "typical_lossy", "rsd", "block", "traversal", "spectr", "judge_lossy")
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,9 @@ class SpecConfig:
       (Medusa typical acceptance: NOT lossless; output distribution differs from the target);
       exact rules that need a matching drafting scheme (flashmm.verify.schemes): "rsd" (siblings
       drawn without replacement), "block" (chains), "traversal" (trees without replacement, chains),
-      "spectr" (k i.i.d. chains).
+      "spectr" (k i.i.d. chains). "judge_lossy" (Judge decoding, flashmm.verify.judge: NOT lossless, greedy
+      or sampling) takes a drafted token the target would not have chosen when ``judge`` (a JudgeHead or a
+      judge directory) says it is acceptable.
     max_draft_tokens: upper bound on drafted tokens (tree nodes excluding the root) per step.
     batching: "auto" verifies every row of a batch in one target forward per step (text causal
       LMs; other targets decode rows one after another); "rows" always decodes one row after another.
@@ -36,6 +38,7 @@ class SpecConfig:
     prune: str = "none"
     prune_layer: int = 0
     prune_top_k: int = 8
+    judge: object = None
 
     def __post_init__(self):
         if self.verifier not in VERIFIERS:
@@ -45,6 +48,9 @@ class SpecConfig:
                              f"got {self.batching!r}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if (self.verifier == "judge_lossy") != (self.judge is not None):
+            raise ValueError("verifier='judge_lossy' needs judge= (a JudgeHead or a judge directory), and a judge is "
+                             f"only read by that verifier (got verifier={self.verifier!r}, judge={self.judge!r})")
         if self.prune not in ("none", "propd"):
             raise ValueError(f"prune must be 'none' or 'propd' (ProPD early-layer tree pruning), got {self.prune!r}")
         if self.prune_layer < 0 or self.prune_top_k < 1:

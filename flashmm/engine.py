@@ -187,18 +187,33 @@ def record_step(stats: GenerationStats, tree, accepted: int) -> None:
         stats.accepted_at_depth[d] += int(accepted >= d)
 
 
-def verify_row(verifier, spec: SpecConfig, draft, logits: torch.Tensor, row: RowWriter, generator):
-    """Verify one row's draft against its target logits [1, N, V]; commit what it emits.
+def verify_row(verifier, spec: SpecConfig, draft, logits: torch.Tensor, row: RowWriter, generator,
+               hidden: torch.Tensor | None = None):
+    """Verify one row's draft against its target logits [1, N, V] (and its last-layer states
+    hidden [1, N, d] for a verifier that reads them); commit what it emits.
     Returns the accepted path [1, accepted + 1] (root first)."""
     sampling = row.decoding.sampling
     scores = node_scores(sampling, logits, draft.tokens, draft.tree, row.committed)
-    result = verifier(draft.tokens, draft.tree, scores, draft.q_probs, sampling.plain(), generator, spec)
+    extra = {"hidden": hidden} if getattr(verifier, "needs_hidden_states", False) else {}
+    result = verifier(draft.tokens, draft.tree, scores, draft.q_probs, sampling.plain(), generator, spec, **extra)
     accepted = int(result.accepted_len[0])
     path = result.path[:, : accepted + 1]
     record_step(row.out.stats, draft.tree, accepted)
     nodes = path[0].to(logits.device)
     row.emit(result.emitted(draft.tokens, 0), logits[0, nodes], scores[0, nodes])
     return path
+
+
+def forward_hidden(drafter: Drafter, verifier) -> bool | tuple[int, ...]:
+    """What the target's forwards return as hidden states: the drafter's request
+    (drafters.base.hidden_request), or the last layer's states when the verifier reads them."""
+    want = hidden_request(drafter)
+    if not getattr(verifier, "needs_hidden_states", False):
+        return want
+    if isinstance(want, tuple):
+        raise ValueError(f"the verifier reads the target's last-layer states, but drafter {type(drafter).__name__} "
+                         f"asks for layers {want}: the two cannot share one forward; use another drafter or verifier")
+    return True
 
 
 def step_result(drafter: Drafter, draft, row: RowWriter, path: torch.Tensor, logits: torch.Tensor,
@@ -235,7 +250,7 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, d
         return row.out
     verifier = select_verifier(spec.verifier, decoding.sampling.do_sample, backend=getattr(target, "backend", "torch"),
                                drafting_scheme=drafting_scheme_of(drafter))  # a mismatch is refused here
-    want_hidden = hidden_request(drafter)
+    want_hidden = forward_hidden(drafter, verifier)
 
     out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
     stats.target_forwards += 1
@@ -256,7 +271,8 @@ def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, d
         # the tree the verifier sees: the draft, or (prune="propd") its subtree surviving early-layer pruning
         verified, scored = score_draft(target, draft, want_hidden, spec, decoding.sampling, stats)
         n = verified.tree.num_nodes  # aux rows (if any) follow the tree's n nodes; commit keeps tree nodes only
-        path = verify_row(verifier, spec, verified, scored.logits[:, :n], row, generator)
+        hidden = None if scored.hidden_states is None else scored.hidden_states[:, :n]
+        path = verify_row(verifier, spec, verified, scored.logits[:, :n], row, generator, hidden)
         target.commit(path)
         path, scored = unprune(scored, path, drafter.score_topk > 0)  # the drafter observes its own tree's indexing
         stats.verify_seconds += time.perf_counter() - t1

@@ -2,7 +2,7 @@
 
 Lossless: verify_greedy (greedy decoding), verify_chain, verify_tree, verify_rsd, verify_block,
 verify_traversal, verify_spectr (sampling; each assumes a drafting scheme, see .schemes).
-Lossy (named so): verify_typical_lossy.
+Lossy (named so): verify_typical_lossy, verify_judge_lossy (reads the target's states at the nodes).
 The engine calls only ``select_verifier(...)``'s uniform callable.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..tree import TokenTree
 from .base import VerifyResult
 from .block import verify_block
 from .greedy import verify_greedy
+from .judge import JudgeHead, load_judge, resolve_judge, verify_judge_lossy
 from .rejection import draw_uniforms, sample_inverse_cdf, verify_chain, verify_tree
 from .rsd import verify_rsd
 from .schemes import COMPATIBLE_SCHEMES, DRAFTING_SCHEMES, check_drafting_scheme, drafting_scheme_of
@@ -28,7 +29,7 @@ __all__ = [
     "VerifyResult", "Verifier", "select_verifier", "verify_greedy", "verify_chain", "verify_tree",
     "verify_typical_lossy", "draw_uniforms", "sample_inverse_cdf", "verify_rsd", "verify_block",
     "verify_traversal", "verify_spectr", "DRAFTING_SCHEMES", "COMPATIBLE_SCHEMES", "check_drafting_scheme",
-    "drafting_scheme_of",
+    "drafting_scheme_of", "verify_judge_lossy", "JudgeHead", "load_judge",
 ]
 
 # f(tokens [B, N], tree, target_logits [B, N, V], q_probs [B, N, V] | None, sampling,
@@ -58,6 +59,16 @@ def _typical_lossy(tokens, tree, target_logits, q_probs, sampling, generator, co
     config = config if config is not None else SpecConfig()
     return verify_typical_lossy(tokens, tree, probs_from_logits(target_logits, sampling), generator,
                                 epsilon=config.typical_epsilon, delta=config.typical_delta)
+
+
+def _judge_lossy(tokens, tree, target_logits, q_probs, sampling, generator, config, hidden=None) -> VerifyResult:
+    if hidden is None:
+        raise ValueError("verifier='judge_lossy' needs the target's states at the draft's nodes (the engine passes them)")
+    return verify_judge_lossy(tokens, tree, probs_from_logits(target_logits, sampling), hidden,
+                              resolve_judge(config.judge), sampling.do_sample, generator)
+
+
+_judge_lossy.needs_hidden_states = True  # the engine asks the target for its last-layer states
 
 
 def _rsd(tokens, tree, target_logits, q_probs, sampling, generator, config) -> VerifyResult:
@@ -113,6 +124,8 @@ def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None,
     "traversal": leaf-to-root traversal verification of trees drawn without replacement (or
              i.i.d. when drafting_scheme="iid"); block verification on chains.
     "spectr": SpecTr K-SEQ over k i.i.d. draft chains.
+    "judge_lossy": Judge decoding, LOSSY, greedy or sampling (flashmm.verify.judge); it reads the target's
+             states at the nodes (``needs_hidden_states``) and ``config.judge``.
     "greedy": greedy; with do_sample=True this raises ValueError (it would emit argmax tokens,
              not samples of the target).
     tree (optional): when given, checked now ("chain" needs a chain); otherwise verify_chain
@@ -124,6 +137,8 @@ def select_verifier(name: str, do_sample: bool, tree: TokenTree | None = None,
     """
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; choose one of {VERIFIERS}")
+    if name == "judge_lossy":  # lossy in greedy decoding too: it is the one rule not replaced by greedy
+        return _judge_lossy
     if not do_sample:
         return _greedy_kernel if backend == "triton" else _greedy
     check_drafting_scheme(name, drafting_scheme)

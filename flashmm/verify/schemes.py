@@ -23,6 +23,7 @@ COMPATIBLE_SCHEMES = {
     "tree": ("chain", "iid", "iid_chains", "deterministic"),
     "chain": ("chain", "deterministic"),
     "typical_lossy": DRAFTING_SCHEMES,  # lossy anyway; it never uses q
+    "judge_lossy": DRAFTING_SCHEMES,
     "rsd": ("chain", "without_replacement", "deterministic"),
     "block": ("chain", "deterministic"),
     "traversal": ("chain", "without_replacement", "iid"),
