@@ -19,7 +19,7 @@ rows (``draft_lm.target_distribution``), on the draft's rows (a reduced vocabula
 The buffer holds the last ``capacity`` rejected positions (a FIFO, so a position is trained on in
 up to capacity / update_every updates; capacity == update_every is the paper's "update, then empty
 the buffer"). One forward per buffered sequence computes the draft's distributions at all its
-positions (the text is read up to ``max_context`` tokens back).
+positions, all sequences in one right-padded batch (the text is read up to ``max_context`` tokens back).
 
 Exactness is untouched: verification is exact whatever the draft proposes, and a draft's q (when
 sampling) is the one its tokens were drawn from; weights change only inside ``observe``, between
@@ -129,6 +129,21 @@ class OnlineLearner:
         self.update()
         return True
 
+    def state_dict(self) -> dict:
+        """Everything needed to resume learning: the draft LM's weights, the optimizer, the buffer."""
+        return dict(lm=self.lm.state_dict(), optimizer=self.optimizer.state_dict(), texts=self.texts,
+                    buffer=[(r.sequence, r.position, r.topk_ids, r.topk_logits, r.logsumexp) for r in self.buffer],
+                    pending=self.pending, version=self.version, history=self.history,
+                    next_sequence=self._next_sequence)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lm.load_state_dict(state["lm"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.texts = dict(state["texts"])
+        self.buffer = deque((Rejection(*r) for r in state["buffer"]), maxlen=self.capacity)
+        self.pending, self.version, self.history = state["pending"], state["version"], list(state["history"])
+        self._next_sequence = state["next_sequence"]
+
     def rows(self) -> list[tuple[torch.Tensor, list[Rejection]]]:
         """The buffer as training rows: (ids [W] ending at the row's last position, its rejections),
         one row per sequence, split where its positions span more than max_context tokens."""
@@ -147,23 +162,31 @@ class OnlineLearner:
                 out.append((text[start:end + 1], start, window))
         return out
 
-    def loss_of(self, rows, total: int, backward: bool) -> float:
-        """Mean divergence over the rows' positions (gradients accumulated when ``backward``)."""
+    def loss(self, rows) -> torch.Tensor:
+        """Mean divergence over the rows' positions: one right-padded forward of all rows, logits
+        kept only at the positions some row trains on."""
         device = self.input_rows.device
-        value = 0.0
-        for ids, start, items in rows:
-            keep = torch.tensor([r.position - start for r in items], device=device)
-            logits = self.lm(input_ids=self.input_rows[ids.to(device)][None], logits_to_keep=keep).logits[0]
-            log_q = logits.float().log_softmax(-1)  # [n, Vd]
-            p = target_distribution(torch.stack([r.topk_ids for r in items]).to(device),
-                                    torch.stack([r.topk_logits for r in items]).to(device),
-                                    torch.tensor([r.logsumexp for r in items], device=device),
-                                    self.output_rows, log_q.shape[-1])  # [n, Vd]
-            loss = divergence(self.kind, p, log_q).sum() / total
-            if backward:
-                loss.backward()
-            value += float(loss.detach())
-        return value
+        width = max(len(ids) for ids, _, _ in rows)
+        inputs = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # [B, W] draft rows
+        mask = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        row_of, column_of, items = [], [], []
+        for b, (ids, start, window) in enumerate(rows):
+            inputs[b, : len(ids)] = self.input_rows[ids.to(device)]
+            mask[b, : len(ids)] = 1
+            row_of += [b] * len(window)
+            column_of += [r.position - start for r in window]
+            items += window
+        keep = torch.tensor(sorted(set(column_of)), device=device)  # [K] columns some row trains on
+        index = torch.full((width,), -1, dtype=torch.long, device=device)
+        index[keep] = torch.arange(len(keep), device=device)
+        logits = self.lm(input_ids=inputs, attention_mask=mask, logits_to_keep=keep).logits  # [B, K, Vd]
+        picked = logits[torch.tensor(row_of, device=device), index[torch.tensor(column_of, device=device)]]
+        log_q = picked.float().log_softmax(-1)  # [N, Vd]
+        p = target_distribution(torch.stack([r.topk_ids for r in items]).to(device),
+                                torch.stack([r.topk_logits for r in items]).to(device),
+                                torch.tensor([r.logsumexp for r in items], device=device),
+                                self.output_rows, log_q.shape[-1])  # [N, Vd]
+        return divergence(self.kind, p, log_q).mean()
 
     def update(self) -> None:
         """``steps_per_update`` optimizer steps on the whole buffer; drafters drop their caches."""
@@ -176,7 +199,9 @@ class OnlineLearner:
             self.lm.train()
             for _ in range(self.steps_per_update):
                 self.optimizer.zero_grad(set_to_none=True)
-                losses.append(self.loss_of(rows, total, backward=True))
+                loss = self.loss(rows)
+                loss.backward()
+                losses.append(float(loss.detach()))
                 torch.nn.utils.clip_grad_norm_(self.lm.parameters(), 1.0)
                 self.optimizer.step()
         self.lm.train(was_training)
