@@ -40,6 +40,7 @@ def methods(depth: int) -> dict:
     built = {
         "fastdraft": fastdraft(),
         "vertical": VerticalCascade(fastdraft()),
+        "vertical_fixed_price": VerticalCascade(fastdraft(), reprice=False),
         f"fastdraft_d{depth}": fastdraft(**fixed),
         f"vertical_d{depth}": VerticalCascade(fastdraft(**fixed)),
         "horizontal": HorizontalCascade(fastdraft(), PromptLookup()),
@@ -93,12 +94,17 @@ def main(argv=None):
             else:
                 fn = (lambda sm: lambda: sm.generate(ids, max_new_tokens=args.max_new_tokens))(wrapped[name])
                 counters[name].calls = 0
+            counted = getattr(getattr(wrapped.get(name), "drafter", None), "counts", None)  # vertical cascades
+            before = None if counted is None else dict(vars(counted))
             outs[name], seconds, cpu = timed_with_cpu(fn)
             rec[name] = {"seconds": seconds, "cpu_seconds": cpu, "new_tokens": outs[name].shape[1] - ids.shape[1]}
             if name != "plain":
                 st = wrapped[name].last_stats
                 rec[name].update(verify_steps=st.verify_steps, drafted=st.drafted_tokens,
                                  accepted=st.accepted_tokens, draft_forwards=counters[name].calls)
+            if before is not None:  # the lookup's guesses scored by the draft LM, and kept
+                now = vars(counted)
+                rec[name].update(guessed=now["guessed"] - before["guessed"], kept=now["kept"] - before["kept"])
         for name in names:
             rec[name]["exact"] = bool(torch.equal(outs[name], outs["plain"]))
         records.append(rec)
@@ -119,15 +125,20 @@ def report(args, argv, records, names):
              "draft_forwards_per_drafted": tot["draft_forwards"] / max(tot["drafted"], 1),
              "exact": sum(r[name]["exact"] for r in records) / len(records),
              "cpu_speedup_under_load": (tot["new_tokens"] / tot["cpu_seconds"]) / plain_tps, **tot}
+        if "guessed" in records[0][name]:
+            s["guessed"] = sum(r[name]["guessed"] for r in records)
+            s["kept"] = sum(r[name]["kept"] for r in records)
         summary[name] = s
         rows.append([name, f"{s['tau']:.3f}", f"{s['drafted_per_step']:.2f}", f"{s['draft_forwards_per_step']:.2f}",
-                     f"{s['draft_forwards_per_drafted']:.2f}", f"{s['exact']:.0%}", f"{s['cpu_speedup_under_load']:.2f}"])
+                     f"{s['draft_forwards_per_drafted']:.2f}",
+                     f"{s['kept']} / {s['guessed']}" if "guessed" in s else "-",
+                     f"{s['exact']:.0%}", f"{s['cpu_speedup_under_load']:.2f}"])
     md = (f"# Cascade drafting: SmolLM2 + FastDraft, greedy, {args.max_new_tokens} new tokens, "
           f"{len(records)} dev questions ({', '.join(r['category'] for r in records)})\n\n"
           f"Command: `python eval/cascade_drafts.py {' '.join(argv or sys.argv[1:])}`\n\nMachine: {machine()}, "
           "shared with other jobs: the speedups (CPU time against plain generate, same run) are under load.\n\n"
           + markdown_table(["method", "τ", "drafted / step", "draft-LM forwards / step", "forwards / drafted token",
-                            "exact", "CPU-time speedup (under load)"], rows) + "\n")
+                            "lookup guesses kept", "exact", "CPU-time speedup (under load)"], rows) + "\n")
     write_results(args.out, {"args": vars(args), "summary": summary, "records": records}, md)
     print(md)
 
