@@ -14,6 +14,7 @@ from .swift import Swift
 from .lookahead import Lookahead
 from .medusa import Medusa
 from .mtp import MTP
+from .online import OnlineSD
 from .prompt_lookup import PromptLookup
 from .rest import Rest
 from .suffix import SuffixDecoding
@@ -23,4 +24,4 @@ from .specdecpp import SpecDecPP
 
 __all__ = ["CrossTokenizerDraft", "Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
            "DraftModel", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
-           "HorizontalCascade", "VerticalCascade"]
+           "HorizontalCascade", "VerticalCascade", "OnlineSD"]
