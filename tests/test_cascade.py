@@ -17,7 +17,7 @@ from flashmm.sampling import warp_logits
 from flashmm.tree import TokenTree
 
 from stats_utils import chi_square_pvalue
-from test_sampling_exactness import PROMPT, SAMPLING, V, exact_joint
+from test_sampling_exactness import PROMPT, SAMPLING, V
 from test_sampling_exactness import models as sampling_models  # noqa: F401 (fixture)
 from text_models import prompt, tiny_lm
 
@@ -126,24 +126,55 @@ def test_vertical_chain_is_the_draft_lms_own_in_fewer_forwards(target, drafts, a
 
 # ------------------------------------------------------------------------------------------ sampling
 
+# every token follows a 1-gram match in it: the lookup guesses at every drafted position
+LOOKUP_PROMPT = torch.tensor([[3, 6, 0, 2, 1, 4, 5, 7, 1, 6, 0, 7]])
+
+
+def exact_last_two(target, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Exact joint [V, V] of the last two of ``new_tokens`` sampled tokens after prompt [1, T] (the
+    earlier ones marginalised out), from float64 softmaxes of the target's own logits."""
+    params = SamplingParams(**SAMPLING)
+    joint, texts = torch.ones(1, dtype=torch.float64), prompt                 # [S], [S, T + t]
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            probs = warp_logits(target(texts).logits[:, -1].double(), params).softmax(-1)  # [S, V]
+            joint = (joint[:, None] * probs).reshape(-1)
+            texts = torch.cat([texts.repeat_interleave(V, 0), torch.arange(V).repeat(texts.shape[0])[:, None]], 1)
+    return joint.view(-1, V, V).sum(0)
+
+
+def last_two_histogram(sm, prompt: torch.Tensor, new_tokens: int, trials: int) -> tuple[torch.Tensor, int]:
+    """(counts [V, V] of the last two of ``new_tokens`` sampled tokens over seeded trials, trials
+    where at least two drafted tokens were accepted)."""
+    counts, deep = torch.zeros(V, V), 0
+    g = torch.Generator().manual_seed(4321)
+    for _ in range(trials):
+        a, b = sm.generate(prompt, max_new_tokens=new_tokens, generator=g, **SAMPLING)[0, -2:].tolist()
+        counts[a, b] += 1
+        deep += sm.last_stats.accepted_tokens >= 2
+    return counts, deep
+
+
 def vertical_sampled(draft):
     return VerticalCascade(DraftModel(draft, max_draft_tokens=2, adaptive=False),
                            PromptLookup(length=AdaptiveDraftLength(**FREE)), budget="constants")
 
 
 def test_vertical_sampling_lossless_and_bias_detected(sampling_models, monkeypatch):  # noqa: F811
-    """The 2nd new token is the chain's first, drawn after a lookup guess (PROMPT repeats "3 7").
-    A twin that keeps every guess (no acceptance with probability q(guess)) while still recording
-    the draft LM's q hands the target a q its tokens were not drawn from: it must fail."""
+    """The 2nd new token is the chain's first, drawn by the draft LM after a lookup guess (kept with
+    probability q(guess), else resampled). A twin that keeps every guess while still recording the
+    draft LM's q hands the target a q its tokens were not drawn from: it must fail."""
     target, draft = sampling_models
+    exact = exact_last_two(target, LOOKUP_PROMPT, 2)
     drafter = vertical_sampled(draft)
-    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, drafter), 2, EXACT_TRIALS), exact_joint(target))
+    counts, _ = last_two_histogram(flashmm.wrap(target, drafter), LOOKUP_PROMPT, 2, EXACT_TRIALS)
+    p = chi_square_pvalue(counts, exact)
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
-    assert drafter.counts.guessed > EXACT_TRIALS / 2, "the lookup guessed too rarely for the test to mean anything"
+    # both branches ran: guesses kept and guesses resampled
+    assert drafter.counts.kept > EXACT_TRIALS / 20 and drafter.counts.guessed - drafter.counts.kept > EXACT_TRIALS / 2
     monkeypatch.setattr(cascade, "accept_or_resample", lambda q, guess, generator: guess)
-    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, vertical_sampled(draft)), 2, 200),
-                           exact_joint(target))
-    assert p < 1e-3, "a cascade that keeps the lookup's guesses unchecked should be detected"
+    counts, _ = last_two_histogram(flashmm.wrap(target, vertical_sampled(draft)), LOOKUP_PROMPT, 2, 200)
+    assert chi_square_pvalue(counts, exact) < 1e-3, "a cascade that keeps the lookup's guesses unchecked should be detected"
 
 
 class BoostByLength(LogitsProcessor):
@@ -157,8 +188,9 @@ class BoostByLength(LogitsProcessor):
 
 
 def test_vertical_q_rows_are_the_draft_lms_processed_distributions(target, drafts):
-    """With a processor that reads each position's prefix (where it ends), every q row the cascade records equals the draft LM's processed
-    distribution after that node's own prefix, recomputed from a cache-free forward."""
+    """With a processor that reads each position's prefix (where it ends), every q row the cascade
+    records equals the draft LM's processed distribution after that node's own prefix, recomputed
+    from a cache-free forward."""
     draft = drafts[0]
     sampling = SamplingParams(do_sample=True, processors=LogitsProcessorList(
         [BoostByLength(), TemperatureLogitsWarper(0.9)]))
@@ -179,28 +211,6 @@ def test_vertical_q_rows_are_the_draft_lms_processed_distributions(target, draft
     assert drafter.counts.kept > 0, "no guess was kept: the rows after a guess were never checked"
 
 
-def exact_second_third(target) -> torch.Tensor:
-    """Exact joint [V, V] of the 2nd and 3rd sampled tokens (the first marginalised out)."""
-    params = SamplingParams(**SAMPLING)
-    with torch.no_grad():
-        first = warp_logits(target(PROMPT).logits[0, -1].double(), params).softmax(-1)            # [V]
-        one = torch.cat([PROMPT.expand(V, -1), torch.arange(V)[:, None]], dim=1)                  # [V, T+1]
-        second = warp_logits(target(one).logits[:, -1].double(), params).softmax(-1)              # [V, V]
-        two = torch.cat([one.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], dim=1)  # [V*V, T+2]
-        third = warp_logits(target(two).logits[:, -1].double(), params).softmax(-1).view(V, V, V)
-    return torch.einsum("a,ab,abc->bc", first, second, third)
-
-
-def last_two_histogram(sm, new_tokens: int, trials: int) -> torch.Tensor:
-    """Counts [V, V] of the last two of ``new_tokens`` sampled tokens over seeded trials."""
-    counts = torch.zeros(V, V)
-    g = torch.Generator().manual_seed(4321)
-    for _ in range(trials):
-        a, b = sm.generate(PROMPT, max_new_tokens=new_tokens, generator=g, **SAMPLING)[0, -2:].tolist()
-        counts[a, b] += 1
-    return counts
-
-
 def horizontal_sampled(draft):
     """One sampled draft-LM token, then a lookup tail with a one-hot q (always drafted)."""
     return HorizontalCascade(DraftModel(draft, max_draft_tokens=1, adaptive=False),
@@ -209,17 +219,23 @@ def horizontal_sampled(draft):
 
 
 def test_horizontal_sampling_lossless_and_bias_detected(sampling_models, monkeypatch):  # noqa: F811
-    """Sampled head, deterministic tail: the 3rd token is often the tail's. A twin that declares the
-    whole chain deterministic (q None: the head's sampled token verified as if chosen) must fail."""
+    """Sampled head, deterministic tail: the 3rd new token is the tail's whenever the head and the
+    tail's first token are accepted. A twin that declares the chain deterministic (q None) whenever
+    it has a tail must fail: after PROMPT only some head tokens have a lookup match, so the rule
+    verifying the head's token would depend on that token. (Declaring every draft deterministic
+    would be exact: accepting x with probability p(x), else drawing from p without x, gives p
+    whatever drew x.)"""
     target, draft = sampling_models
-    exact = exact_second_third(target)
+    exact = exact_last_two(target, PROMPT, 3)
     sm = flashmm.wrap(target, horizontal_sampled(draft))
     assert sm.drafter.drafting_scheme == "chain"
-    p = chi_square_pvalue(last_two_histogram(sm, 3, EXACT_TRIALS), exact)
+    counts, deep = last_two_histogram(sm, PROMPT, 3, EXACT_TRIALS)
+    p = chi_square_pvalue(counts, exact)
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
+    assert deep > EXACT_TRIALS / 40, "the tail was rarely accepted: the test would not check its one-hot q"
     monkeypatch.setattr(cascade, "merged_q", lambda head, tail: None)
-    p = chi_square_pvalue(last_two_histogram(flashmm.wrap(target, horizontal_sampled(draft)), 3, 400), exact)
-    assert p < 1e-3, "a cascade that drops the head's q should be detected"
+    counts, _ = last_two_histogram(flashmm.wrap(target, horizontal_sampled(draft)), PROMPT, 3, 400)
+    assert chi_square_pvalue(counts, exact) < 1e-3, "a cascade that drops the head's q should be detected"
 
 
 def test_merged_q_one_hot_rows_for_the_deterministic_part():

@@ -75,9 +75,10 @@ class VerticalCascade(Drafter):
 
     Depth: ``draft.length`` chooses it as in DraftModel; with ``reprice`` its price of a drafted
     token is scaled by the cascade's measured draft cost per token (forwards it saves make longer
-    chains pay; reprice=False, or a draft priced by constants, keeps DraftModel's depths exactly). bind / begin / observe go to the draft LM; the lookup begins with it, is bound to
-    the draft LM (it prices its guesses against the draft's forwards) and learns from the draft
-    LM's verdicts on its guesses, not from the target's steps (it never drafts for the target).
+    chains pay; reprice=False, or a draft priced by constants, keeps DraftModel's depths exactly).
+    bind / begin / observe go to the draft LM; the lookup begins with it, is bound to the draft LM
+    (it prices its guesses against the draft's forwards) and learns from the draft LM's verdicts on
+    its guesses, not from the target's steps (it never drafts for the target).
     ``counts`` (CascadeCounts) says how many draft forwards the chain took.
     """
 
@@ -130,8 +131,8 @@ class VerticalCascade(Drafter):
         if committed.shape[0] != 1:
             raise NotImplementedError("VerticalCascade drafts one sequence at a time (fork() it per row)")
         draft = self.draft
-        budget = min(max_tokens, draft.max_draft_tokens)
-        depth = draft.length.choose(budget) if draft.adaptive else budget
+        cap = min(max_tokens, draft.max_draft_tokens)
+        depth = draft.length.choose(cap) if draft.adaptive else cap
         self._drafted = 0
         if depth <= 0:
             return root_only(committed)
