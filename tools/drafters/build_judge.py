@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from flashmm import cache as kv
 from flashmm.train.corpus import read_info, token_pairs
 from flashmm.verify.judge import JudgeHead
 from tools.corpus.build import load_target
@@ -47,44 +48,46 @@ def rejoins(original: list[int], continuation: list[int], window: int, rejoin: i
                for j in range(min(window, len(continuation) - rejoin + 1)))
 
 
-def pick_positions(model, prompt: list[int], answer: list[int], per_item: int, min_p: float, tail: int,
+def pick_positions(probs: torch.Tensor, answer: list[int], per_item: int, min_p: float, tail: int,
                    rng: random.Random) -> list[tuple[int, int]]:
     """[(t, x)]: answer positions whose second-choice token x has p >= min_p and the target's choice
-    is the corpus token, at least ``tail`` tokens before the end."""
-    ids = torch.tensor([prompt + answer])
-    with torch.no_grad():
-        probs = model(ids).logits[0, len(prompt) - 1 : -1].softmax(-1)   # [L, V]: before answer[t]
+    is the corpus token, at least ``tail`` tokens before the end. probs [L, V]: before answer[t]."""
     top = probs.topk(2, dim=-1)
     ok = [t for t in range(2, len(answer) - tail)
           if int(top.indices[t, 0]) == answer[t] and float(top.values[t, 1]) >= min_p]
     return [(t, int(top.indices[t, 1])) for t in sorted(rng.sample(ok, min(per_item, len(ok))))]
 
 
+@torch.no_grad()
+def label_item(model, prompt: list[int], answer: list[int], args, rng: random.Random, end_ids: set[int]):
+    """[(t, x, state at x [d], label)] for one corpus answer. One forward over prompt + answer gives the
+    positions and the cache; each substitution then runs on that cache cropped back to its position
+    (latest position first, so the cache is only ever cut), one token per forward."""
+    cache = kv.new_cache()
+    out = model(torch.tensor([prompt + answer]), past_key_values=cache, use_cache=True)
+    probs = out.logits[0, len(prompt) - 1 : -1].softmax(-1)                       # [L, V]
+    found = []
+    for t, x in reversed(pick_positions(probs, answer, args.per_item, args.min_p, args.window + args.rejoin, rng)):
+        kv.crop(cache, len(prompt) + t)
+        step = model(torch.tensor([[x]]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+        state = step.hidden_states[-1][0, -1].float()                              # the final-normed state at x
+        continuation = []
+        for _ in range(args.horizon):
+            token = int(step.logits[0, -1].argmax())
+            if token in end_ids:
+                break
+            continuation.append(token)
+            step = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        found.append((t, x, state, rejoins(answer[t + 1 :], continuation, args.window, args.rejoin)))
+    return found[::-1]
+
+
 def label_chunk(model, items, args, rng: random.Random, end_ids: set[int]) -> dict:
-    """Features [M, d], labels [M] and a record per example for a chunk of (prompt, answer) items."""
-    cases = []
-    for item, (prompt, answer) in items:
-        for t, x in pick_positions(model, prompt, answer, args.per_item, args.min_p, args.window + args.rejoin, rng):
-            cases.append((item, t, x, prompt + answer[:t] + [x], answer[t + 1 :]))
+    """Features [M, d], labels [M] and a record per example for a chunk of (item, (prompt, answer))."""
     features, labels, records = [], [], []
-    for start in range(0, len(cases), args.batch_size):
-        batch = cases[start : start + args.batch_size]
-        width = max(len(c[3]) for c in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, c in enumerate(batch):                       # left padding
-            ids[i, width - len(c[3]):] = torch.tensor(c[3])
-            mask[i, width - len(c[3]):] = 1
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.horizon, do_sample=False,
-                                 output_hidden_states=True, return_dict_in_generate=True,
-                                 pad_token_id=model.config.pad_token_id or 0, eos_token_id=sorted(end_ids))
-        state = out.hidden_states[0][-1][:, -1]           # [b, d]: the final-normed state at x
-        for i, (item, t, x, _, rest) in enumerate(batch):
-            cont = [tok for tok in out.sequences[i, width:].tolist()]
-            cont = cont[: next((k for k, tok in enumerate(cont) if tok in end_ids), len(cont))]
-            label = rejoins(rest, cont, args.window, args.rejoin)
-            features.append(state[i].float())
+    for item, (prompt, answer) in items:
+        for t, x, state, label in label_item(model, prompt, answer, args, rng, end_ids):
+            features.append(state)
             labels.append(float(label))
             records.append({"item": item, "t": t, "x": x, "label": int(label)})
     d = model.config.hidden_size
@@ -147,16 +150,16 @@ def main(argv=None):
     ap.add_argument("--work", default="/tmp/judge_work")
     ap.add_argument("--out", default="assets/judges/smollm2")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--items", type=int, default=500, help="corpus answers used")
+    ap.add_argument("--items", type=int, default=300, help="corpus answers used")
     ap.add_argument("--per-item", type=int, default=3, help="substituted positions per answer")
     ap.add_argument("--min-p", type=float, default=0.05, help="the second choice's least probability")
-    ap.add_argument("--horizon", type=int, default=20, help="greedy tokens generated after the substitution")
+    ap.add_argument("--horizon", type=int, default=14, help="greedy tokens generated after the substitution")
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--rejoin", type=int, default=6)
     ap.add_argument("--precision", type=float, default=0.9, help="held-out precision the threshold reaches")
     ap.add_argument("--l2", type=float, default=1e-3)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--chunk", type=int, default=50, help="items per cached chunk")
+    ap.add_argument("--chunk", type=int, default=25, help="items per cached chunk")
+    ap.add_argument("--chunks", type=int, default=None, help="label and train on only the first K chunks")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -169,7 +172,8 @@ def main(argv=None):
     pairs = token_pairs(args.corpus, "greedy")
     chosen = sorted(random.Random(args.seed).sample(range(len(pairs)), min(args.items, len(pairs))))
     chunks = []
-    for c, start in enumerate(range(0, len(chosen), args.chunk)):
+    starts = list(range(0, len(chosen), args.chunk))[: args.chunks]
+    for c, start in enumerate(starts):
         path = work / f"chunk_{c:03d}_seed{args.seed}.pt"
         if not path.exists():
             began = time.time()
