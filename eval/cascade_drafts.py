@@ -4,8 +4,9 @@
 
 Methods (greedy, one question at a time, in a rotating order against plain ``model.generate``):
 FastDraft alone and inside a VerticalCascade (prompt lookup guesses verified by the draft LM), both
-with their adaptive length and at a fixed depth (``--depth``: every step drafts that many tokens, so
-the draft forwards per step compare like for like: the vertical chain is FastDraft's own chain);
+with their adaptive length (the cascade also with ``reprice=True``) and at a fixed depth
+(``--depth``: every step drafts that many tokens, so the draft forwards per step compare like for
+like: the vertical chain is FastDraft's own chain);
 a HorizontalCascade (FastDraft for the first positions, prompt lookup for the rest); prompt lookup
 alone. Draft-LM forwards are counted with a forward hook on the draft LM (independent of what the
 drafters count). Timings on a shared machine are noise: they are reported "under load".
@@ -40,7 +41,7 @@ def methods(depth: int) -> dict:
     built = {
         "fastdraft": fastdraft(),
         "vertical": VerticalCascade(fastdraft()),
-        "vertical_fixed_price": VerticalCascade(fastdraft(), reprice=False),
+        "vertical_repriced": VerticalCascade(fastdraft(), reprice=True),
         f"fastdraft_d{depth}": fastdraft(**fixed),
         f"vertical_d{depth}": VerticalCascade(fastdraft(**fixed)),
         "horizontal": HorizontalCascade(fastdraft(), PromptLookup()),

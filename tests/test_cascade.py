@@ -124,6 +124,23 @@ def test_vertical_chain_is_the_draft_lms_own_in_fewer_forwards(target, drafts, a
         assert forwards["cascade"][0] <= forwards["alone"][0], forwards
 
 
+def test_vertical_drafts_what_its_draft_model_drafts(target, drafts):
+    """Adaptive depths (the draft LM priced by constants: a copy of the target never pays at measured
+    costs; the cascade's lookup priced by the draft's measured forwards): the cascade and its
+    DraftModel alone make the same steps (drafted, accepted), the cascade in fewer draft forwards."""
+    stats, forwards = {}, {}
+    for name, make in (("alone", lambda d: d), ("cascade", VerticalCascade)):
+        counter = ForwardCounter(drafts[0])
+        sm = flashmm.wrap(target, make(DraftModel(drafts[0], budget="constants")))
+        counter.calls = 0  # not the cost measurement at wrap
+        out = sm.generate(repetitive(12, 1), max_new_tokens=MAX_NEW, eos_token_id=[])
+        counter.handle.remove()
+        s = sm.last_stats
+        stats[name], forwards[name] = (out.tolist(), s.verify_steps, s.drafted_tokens, s.accepted_tokens), counter.calls
+    assert stats["cascade"] == stats["alone"] and stats["alone"][2] > MAX_NEW / 2
+    assert forwards["cascade"] < forwards["alone"], forwards
+
+
 # ------------------------------------------------------------------------------------------ sampling
 
 # every token follows a 1-gram match in it: the lookup guesses at every drafted position

@@ -73,9 +73,11 @@ class VerticalCascade(Drafter):
     distribution at every node (not a fallback to the plain chain), so the target verifies exactly
     as it verifies DraftModel.
 
-    Depth: ``draft.length`` chooses it as in DraftModel; with ``reprice`` its price of a drafted
-    token is scaled by the cascade's measured draft cost per token (forwards it saves make longer
-    chains pay; reprice=False, or a draft priced by constants, keeps DraftModel's depths exactly).
+    Depth: ``draft.length`` chooses it as in DraftModel, so the cascade drafts what DraftModel would
+    (same chains, same depths: only the draft forwards differ). ``reprice=True`` scales the length's
+    price of a drafted token by the cascade's measured draft cost per token instead (forwards saved
+    make longer chains pay, guesses the draft LM rejects make them dearer; on SmolLM2 + FastDraft it
+    drafted less, τ 1.02 against 1.06, eval/results/cascade_smollm2.md).
     bind / begin / observe go to the draft LM; the lookup begins with it, is bound to the draft LM
     (it prices its guesses against the draft's forwards) and learns from the draft LM's verdicts on
     its guesses, not from the target's steps (it never drafts for the target).
@@ -84,7 +86,7 @@ class VerticalCascade(Drafter):
 
     name = "vertical_cascade"
 
-    def __init__(self, draft=None, lookup="prompt_lookup", max_lookup_tokens: int = 8, reprice: bool = True,
+    def __init__(self, draft=None, lookup="prompt_lookup", max_lookup_tokens: int = 8, reprice: bool = False,
                  budget: str = "auto"):
         if draft is None:
             raise ValueError("vertical_cascade needs draft=: a DraftModel or a trained draft LM's folder "
@@ -287,7 +289,9 @@ class HorizontalCascade(Drafter):
     When one part samples and the other is deterministic, the deterministic part's nodes carry a
     one-hot q on their token: verifying a token x with q = one-hot(x) accepts it with probability
     p(x) and resamples from p with x removed, which is the deterministic rule, so every verifier
-    exact for sampled chains stays exact. Greedy drafts carry no q.
+    exact for sampled chains stays exact. Greedy drafts carry no q. (Declaring a draft deterministic
+    only when it has a tail would be biased: whether the head's token is verified with its q would
+    then depend on that token, through the lookup's match; tests/test_cascade.py has that twin.)
 
     Each part observes the steps its tokens were verified in: ``first`` every step (its accepted
     count capped at h), ``second`` only when the whole head was accepted (its tail was reached).
