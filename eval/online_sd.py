@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="drafted tokens per step (fixed)")
     parser.add_argument("--seed", type=int, default=0, help="shuffles the stream")
     parser.add_argument("--divergence", default="fkl")
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--update-every", type=int, default=32)
     parser.add_argument("--steps-per-update", type=int, default=2)
     parser.add_argument("--capacity", type=int, default=128)

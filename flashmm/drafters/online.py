@@ -69,7 +69,7 @@ class OnlineLearner:
     divergence over the buffer at the first and the last optimizer step.
     """
 
-    def __init__(self, model: torch.nn.Module, divergence_kind: str = "fkl", lr: float = 3e-4,
+    def __init__(self, model: torch.nn.Module, divergence_kind: str = "fkl", lr: float = 1e-4,
                  update_every: int = 32, steps_per_update: int = 2, capacity: int = 128, top_k: int = 32,
                  max_context: int = 1024):
         if divergence_kind not in DIVERGENCES:
@@ -221,7 +221,7 @@ class OnlineSD(Drafter):
     name = "online_sd"
     score_path_logits = True
 
-    def __init__(self, inner: DraftModel, divergence: str = "fkl", lr: float = 3e-4, update_every: int = 32,
+    def __init__(self, inner: DraftModel, divergence: str = "fkl", lr: float = 1e-4, update_every: int = 32,
                  steps_per_update: int = 2, capacity: int = 128, top_k: int = 32, max_context: int = 1024,
                  learner: OnlineLearner | None = None):
         if not isinstance(inner, DraftModel):
