@@ -121,6 +121,11 @@ class SpeculativeModel:
                 raise NotImplementedError("num_return_sequences > 1 with a batch of media items: call generate "
                                           "once per item")
             return False  # one item: its sequences decode one after another, each with the item's media
+        if getattr(self.target, "derives_positions", False) and any(plan.padding(b) for b in range(plan.batch_size)):
+            raise NotImplementedError(
+                f"{type(self.model).__name__} numbers a left-padded row's tokens from the padding on (its positions "
+                "ignore the attention mask), which flashmm does not reproduce: call generate once per row, or with "
+                "rows of equal length")
         together = (plan.batch_size > 1 and self.spec.batching == "auto" and self.target.batchable
                     and not self.target.recurrent)
         if plan.batch_size > 1 and plan.model_inputs and not together:

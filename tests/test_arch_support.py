@@ -83,3 +83,29 @@ def test_refused_with_reason(model_type, overrides, reason):
     with pytest.raises(UnsupportedModel, match=reason) as refusal:
         flashmm.wrap(model, PromptLookup())
     assert type(model).__name__ in str(refusal.value)
+
+
+def tiny_bart():
+    """A tiny BART decoder (BartForCausalLM): it numbers positions itself (no position_ids argument)."""
+    from transformers import BartConfig, BartForCausalLM  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=128, d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
+                        encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128, max_position_embeddings=256,
+                        is_decoder=True, is_encoder_decoder=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        init_std=0.2)
+    return BartForCausalLM(config).eval()
+
+
+def test_a_decoder_numbering_its_own_positions_gets_the_trees_positions():
+    """BART-family decoders derive positions from the cache length, right for a chain and wrong for a
+    tree: flashmm hands their position embedding the tree's positions, so width-2 trees are exact."""
+    model = tiny_bart()
+    assert_exact(model, repeated_prompt(), min_tau=2.0)
+    batch = torch.cat([prompt(8, seed=1), prompt(8, seed=2)])       # equal lengths: rows, exact
+    sm = flashmm.wrap(model, DraftModel(model, max_draft_tokens=8, tree_width=2, adaptive=False))
+    assert torch.equal(sm.generate(batch, max_new_tokens=MAX_NEW),
+                       model.generate(batch, max_new_tokens=MAX_NEW, do_sample=False))
+    padded = torch.cat([torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt(6, seed=3)], 1), prompt(8, seed=4)])
+    with pytest.raises(NotImplementedError, match="padding"):
+        sm.generate(padded, attention_mask=(padded != 0).long(), max_new_tokens=4)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -115,6 +116,32 @@ def cache_layer_kinds(text_config) -> list[str]:
 def takes_position_ids(model: torch.nn.Module) -> bool:
     """Whether ``model.forward`` has a ``position_ids`` argument (then ``generate`` always passes one)."""
     return "position_ids" in inspect.signature(model.forward).parameters
+
+
+def derived_position_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The position-embedding modules of a model whose forward takes no position_ids but whose
+    ``embed_positions`` module does (BART-family decoders: BART, mBART, MVP, Blenderbot, Marian,
+    Pegasus, PLBart, TrOCR, BigBird-Pegasus): they number new tokens past_length + 0, 1, ..., which is
+    right for a chain but not for a tree, so flashmm hands them the tree's positions (positions_given)."""
+    if takes_position_ids(model):
+        return []
+    return [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "embed_positions"
+            and "position_ids" in inspect.signature(module.forward).parameters]
+
+
+@contextmanager
+def positions_given(modules: list[torch.nn.Module], positions: torch.Tensor):
+    """Within the context, every module in ``modules`` embeds ``positions`` (LongTensor [N], one
+    sequence) whatever position_ids its caller passes."""
+    def hook(module, args, kwargs):  # noqa: ARG001 (hook signature)
+        return args, {**kwargs, "position_ids": positions}
+
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def generate_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask) -> dict:

@@ -27,7 +27,7 @@ from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..tree import TokenTree
 from . import recurrent
 from .base import Target, TargetOutput, select_hidden
-from .support import generate_position_ids, takes_position_ids
+from .support import derived_position_modules, generate_position_ids, positions_given, takes_position_ids
 
 
 class CausalLMTarget(Target):
@@ -62,6 +62,12 @@ class CausalLMTarget(Target):
         if self._tree_attention is None:
             self.backend = "torch"
         self._warned_window = False
+        # BART-family decoders number positions themselves: tree forwards hand them the tree's
+        self._position_modules = derived_position_modules(model)
+        #: positions counted from the cache length, padding included (api refuses padded batches)
+        self.derives_positions = bool(self._position_modules)
+        if self.derives_positions:
+            self.batchable = False  # batched tree forwards pass position_ids only; rows get the override
         self._cache = None
         self._tree_prefix_len = None
         layer_types = getattr(self.text_config, "layer_types", None) or []
@@ -175,7 +181,9 @@ class CausalLMTarget(Target):
         args = dict(input_ids=tokens, past_key_values=self._cache, use_cache=True,
                     output_hidden_states=bool(want_hidden),
                     **self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel))
-        with self._linears, (self._tree_attention if use_kernel else nullcontext()):
+        positions = positions_given(self._position_modules, tree.positions(prefix_len).to(self.device)) \
+            if self._position_modules else nullcontext()
+        with self._linears, positions, (self._tree_attention if use_kernel else nullcontext()):
             out = self.model(**args)
         hidden = select_hidden(out.hidden_states, want_hidden)
         return TargetOutput(out.logits, hidden)
