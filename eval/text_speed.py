@@ -53,15 +53,11 @@ def load_questions(path: Path, per_category: int | None, categories: list[str] |
 
 
 def parse_drafter(spec: str, tokenizer=None):
-    """(label, Drafter) of a name, ``name:key=value,...`` or a trained drafter's folder.
+    """(label, Drafter) of a name or a trained drafter's folder, each optionally ``:key=value,...``.
     ``cross_tokenizer:draft=smollm2,...`` drafts with that reference LM and its own tokenizer
     (``tokenizer``: the target's)."""
     import ast  # noqa: PLC0415
 
-    if Path(spec).is_dir():
-        from flashmm.drafters import saved  # noqa: PLC0415 (the trained-drafter loader)
-
-        return f"{Path(spec).name}", saved.load(spec)
     name, _, options = spec.partition(":")
     kwargs = {}
     for item in filter(None, options.split(",")):
@@ -70,6 +66,10 @@ def parse_drafter(spec: str, tokenizer=None):
             kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             kwargs[key] = value
+    if Path(name).is_dir():  # a trained drafter's folder, options passed to its loader
+        from flashmm.drafters import saved  # noqa: PLC0415 (the trained-drafter loader)
+
+        return Path(name).name + (f":{options}" if options else ""), saved.load(name, **kwargs)
     if name == "cross_tokenizer":
         draft, draft_tokenizer = load_gguf_lm(kwargs.pop("draft", "smollm2"))
         label = f"{name}:{kwargs['mode']}" if "mode" in kwargs else name
