@@ -14,12 +14,11 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 import flashmm
-from flashmm.config import SamplingParams
 from flashmm.drafters import CrossTokenizerDraft, Draft
 from flashmm.drafters.cross_tokenizer import token_surfaces, vocabulary_intersection
-from flashmm.sampling import warp_logits
 
 from stats_utils import chi_square_pvalue
+from test_sampling_exactness import PROMPT, SAMPLING, V, exact_joint  # the same 8-token joint
 from text_models import tiny_lm
 
 NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -126,9 +125,6 @@ def test_bad_pairings_are_refused(pair):
 
 # ---------------------------------------------------------------- sampling
 
-V = 8
-SAMPLING = dict(do_sample=True, temperature=0.9, top_k=6, top_p=0.95)
-PROMPT = torch.tensor([[3, 7, 3, 7, 3]])
 SMALL_TARGET_TOK = bpe(LETTERS[:V])
 SMALL_DRAFT_TOK = bpe(LETTERS[:V], merges=[("a", "b"), ("c", "d")])
 
@@ -141,15 +137,6 @@ def small_pair():
         for m in (target, draft):
             m.get_output_embeddings().weight.mul_(0.15)
     return target, draft
-
-
-def exact_joint(target) -> torch.Tensor:
-    params = SamplingParams(**SAMPLING)
-    with torch.no_grad():
-        first = warp_logits(target(PROMPT).logits[0, -1].double(), params).softmax(-1)
-        ext = torch.cat([PROMPT.expand(V, -1), torch.arange(V)[:, None]], dim=1)
-        second = warp_logits(target(ext).logits[:, -1].double(), params).softmax(-1)
-    return first[:, None] * second  # [V, V]
 
 
 def histogram(sm, trials: int) -> torch.Tensor:
