@@ -149,6 +149,19 @@ def test_fastdraft_sampling_is_exact(models):  # noqa: F811 (fixture)
     assert vocab == 8
 
 
+
+def test_fastdraft_folder_takes_every_drafting_scheme(models, tmp_path):  # noqa: F811 (fixture)
+    """Options a folder is loaded with reach DraftModel's tree drafting (eval/verify_bench.py loads the
+    shipped draft this way); the sampled output stays the target's distribution."""
+    target, _ = models
+    draft = reduced(target, [0, 2, 3, 5, 6], seed=4)
+    save_reduced_lm(tmp_path / "fd", draft, {"method": "fastdraft", "target": {"name": "tiny", "vocab_size": 8}})
+    loaded = load(tmp_path / "fd", drafting="rsd_c", branching=(2, 1), adaptive=False, max_draft_tokens=4)
+    assert loaded.drafting_scheme == "without_replacement"
+    sm = flashmm.wrap(target, loaded, verifier="rsd")
+    p = chi_square_pvalue(histogram(sm), exact_joint(target))
+    assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
+
 # ---------------------------------------------------------------- the shipped drafters on real weights
 
 SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2"

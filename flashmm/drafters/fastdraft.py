@@ -82,18 +82,19 @@ def build_lm(config: dict) -> LlamaForCausalLM:
 @register
 class FastDraft(DraftModel):
     """A DraftModel over a trained ReducedVocabLM; build with ``FastDraft.from_dir(dir)`` or
-    ``flashmm.drafters.load(dir)``. Same drafting and adaptive length as DraftModel."""
+    ``flashmm.drafters.load(dir)``. Same drafting and adaptive length as DraftModel (``drafting``:
+    DraftModel's tree options — drafting, branching, beam_width, num_chains, budget)."""
 
     name = "fastdraft"
 
     def __init__(self, model: ReducedVocabLM, max_draft_tokens: int = 8, tree_width: int = 1,
                  confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None,
-                 info: dict | None = None):
+                 info: dict | None = None, **drafting):
         if not isinstance(model, ReducedVocabLM):
             raise TypeError("FastDraft drafts with a ReducedVocabLM; load a trained one with "
                             "flashmm.drafters.load(dir), or use DraftModel for any other causal LM")
         super().__init__(model, max_draft_tokens=max_draft_tokens, tree_width=tree_width, confidence=confidence,
-                         adaptive=adaptive, length=length)
+                         adaptive=adaptive, length=length, **drafting)
         self.info = info or {}
 
     @classmethod

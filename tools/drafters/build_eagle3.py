@@ -88,8 +88,9 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-sequences", type=int, default=16)
     ap.add_argument("--eval-tokens", type=int, default=128, help="answer tokens replayed per held-out sequence")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     layers = (2, 15, 27)
     model, tokenizer = load_target("smollm2")
     train, held = load_examples(feature_folder(Path(args.features)), args.shards, layers)
@@ -133,12 +134,12 @@ def main(argv=None) -> None:
                                                "num_hidden_layers": model.config.num_hidden_layers,
                                                "architectures": ["LlamaForCausalLM"]},
                 "training": {"style": args.ship, **summary["options"], "history": summary["history"][-3:],
-                             "shards": args.shards, "train_sequences": len(train), "threads": 1,
+                             "shards": args.shards, "train_sequences": len(train), "threads": args.threads,
                              "features": "flashmm.train.corpus.features(layers=(2, 15, 27, 30), top_k=32, greedy)"},
                 "replay_tau": evals,
                 "command": f"python -m tools.drafters.build_eagle3 --shards {args.shards} --steps {args.steps} "
                            f"--ttt-steps {args.ttt_steps} --lr {args.lr} --styles {args.styles} --ship {args.ship} "
-                           f"--seed {args.seed}",
+                           f"--seed {args.seed} --threads {args.threads}",
                 "notes": "EAGLE-3 head (fc over layers 2/15/27 + one Llama layer + reduced 8192-token vocabulary), "
                          "training-time test; EAGLE-2 dynamic trees by default"}
         save_head(args.out, net.half().float(), info, dict(tree="dynamic", depth=6, top_k=8))
