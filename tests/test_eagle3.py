@@ -12,6 +12,7 @@ from flashmm.drafters import Eagle3Drafter, load
 from flashmm.drafters.base import Draft, Drafter, SequenceStart, root_only
 from flashmm.drafters.dynamic_tree import grow
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
+from flashmm.shapes import sequoia_tree
 from flashmm.train import eagle3 as E
 
 from stats_utils import chi_square_pvalue
@@ -199,6 +200,53 @@ def test_dynamic_tree_equals_brute_force_per_node_paths():
     assert len(set(pairs)) == len(pairs) and all(p <= i for i, p in enumerate(mine.parents))
 
 
+def test_sequoia_tree_equals_brute_force_ranks():
+    """tree="sequoia": node (r1..rd) is the r_d-th most likely child, under the head run from
+    scratch on that node's own path; the shape is Sequoia's programme for the vector."""
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(0, VOCAB, 2)), seed=5).double()
+    embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach().double())
+    ids = prompt(10, seed=6)
+    feats = features_of(target, ids).double()
+    accept = [0.5, 0.2, 0.1]
+    drafter = Eagle3Drafter(net, tree="sequoia", depth=3, adaptive=False, accept=accept)
+    drafter._embed = embed
+    drafter.begin(SequenceStart(input_ids=ids[:, :9], hidden_states=feats[:, :9]))
+    drafter._sync(ids)
+    mine = drafter.grow(ids, budget=7)
+    paths = drafter.sequoia_paths(7)
+    assert sorted(paths) == sorted(tuple(c) for c in _choices(sequoia_tree(accept, 8, 3)[1]))
+    expand, run = brute_expand(net, embed, ids, feats)
+    root = net.logits(run([], -1)).log_softmax(-1)
+    order = sorted(paths, key=lambda p: (len(p), p))
+    for i, path in enumerate(order):
+        parent = mine.parents[i]
+        logp = root if parent == 0 else expand([parent - 1], _nodes(mine))[0]
+        assert mine.rows[i] == int(logp.argsort(descending=True)[path[-1]])
+        assert parent == (0 if len(path) == 1 else order.index(path[:-1]) + 1)
+
+
+def _nodes(grown):
+    from flashmm.drafters.dynamic_tree import Node  # noqa: PLC0415
+
+    depth = _depths(grown.parents)
+    return [Node(p - 1, r, s, depth[i + 1]) for i, (p, r, s) in enumerate(zip(grown.parents, grown.rows, grown.scores))]
+
+
+def _choices(tree):
+    parents, ranks = tree.parents.tolist(), tree.ranks.tolist()
+    paths = [()]
+    for v in range(1, len(parents)):
+        paths.append(paths[parents[v]] + (ranks[v],))
+    return paths[1:]
+
+
+def test_sequoia_needs_a_vector():
+    net = head_for(tiny_lm("llama", seed=0), list(range(3, VOCAB)), seed=1)
+    for bad in (None, [], [0.7, 0.6], [-0.1]):
+        with pytest.raises(ValueError, match="accept"):
+            Eagle3Drafter(net, tree="sequoia", accept=bad)
+
 def _depths(parents):
     depth = [0]
     for p in parents:
@@ -206,12 +254,13 @@ def _depths(parents):
     return depth
 
 
-@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+@pytest.mark.parametrize("tree", ["chain", "dynamic", "sequoia"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_is_token_identical(tree, arch):
     target = tiny_lm(arch, seed=0)
     net = head_for(target, list(range(3, VOCAB)), seed=1)
-    sm = flashmm.wrap(target, Eagle3Drafter(net, tree=tree, depth=3, top_k=3, adaptive=False))
+    accept = [0.4, 0.2, 0.1] if tree == "sequoia" else None
+    sm = flashmm.wrap(target, Eagle3Drafter(net, tree=tree, depth=3, top_k=3, adaptive=False, accept=accept))
     for seed in (0, 1):
         ids = prompt(9, seed=seed)
         assert torch.equal(sm.generate(ids, max_new_tokens=20, eos_token_id=[]),

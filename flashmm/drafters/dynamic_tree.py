@@ -86,6 +86,35 @@ def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, bud
                      rows=[nodes[i].row for i in kept], scores=[nodes[i].score for i in kept], expanded=expanded)
 
 
+def grow_static(root_logp: torch.Tensor, expand: Expand, paths: list[tuple[int, ...]]) -> GrownTree:
+    """A fixed tree of rank paths (a Sequoia tree, flashmm.shapes): the node at path (r1, .., rd)
+    is the r_d-th most likely child of the node at (r1, .., r_{d-1}); every node with children is
+    expanded once, depth by depth. ``paths`` must hold every prefix of each of its paths."""
+    if not paths:
+        raise ValueError("a static tree needs at least one rank path")
+    known = set(paths)
+    if any(p[:-1] and p[:-1] not in known for p in paths):
+        raise ValueError("every prefix of a rank path must be a path of the tree")
+    nodes: list[Node] = []
+    index_of: dict[tuple[int, ...], int] = {}
+    logp_of = {(): root_logp}
+    expanded = 0
+    for depth in range(1, max(len(p) for p in paths) + 1):
+        level = sorted(p for p in paths if len(p) == depth)
+        parents = sorted({p[:-1] for p in level} - set(logp_of))
+        if parents:
+            for parent, logp in zip(parents, expand([index_of[p] for p in parents], nodes)):
+                logp_of[parent] = logp
+            expanded += len(parents)
+        for path in level:
+            logp = logp_of[path[:-1]]
+            values, rows = logp.detach().float().topk(path[-1] + 1)
+            base = nodes[index_of[path[:-1]]].score if path[:-1] else 0.0
+            index_of[path] = len(nodes)
+            nodes.append(Node(index_of.get(path[:-1], -1), int(rows[-1]), base + float(values[-1]), depth))
+    return GrownTree(parents=[0 if n.parent < 0 else n.parent + 1 for n in nodes], rows=[n.row for n in nodes],
+                     scores=[n.score for n in nodes], expanded=expanded)
+
 def ancestors(nodes: list[Node], index: int) -> list[int]:
     """Indices of nodes[index]'s ancestors, root side first (the root itself excluded)."""
     out = []

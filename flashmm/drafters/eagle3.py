@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,8 +26,9 @@ from safetensors.torch import load_file, save_file
 from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
-from .dynamic_tree import GrownTree, TreeUnits, grow
-from .length import AdaptiveDraftLength, price_with_target
+from ..shapes import sequoia_tree
+from .dynamic_tree import GrownTree, TreeUnits, grow, grow_static
+from .length import AdaptiveDraftLength, best_tree_budget, price_with_target
 from .eagle3_net import Eagle3Config, Eagle3Net
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
@@ -34,7 +36,11 @@ CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
 
 @register
 class Eagle3Drafter(Drafter):
-    """net: an Eagle3Net. tree: "chain" or "dynamic" (EAGLE-2). depth: deepest drafted token.
+    """net: an Eagle3Net. tree: "chain", "dynamic" (EAGLE-2) or "sequoia" (the fixed tree of rank
+    paths that maximises expected accepted tokens per unit of the target's measured verify time,
+    flashmm.drafters.length.best_tree_budget, under the positional acceptance vector ``accept``:
+    accept[r] = P(the target's token is the head's r-th choice), measured on held-out text by
+    eval/sequoia_vector.py and saved with the head). depth: deepest drafted token.
     top_k: children per expanded node and nodes expanded per depth ("dynamic").
     max_nodes: cap on drafted tokens (None: the engine's budget, i.e. max_draft_tokens).
     adaptive: verify only the best-paying prefix of the grown tree (nodes by cumulative draft
@@ -47,16 +53,22 @@ class Eagle3Drafter(Drafter):
     needs_hidden_states = True
 
     def __init__(self, net: Eagle3Net, *, tree: str = "dynamic", depth: int = 6, top_k: int = 8,
-                 max_nodes: int | None = None, info: dict | None = None, adaptive: bool = True):
+                 max_nodes: int | None = None, info: dict | None = None, adaptive: bool = True,
+                 accept: Sequence[float] | None = None):
         if not isinstance(net, Eagle3Net):
             raise TypeError(f"net must be an Eagle3Net (flashmm.drafters.load(dir) reads a trained one), "
                             f"got {type(net).__name__}")
-        if tree not in ("chain", "dynamic"):
-            raise ValueError(f"tree must be 'chain' or 'dynamic', got {tree!r}")
+        if tree not in ("chain", "dynamic", "sequoia"):
+            raise ValueError(f"tree must be 'chain', 'dynamic' or 'sequoia', got {tree!r}")
+        if tree == "sequoia" and not (accept and all(0 <= a <= 1 for a in accept) and sum(accept) <= 1 + 1e-6):
+            raise ValueError("tree='sequoia' needs accept=[P(rank 0), P(rank 1), ...], probabilities summing to at "
+                             f"most 1 (measure them with eval/sequoia_vector.py), got {accept!r}")
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1, got {depth}, {top_k}")
         self.net = net.eval()
         self.tree, self.depth, self.top_k, self.max_nodes = tree, depth, top_k, max_nodes
+        self.accept = None if accept is None else [float(a) for a in accept]
+        self._shapes: dict[int, list[tuple[int, ...]]] = {}     # budget -> Sequoia rank paths
         self.feature_layers = tuple(net.cfg.feature_layers)
         self.info = info or {}
         self._embed = None
@@ -83,7 +95,10 @@ class Eagle3Drafter(Drafter):
 
     def save(self, path, info: dict) -> Path:
         """Write drafter.json (``info`` must name method and target) and model.safetensors (fp16 weights)."""
-        return save_head(path, self.net, info, dict(tree=self.tree, depth=self.depth, top_k=self.top_k))
+        drafting = dict(tree=self.tree, depth=self.depth, top_k=self.top_k)
+        if self.accept is not None:
+            drafting["accept"] = self.accept
+        return save_head(path, self.net, info, drafting)
 
     # ------------------------------------------------------------------ protocol
     def bind(self, target) -> None:
@@ -213,7 +228,26 @@ class Eagle3Drafter(Drafter):
 
         if self.tree == "chain":
             return grow(root_logp, expand, top_k=1, depth=min(self.depth, budget), budget=budget)
+        if self.tree == "sequoia":
+            return grow_static(root_logp, expand, self.sequoia_paths(budget))
         return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, budget=budget)
+
+    def sequoia_paths(self, budget: int) -> list[tuple[int, ...]]:
+        """The rank paths of the Sequoia tree for at most ``budget`` drafted nodes: the node count
+        that maximises tokens per unit of verify time when the target's cost is measured, else
+        the full budget."""
+        if budget not in self._shapes:
+            cost = self.length.verify_cost
+            if cost is not None:
+                _, tree, _ = best_tree_budget(self.accept, cost, budget + 1, self.depth)
+            else:
+                _, tree = sequoia_tree(self.accept, budget + 1, self.depth)
+            parents, ranks = tree.parents.tolist(), tree.ranks.tolist()
+            paths: list[tuple[int, ...]] = [()]
+            for node in range(1, len(parents)):
+                paths.append(paths[parents[node]] + (ranks[node],))
+            self._shapes[budget] = paths[1:] or [(0,)]
+        return self._shapes[budget]
 
 
 def save_head(path, net: Eagle3Net, info: dict, drafting: dict) -> Path:

