@@ -91,6 +91,7 @@ def main(argv=None):
                     help="a trained DraftModel folder (its drafting supports every scheme)")
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
     ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--categories", nargs="+", default=None, help="only these Spec-Bench categories")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 1.0])
@@ -102,7 +103,7 @@ def main(argv=None):
     rows = make_rows(model, args.drafter, args.budgets, args.temperatures)
     draft_lm = next(iter(rows.values()))[0].drafter.model
     ks = sorted({root for _, root in rows.values()})
-    questions = load_questions(args.questions, args.per_category)
+    questions = load_questions(args.questions, args.per_category, args.categories)
     warm = tokenizer("Hello", return_tensors="pt").input_ids
     for wrapped, _ in list(rows.values())[:: len(args.temperatures)]:
         wrapped.generate(warm, max_new_tokens=4, **sampling_of(1.0))

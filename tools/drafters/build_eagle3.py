@@ -1,18 +1,21 @@
 """Build SmolLM2's EAGLE-3 head from the cached target features of the self-distillation corpus.
 
-    python -m tools.drafters.build_eagle3 --features /tmp/head_work/features --work /tmp/eagle3_work \\
-        --out assets/text_drafters/smollm2/eagle3 --styles plain,hass,griffin --ship hass --seed 0
+    python -m tools.drafters.build_eagle3 --shards 50 --steps 6000 --ttt-steps 3 --lr 0.002 --styles plain \\
+        --ship plain --seed 0 --threads 2 [--features /tmp/head_work/features --work /tmp/eagle3_work]
+
+(the shipped head: 50 shards = the whole greedy corpus, ~35 min of feature extraction and ~30 min of
+training on 2 quiet cores, both resumable; ``--styles plain,hass,griffin`` trains one head per style.)
 
 The features are ``flashmm.train.corpus.features(model, "assets/corpus/smollm2", layers=(2, 15, 27, 30),
 top_k=32, cache_dir=<features>, which="greedy", batch_size=8, shard_size=64, target_name="smollm2")``
-(computed once, shard by shard, resumable: stage ``features`` computes the missing ones, ~25 s a
+(computed once, shard by shard, resumable: stage ``features`` computes the missing ones, ~40 s a
 shard on 2 quiet cores; the other stages read the first ``--shards`` shards). Held out from training: every 16th
 sequence (index % 16 == 15); τ is measured on the held-out ones of those shards by exact replay
 (flashmm.train.eagle3.replay_tau). Stages, each cached under --work (a killed run resumes):
-  features  the target's features over the whole greedy corpus (only when named in --stages)
-  train   one head per style (plain / hass / griffin), same seed, data order and step count
-  eval    greedy τ by exact replay: chains (depth 1..6 = budget) and EAGLE-2 trees (budget 60)
-  ship    the --ship style's head → --out (drafter.json + model.safetensors, fp16)
+  features  the target's features over the whole greedy corpus (missing shards only)
+  train     one head per style (plain / hass / griffin), same seed, data order and step count
+  eval      greedy τ by exact replay: chains (depth 1..6 = budget) and EAGLE-2 trees (budget 60)
+  ship      the --ship style's head → --out (drafter.json + model.safetensors, fp16)
 """
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ def main(argv=None) -> None:
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
     ap.add_argument("--work", default="/tmp/eagle3_work")
     ap.add_argument("--out", default="assets/text_drafters/smollm2/eagle3")
-    ap.add_argument("--stages", default="train,eval,ship")
+    ap.add_argument("--stages", default="features,train,eval,ship")
     ap.add_argument("--styles", default="plain,hass,griffin")
     ap.add_argument("--ship", default="hass")
     ap.add_argument("--shards", type=int, default=6)
