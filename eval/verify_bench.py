@@ -26,6 +26,7 @@ bound is a reference, not their bound (the without-replacement bound needs ≤ 1
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -79,10 +80,11 @@ def make_rows(model, drafter_dir: str, budgets, temperatures) -> dict:
 
 @torch.no_grad()
 def bound_terms(model, draft_lm, ids: torch.Tensor, prompt_len: int, temperature: float, ks) -> dict:
-    """{k: sum over the answer's positions of the optimal k-i.i.d.-draft acceptance}, and the count."""
+    """{str(k): sum over the answer's positions of the optimal k-i.i.d.-draft acceptance} (string keys,
+    as they read back from OUT.json for --resume), and the count."""
     p = torch.softmax(model(ids).logits[0, prompt_len - 1:-1].double() / temperature, -1)
     q = torch.softmax(draft_lm(ids).logits[0, prompt_len - 1:-1].double() / temperature, -1)
-    return {"positions": p.shape[0], **{k: float(acceptance_bound(p, q, k).sum()) for k in ks}}
+    return {"positions": p.shape[0], **{str(k): float(acceptance_bound(p, q, k).sum()) for k in ks}}
 
 
 def main(argv=None):
@@ -97,6 +99,7 @@ def main(argv=None):
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 1.0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="eval/results/verify_bench_smollm2")
+    ap.add_argument("--resume", action="store_true", help="keep the questions already in OUT.json, run the rest")
     args = ap.parse_args(argv)
 
     model, tokenizer = load_gguf_lm("smollm2")
@@ -107,8 +110,11 @@ def main(argv=None):
     warm = tokenizer("Hello", return_tensors="pt").input_ids
     for wrapped, _ in list(rows.values())[:: len(args.temperatures)]:
         wrapped.generate(warm, max_new_tokens=4, **sampling_of(1.0))
-    records = []
+    done = Path(f"{args.out}.json")
+    records = json.loads(done.read_text())["records"] if args.resume and done.exists() else []
     for qi, q in enumerate(tqdm(questions, desc="questions")):
+        if any(r["id"] == q["question_id"] for r in records):
+            continue  # seeds follow the question's index, so a resumed run draws what a whole one would
         ids = prompt_ids(tokenizer, q["turns"][0])
         rec = {"id": q["question_id"], "category": q["category"]}
         for temperature in args.temperatures:
@@ -151,7 +157,7 @@ def summarize(records, rows) -> dict:
             label=label, budget=budget, temperature=temperature, questions=len(done),
             tau=(steps + sum(r[key]["accepted"] for r in done)) / max(1, steps),
             first_level=sum(r[key]["first_accepted"] for r in done) / max(1, sum(r[key]["first_drafted"] for r in done)),
-            bound=sum(r[plain]["bound"][root] for r in done) / max(1, positions), root_branching=root,
+            bound=sum(r[plain]["bound"][str(root)] for r in done) / max(1, positions), root_branching=root,
             speedup=median([(r[key]["new_tokens"] / r[key]["seconds"]) / (r[plain]["new_tokens"] / r[plain]["seconds"])
                             for r in done]),
             cpu_speedup=median([(r[key]["new_tokens"] / r[key]["cpu_seconds"])
