@@ -143,6 +143,15 @@ class TokenTree:
             out.append(path[::-1])
         return out
 
+    def rank_paths(self) -> list[tuple[int, ...]]:
+        """The inverse of from_choices: each drafted node's path of sibling ranks from the root, in
+        node order (needs ``ranks``, which from_choices records)."""
+        parents, ranks = self.parents.tolist(), self.ranks.tolist()
+        paths: list[tuple[int, ...]] = [()]
+        for node in range(1, len(parents)):
+            paths.append(paths[parents[node]] + (ranks[node],))
+        return paths[1:]
+
     def attention_bias(self, prefix_len: int, dtype: torch.dtype, device=None) -> torch.Tensor:
         """Additive mask [1, 1, N, prefix_len + N]: 0 where visible, dtype-min elsewhere."""
         n = self.num_nodes

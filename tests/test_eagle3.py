@@ -215,7 +215,7 @@ def test_sequoia_tree_equals_brute_force_ranks():
     drafter._sync(ids)
     mine = drafter.grow(ids, budget=7)
     paths = drafter.sequoia_paths(7)
-    assert sorted(paths) == sorted(tuple(c) for c in _choices(sequoia_tree(accept, 8, 3)[1]))
+    assert sorted(paths) == sorted(sequoia_tree(accept, 8, 3)[1].rank_paths())
     expand, run = brute_expand(net, embed, ids, feats)
     root = net.logits(run([], -1)).log_softmax(-1)
     order = sorted(paths, key=lambda p: (len(p), p))
@@ -232,13 +232,6 @@ def _nodes(grown):
     depth = _depths(grown.parents)
     return [Node(p - 1, r, s, depth[i + 1]) for i, (p, r, s) in enumerate(zip(grown.parents, grown.rows, grown.scores))]
 
-
-def _choices(tree):
-    parents, ranks = tree.parents.tolist(), tree.ranks.tolist()
-    paths = [()]
-    for v in range(1, len(parents)):
-        paths.append(paths[parents[v]] + (ranks[v],))
-    return paths[1:]
 
 
 def test_sequoia_needs_a_vector():

@@ -85,3 +85,9 @@ def test_pack_roundtrip_batched():
 def test_invalid_trees(parents):
     with pytest.raises(ValueError):
         TokenTree.from_parents(parents)
+
+
+def test_rank_paths_invert_from_choices():
+    choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    tree = TokenTree.from_choices([list(c) for c in choices])
+    assert sorted(tree.rank_paths()) == sorted(choices)

@@ -242,11 +242,7 @@ class Eagle3Drafter(Drafter):
                 _, tree, _ = best_tree_budget(self.accept, cost, budget + 1, self.depth)
             else:
                 _, tree = sequoia_tree(self.accept, budget + 1, self.depth)
-            parents, ranks = tree.parents.tolist(), tree.ranks.tolist()
-            paths: list[tuple[int, ...]] = [()]
-            for node in range(1, len(parents)):
-                paths.append(paths[parents[node]] + (ranks[node],))
-            self._shapes[budget] = paths[1:] or [(0,)]
+            self._shapes[budget] = tree.rank_paths() or [(0,)]
         return self._shapes[budget]
 
 
