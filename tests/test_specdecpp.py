@@ -1,5 +1,6 @@
 """SpecDec++: the stop rule against a hand computation, the labels and hidden states against an
-independent forward, the head's training and folder, and greedy exactness through flashmm.generate."""
+independent forward, the head's training and folder, and greedy exactness through flashmm.generate;
+the same for EAGLE-3 trees scored by a rank-acceptance head (brute-force rank paths, folder loading)."""
 import math
 
 import pytest
@@ -8,10 +9,15 @@ import torch
 import flashmm
 from flashmm.config import SamplingParams
 from flashmm.drafters import SpecDecPP, load
-from flashmm.drafters.specdecpp import AcceptanceHead, save_specdecpp
+from flashmm.drafters import Eagle3Drafter
+from flashmm.drafters.base import SequenceStart
+from flashmm.drafters.eagle3 import save_head
+from flashmm.drafters.specdecpp import AcceptanceHead, RankAcceptanceHead, save_specdecpp
 from flashmm.drafters.fastdraft import save_reduced_lm
 from flashmm.train import acceptance as A
+from flashmm.train import eagle3 as E
 
+from test_eagle3 import brute_expand, features_of, head_for
 from test_fastdraft import reduced
 from text_models import VOCAB, prompt, tiny_lm
 
@@ -120,3 +126,143 @@ def test_folder_round_trip_decodes_exactly(tmp_path):
     (tmp_path / "fastdraft" / "drafter.json").unlink()
     with pytest.raises(FileNotFoundError, match="drafter.json"):
         load(tmp_path / "specdecpp")
+
+
+# ---------------------------------------------------------------- SpecDec++ for EAGLE-3 trees (RankAcceptanceHead)
+
+def constant_rank_head(hidden_size: int, rank_probs: list[float], ranks: int = 4) -> RankAcceptanceHead:
+    """A rank head predicting P(rank r) = rank_probs[r] everywhere (the rest on "none of them")."""
+    head = RankAcceptanceHead(hidden_size, ranks=ranks, max_depth=8, width=8)
+    probs = list(rank_probs) + [0.0] * (ranks - len(rank_probs))
+    probs.append(1.0 - sum(probs))
+    with torch.no_grad():
+        head.net[-1].weight.zero_()
+        head.net[-1].bias.copy_(torch.tensor(probs).clamp_min(1e-12).log())
+    return head.eval()
+
+
+def eagle3_setup(tree: str, depth: int, top_k: int, acceptance, threshold: float):
+    """A tiny EAGLE-3 head (float64) synced after a prompt, with the brute-force path runner of test_eagle3."""
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(0, VOCAB, 2)), seed=5).double()
+    embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach().double())
+    ids = prompt(10, seed=6)
+    feats = features_of(target, ids).double()
+    drafter = Eagle3Drafter(net, tree=tree, depth=depth, top_k=top_k, adaptive=False, acceptance=acceptance,
+                            threshold=threshold)
+    drafter._embed = embed
+    drafter.begin(SequenceStart(input_ids=ids[:, :9], hidden_states=feats[:, :9]))
+    drafter._sync(ids)
+    return drafter, ids, brute_expand(net, embed, ids, feats)
+
+
+@pytest.mark.parametrize("p_accept, threshold, expected", [
+    (0.8, 0.5, 3),    # path acceptance 0.8^j: 0.8, 0.64, 0.512 >= 0.5, then 0.41 < 0.5
+    (0.9, 0.5, 6),    # 0.9^6 = 0.531 >= 0.5, 0.9^7 = 0.478
+    (0.3, 0.5, 0),    # the first token is already below: nothing drafted
+    (0.99, 0.5, 8),   # never below before the depth cap
+])
+def test_eagle3_chain_stops_by_specdecpp_rule(p_accept, threshold, expected):
+    """tree="chain" + a rank head: SpecDec++'s stop (P(at least one rejection) > threshold) exactly,
+    the same counts as the draft-LM test above; each head pass saved is a level not expanded."""
+    drafter, ids, _ = eagle3_setup("chain", 8, 1, None, threshold)
+    drafter.acceptance = constant_rank_head(drafter.net.cfg.hidden_size, [p_accept])
+    grown = drafter.grow(ids, budget=16, specdec=True)
+    assert len(grown.rows) == expected and grown.levels == min(expected, 7)
+    assert all(abs(s - (j + 1) * math.log(p_accept)) < 1e-6 for j, s in enumerate(grown.scores))
+
+
+def test_eagle3_tree_keeps_every_rank_path_above_the_floor_brute_force():
+    """A dynamic tree scored by a rank head keeps exactly the rank paths whose predicted acceptance
+    (product of rank probabilities) is >= 1 - threshold — enumerated by brute force — and each kept
+    node is its parent's r-th most likely child under the head run from scratch on its own path."""
+    import itertools  # noqa: PLC0415
+
+    rank_probs, threshold, depth, top_k = [0.6, 0.3], 0.8, 4, 2
+    drafter, ids, (expand, run) = eagle3_setup("dynamic", depth, top_k, None, threshold)
+    drafter.acceptance = constant_rank_head(drafter.net.cfg.hidden_size, rank_probs)
+    grown = drafter.grow(ids, budget=30, specdec=True)
+    want = {path for d in range(1, depth + 1) for path in itertools.product(range(top_k), repeat=d)
+            if math.prod(rank_probs[r] for r in path) >= 1 - threshold}
+    assert want == {(0,), (1,), (0, 0), (0, 0, 0)}        # the hand count: 0.6, 0.3, 0.36, 0.216
+    paths = [()]
+    for parent, row in zip(grown.parents, grown.rows):
+        logits = drafter.net.logits(run(_nodes_of(grown, drafter), parent - 1) if parent else run([], -1))
+        rank = int((logits > logits[row]).sum())
+        paths.append(paths[parent] + (rank,))
+    assert set(paths[1:]) == want and len(paths) - 1 == len(want)
+    assert grown.levels == 3                              # depth 4's candidates all fall below: no 4th pass
+
+
+def _nodes_of(grown, drafter):
+    from flashmm.drafters.dynamic_tree import Node  # noqa: PLC0415
+
+    depth = [0]
+    for p in grown.parents:
+        depth.append(depth[p] + 1)
+    return [Node(p - 1, r, s, depth[i + 1]) for i, (p, r, s) in enumerate(zip(grown.parents, grown.rows, grown.scores))]
+
+
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_eagle3_with_rank_head_is_token_identical(tree, arch):
+    target = tiny_lm(arch, seed=0)
+    net = head_for(target, list(range(3, VOCAB)), seed=1)
+    torch.manual_seed(2)
+    head = RankAcceptanceHead(net.cfg.hidden_size, ranks=4, width=16)   # random: arbitrary stops
+    for threshold in (0.3, 0.9):
+        sm = flashmm.wrap(target, Eagle3Drafter(net, tree=tree, depth=4, top_k=3, acceptance=head,
+                                                threshold=threshold))
+        for seed in (0, 1):
+            ids = prompt(9, seed=seed)
+            assert torch.equal(sm.generate(ids, max_new_tokens=20, eos_token_id=[]),
+                               target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
+
+
+def test_rank_head_folder_loads_onto_its_eagle3_head_and_refuses_mismatches(tmp_path):
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(3, VOCAB)), seed=1)
+    info = {"method": "eagle3", "target": {"name": "tiny", "vocab_size": VOCAB}}
+    save_head(tmp_path / "eagle3", net, info, dict(tree="dynamic", depth=4, top_k=3))
+    head = RankAcceptanceHead(net.cfg.hidden_size, ranks=4, width=16)
+    save_specdecpp(tmp_path / "specdecpp", head, tmp_path / "eagle3",
+                   {"method": "specdecpp", "target": info["target"], "threshold": 0.8})
+    loaded = load(tmp_path / "specdecpp")
+    assert isinstance(loaded, Eagle3Drafter) and loaded.threshold == 0.8 and loaded.tree == "dynamic"
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.acceptance.state_dict().values()))
+    ids = prompt(8, seed=5)
+    sm = flashmm.wrap(target, str(tmp_path / "specdecpp"))
+    assert torch.equal(sm.generate(ids, max_new_tokens=20, eos_token_id=[]),
+                       target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
+    with pytest.raises(ValueError, match="sequoia"):
+        load(tmp_path / "specdecpp", tree="sequoia", accept=[0.5])
+    with pytest.raises(ValueError, match="ranks"):
+        load(tmp_path / "specdecpp", top_k=5)
+    draft = reduced(target, list(range(3, 67)))
+    save_reduced_lm(tmp_path / "fastdraft", draft, {"method": "fastdraft", "target": info["target"]})
+    save_specdecpp(tmp_path / "wrong", head, tmp_path / "fastdraft", {"method": "specdecpp", "target": info["target"]})
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        load(tmp_path / "wrong")
+
+
+def test_rank_examples_agree_with_positional_acceptance():
+    """The labels' rank histogram is Sequoia's positional acceptance vector of the same head on the same
+    text (flashmm.train.eagle3.positional_acceptance, computed independently), depth by depth."""
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(0, VOCAB, 2)), seed=3)
+    embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach())
+    examples = []
+    for seed in range(3):
+        ids = target.generate(prompt(6, seed=seed), max_new_tokens=14, do_sample=False, eos_token_id=None)[0]
+        with torch.no_grad():
+            logits = target(ids[None]).logits[0]
+        values, top = logits.topk(4, dim=-1)
+        examples.append(E.Example(ids, features_of(target, ids[None])[0], top, values, logits.logsumexp(-1), 6))
+    data = A.rank_examples(net, embed, examples, steps=3, ranks=4, log=lambda m: None)
+    accept, pairs = E.positional_acceptance(net, embed, examples, 3, ranks=4)
+    assert len(data["label"]) == pairs and set(data["depth"].tolist()) == {0, 1, 2}
+    hist = torch.bincount(data["label"], minlength=5)[:4].double() / pairs
+    assert torch.allclose(hist, torch.tensor(accept, dtype=torch.float64), atol=1e-9)
+    head = RankAcceptanceHead(net.cfg.hidden_size, ranks=4, width=16)
+    metrics = A.rank_metrics(head, data)
+    assert sum(m["examples"] for m in metrics.values()) == pairs

@@ -15,9 +15,19 @@ itself). Growth, per depth:
 
 Children of a node are distinct tokens chosen deterministically (top-k), so a draft built from the
 tree has ``q_probs = None`` and is verified exactly by the deterministic-children rules.
+
+SpecDec++ (flashmm.drafters.specdecpp.RankAcceptanceHead) plugs in through ``score``: children are
+still the head's top-k tokens, but each is scored by a trained prediction of P(the target accepts
+it | its parent was accepted) instead of its draft probability, so a score is the node's predicted
+probability of being accepted; and with ``stop_below`` no node whose score is below it is kept or
+expanded (SpecDec++'s rule: never propose a token that makes P(at least one rejection on its path)
+exceed threshold, i.e. its path's acceptance < 1 - threshold), so growth stops at the first depth
+with no node above it, saving the head passes deeper levels would cost; on a chain this is
+exactly SpecDec++'s stop.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,17 +54,27 @@ class GrownTree:
     rows: list[int]
     scores: list[float]
     expanded: int                     # head calls' worth of nodes expanded (drafting cost)
+    levels: int = 0                   # expand calls made (head passes after the root's)
 
 
 Expand = Callable[[list[int], list[Node]], torch.Tensor]
 """expand(indices, nodes) → log probabilities [len(indices), V'] of the children of nodes[i]."""
 
+Score = Callable[[list[int], list[Node], torch.Tensor], torch.Tensor]
+"""score(indices, nodes, logps [m, V']) → [m, k] log P(accepted | parent accepted) of the k most likely
+children of each node (index -1 = the root), in rank order."""
 
-def _children(nodes: list[Node], parent: int, logp: torch.Tensor, top_k: int, depth: int, base: float) -> list[int]:
-    values, rows = logp.float().topk(min(top_k, logp.shape[-1]))
+
+def _children(nodes: list[Node], parents: list[int], logps: torch.Tensor, top_k: int, depth: int,
+              score: Score | None) -> list[int]:
+    values, rows = logps.float().topk(min(top_k, logps.shape[-1]), dim=-1)          # [m, k]
+    if score is not None:
+        values = score(parents, nodes, logps)[:, : rows.shape[1]].float()
     first = len(nodes)
-    for value, row in zip(values.tolist(), rows.tolist()):
-        nodes.append(Node(parent, row, base + value, depth))
+    for parent, row_values, row_ids in zip(parents, values.tolist(), rows.tolist()):
+        base = nodes[parent].score if parent >= 0 else 0.0
+        for value, row in zip(row_values, row_ids):
+            nodes.append(Node(parent, row, base + value, depth))
     return list(range(first, len(nodes)))
 
 
@@ -62,28 +82,32 @@ def _best(indices: list[int], nodes: list[Node], count: int) -> list[int]:
     return sorted(indices, key=lambda i: (-nodes[i].score, i))[:count]
 
 
-def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, budget: int) -> GrownTree:
-    """EAGLE-2 growth from root log probabilities [V'] (see the module docstring)."""
+def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, budget: int,
+         score: Score | None = None, stop_below: float | None = None) -> GrownTree:
+    """EAGLE-2 growth from root log probabilities [V'] (see the module docstring); ``score`` and
+    ``stop_below`` (a probability) are SpecDec++'s."""
     if top_k < 1 or depth < 1 or budget < 1:
         raise ValueError(f"top_k, depth and budget must be >= 1, got {top_k}, {depth}, {budget}")
+    floor = -math.inf if stop_below is None else math.log(max(stop_below, 1e-30))
     nodes: list[Node] = []
-    frontier = _children(nodes, -1, root_logp, top_k, 1, 0.0)
-    expanded = 0
+    frontier = [i for i in _children(nodes, [-1], root_logp[None], top_k, 1, score) if nodes[i].score >= floor]
+    expanded = levels = 0
     for level in range(2, depth + 1):
+        if not frontier:
+            break
         chosen = _best(frontier, nodes, top_k)
         logps = expand(chosen, nodes)                                  # [len(chosen), V']
-        expanded += len(chosen)
-        frontier = []
-        for index, logp in zip(chosen, logps):
-            frontier += _children(nodes, index, logp, top_k, level, nodes[index].score)
-    kept = _best(list(range(len(nodes))), nodes, budget)
+        expanded, levels = expanded + len(chosen), levels + 1
+        frontier = [i for i in _children(nodes, chosen, logps, top_k, level, score) if nodes[i].score >= floor]
+    kept = _best([i for i in range(len(nodes)) if nodes[i].score >= floor], nodes, budget)
     kept_set = set(kept)
     if any(nodes[i].parent >= 0 and nodes[i].parent not in kept_set for i in kept):
         raise AssertionError("rerank dropped a kept node's parent (scores must not grow along a path)")
     kept.sort(key=lambda i: (nodes[i].depth, i))
     position = {index: j + 1 for j, index in enumerate(kept)}
     return GrownTree(parents=[0 if nodes[i].parent < 0 else position[nodes[i].parent] for i in kept],
-                     rows=[nodes[i].row for i in kept], scores=[nodes[i].score for i in kept], expanded=expanded)
+                     rows=[nodes[i].row for i in kept], scores=[nodes[i].score for i in kept], expanded=expanded,
+                     levels=levels)
 
 
 def grow_static(root_logp: torch.Tensor, expand: Expand, paths: list[tuple[int, ...]]) -> GrownTree:
@@ -98,14 +122,14 @@ def grow_static(root_logp: torch.Tensor, expand: Expand, paths: list[tuple[int, 
     nodes: list[Node] = []
     index_of: dict[tuple[int, ...], int] = {}
     logp_of = {(): root_logp}
-    expanded = 0
+    expanded = levels = 0
     for depth in range(1, max(len(p) for p in paths) + 1):
         level = sorted(p for p in paths if len(p) == depth)
         parents = sorted({p[:-1] for p in level} - set(logp_of))
         if parents:
             for parent, logp in zip(parents, expand([index_of[p] for p in parents], nodes)):
                 logp_of[parent] = logp
-            expanded += len(parents)
+            expanded, levels = expanded + len(parents), levels + 1
         for path in level:
             logp = logp_of[path[:-1]]
             values, rows = logp.detach().float().topk(path[-1] + 1)
@@ -113,7 +137,7 @@ def grow_static(root_logp: torch.Tensor, expand: Expand, paths: list[tuple[int, 
             index_of[path] = len(nodes)
             nodes.append(Node(index_of.get(path[:-1], -1), int(rows[-1]), base + float(values[-1]), depth))
     return GrownTree(parents=[0 if n.parent < 0 else n.parent + 1 for n in nodes], rows=[n.row for n in nodes],
-                     scores=[n.score for n in nodes], expanded=expanded)
+                     scores=[n.score for n in nodes], expanded=expanded, levels=levels)
 
 def ancestors(nodes: list[Node], index: int) -> list[int]:
     """Indices of nodes[index]'s ancestors, root side first (the root itself excluded)."""

@@ -47,14 +47,18 @@ class Eagle3Drafter(Drafter):
     probability, times a calibration learned online: accepted / predicted), priced by
     AdaptiveDraftLength's verify cost; when even the best prefix does not repay the head's own passes
     (its weights read once per depth, over the target's), drafting pauses for 1, 2, 4, .. 32 steps
-    before trying again, so a head that cannot pay for itself decodes at plain speed."""
+    before trying again, so a head that cannot pay for itself decodes at plain speed.
+    acceptance: a SpecDec++ RankAcceptanceHead trained for this head (a specdecpp folder loads it):
+    when decoding greedily, nodes are scored by its predicted acceptance and growth stops at the
+    first depth whose best node's predicted acceptance is below 1 - ``threshold``
+    (flashmm.drafters.specdecpp). Sampling keeps the draft-probability scores."""
 
     name = "eagle3"
     needs_hidden_states = True
 
     def __init__(self, net: Eagle3Net, *, tree: str = "dynamic", depth: int = 6, top_k: int = 8,
                  max_nodes: int | None = None, info: dict | None = None, adaptive: bool = True,
-                 accept: Sequence[float] | None = None):
+                 accept: Sequence[float] | None = None, acceptance=None, threshold: float = 0.7):
         if not isinstance(net, Eagle3Net):
             raise TypeError(f"net must be an Eagle3Net (flashmm.drafters.load(dir) reads a trained one), "
                             f"got {type(net).__name__}")
@@ -65,6 +69,16 @@ class Eagle3Drafter(Drafter):
                              f"most 1 (measure them with eval/sequoia_vector.py), got {accept!r}")
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1, got {depth}, {top_k}")
+        if acceptance is not None:
+            if tree == "sequoia":
+                raise ValueError("a SpecDec++ acceptance head scores dynamic trees and chains; tree='sequoia' is fixed")
+            if top_k > acceptance.ranks or acceptance.hidden_size != net.cfg.hidden_size:
+                raise ValueError(f"this acceptance head predicts {acceptance.ranks} ranks from states of width "
+                                 f"{acceptance.hidden_size}; the head drafts top_k={top_k} from width "
+                                 f"{net.cfg.hidden_size}")
+            if not 0.0 < threshold < 1.0:
+                raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+        self.acceptance, self.threshold = acceptance, threshold
         self.net = net.eval()
         self.tree, self.depth, self.top_k, self.max_nodes = tree, depth, top_k, max_nodes
         self.accept = None if accept is None else [float(a) for a in accept]
@@ -117,6 +131,8 @@ class Eagle3Drafter(Drafter):
         self._target_weights = sum(p.numel() for p in target.model.parameters())
         device = self._embed.weight.device
         self.net = self.net.to(device)
+        if self.acceptance is not None:
+            self.acceptance = self.acceptance.to(device)
 
     def _reset(self) -> None:
         self._past = None                       # (keys, values) [1, Hkv, U, hd] of committed units
@@ -154,11 +170,11 @@ class Eagle3Drafter(Drafter):
         if budget <= 0 or self._pause > 0:
             self._pause = max(0, self._pause - 1)
             return root_only(committed)
-        grown = self.grow(committed, budget)
-        if self.adaptive:
+        grown = self.grow(committed, budget, specdec=self.acceptance is not None and not sampling.do_sample)
+        if self.adaptive and grown.rows:
             grown = self._paying(grown)
-            if grown is None:
-                return root_only(committed)
+        if grown is None or not grown.rows:     # nothing pays, or SpecDec++ stopped before depth 1
+            return root_only(committed)
         ids = self.net.draft_to_target[torch.tensor(grown.rows, device=self.net.d2t.device)]
         tokens = torch.cat([committed[0, -1:], ids.to(committed.device)])[None]
         return Draft(tokens=tokens, tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)
@@ -176,7 +192,7 @@ class Eagle3Drafter(Drafter):
             rate = (1.0 + calibration * total) / self.length.cost(n)
             if rate > best_rate:
                 best_n, best_rate, predicted = n, rate, total
-        passes = 1 if self.tree == "chain" else self.depth
+        passes = 1 + grown.levels                       # the root's output, then one per expanded depth
         spent = passes * sum(p.numel() for p in self.net.parameters()) / max(self._target_weights, 1)
         paid = best_n and (1.0 + calibration * predicted) / (self.length.cost(best_n) + spent) > 1.0
         self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
@@ -187,7 +203,7 @@ class Eagle3Drafter(Drafter):
         index = {j + 1: i + 1 for i, j in enumerate(keep)}
         self._predicted = predicted
         return GrownTree(parents=[index.get(grown.parents[j], 0) for j in keep], rows=[grown.rows[j] for j in keep],
-                         scores=[grown.scores[j] for j in keep], expanded=grown.expanded)
+                         scores=[grown.scores[j] for j in keep], expanded=grown.expanded, levels=grown.levels)
 
     def _sync(self, committed: torch.Tensor) -> None:
         """Add units next .. root-1 to the committed cache; keep the last one's output."""
@@ -206,8 +222,9 @@ class Eagle3Drafter(Drafter):
         self._next = root
         self._root_out = out[0, -1]
 
-    def grow(self, committed: torch.Tensor, budget: int) -> GrownTree:
-        """The draft tree after the synced root (chain: top_k = 1, depth = min(depth, budget))."""
+    def grow(self, committed: torch.Tensor, budget: int, specdec: bool = False) -> GrownTree:
+        """The draft tree after the synced root (chain: top_k = 1, depth = min(depth, budget)); with
+        ``specdec`` scored and stopped by the acceptance head."""
         root_logp = self.net.logits(self._root_out).log_softmax(-1)
         units = TreeUnits()
         root_pos = committed.shape[1] - 1                  # the root unit's position is root_pos - 1
@@ -226,11 +243,17 @@ class Eagle3Drafter(Drafter):
             units.add(chosen, keys[:, :, -len(chosen):], values[:, :, -len(chosen):], out[0])
             return self.net.logits(out[0]).log_softmax(-1)
 
+        def score(chosen, nodes, logps):
+            states = torch.stack([self._root_out if i < 0 else units.outputs[i] for i in chosen])
+            depth = torch.tensor([0 if i < 0 else nodes[i].depth for i in chosen], device=states.device)
+            return self.acceptance(states, self.acceptance.summary(logps), depth)
+
+        stop = dict(score=score, stop_below=1.0 - self.threshold) if specdec else {}
         if self.tree == "chain":
-            return grow(root_logp, expand, top_k=1, depth=min(self.depth, budget), budget=budget)
+            return grow(root_logp, expand, top_k=1, depth=min(self.depth, budget), budget=budget, **stop)
         if self.tree == "sequoia":
             return grow_static(root_logp, expand, self.sequoia_paths(budget))
-        return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, budget=budget)
+        return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, budget=budget, **stop)
 
     def sequoia_paths(self, budget: int) -> list[tuple[int, ...]]:
         """The rank paths of the Sequoia tree for at most ``budget`` drafted nodes: the node count

@@ -12,9 +12,18 @@ exact. The head is trained for greedy decoding (labels: the draft's argmax equal
 greedy token, flashmm.train.acceptance); when sampling, the chain falls back to the wrapped
 draft's adaptive length.
 
+For tree-drafting heads (EAGLE-3), ``RankAcceptanceHead`` generalises the stop rule to trees: read
+at a node (the head's output state there, its draft distribution, the node's depth) it predicts
+the categorical P(the target's next token is the node's r-th most likely child | the node was
+accepted), r = 0 .. ranks - 1, so every drafted node gets a predicted acceptance = the product
+along its path. Eagle3Drafter(acceptance=..., threshold=...) scores its EAGLE-2 growth with it and
+stops growing at the first depth whose best node is below 1 - threshold (a chain is the k = 1 case:
+exactly SpecDec++'s rule); its adaptive pricing then reads calibrated probabilities. Greedy only,
+as for chains.
+
 On disk (``flashmm.drafters.load(dir)``): ``drafter.json`` (method and drafter "specdecpp", the
-target, ``draft``: the draft model's folder relative to this one, ``head``: the head's sizes,
-``threshold``) and ``head.safetensors``.
+target, ``draft``: the drafter's folder relative to this one — a draft LM or an EAGLE-3 head —,
+``head``: the head's kind and sizes, ``threshold``) and ``head.safetensors``.
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ from torch import nn
 
 from .base import register
 from .draft_model import DraftModel
-from .saved import CONFIG_FILE, load
+from .saved import CONFIG_FILE, load, read_info
 
 HEAD_FILE = "head.safetensors"
 
@@ -56,6 +65,37 @@ class AcceptanceHead(nn.Module):
     def forward(self, hidden: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
         """hidden [.., d], scalars [.., 2] (``scalars(probs)``) -> logits [..]."""
         return self.net(torch.cat([hidden.float(), scalars.float()], dim=-1))[..., 0]
+
+
+class RankAcceptanceHead(nn.Module):
+    """MLP: (a node's head output state [.., d], the draft's log-probabilities there [.., V'], the
+    node's depth [..] (0 = the root)) -> [.., ranks + 1] log P(the target's next token is the r-th most
+    likely child), the last column "none of the top ``ranks``". Inputs: the state through a
+    LayerNorm, the top-``ranks`` log-probabilities and the entropy (``summary``), the depth one-hot
+    (depths past ``max_depth`` - 1 share the last)."""
+
+    def __init__(self, hidden_size: int, ranks: int = 8, max_depth: int = 8, width: int = 128):
+        super().__init__()
+        self.hidden_size, self.ranks, self.max_depth, self.width = hidden_size, ranks, max_depth, width
+        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False)
+        self.net = nn.Sequential(nn.Linear(hidden_size + ranks + 1 + max_depth, width), nn.SiLU(),
+                                 nn.Linear(width, width), nn.SiLU(), nn.Linear(width, ranks + 1))
+
+    def summary(self, logp: torch.Tensor) -> torch.Tensor:
+        """logp [.., V'] -> [.., ranks + 1]: the top ``ranks`` log-probabilities, then the entropy (nats)."""
+        logp = logp.float().log_softmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
+        return torch.cat([logp.topk(self.ranks, dim=-1).values.clamp_min(-30.0), entropy], dim=-1)
+
+    def forward(self, hidden: torch.Tensor, summary: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        """hidden [.., d], summary [.., ranks + 1] (``summary(logp)``), depth [..] -> log-probs [.., ranks + 1]."""
+        onehot = nn.functional.one_hot(depth.long().clamp(0, self.max_depth - 1), self.max_depth).float()
+        x = torch.cat([self.norm(hidden.float()), summary.float(), onehot], dim=-1)
+        return self.net(x).log_softmax(-1)
+
+    def sizes(self) -> dict:
+        return {"kind": "ranks", "hidden_size": self.hidden_size, "ranks": self.ranks, "max_depth": self.max_depth,
+                "width": self.width}
 
 
 def output_layer(model: nn.Module) -> nn.Module:
@@ -129,15 +169,24 @@ class SpecDecPP(DraftModel):
         if not draft_dir.is_dir():
             raise FileNotFoundError(f"{path}: its draft folder {info['draft']!r} ({draft_dir}) is missing; "
                                     "SpecDec++ heads are trained for one draft model, keep the two folders together")
-        draft = load(draft_dir, dtype=dtype)
-        head = AcceptanceHead(info["head"]["hidden_size"], info["head"]["width"])
-        head.load_state_dict({k: v.float() for k, v in load_file(str(path / HEAD_FILE)).items()})
+        sizes = dict(info["head"])
+        tensors = {k: v.float() for k, v in load_file(str(path / HEAD_FILE)).items()}
         options.setdefault("threshold", info.get("threshold", 0.7))
+        if sizes.pop("kind", "chain") == "ranks":   # a head for a tree drafter (EAGLE-3)
+            if read_info(draft_dir)["drafter"] != "eagle3":
+                raise ValueError(f"{path}: a tree acceptance head needs an EAGLE-3 head folder as its draft, "
+                                 f"{draft_dir} holds {read_info(draft_dir)['drafter']!r}")
+            head = RankAcceptanceHead(**sizes)
+            head.load_state_dict(tensors)
+            return load(draft_dir, dtype=dtype, acceptance=head.eval(), **options)
+        draft = load(draft_dir, dtype=dtype)
+        head = AcceptanceHead(sizes["hidden_size"], sizes["width"])
+        head.load_state_dict(tensors)
         options.setdefault("max_draft_tokens", info.get("max_draft_tokens", 12))
         return cls(draft.model, head, info=info, **options)
 
 
-def save_specdecpp(path, head: AcceptanceHead, draft_dir, info: dict) -> Path:
+def save_specdecpp(path, head: AcceptanceHead | RankAcceptanceHead, draft_dir, info: dict) -> Path:
     """Write ``head`` (fp32: it is tiny) and ``info`` (must name method and target) into folder ``path``,
     pointing at ``draft_dir`` by a path relative to it."""
     for key in ("method", "target"):
@@ -147,6 +196,7 @@ def save_specdecpp(path, head: AcceptanceHead, draft_dir, info: dict) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().float().contiguous() for k, v in head.state_dict().items()}, str(path / HEAD_FILE))
     full = {**info, "drafter": SpecDecPP.name, "draft": os.path.relpath(Path(draft_dir).resolve(), path.resolve()),
-            "head": {"hidden_size": head.hidden_size, "width": head.width}}
+            "head": head.sizes() if isinstance(head, RankAcceptanceHead)
+            else {"kind": "chain", "hidden_size": head.hidden_size, "width": head.width}}
     (path / CONFIG_FILE).write_text(json.dumps(full, indent=1) + "\n")
     return path

@@ -9,6 +9,12 @@ probability and entropy) and that label.
 
     examples = acceptance_examples(draft_lm, sequences)          # sequences: [(ids, answer_start)]
     summary = train_head(head, examples, work_dir="/tmp/specdecpp", epochs=4)
+
+For an EAGLE-3 head (RankAcceptanceHead, trees): ``rank_examples`` unrolls the head on cached target
+features as it drafts (training-time test: depth s reads its own output at depth s - 1 along the
+target's text, i.e. along an accepted path) and labels each (position, depth) with the rank of the
+target's greedy token among the head's choices (``ranks`` = none of the top ones);
+``train_head(head, examples, loss=rank_loss, ...)`` fits it.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters.specdecpp import AcceptanceHead, output_layer
+from ..drafters.specdecpp import AcceptanceHead, RankAcceptanceHead, output_layer
 
 
 @torch.no_grad()
@@ -67,6 +73,71 @@ def acceptance_examples(draft_lm: torch.nn.Module, sequences: list[tuple[list[in
     return {k: torch.cat(v) for k, v in parts.items()}
 
 
+@torch.no_grad()
+def rank_examples(net, embed: torch.nn.Module, examples, steps: int, ranks: int, log=print) -> dict[str, torch.Tensor]:
+    """RankAcceptanceHead inputs and labels from EAGLE-3 training examples (flashmm.train.eagle3.Example):
+    at every answer position and depth 0 .. steps - 1 (the head unrolled on its own outputs,
+    flashmm.train.eagle3.ttt_outputs): hidden [N, d] fp16 (the head's output state), logp [N, ranks + 1]
+    (RankAcceptanceHead.summary of its draft distribution), depth [N], label [N] (the rank of the
+    target's greedy token among the head's choices; ``ranks`` when below the top ``ranks`` or outside
+    the head's vocabulary), sequence [N]."""
+    from .eagle3 import target_rows, ttt_outputs  # noqa: PLC0415
+
+    summarise = RankAcceptanceHead(net.cfg.hidden_size, ranks).summary
+    rows = target_rows(net)
+    parts: dict[str, list[torch.Tensor]] = {"hidden": [], "logp": [], "depth": [], "label": [], "sequence": []}
+    start_time = time.time()
+    net.eval()
+    for index, ex in enumerate(examples):
+        length = ex.ids.shape[0]
+        if length < 3:
+            continue
+        first, outputs = ttt_outputs(net, embed, ex, steps)
+        t = torch.arange(first, length - 1)
+        for step, hidden in enumerate(outputs):
+            label_pos = t + 1 + step
+            valid = (label_pos <= length - 2) & (label_pos >= ex.prompt_len - 1)
+            if not bool(valid.any()):
+                break
+            logits = net.logits(hidden[valid]).float()
+            label_rows = rows[ex.topk_ids[label_pos[valid], 0]]
+            rank = (logits > logits.gather(1, label_rows.clamp(min=0)[:, None])).sum(-1)
+            rank = torch.where((label_rows >= 0) & (rank < ranks), rank, torch.full_like(rank, ranks))
+            parts["hidden"].append(hidden[valid].half())
+            parts["logp"].append(summarise(logits.log_softmax(-1)))
+            parts["depth"].append(torch.full_like(rank, step))
+            parts["label"].append(rank)
+            parts["sequence"].append(torch.full_like(rank, index))
+        if index % 100 == 0:
+            log(f"rank examples: {index}/{len(examples)} sequences, {time.time() - start_time:.0f}s")
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def rank_loss(head: RankAcceptanceHead, examples: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the rank head on examples[rows] (mean, nats)."""
+    logp = head(examples["hidden"][rows].float(), examples["logp"][rows], examples["depth"][rows])
+    return F.nll_loss(logp, examples["label"][rows])
+
+
+@torch.no_grad()
+def rank_metrics(head: RankAcceptanceHead, examples: dict[str, torch.Tensor]) -> dict:
+    """Per depth: examples, the observed rate of rank 0, the head's mean predicted rate of rank 0, and
+    the log-loss (nats) of the head against the draft's own probabilities as the baseline (rank r:
+    the draft's r-th probability; "none": what is left)."""
+    out = {}
+    for depth in sorted(set(examples["depth"].tolist())):
+        rows = (examples["depth"] == depth).nonzero()[:, 0]
+        label = examples["label"][rows]
+        logp = head(examples["hidden"][rows].float(), examples["logp"][rows], examples["depth"][rows])
+        draft = examples["logp"][rows, : head.ranks].exp()
+        draft = torch.cat([draft, (1 - draft.sum(-1, keepdim=True)).clamp_min(1e-6)], dim=-1).clamp_min(1e-6).log()
+        out[int(depth)] = {"examples": len(rows), "rank0_rate": round(float((label == 0).float().mean()), 4),
+                           "rank0_predicted": round(float(logp[:, 0].exp().mean()), 4),
+                           "log_loss": round(float(F.nll_loss(logp, label)), 4),
+                           "log_loss_draft_probs": round(float(F.nll_loss(draft, label)), 4)}
+    return out
+
+
 def head_loss(head: AcceptanceHead, examples: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     """Binary cross-entropy of the head on examples[rows] (mean, nats)."""
     logits = head(examples["hidden"][rows].float(), examples["scalars"][rows])
@@ -105,9 +176,9 @@ def auc(score: torch.Tensor, label: torch.Tensor) -> float:
     return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
-def train_head(head: AcceptanceHead, examples: dict[str, torch.Tensor], *, work_dir, epochs: int = 4,
-               lr: float = 2e-3, batch_size: int = 1024, seed: int = 0, log=print) -> dict:
-    """AdamW on BCE, checkpointed after each epoch under work_dir (a killed run resumes there;
+def train_head(head, examples: dict[str, torch.Tensor], *, work_dir, epochs: int = 4,
+               lr: float = 2e-3, batch_size: int = 1024, seed: int = 0, loss=head_loss, log=print) -> dict:
+    """AdamW on ``loss`` (BCE of an AcceptanceHead by default; rank_loss for a RankAcceptanceHead), checkpointed after each epoch under work_dir (a killed run resumes there;
     a finished run is read back). Returns the summary (epochs done, last epoch's mean loss)."""
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -131,11 +202,11 @@ def train_head(head: AcceptanceHead, examples: dict[str, torch.Tensor], *, work_
             step = epoch * steps_per_epoch + b  # cosine decay to 0, a function of the step (so resuming is exact)
             for group in optimizer.param_groups:
                 group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
-            loss = head_loss(head, examples, rows)
+            value = loss(head, examples, rows)
             optimizer.zero_grad()
-            loss.backward()
+            value.backward()
             optimizer.step()
-            total += float(loss.detach()) * len(rows)
+            total += float(value.detach()) * len(rows)
         losses.append(total / n)
         log(f"head epoch {epoch + 1}/{epochs}: loss {losses[-1]:.4f}")
         torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epochs": epoch + 1,

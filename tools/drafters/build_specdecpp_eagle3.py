@@ -1,0 +1,164 @@
+"""Build SpecDec++ for SmolLM2's EAGLE-3 head: a rank-acceptance head that scores and stops its trees.
+
+    python -m tools.drafters.build_specdecpp_eagle3 --threads 2 \\
+        [--features /tmp/head_work/features --work /tmp/specdecpp_eagle3_work]
+
+Reads the target features build_eagle3 caches (its stage ``features`` computes them; same held-out
+split: every 16th corpus sequence). Stages, each cached under --work (a killed run resumes):
+  examples   the head unrolled on its own outputs along --train-sequences training sequences
+             (seeded) and the held-out ones: at each answer position and depth 0..--depth-1 the
+             head's state, draft distribution and the rank of the target's greedy token
+             (flashmm.train.acceptance.rank_examples)
+  train      the RankAcceptanceHead: AdamW on cross-entropy, one checkpoint per epoch
+  threshold  exact greedy replay (flashmm.train.eagle3.replay_tau) of --replay-sequences held-out
+             answers with the drafter as deployed (EAGLE-2 tree, adaptive pricing against the
+             target's measured verify cost): no acceptance head, then each --thresholds value; the
+             drafter's own time per step is measured, so each row gets a modeled speedup =
+             tokens / (sum over steps of t(nodes) / t(1) + drafting seconds / t(1)). The best
+             threshold is written with the head.
+The folder (--out) references the EAGLE-3 folder by a relative path (its weights are not copied).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from flashmm.drafters import load
+from flashmm.drafters.length import measure_verify_cost
+from flashmm.drafters.specdecpp import RankAcceptanceHead, save_specdecpp
+from flashmm.train import eagle3 as E
+from flashmm.train.acceptance import rank_examples, rank_loss, rank_metrics, train_head
+from tools.corpus.build import load_target
+from tools.drafters.build_eagle3 import feature_folder, load_examples
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+
+class Timed:
+    """A drafter wrapper for replay: records each step's drafted nodes and the seconds propose took."""
+
+    def __init__(self, drafter):
+        self.drafter, self.nodes, self.seconds = drafter, [], 0.0
+
+    def begin(self, start):
+        self.drafter.begin(start)
+
+    def observe(self, step):
+        self.drafter.observe(step)
+
+    def propose(self, committed, max_tokens, sampling, generator):
+        start = time.perf_counter()
+        draft = self.drafter.propose(committed, max_tokens, sampling, generator)
+        self.seconds += time.perf_counter() - start
+        self.nodes.append(draft.tokens.shape[1])
+        return draft
+
+
+def replay(drafter, embed, examples, budget: int, tokens: int, verify_cost) -> dict:
+    """τ, nodes per step, drafting ms per step and the modeled speedup of ``drafter`` on ``examples``."""
+    drafter._embed = embed
+    timed = Timed(drafter)
+    emitted = steps = 0
+    for ex in examples:
+        e, s = E.replay_tau(timed, ex, budget, tokens)
+        emitted, steps = emitted + e, steps + s
+    t1 = verify_cost.seconds[0]
+    verify = sum(verify_cost.relative(n) for n in timed.nodes)
+    return {"tau": round(emitted / steps, 3), "steps": steps, "nodes_per_step": round(sum(timed.nodes) / steps, 2),
+            "draft_ms_per_step": round(1e3 * timed.seconds / steps, 2),
+            "modeled_speedup": round(emitted / (verify + timed.seconds / t1), 3)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--features", default="/tmp/head_work/features")
+    ap.add_argument("--eagle3", default="assets/text_drafters/smollm2/eagle3")
+    ap.add_argument("--work", default="/tmp/specdecpp_eagle3_work")
+    ap.add_argument("--out", default="assets/text_drafters/smollm2/specdecpp_eagle3")
+    ap.add_argument("--shards", type=int, default=50)
+    ap.add_argument("--train-sequences", type=int, default=600)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--replay-sequences", type=int, default=24)
+    ap.add_argument("--replay-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=60)
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    started = time.time()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model, _ = load_target("smollm2")
+    head_dir = Path(args.eagle3)
+    eagle3 = load(head_dir, adaptive=False)
+    layers = eagle3.net.cfg.feature_layers
+    train, held = load_examples(feature_folder(Path(args.features)), args.shards, tuple(layers))
+    train = [train[i] for i in sorted(random.Random(args.seed).sample(range(len(train)), args.train_sequences))]
+    embed = E.FrozenEmbedding(model.get_input_embeddings().weight.detach().float())
+
+    log("stage examples")
+    sets = {}
+    for name, examples in (("train", train), ("heldout", held)):
+        path = work / f"rank_examples_{name}.pt"
+        if not path.exists():
+            data = rank_examples(eagle3.net, embed, examples, args.depth, args.ranks, log=log)
+            torch.save(data, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+        sets[name] = torch.load(path, weights_only=True)
+    log(f"examples: {len(sets['train']['label'])} train, {len(sets['heldout']['label'])} held out")
+
+    log("stage train")
+    head = RankAcceptanceHead(eagle3.net.cfg.hidden_size, args.ranks, max(args.depth, 8), args.width)
+    summary = train_head(head, sets["train"], work_dir=work, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                         loss=rank_loss, log=log)
+    metrics = rank_metrics(head, sets["heldout"])
+    log(f"held-out metrics by depth: {json.dumps(metrics)}")
+
+    log("stage threshold")
+    cached = work / "threshold_replay.json"
+    rows = json.loads(cached.read_text()) if cached.exists() else {}
+    verify_cost = measure_verify_cost(model, linear="onednn")
+    weights = sum(p.numel() for p in model.parameters())
+    replay_set = held[: args.replay_sequences]
+    for h in [None] + args.thresholds:
+        key = "heuristic" if h is None else str(h)
+        if key in rows:
+            continue
+        drafter = load(head_dir, **({} if h is None else {"acceptance": head, "threshold": h}))
+        drafter.length.verify_cost, drafter._target_weights = verify_cost, weights  # what bind gives it
+        rows[key] = replay(drafter, embed, replay_set, args.budget, args.replay_tokens, verify_cost)
+        log(f"{key}: {json.dumps(rows[key])}")
+        cached.write_text(json.dumps(rows, indent=1))
+    best = max(args.thresholds, key=lambda h: rows[str(h)]["modeled_speedup"])
+    info = {"method": "specdecpp", "target": json.loads((head_dir / "drafter.json").read_text())["target"],
+            "threshold": best,
+            "training": {"draft": str(head_dir), "train_sequences": len(train), "train_examples": summary["examples"],
+                         "epochs": summary["epochs"], "losses": summary["losses"], "lr": args.lr, "seed": args.seed,
+                         "labels": "rank of the target's greedy token among the EAGLE-3 head's choices, the head "
+                                   "unrolled on its own outputs along the corpus's greedy answers",
+                         "heldout_metrics": metrics, "threshold_replay": rows,
+                         "replay": f"{len(replay_set)} held-out corpus answers x {args.replay_tokens} tokens, budget "
+                                   f"{args.budget}, adaptive pricing on (measured verify cost)",
+                         "seconds": round(time.time() - started)},
+            "notes": "SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; growth stops when the best "
+                     "node's predicted acceptance < 1 - threshold",
+            "command": f"python -m tools.drafters.build_specdecpp_eagle3 --threads {args.threads}"}
+    save_specdecpp(args.out, head, head_dir, info)
+    log(f"wrote {args.out} (threshold {best}); {time.time() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
