@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import cache as kv
 from ..config import SamplingParams
 from ..sampling import sample
 from ..tree import TokenTree
@@ -123,7 +122,7 @@ class VerticalCascade(Drafter):
     def begin(self, start) -> None:
         self.draft.begin(start)
         self.lookup.begin(start)
-        if hasattr(self.draft._cache, "rewind"):
+        if self.draft.recurrent:
             raise ValueError("a vertical cascade verifies lookup guesses in one multi-token draft forward; a "
                              "recurrent draft LM cannot be cropped back after a rejected guess: use it alone")
         self._spent, self._made = 1.0, 1.0
@@ -143,7 +142,7 @@ class VerticalCascade(Drafter):
         while len(chain) < depth:
             context = ids + chain
             guess, n = self._guess(context, depth - len(chain) - 1)
-            logits = self._logits_along(context + guess, len(guess) + 1, committed.device)  # [G + 1, V]
+            logits = self.draft.logits_along(context + guess, len(guess) + 1, committed.device)  # [G + 1, V]
             self.counts.forwards += 1
             spent += 1.0 if self._draft_cost is None else self._draft_cost.relative(len(guess) + 1)
             probs = self._probs(logits, context, guess, sampling, committed)
@@ -192,7 +191,7 @@ class VerticalCascade(Drafter):
                 token = accept_or_resample(q, guess[i], generator) if i < len(guess) else int(sample(q, generator))
             else:
                 token = int(q.topk(1).indices)
-                if self.draft._stop_before(q, token, len(chain)):
+                if self.draft.stop_before(q, token, len(chain)):
                     return i, True
             chain.append(token)
             q_rows.append(q)
@@ -200,27 +199,6 @@ class VerticalCascade(Drafter):
             if not matched or len(chain) >= depth:
                 return i + matched, len(chain) >= depth
         raise AssertionError("unreachable: the position after the last guess is never matched")
-
-    def _logits_along(self, ids: list[int], keep: int, device) -> torch.Tensor:
-        """Bring the draft's cache to ``ids`` and return its next-token logits [keep, V] after each of
-        the last ``keep`` tokens, in the target's vocabulary (DraftModel._logits_after, for several
-        positions: the same cache and bookkeeping, so the draft LM alone could take over)."""
-        draft = self.draft
-        common = 0
-        for a, b in zip(draft._cached_ids, ids):
-            if a != b:
-                break
-            common += 1
-        common = kv.rewind(draft._cache, min(common, len(ids) - keep))
-        feed = torch.tensor([ids[common:]], device=device)
-        draft._cached_ids = list(ids)
-        out = draft.model(input_ids=feed, past_key_values=draft._cache, use_cache=True, logits_to_keep=keep)
-        logits = out.logits[0, -keep:, : draft._shared_vocab]
-        if logits.shape[-1] == draft._target_vocab:
-            return logits
-        full = logits.new_full((keep, draft._target_vocab), float("-inf"))
-        full[:, : logits.shape[-1]] = logits
-        return full
 
     def _reprice(self, spent: float, made: int) -> None:
         """Scale the draft length's price of a token by the draft cost per token the cascade pays."""
@@ -231,7 +209,7 @@ class VerticalCascade(Drafter):
         self.draft.length.draft_token_cost = self._token_cost * self._spent / self._made
 
     def observe(self, step: StepResult) -> None:
-        self.draft._last_depth = self._drafted  # what DraftModel.observe reads: the chain it would have drafted
+        self.draft.last_depth = self._drafted  # what DraftModel.observe reads: the chain it would have drafted
         self.draft.observe(step)
 
     def fork(self) -> "VerticalCascade":
@@ -249,7 +227,7 @@ def check_vertical(draft: Drafter, lookup: Drafter) -> None:
     if draft.drafting != "sibling" or draft.tree_width != 1:
         raise ValueError("a vertical cascade drafts a chain: give a DraftModel with tree_width=1 and "
                          f"drafting='sibling' (got tree_width={draft.tree_width}, drafting={draft.drafting!r})")
-    if type(draft)._stop_before is not DraftModel._stop_before:
+    if type(draft).stop_before is not DraftModel.stop_before:
         raise ValueError(f"{type(draft).__name__} stops its chain with a rule that reads the state of its one-token "
                          "forwards (SpecDec++'s acceptance head); a vertical cascade scores several positions "
                          "per forward: use its DraftModel alone, or a plain DraftModel with `confidence`")

@@ -91,7 +91,7 @@ class CrossTokenizerDraft(DraftModel):
         if len(self.target_tokenizer) > target.vocab_size:
             raise ValueError(f"target_tokenizer has {len(self.target_tokenizer)} tokens but the target only "
                              f"{target.vocab_size} output rows: pass the target's own tokenizer")
-        self._shared_vocab = self._target_vocab = rows  # DraftModel._logits_after: the draft's own rows
+        self._shared_vocab = self._target_vocab = rows  # DraftModel.logits_after: the draft's own rows
         self._vocab = target.vocab_size
         if self.draft_ids is None:
             self.draft_ids, self.target_ids = vocabulary_intersection(self.tokenizer, self.target_tokenizer)
@@ -139,7 +139,7 @@ class CrossTokenizerDraft(DraftModel):
             raise NotImplementedError("CrossTokenizerDraft drafts one sequence at a time")
         budget = min(max_tokens, self.max_draft_tokens)
         depth = self.length.choose(budget) if self.adaptive else budget
-        self._last_depth = 0
+        self.last_depth = 0
         if depth <= 0:
             return root_only(committed)
         ids = committed[0].tolist()
@@ -151,13 +151,13 @@ class CrossTokenizerDraft(DraftModel):
         new: list[int] = []
         special = set(self.tokenizer.all_special_ids)
         for _ in range(depth):
-            logits = self._logits_after(context + new, committed.device)[0]
+            logits = self.logits_after(context + new, committed.device)[0]
             token = int(sample(logits.softmax(-1), generator)) if sampling.do_sample else int(logits.argmax())
-            if token in special or (not sampling.do_sample and self._stop_before(logits.softmax(-1), token, len(new))):
+            if token in special or (not sampling.do_sample and self.stop_before(logits.softmax(-1), token, len(new))):
                 break  # a special token (end of turn) has no text to hand over
             new.append(token)
         drafted = self.to_target(ids, self.continuation_text(context, new))[:depth] if new else []
-        self._last_depth = len(drafted)
+        self.last_depth = len(drafted)
         if not drafted:
             return root_only(committed)
         return Draft(tokens=committed.new_tensor([[ids[-1]] + drafted]), tree=TokenTree.chain(len(drafted)))
@@ -166,18 +166,18 @@ class CrossTokenizerDraft(DraftModel):
         """A chain of intersection tokens, q recorded over the target's vocabulary."""
         drafted, new, q_rows = [], [], []
         for _ in range(depth):
-            logits = self._logits_after(context + new, committed.device)[0]
+            logits = self.logits_after(context + new, committed.device)[0]
             full = logits.new_full((1, self._vocab), float("-inf"))
             full[0, self.target_ids.to(logits.device)] = logits[self.draft_ids.to(logits.device)]
             prefix = [committed.new_tensor(ids + drafted)] if sampling.needs_prefix else None
             q = sampling.probs(full, prefix)[0] if sampling.do_sample else full[0].softmax(-1)
             token = int(sample(q, generator)) if sampling.do_sample else int(q.argmax())
-            if not sampling.do_sample and self._stop_before(q, token, len(drafted)):
+            if not sampling.do_sample and self.stop_before(q, token, len(drafted)):
                 break
             q_rows.append(q)
             drafted.append(token)
             new.append(self._draft_of_target[token])
-        self._last_depth = len(drafted)
+        self.last_depth = len(drafted)
         if not drafted:
             return root_only(committed)
         q_probs = None

@@ -75,7 +75,7 @@ class DraftModel(Drafter):
         self.length = length or AdaptiveDraftLength()
         self._cache = None
         self._cached_ids: list[int] = []
-        self._last_depth = 0
+        self.last_depth = 0
         self._shared_vocab = self._target_vocab = output_rows(model)
 
     def bind(self, target) -> None:
@@ -111,25 +111,47 @@ class DraftModel(Drafter):
         self.length.draft_token_cost = draft_one / self.length.verify_cost.seconds[0]
 
     def begin(self, start) -> None:
-        self._cache, self._cached_ids = kv.new_cache(self.model), []
+        self.reset_cache()
         self.length.reset()
 
-    def _logits_after(self, ids: list[int], device) -> torch.Tensor:
+    def reset_cache(self) -> None:
+        """Forget the draft's cache (its weights changed, or a new sequence starts)."""
+        self._cache, self._cached_ids = kv.new_cache(self.model), []
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the draft's cache is a recurrent state (restored from snapshots, never cropped)."""
+        return hasattr(self._cache, "rewind")
+
+    def logits_after(self, ids: list[int], device) -> torch.Tensor:
         """Bring the cache to ``ids`` and return the next-token logits [1, V] after the last one."""
+        return self.logits_along(ids, 1, device)
+
+    def logits_along(self, ids: list[int], keep: int, device) -> torch.Tensor:
+        """Bring the cache to ``ids`` and return the next-token logits [keep, V] after each of the
+        last ``keep`` tokens (one forward), in the target's vocabulary: rows past the shared
+        vocabulary are -inf, never drafted. keep > 1 needs a cache that crops (not a recurrent one)."""
         common = 0
         for a, b in zip(self._cached_ids, ids):
             if a != b:
                 break
             common += 1
-        common = min(common, len(ids) - 1)  # always feed at least the last token
+        common = min(common, len(ids) - keep)  # always feed at least the last ``keep`` tokens
         common = kv.rewind(self._cache, common)  # a recurrent draft may go back further, to a saved state
         feed = torch.tensor([ids[common:]], device=device)
         self._cached_ids = list(ids)
-        # in the target's vocabulary: rows past the shared vocabulary are never drafted
-        logits = kv.next_logits(self.model, self._cache, feed)[:, : self._shared_vocab]
+        if keep == 1:
+            logits = kv.next_logits(self.model, self._cache, feed)
+        else:
+            if hasattr(self._cache, "rewind"):
+                raise ValueError("logits at several positions need a draft whose cache crops; a recurrent one "
+                                 "is fed one token at a time")
+            logits = self.model(input_ids=feed, past_key_values=self._cache, use_cache=True,
+                                logits_to_keep=keep).logits[0, -keep:]
+        logits = logits[:, : self._shared_vocab]
         if logits.shape[-1] == self._target_vocab:
             return logits
-        full = logits.new_full((1, self._target_vocab), float("-inf"))
+        full = logits.new_full((keep, self._target_vocab), float("-inf"))
         full[:, : logits.shape[-1]] = logits
         return full
 
@@ -152,7 +174,7 @@ class DraftModel(Drafter):
         width = self.tree_width
         depth_budget = min(max_tokens, self.max_draft_tokens) // width
         depth = self.length.choose(depth_budget) if self.adaptive else depth_budget
-        self._last_depth = 0
+        self.last_depth = 0
         if depth <= 0:
             return root_only(committed)
         ids = committed[0].tolist()
@@ -160,7 +182,7 @@ class DraftModel(Drafter):
         chain_node = 0
         for step in range(depth):
             context = ids + [tokens[n] for n in self._chain(parents, chain_node)]
-            logits = self._logits_after(context, committed.device)
+            logits = self.logits_after(context, committed.device)
             if sampling.do_sample:  # q processed exactly as the target's p at this node
                 q = sampling.probs(logits, [committed.new_tensor(context)] if sampling.needs_prefix else None)[0]
             else:
@@ -169,7 +191,7 @@ class DraftModel(Drafter):
                 children = sample(q.expand(width, -1), generator).tolist()
             else:
                 children = q.topk(width).indices.tolist()
-                if self._stop_before(q, children[0], len(q_rows)):
+                if self.stop_before(q, children[0], len(q_rows)):
                     break
             q_rows.append((chain_node, q))
             first_child = len(tokens)
@@ -177,7 +199,7 @@ class DraftModel(Drafter):
                 parents.append(chain_node)
                 tokens.append(c)
             chain_node = first_child
-        self._last_depth = len(q_rows)
+        self.last_depth = len(q_rows)
         tree = TokenTree.from_parents(parents)
         q_probs = None
         if sampling.do_sample:
@@ -194,7 +216,7 @@ class DraftModel(Drafter):
         def next_probs(context: list[int]) -> torch.Tensor:
             key = tuple(context[len(ids) - 1 :])
             if key not in memo:
-                logits = self._logits_after(context, committed.device)
+                logits = self.logits_after(context, committed.device)
                 if sampling.do_sample:  # q processed exactly as the target's p at this node
                     memo[key] = sampling.probs(logits, [committed.new_tensor(context)]
                                                if sampling.needs_prefix else None)[0]
@@ -210,10 +232,10 @@ class DraftModel(Drafter):
         else:
             tree = iid_chains_tree(next_probs, ids, self.num_chains, nodes // self.num_chains, sample, generator)
         if tree.num_drafted == 0:
-            self._last_depth = 0
+            self.last_depth = 0
             return root_only(committed)
         token_tree = TokenTree.from_parents(tree.parents)
-        self._last_depth = token_tree.max_depth
+        self.last_depth = token_tree.max_depth
         q_probs = None
         if sample:
             vocab = next(iter(tree.q_rows.values())).shape[-1]
@@ -222,7 +244,7 @@ class DraftModel(Drafter):
                 q_probs[0, node] = q
         return Draft(tokens=committed.new_tensor([tree.tokens]), tree=token_tree, q_probs=q_probs)
 
-    def _stop_before(self, q: torch.Tensor, token: int, drafted: int) -> bool:
+    def stop_before(self, q: torch.Tensor, token: int, drafted: int) -> bool:
         """Whether greedy drafting stops before adding ``token`` (q [V]: the draft's distribution at
         the chain's tip, after ``drafted`` tokens of this chain): here when q[token] < ``confidence``.
         SpecDec++ (flashmm.drafters.specdecpp) overrides it with a trained acceptance predictor."""
@@ -238,7 +260,7 @@ class DraftModel(Drafter):
         return out[::-1]
 
     def observe(self, step: StepResult) -> None:
-        self.length.update(self._last_depth, step.accepted_len)
+        self.length.update(self.last_depth, step.accepted_len)
 
 
 def output_rows(model: torch.nn.Module) -> int:

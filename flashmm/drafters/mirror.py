@@ -16,7 +16,7 @@ the inner drafter's q with its own generator (seeded from the caller's in the ma
 independent of the verification's randomness, as the rejection rule requires.
 
 Bookkeeping: the inner drafter sees propose(t), propose(guess), observe(t) in that order; a
-DraftModel pairs ``observe`` with its last proposal's depth (``_last_depth``), which the wrapper
+DraftModel pairs ``observe`` with its last proposal's depth (``last_depth``), which the wrapper
 restores to the depth of the draft the target actually verified. Hidden-state drafters (EAGLE,
 FLASH) need the target's features of step t before drafting step t+1 and are refused.
 
@@ -95,8 +95,8 @@ class Mirror(Drafter):
         if guess is not None and guess.error is None and guess.draft is not None and guess.context == ids:
             draft = guess.draft
             self.kept += 1
-            if hasattr(self.inner, "_last_depth"):
-                self.inner._last_depth = draft.tree.max_depth
+            if hasattr(self.inner, "last_depth"):
+                self.inner.last_depth = draft.tree.max_depth
         else:
             if guess is not None:
                 self.dropped += 1
@@ -143,7 +143,7 @@ class Mirror(Drafter):
 
     def _bonus_guess(self, context: torch.Tensor, sampling) -> int | None:
         """The inner drafter's most likely next token after context [1, T] (None: it has no guess)."""
-        logits_after = getattr(self.inner, "_logits_after", None)
+        logits_after = getattr(self.inner, "logits_after", None)
         if logits_after is not None:  # a draft LM: its argmax
             return int(logits_after(context[0].tolist(), context.device).argmax(-1))
         from ..config import SamplingParams  # noqa: PLC0415
@@ -156,8 +156,8 @@ class Mirror(Drafter):
         if self.record:
             self.timeline.append(("verify", self._verify_start, now))
         self._join()
-        if hasattr(self.inner, "_last_depth"):  # pair observe with the verified draft, not the guess
-            self.inner._last_depth = self._verified_depth
+        if hasattr(self.inner, "last_depth"):  # pair observe with the verified draft, not the guess
+            self.inner.last_depth = self._verified_depth
         self.inner.observe(step)
 
     def fork(self) -> "Mirror":

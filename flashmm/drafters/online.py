@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import cache as kv
 from ..train.draft_lm import DIVERGENCES, divergence, target_distribution, target_rows
 from .base import Drafter, StepResult
 from .draft_model import DraftModel
@@ -257,7 +256,7 @@ class OnlineSD(Drafter):
 
     def propose(self, committed, max_tokens, sampling, generator):
         if self._version != self.learner.version:  # the weights changed since this cache was built
-            self.inner._cache, self.inner._cached_ids = kv.new_cache(self.inner.model), []
+            self.inner.reset_cache()
             self._version = self.learner.version
         self._draft = self.inner.propose(committed, max_tokens, sampling, generator)
         return self._draft

@@ -136,11 +136,11 @@ class SpecDecPP(DraftModel):
     def _keep_hidden(self, module, args) -> None:
         self._hidden = args[0][:, -1]  # [1, d]: the state the LM head reads at the chain's tip
 
-    def _logits_after(self, ids: list[int], device) -> torch.Tensor:
+    def logits_after(self, ids: list[int], device) -> torch.Tensor:
         # hooked per call, not once: a fork shares the model but must keep its own tip state
         handle = self._output_layer.register_forward_pre_hook(self._keep_hidden)
         try:
-            return super()._logits_after(ids, device)
+            return super().logits_after(ids, device)
         finally:
             handle.remove()
 
@@ -153,7 +153,7 @@ class SpecDecPP(DraftModel):
         finally:
             self.adaptive = adaptive
 
-    def _stop_before(self, q: torch.Tensor, token: int, drafted: int) -> bool:
+    def stop_before(self, q: torch.Tensor, token: int, drafted: int) -> bool:
         if drafted == 0:
             self._all_accepted = 1.0
         with torch.no_grad():
