@@ -78,7 +78,7 @@ class Eagle3Drafter(Drafter):
                                  f"{net.cfg.hidden_size}")
             if not 0.0 < threshold < 1.0:
                 raise ValueError(f"threshold must be in (0, 1), got {threshold}")
-        self.acceptance, self.threshold = acceptance, threshold
+        self.acceptance, self.threshold = (None if acceptance is None else acceptance.eval()), threshold
         self.net = net.eval()
         self.tree, self.depth, self.top_k, self.max_nodes = tree, depth, top_k, max_nodes
         self.accept = None if accept is None else [float(a) for a in accept]

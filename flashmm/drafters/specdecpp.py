@@ -70,15 +70,21 @@ class AcceptanceHead(nn.Module):
 class RankAcceptanceHead(nn.Module):
     """MLP: (a node's head output state [.., d], the draft's log-probabilities there [.., V'], the
     node's depth [..] (0 = the root)) -> [.., ranks + 1] log P(the target's next token is the r-th most
-    likely child), the last column "none of the top ``ranks``". Inputs: the state through a
-    LayerNorm, the top-``ranks`` log-probabilities and the entropy (``summary``), the depth one-hot
-    (depths past ``max_depth`` - 1 share the last)."""
+    likely child), the last column "none of the top ``ranks``". Inputs: the top-``ranks``
+    log-probabilities and the entropy (``summary``), the depth one-hot (depths past ``max_depth`` - 1
+    share the last), and the state through a LayerNorm and a projection to ``state_width`` features
+    (dropout while training): a few hundred answers are what is left after the head's own training
+    text, and a full-width state lets a predictor memorise them (held-out log-loss 1.42 against 1.40
+    for the draft's own probabilities; 1.36 through 8 features)."""
 
-    def __init__(self, hidden_size: int, ranks: int = 8, max_depth: int = 8, width: int = 128):
+    def __init__(self, hidden_size: int, ranks: int = 8, max_depth: int = 8, width: int = 64, state_width: int = 8,
+                 dropout: float = 0.3):
         super().__init__()
-        self.hidden_size, self.ranks, self.max_depth, self.width = hidden_size, ranks, max_depth, width
+        self.hidden_size, self.ranks, self.max_depth = hidden_size, ranks, max_depth
+        self.width, self.state_width, self.dropout = width, state_width, dropout
         self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False)
-        self.net = nn.Sequential(nn.Linear(hidden_size + ranks + 1 + max_depth, width), nn.SiLU(),
+        self.state = nn.Linear(hidden_size, state_width)
+        self.net = nn.Sequential(nn.Linear(state_width + ranks + 1 + max_depth, width), nn.SiLU(),
                                  nn.Linear(width, width), nn.SiLU(), nn.Linear(width, ranks + 1))
 
     def summary(self, logp: torch.Tensor) -> torch.Tensor:
@@ -90,12 +96,12 @@ class RankAcceptanceHead(nn.Module):
     def forward(self, hidden: torch.Tensor, summary: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         """hidden [.., d], summary [.., ranks + 1] (``summary(logp)``), depth [..] -> log-probs [.., ranks + 1]."""
         onehot = nn.functional.one_hot(depth.long().clamp(0, self.max_depth - 1), self.max_depth).float()
-        x = torch.cat([self.norm(hidden.float()), summary.float(), onehot], dim=-1)
-        return self.net(x).log_softmax(-1)
+        state = nn.functional.dropout(self.state(self.norm(hidden.float())), self.dropout, self.training)
+        return self.net(torch.cat([state, summary.float(), onehot], dim=-1)).log_softmax(-1)
 
     def sizes(self) -> dict:
         return {"kind": "ranks", "hidden_size": self.hidden_size, "ranks": self.ranks, "max_depth": self.max_depth,
-                "width": self.width}
+                "width": self.width, "state_width": self.state_width, "dropout": self.dropout}
 
 
 def output_layer(model: nn.Module) -> nn.Module:

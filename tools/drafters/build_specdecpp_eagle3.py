@@ -3,14 +3,18 @@
     python -m tools.drafters.build_specdecpp_eagle3 --threads 2 \\
         [--features /tmp/head_work/features --work /tmp/specdecpp_eagle3_work]
 
-Reads the target features build_eagle3 caches (its stage ``features`` computes them; same held-out
-split: every 16th corpus sequence). Stages, each cached under --work (a killed run resumes):
-  examples   the head unrolled on its own outputs along --train-sequences training sequences
-             (seeded) and the held-out ones: at each answer position and depth 0..--depth-1 the
-             head's state, draft distribution and the rank of the target's greedy token
-             (flashmm.train.acceptance.rank_examples)
+Reads the target features build_eagle3 caches (its stage ``features`` computes them). Only the
+sequences the EAGLE-3 head never trained on are used (its held-out split, every 16th corpus
+sequence): on its own training text the head is more often right than on new text, and a
+predictor fitted there is overconfident (fitted on 600 training sequences, its held-out log-loss
+was worse than the head's own probabilities'). The first --eval-sequences of them are for
+evaluation (held-out metrics; the replay reads the first --replay-sequences), the rest train.
+Stages, each cached under --work (a killed run resumes):
+  examples   the head unrolled on its own outputs along those sequences: at each answer position
+             and depth 0..--depth-1 the head's state, draft distribution and the rank of the
+             target's greedy token (flashmm.train.acceptance.rank_examples)
   train      the RankAcceptanceHead: AdamW on cross-entropy, one checkpoint per epoch
-  threshold  exact greedy replay (flashmm.train.eagle3.replay_tau) of --replay-sequences held-out
+  threshold  exact greedy replay (flashmm.train.eagle3.replay_tau) of --replay-sequences evaluation
              answers with the drafter as deployed (EAGLE-2 tree, adaptive pricing against the
              target's measured verify cost): no acceptance head, then each --thresholds value; the
              drafter's own time per step is measured, so each row gets a modeled speedup =
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -83,16 +86,16 @@ def main(argv=None) -> None:
     ap.add_argument("--work", default="/tmp/specdecpp_eagle3_work")
     ap.add_argument("--out", default="assets/text_drafters/smollm2/specdecpp_eagle3")
     ap.add_argument("--shards", type=int, default=50)
-    ap.add_argument("--train-sequences", type=int, default=600)
+    ap.add_argument("--eval-sequences", type=int, default=48)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--replay-sequences", type=int, default=24)
     ap.add_argument("--replay-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=60)
-    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95])
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.8, 0.9, 0.95, 0.98])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
@@ -105,20 +108,22 @@ def main(argv=None) -> None:
     head_dir = Path(args.eagle3)
     eagle3 = load(head_dir, adaptive=False)
     layers = eagle3.net.cfg.feature_layers
-    train, held = load_examples(feature_folder(Path(args.features)), args.shards, tuple(layers))
-    train = [train[i] for i in sorted(random.Random(args.seed).sample(range(len(train)), args.train_sequences))]
+    _, held = load_examples(feature_folder(Path(args.features)), args.shards, tuple(layers))
+    if args.replay_sequences > args.eval_sequences or args.eval_sequences >= len(held):
+        raise ValueError(f"need replay ({args.replay_sequences}) <= eval ({args.eval_sequences}) < {len(held)} "
+                         "held-out sequences")
     embed = E.FrozenEmbedding(model.get_input_embeddings().weight.detach().float())
 
     log("stage examples")
-    sets = {}
-    for name, examples in (("train", train), ("heldout", held)):
-        path = work / f"rank_examples_{name}.pt"
-        if not path.exists():
-            data = rank_examples(eagle3.net, embed, examples, args.depth, args.ranks, log=log)
-            torch.save(data, path.with_suffix(".tmp"))
-            path.with_suffix(".tmp").replace(path)
-        sets[name] = torch.load(path, weights_only=True)
-    log(f"examples: {len(sets['train']['label'])} train, {len(sets['heldout']['label'])} held out")
+    path = work / "rank_examples_heldout.pt"
+    if not path.exists():
+        data = rank_examples(eagle3.net, embed, held, args.depth, args.ranks, log=log)
+        torch.save(data, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    data = torch.load(path, weights_only=True)
+    evaluation = data["sequence"] < args.eval_sequences
+    sets = {name: {k: v[rows] for k, v in data.items()} for name, rows in (("train", ~evaluation), ("heldout", evaluation))}
+    log(f"examples: {len(sets['train']['label'])} train, {len(sets['heldout']['label'])} evaluation")
 
     log("stage train")
     head = RankAcceptanceHead(eagle3.net.cfg.hidden_size, args.ranks, max(args.depth, 8), args.width)
@@ -145,16 +150,18 @@ def main(argv=None) -> None:
     best = max(args.thresholds, key=lambda h: rows[str(h)]["modeled_speedup"])
     info = {"method": "specdecpp", "target": json.loads((head_dir / "drafter.json").read_text())["target"],
             "threshold": best,
-            "training": {"draft": str(head_dir), "train_sequences": len(train), "train_examples": summary["examples"],
+            "training": {"draft": str(head_dir), "train_sequences": len(held) - args.eval_sequences,
+                         "train_examples": summary["examples"],
                          "epochs": summary["epochs"], "losses": summary["losses"], "lr": args.lr, "seed": args.seed,
                          "labels": "rank of the target's greedy token among the EAGLE-3 head's choices, the head "
-                                   "unrolled on its own outputs along the corpus's greedy answers",
+                                   "unrolled on its own outputs along greedy corpus answers it never trained on "
+                                   f"(its held-out split after the first {args.eval_sequences})",
                          "heldout_metrics": metrics, "threshold_replay": rows,
-                         "replay": f"{len(replay_set)} held-out corpus answers x {args.replay_tokens} tokens, budget "
+                         "replay": f"{len(replay_set)} evaluation answers x {args.replay_tokens} tokens, budget "
                                    f"{args.budget}, adaptive pricing on (measured verify cost)",
                          "seconds": round(time.time() - started)},
-            "notes": "SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; growth stops when the best "
-                     "node's predicted acceptance < 1 - threshold",
+            "notes": "SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; no node below 1 - threshold "
+                     "is drafted, so growth stops at the first depth without one",
             "command": f"python -m tools.drafters.build_specdecpp_eagle3 --threads {args.threads}"}
     save_specdecpp(args.out, head, head_dir, info)
     log(f"wrote {args.out} (threshold {best}); {time.time() - started:.0f}s")
