@@ -2,6 +2,7 @@
 independent forward, the head's training and folder, and greedy exactness through flashmm.generate;
 the same for EAGLE-3 trees scored by a rank-acceptance head (brute-force rank paths, folder loading)."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,3 +267,21 @@ def test_rank_examples_agree_with_positional_acceptance():
     head = RankAcceptanceHead(net.cfg.hidden_size, ranks=4, width=16)
     metrics = A.rank_metrics(head, data)
     assert sum(m["examples"] for m in metrics.values()) == pairs
+
+
+SHIPPED_EAGLE3 = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2/specdecpp_eagle3"
+
+
+def test_shipped_eagle3_acceptance_head_is_exact_on_smollm2(smollm2):
+    if not (SHIPPED_EAGLE3 / "drafter.json").exists():
+        pytest.skip("specdecpp_eagle3 is not built (python -m tools.drafters.build_specdecpp_eagle3)")
+    model, tokenizer = smollm2
+    drafter = load(SHIPPED_EAGLE3, adaptive=False)   # draft every step: exactness of what the head lets through
+    assert isinstance(drafter, Eagle3Drafter) and isinstance(drafter.acceptance, RankAcceptanceHead)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    sm = flashmm.wrap(model, drafter)
+    assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False),
+                       model.generate(ids, max_new_tokens=24, do_sample=False))
+    assert sm.last_stats.tau > 1.2
