@@ -52,9 +52,7 @@ def main(argv=None) -> None:
     rows, results = [], {}
     for label, folder in (("EAGLE-2 scoring", args.eagle3), ("SpecDec++", args.specdecpp)):
         for adaptive in (True, False):
-            drafter = load(folder, adaptive=adaptive)
-            drafter.length.verify_cost, drafter._target_weights = verify_cost, weights  # what bind gives it
-            r = replay(drafter, embed, examples, args.budget, args.tokens, verify_cost)
+            r = replay(load(folder, adaptive=adaptive), embed, examples, args.budget, args.tokens, verify_cost, weights)
             name = f"{label}, {'adaptive pricing' if adaptive else 'drafting every step'}"
             results[name] = r
             rows.append([name, r["tau"], r["nodes_per_step"], r["draft_ms_per_step"], r["modeled_speedup"]])

@@ -103,17 +103,24 @@ def test_ttt_outputs_equal_the_drafted_chain():
             assert torch.allclose(out, outputs[step][t - first], atol=1e-9), (t, step)
 
 
+def greedy_examples(target, count: int, max_new_tokens: int, top_k: int) -> list:
+    """Training examples of the target's own greedy answers to ``count`` 6-token prompts (seeds 0..)."""
+    examples = []
+    for seed in range(count):
+        ids = target.generate(prompt(6, seed=seed), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=None)[0]
+        with torch.no_grad():
+            logits = target(ids[None]).logits[0]
+        values, top = logits.topk(top_k, dim=-1)
+        examples.append(E.Example(ids, features_of(target, ids[None])[0], top, values, logits.logsumexp(-1), 6))
+    return examples
+
+
 def test_training_lowers_the_loss():
     target = tiny_lm("llama", seed=0)
     net = head_for(target, list(range(VOCAB)), seed=0)
     embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach())
-    examples = []
-    for seed in range(6):
-        ids = target.generate(prompt(6, seed=seed), max_new_tokens=18, do_sample=False, eos_token_id=None)[0]
-        with torch.no_grad():
-            logits = target(ids[None]).logits[0]
-        values, top = logits.topk(8, dim=-1)
-        examples.append(E.Example(ids, features_of(target, ids[None])[0], top, values, logits.logsumexp(-1), 6))
+    examples = greedy_examples(target, 6, 18, 8)
     rows = E.target_rows(net)
     for style in ("plain", "hass", "griffin"):
         opts = E.TrainOptions(style=style, ttt_steps=3, steps=60, lr=3e-3, warmup=5, checkpoint_every=1000)

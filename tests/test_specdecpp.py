@@ -18,7 +18,7 @@ from flashmm.drafters.fastdraft import save_reduced_lm
 from flashmm.train import acceptance as A
 from flashmm.train import eagle3 as E
 
-from test_eagle3 import brute_expand, features_of, head_for
+from test_eagle3 import brute_expand, features_of, greedy_examples, head_for
 from test_fastdraft import reduced
 from text_models import VOCAB, prompt, tiny_lm
 
@@ -248,17 +248,12 @@ def test_rank_head_folder_loads_onto_its_eagle3_head_and_refuses_mismatches(tmp_
 
 def test_rank_examples_agree_with_positional_acceptance():
     """The labels' rank histogram is Sequoia's positional acceptance vector of the same head on the same
-    text (flashmm.train.eagle3.positional_acceptance, computed independently), depth by depth."""
+    text (flashmm.train.eagle3.positional_acceptance: both read drafted_ranks, whose states
+    test_eagle3 checks against drafting), and every (position, depth) pair gets one label."""
     target = tiny_lm("llama", seed=0)
     net = head_for(target, list(range(0, VOCAB, 2)), seed=3)
     embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach())
-    examples = []
-    for seed in range(3):
-        ids = target.generate(prompt(6, seed=seed), max_new_tokens=14, do_sample=False, eos_token_id=None)[0]
-        with torch.no_grad():
-            logits = target(ids[None]).logits[0]
-        values, top = logits.topk(4, dim=-1)
-        examples.append(E.Example(ids, features_of(target, ids[None])[0], top, values, logits.logsumexp(-1), 6))
+    examples = greedy_examples(target, 3, 14, 4)
     data = A.rank_examples(net, embed, examples, steps=3, ranks=4, log=lambda m: None)
     accept, pairs = E.positional_acceptance(net, embed, examples, 3, ranks=4)
     assert len(data["label"]) == pairs and set(data["depth"].tolist()) == {0, 1, 2}

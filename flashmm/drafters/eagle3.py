@@ -49,8 +49,8 @@ class Eagle3Drafter(Drafter):
     (its weights read once per depth, over the target's), drafting pauses for 1, 2, 4, .. 32 steps
     before trying again, so a head that cannot pay for itself decodes at plain speed.
     acceptance: a SpecDec++ RankAcceptanceHead trained for this head (a specdecpp folder loads it):
-    when decoding greedily, nodes are scored by its predicted acceptance and growth stops at the
-    first depth whose best node's predicted acceptance is below 1 - ``threshold``
+    when decoding greedily, nodes are scored by its predicted acceptance, and none below
+    1 - ``threshold`` is drafted, so growth stops at the first depth without one
     (flashmm.drafters.specdecpp). Sampling keeps the draft-probability scores."""
 
     name = "eagle3"

@@ -77,11 +77,11 @@ def acceptance_examples(draft_lm: torch.nn.Module, sequences: list[tuple[list[in
 def rank_examples(net, embed: torch.nn.Module, examples, steps: int, ranks: int, log=print) -> dict[str, torch.Tensor]:
     """RankAcceptanceHead inputs and labels from EAGLE-3 training examples (flashmm.train.eagle3.Example):
     at every answer position and depth 0 .. steps - 1 (the head unrolled on its own outputs,
-    flashmm.train.eagle3.ttt_outputs): hidden [N, d] fp16 (the head's output state), logp [N, ranks + 1]
+    flashmm.train.eagle3.drafted_ranks): hidden [N, d] fp16 (the head's output state), logp [N, ranks + 1]
     (RankAcceptanceHead.summary of its draft distribution), depth [N], label [N] (the rank of the
     target's greedy token among the head's choices; ``ranks`` when below the top ``ranks`` or outside
     the head's vocabulary), sequence [N]."""
-    from .eagle3 import target_rows, ttt_outputs  # noqa: PLC0415
+    from .eagle3 import drafted_ranks, target_rows  # noqa: PLC0415
 
     summarise = RankAcceptanceHead(net.cfg.hidden_size, ranks).summary
     rows = target_rows(net)
@@ -89,25 +89,13 @@ def rank_examples(net, embed: torch.nn.Module, examples, steps: int, ranks: int,
     start_time = time.time()
     net.eval()
     for index, ex in enumerate(examples):
-        length = ex.ids.shape[0]
-        if length < 3:
-            continue
-        first, outputs = ttt_outputs(net, embed, ex, steps)
-        t = torch.arange(first, length - 1)
-        for step, hidden in enumerate(outputs):
-            label_pos = t + 1 + step
-            valid = (label_pos <= length - 2) & (label_pos >= ex.prompt_len - 1)
-            if not bool(valid.any()):
-                break
-            logits = net.logits(hidden[valid]).float()
-            label_rows = rows[ex.topk_ids[label_pos[valid], 0]]
-            rank = (logits > logits.gather(1, label_rows.clamp(min=0)[:, None])).sum(-1)
-            rank = torch.where((label_rows >= 0) & (rank < ranks), rank, torch.full_like(rank, ranks))
-            parts["hidden"].append(hidden[valid].half())
+        for step, states, logits, rank in drafted_ranks(net, embed, ex, steps, rows):
+            label = torch.where((rank >= 0) & (rank < ranks), rank, torch.full_like(rank, ranks))
+            parts["hidden"].append(states.half())
             parts["logp"].append(summarise(logits.log_softmax(-1)))
-            parts["depth"].append(torch.full_like(rank, step))
-            parts["label"].append(rank)
-            parts["sequence"].append(torch.full_like(rank, index))
+            parts["depth"].append(torch.full_like(label, step))
+            parts["label"].append(label)
+            parts["sequence"].append(torch.full_like(label, index))
         if index % 100 == 0:
             log(f"rank examples: {index}/{len(examples)} sequences, {time.time() - start_time:.0f}s")
     return {k: torch.cat(v) for k, v in parts.items()}

@@ -238,36 +238,44 @@ def evaluate(net: Eagle3Net, embed: torch.nn.Module, examples, opts: TrainOption
 
 
 
+def drafted_ranks(net: Eagle3Net, embed: torch.nn.Module, ex: Example, steps: int, rows: torch.Tensor):
+    """The head unrolled on its own outputs along one greedy example, as it drafts (ttt_outputs): for
+    each step (draft depth - 1) with answer positions, yields (step, states [n, d], logits [n, V'] float,
+    rank [n]) at them; rank = the rank of the target's greedy token among the head's choices (0 = its
+    argmax), -1 outside the head's vocabulary. rows: target_rows(net)."""
+    length = ex.ids.shape[0]
+    if length < 3:
+        return
+    first, outputs = ttt_outputs(net, embed, ex, steps)
+    t = torch.arange(first, length - 1)
+    for step, hidden in enumerate(outputs):
+        label_pos = t + 1 + step
+        valid = (label_pos <= length - 2) & (label_pos >= ex.prompt_len - 1)
+        if not bool(valid.any()):
+            return
+        logits = net.logits(hidden[valid]).float()
+        label_rows = rows[ex.topk_ids[label_pos[valid], 0]]
+        rank = (logits > logits.gather(1, label_rows.clamp(min=0)[:, None])).sum(-1)
+        yield step, hidden[valid], logits, torch.where(label_rows >= 0, rank, torch.full_like(rank, -1))
+
+
 @torch.no_grad()
 def positional_acceptance(net: Eagle3Net, embed: torch.nn.Module, examples, steps: int, ranks: int = 8
                           ) -> tuple[list[float], int]:
     """Sequoia's positional acceptance vector of a head on greedy text: accept[r] = the fraction of
     (answer position, draft depth 1..steps) pairs at which the target's token is the head's r-th
     choice (rank 0 = its argmax), the head running on its own outputs past depth 1 as it drafts
-    (training-time-test unrolling); a token outside the head's vocabulary counts at no rank.
+    (drafted_ranks); a token outside the head's vocabulary counts at no rank.
     Returns (accept [ranks], pairs counted)."""
     rows = target_rows(net)
     hits, total = torch.zeros(ranks), 0
     net.eval()
     for ex in examples:
-        length = ex.ids.shape[0]
-        if length < 3:
-            continue
-        first, outputs = ttt_outputs(net, embed, ex, steps)
-        t = torch.arange(first, length - 1)
-        for step, hidden in enumerate(outputs):
-            label_pos = t + 1 + step
-            valid = (label_pos <= length - 2) & (label_pos >= ex.prompt_len - 1)
-            if not bool(valid.any()):
-                break
-            logits = net.logits(hidden[valid]).float()
-            label_rows = rows[ex.topk_ids[label_pos[valid], 0]]
-            inside = label_rows >= 0
-            label_logit = logits.gather(1, label_rows.clamp(min=0)[:, None])
-            rank = (logits > label_logit).sum(-1)
-            hits += torch.bincount(rank[inside & (rank < ranks)], minlength=ranks)[:ranks].float()
-            total += int(valid.sum())
+        for _, _, _, rank in drafted_ranks(net, embed, ex, steps, rows):
+            hits += torch.bincount(rank[(rank >= 0) & (rank < ranks)], minlength=ranks)[:ranks].float()
+            total += len(rank)
     return (hits / max(1, total)).tolist(), total
+
 
 def init_from_target(net: Eagle3Net, target, feature_scale: list[float] | None = None,
                      freeze_head: bool = True) -> None:

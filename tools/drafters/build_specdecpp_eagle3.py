@@ -64,9 +64,11 @@ class Timed:
         return draft
 
 
-def replay(drafter, embed, examples, budget: int, tokens: int, verify_cost) -> dict:
-    """τ, nodes per step, drafting ms per step and the modeled speedup of ``drafter`` on ``examples``."""
+def replay(drafter, embed, examples, budget: int, tokens: int, verify_cost, target_weights: int) -> dict:
+    """τ, nodes per step, drafting ms per step and the modeled speedup of ``drafter`` on ``examples``,
+    priced as bind would price it (the target's verify cost and weight count) without a target."""
     drafter._embed = embed
+    drafter.length.verify_cost, drafter._target_weights = verify_cost, target_weights
     timed = Timed(drafter)
     emitted = steps = 0
     for ex in examples:
@@ -143,8 +145,7 @@ def main(argv=None) -> None:
         if key in rows:
             continue
         drafter = load(head_dir, **({} if h is None else {"acceptance": head, "threshold": h}))
-        drafter.length.verify_cost, drafter._target_weights = verify_cost, weights  # what bind gives it
-        rows[key] = replay(drafter, embed, replay_set, args.budget, args.replay_tokens, verify_cost)
+        rows[key] = replay(drafter, embed, replay_set, args.budget, args.replay_tokens, verify_cost, weights)
         log(f"{key}: {json.dumps(rows[key])}")
         cached.write_text(json.dumps(rows, indent=1))
     best = max(args.thresholds, key=lambda h: rows[str(h)]["modeled_speedup"])
