@@ -144,7 +144,8 @@ def test_adaptive_budget_declines_drafts_that_cost_a_whole_step():
 # ---------------------------------------------------------------------------- SWIFT
 def test_swift_searches_a_skip_set_and_decodes_greedy_identically():
     model = deep("llama")
-    drafter = Swift(adaptive=False, search_budget=6, evals_per_step=2, random_trials=3, window=16, max_draft_tokens=3)
+    drafter = Swift(adaptive=False, search_budget=6, evals_per_step=2, random_trials=3, window=16, max_draft_tokens=3,
+                    search_share=None)
     sm = flashmm.wrap(model, drafter)
     ids = prompt(12, seed=6)
     assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False), greedy_reference(model, ids, 24))
@@ -155,6 +156,25 @@ def test_swift_searches_a_skip_set_and_decodes_greedy_identically():
     # reused by the next request, which searches no more
     sm.generate(prompt(12, seed=7), max_new_tokens=8, do_sample=False)
     assert len(drafter.trials) == 6
+
+
+def test_swift_pays_for_its_search_out_of_decoding_time():
+    model = deep("llama")
+    # a share no search step fits in: one step (nothing spent yet), then none until decoding pays
+    drafter = Swift(adaptive=False, search_budget=6, evals_per_step=2, random_trials=3, window=16, max_draft_tokens=3,
+                    search_share=1e-9)
+    sm = flashmm.wrap(model, drafter)
+    ids = prompt(12, seed=6)
+    assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False), greedy_reference(model, ids, 24))
+    assert len(drafter.trials) == 2 and drafter.searching
+    assert drafter.decode_seconds > 0 and drafter.search_seconds > 1e-9 * drafter.decode_seconds
+    # a share every step fits in spends the whole budget in the first request
+    generous = Swift(adaptive=False, search_budget=6, evals_per_step=2, random_trials=3, window=16,
+                     max_draft_tokens=3, search_share=1e9)
+    flashmm.wrap(model, generous).generate(ids, max_new_tokens=24, do_sample=False)
+    assert len(generous.trials) == 6
+    with pytest.raises(ValueError, match="search_share"):
+        Swift(search_share=0.0)
 
 
 def test_swift_skipping_nothing_is_the_target_itself():

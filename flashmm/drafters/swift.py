@@ -14,12 +14,17 @@ Gaussian process over the skip bits (exp(−Hamming / length-scale) kernel) fitt
 far, picking the candidate of largest upper confidence bound among random one- and two-swap
 neighbours of the best sets and fresh random sets. ``evals_per_step`` candidates are scored per
 decoding step until ``search_budget`` have been; drafting meanwhile uses the best set found so far.
+The search is paid for out of decoding time: a step runs only while the seconds spent searching are
+at most ``search_share`` of the seconds this drafter's requests have spent decoding (SWIFT amortises
+its optimisation phase over requests the same way; unpaced, the first request on a CPU ran at a third
+of plain speed). ``search_share=None`` searches every step until the budget is spent.
 ``skip=(attention_layers, mlp_layers)`` fixes the set and skips the search.
 """
 from __future__ import annotations
 
 import math
 import random
+import time
 
 import torch
 
@@ -35,12 +40,18 @@ class Swift(SelfDrafter):
 
     def __init__(self, skip_ratio: float = 0.45, max_draft_tokens: int = 4, confidence: float = 0.6,
                  search_budget: int = 48, evals_per_step: int = 2, random_trials: int = 12, window: int = 48,
-                 skip: tuple | None = None, seed: int = 0, adaptive: bool = True):
+                 skip: tuple | None = None, seed: int = 0, adaptive: bool = True,
+                 search_share: float | None = 0.1):
         super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive)
         if not 0.0 < skip_ratio < 1.0:
             raise ValueError(f"skip_ratio must be in (0, 1), got {skip_ratio}")
+        if search_share is not None and not search_share > 0.0:
+            raise ValueError(f"search_share must be > 0 or None, got {search_share}")
         self.skip_ratio, self.search_budget, self.evals_per_step = skip_ratio, search_budget, evals_per_step
         self.random_trials, self.window = random_trials, window
+        self.search_share = search_share
+        self.search_seconds = self.decode_seconds = 0.0  # totals over every request so far
+        self._last_propose: float | None = None
         self.fixed = skip
         self.rng = random.Random(seed)
         self.trials: list[tuple[tuple[int, ...], float]] = []  # (skip bits: attention then MLP, matchness)
@@ -80,10 +91,17 @@ class Swift(SelfDrafter):
 
     def begin(self, start: SequenceStart) -> None:
         self._committed = None
+        self._last_propose = None  # the time between requests is not decoding time
 
     def propose(self, committed, max_tokens, sampling, generator):
-        if self.searching and committed.shape[1] >= 8:
+        now = time.perf_counter()
+        if self._last_propose is not None:
+            self.decode_seconds += now - self._last_propose
+        paid = self.search_share is None or self.search_seconds <= self.search_share * self.decode_seconds
+        if self.searching and paid and committed.shape[1] >= 8:
             self.search_step(committed[0, -self.window:])
+            self.search_seconds += time.perf_counter() - now
+        self._last_propose = now
         return super().propose(committed, max_tokens, sampling, generator)
 
     # ------------------------------------------------------------------ the search
