@@ -54,7 +54,8 @@ from tools.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_items
 PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
 TASK_ORDER = ("image", "video", "vqa", "photo")
 METHODS = ("flash", "flash_no_lookup", "flash_per_span", "flash_k1", "flash_none", "prompt_lookup",
-           "token_recycling", "suffix", "lookahead", "rest", "plain_onednn", "flash_torch_linear")
+           "token_recycling", "suffix", "lookahead", "rest", "plain_onednn", "flash_torch_linear", "flash_auto",
+           "flash_sequoia")
 #: the SmolLM2 REST datastore (the reference LMM's language model is SmolLM2: same token ids)
 REST_DATASTORE = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2/rest/datastore.safetensors"
 
@@ -446,6 +447,22 @@ def main(argv=None):
                                                                   "pool_spans": 1})
         notes.append("flash_none = the FLASH drafter's own weights run with compression='none' (training-free: "
                      "its visual-unit layer was trained on the learned compressor's outputs).")
+    if "flash_auto" in wanted:
+        drafters["flash_auto"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "tree": "dynamic",
+                                                             "budget": "auto", "max_nodes": None})
+        notes.append("flash_auto = the FLASH drafter's dynamic tree with budget='auto': each step keeps the "
+                     "prefix of its best-first nodes maximising (1 + Σ path probabilities) / (t(n)/t(1)), t the "
+                     f"target's measured verify time, up to max_draft_tokens={args.max_draft_tokens}.")
+    if "flash_sequoia" in wanted and flash.accept:
+        drafters["flash_sequoia"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "tree": "sequoia",
+                                                                "budget": "auto", "max_nodes": None})
+        notes.append("flash_sequoia = the Sequoia tree of the FLASH drafter's positional acceptance vector "
+                     f"(accept = {', '.join(f'{a:.3f}' for a in flash.accept[:4])}, ...: "
+                     "eval/flash_sequoia_vector.py, held-out seeds) with the node count maximising expected "
+                     f"tokens per unit of measured verify time, up to max_draft_tokens={args.max_draft_tokens}.")
+    elif "flash_sequoia" in wanted:
+        notes.append("no positional acceptance vector saved with the FLASH drafter (eval/flash_sequoia_vector.py "
+                     "--save): flash_sequoia skipped.")
     if "prompt_lookup" in wanted:
         drafters["prompt_lookup"] = "prompt_lookup"
     for name in ("token_recycling", "suffix", "lookahead"):  # model-free, registered by name

@@ -154,7 +154,7 @@ def test_best_first_is_top_paths_by_probability():
     depth, width, budget = 4, 3, 11
     probs = torch.rand(depth, width, generator=g).sort(dim=-1, descending=True).values
     probs = (probs / probs.sum(-1, keepdim=True) * 0.9).tolist()
-    chosen = drafter._best_first(probs, depth, budget)
+    chosen, chosen_scores = drafter._best_first(probs, depth, budget)
     scores = {}
     for d in range(1, depth + 1):
         for path in itertools.product(range(width), repeat=d):
@@ -162,6 +162,8 @@ def test_best_first_is_top_paths_by_probability():
     best = sorted(scores, key=scores.get, reverse=True)[:budget]
     assert set(chosen) == set(best)
     assert all(p[:-1] in set(chosen) or len(p) == 1 for p in chosen)  # prefix-closed
+    assert chosen_scores == pytest.approx([scores[p] for p in chosen])
+    assert chosen_scores == sorted(chosen_scores, reverse=True)      # best first: any prefix is the best of its size
 
 
 def test_draft_is_a_product_tree(text_target):
@@ -379,7 +381,8 @@ def test_draft_vocab_is_lossless_and_only_drafts_its_tokens(text_target, k):
                                         (dict(tree=[[0], []]), "non-empty"), (dict(depth=0), "depth"),
                                         (dict(top_k=0), "top_k"), (dict(draft_vocab=[]), "draft_vocab"),
                                         (dict(draft_vocab=[-1, 2]), "draft_vocab"),
-                                        (dict(pool_spans=0), "pool_spans")])
+                                        (dict(pool_spans=0), "pool_spans"), (dict(tree="sequoia"), "accept"),
+                                        (dict(accept=[0.7, 0.5]), "accept"), (dict(budget="ample"), "budget")])
 def test_option_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         FlashDrafter(None, **bad)
@@ -449,7 +452,7 @@ def test_lookup_chain_merges_into_the_flash_tree(chain, budget):
     assert len(nodes) == len(set(nodes)) <= budget                             # distinct siblings, in budget
     top_p, top_ids = dists.topk(2, dim=-1)
     priority = [tuple(int(top_ids[i][r]) for i, r in enumerate(p))
-                for p in drafter._best_first(top_p.tolist(), depth, min(budget, 8))]
+                for p in drafter._best_first(top_p.tolist(), depth, min(budget, 8))[0]]
     kept_chain = [tuple(chain[:i]) for i in range(1, len(chain) + 1) if tuple(chain[:i]) in set(nodes)]
     assert kept_chain == [tuple(chain[:i]) for i in range(1, len(kept_chain) + 1)]
     assert len(kept_chain) == min(len(chain), budget)                          # the whole chain, or what fits
@@ -471,3 +474,63 @@ def test_lookup_branch_greedy_exact_and_drafts_past_the_sar_depth(text_target, k
     assert torch.equal(out, text_target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False))
     assert all(d.num_draft_tokens <= 12 for d in drafts)
     assert any(d.tree.max_depth > 5 for d in drafts)                           # the lookup path goes deeper
+
+
+# ----------------------------------------------------------------------------------- Sequoia trees, measured budgets
+ACCEPT = [0.5, 0.2, 0.1, 0.05]
+
+
+def cost_of(relative):
+    """A VerifyCost whose t(n) / t(1) is relative(n) for n = 1..64."""
+    from flashmm.drafters.length import VerifyCost  # noqa: PLC0415
+
+    return VerifyCost(tuple(range(1, 65)), tuple(0.01 * relative(n) for n in range(1, 65)))
+
+
+@pytest.mark.parametrize("k", [1, 5])
+@pytest.mark.parametrize("tree, budget", [("sequoia", "fixed"), ("sequoia", "auto"), ("dynamic", "auto")])
+def test_greedy_exact_with_sequoia_trees_and_measured_budgets(text_target, k, tree, budget):
+    ids = prompt(9, seed=k)
+    drafter = drafter_for(text_target, k, tree=tree, accept=ACCEPT, budget=budget)
+    sm = flashmm.wrap(text_target, drafter)
+    out = sm.generate(ids, max_new_tokens=MAX_NEW)
+    assert torch.equal(out, text_target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False))
+    assert drafter.cost_source == ("measured" if budget == "auto" else "fixed budget")
+
+
+def test_sequoia_tree_is_the_dynamic_programme_of_its_vector():
+    from flashmm.drafters.length import best_tree_budget  # noqa: PLC0415
+    from flashmm.shapes import sequoia_tree  # noqa: PLC0415
+
+    drafter = FlashDrafter(None, tree="sequoia", accept=ACCEPT)
+    _, tree = sequoia_tree(ACCEPT, 11, 5)
+    assert drafter.sequoia_paths(10, 5) == tree.rank_paths()           # fixed budget: all 10 nodes
+    # measured: a forward of n tokens costing 1 + 0.25 (n - 1) one-token forwards
+    drafter.verify_cost = cost_of(lambda n: 1 + 0.25 * (n - 1))
+    drafter._sequoia = {}
+    n, tree, rate = best_tree_budget(ACCEPT, drafter.verify_cost, 11, 5)
+    paths = drafter.sequoia_paths(10, 5)
+    assert paths == tree.rank_paths() and len(paths) == n - 1 < 10
+    # by enumeration of the node counts: expected tokens per unit of verify time is largest at n
+    rates = [(1 + sequoia_tree(ACCEPT, m, 5)[0]) / (1 + 0.25 * (m - 1)) for m in range(1, 12)]
+    assert max(range(1, 12), key=lambda m: rates[m - 1]) == n and rate == pytest.approx(max(rates))
+
+
+@pytest.mark.parametrize("slope, expected", [(0.0, 6), (0.25, 2), (10.0, 0)])
+def test_measured_budget_keeps_the_paying_prefix_of_best_first_nodes(slope, expected):
+    drafter = FlashDrafter(None, budget="auto")
+    drafter.verify_cost = cost_of(lambda n: 1 + slope * (n - 1))
+    scores = [0.6, 0.35, 0.2, 0.1, 0.05, 0.01]
+    # (1 + sum of the first n scores) / (1 + slope n): free nodes all pay, dear ones none
+    rates = [(1 + sum(scores[:n])) / (1 + slope * n) for n in range(7)]
+    assert drafter._paying_prefix(scores) == max(range(7), key=lambda n: (rates[n], -n)) == expected
+
+
+def test_unpaying_budget_drafts_nothing_and_stays_exact(text_target):
+    ids = prompt(9, seed=3)
+    drafter = drafter_for(text_target, 5, tree="dynamic", budget="auto")
+    sm = flashmm.wrap(text_target, drafter)
+    drafter.verify_cost = cost_of(lambda n: 1 + 10.0 * (n - 1))  # what bind measured, overridden: no node pays
+    out = sm.generate(ids, max_new_tokens=MAX_NEW)
+    assert torch.equal(out, text_target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False))
+    assert sm.last_stats.drafted_tokens == 0

@@ -10,8 +10,15 @@ the next K. With tokens_per_step = 1 this is EAGLE-style autoregressive feature 
 
 Tree: the K positions of one pass are conditioned only on the committed prefix (plus the top-1
 chain of earlier passes), so every node at depth j gets the same children: the top tokens of
-the depth-(j+1) distribution. The tree is a static shape (Medusa-style rank paths), a chain, or
-"dynamic": best-first expansion by cumulative draft probability up to the token budget.
+the depth-(j+1) distribution. The tree is a static shape (Medusa-style rank paths), a chain,
+"dynamic": best-first expansion by cumulative draft probability up to the token budget, or
+"sequoia": the static tree maximising expected accepted tokens under the drafter's measured
+positional acceptance vector ``accept`` (flashmm.shapes.sequoia_tree; eval/flash_sequoia_vector.py
+measures it). ``budget="auto"`` sizes each step's tree by the target's measured verify time
+(target.verify_cost()): a dynamic tree keeps the prefix of its best-first nodes that maximises
+(1 + Σ path probabilities) / (t(n) / t(1)) — the path probability a node's estimate of its chance
+to be accepted —, a Sequoia tree the node count that maximises expected tokens per unit of verify
+time (flashmm.drafters.length.best_tree_budget).
 Children are deterministic, so q_probs is None and sampling is verified by the multi-round tree
 rule in its deterministic-children form (lossless).
 
@@ -41,6 +48,7 @@ from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import TreeUnits, grow
+from .length import best_tree_budget, measured_verify_cost
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units
 from .prompt_lookup import NgramIndex
 
@@ -63,7 +71,8 @@ class FlashDrafter(Drafter):
                   net sized for the target is built at ``bind``, with a warning).
     compression:  "learned" | "prune" | "merge" | "none" (visual tokens; see flash_modules).
     tree:         "dynamic" (best-first by cumulative probability, budget = the engine's token
-                  budget or ``max_nodes``), "chain", a list of rank paths (static shape), or
+                  budget or ``max_nodes``), "chain", a list of rank paths (static shape),
+                  "sequoia" (the Sequoia tree of ``accept``), or
                   "eagle2" (K = 1 heads: EAGLE-2 trees, every node expanded on its own path; see
                   dynamic_tree).
     depth:        deepest drafted position for "dynamic"/"chain" (default: the smallest multiple
@@ -89,7 +98,8 @@ class FlashDrafter(Drafter):
     def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, compression: str = "learned",
                  tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
                  max_nodes: int | None = None, min_path_prob: float = 0.0,
-                 draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0, pool_spans: int = 1):
+                 draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0, pool_spans: int = 1,
+                 accept: Sequence[float] | None = None, budget: str = "fixed"):
         if isinstance(net, (str, os.PathLike)):
             net = FlashDrafter.from_pretrained(net).net
         if net is not None and not isinstance(net, FlashNet):
@@ -97,8 +107,9 @@ class FlashDrafter(Drafter):
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
         if isinstance(tree, str):
-            if tree not in ("dynamic", "chain", "eagle2"):
-                raise ValueError(f"tree must be 'dynamic', 'chain', 'eagle2' or a list of rank paths, got {tree!r}")
+            if tree not in ("dynamic", "chain", "eagle2", "sequoia"):
+                raise ValueError(f"tree must be 'dynamic', 'chain', 'eagle2', 'sequoia' or a list of rank paths, "
+                                 f"got {tree!r}")
         else:
             tree = [list(map(int, p)) for p in tree]
             if not tree or any(len(p) == 0 for p in tree):
@@ -112,6 +123,16 @@ class FlashDrafter(Drafter):
             raise ValueError(f"lookup_tokens must be >= 0, got {lookup_tokens}")
         if pool_spans < 1:
             raise ValueError(f"pool_spans must be >= 1, got {pool_spans}")
+        if budget not in ("fixed", "auto"):
+            raise ValueError(f"budget must be 'fixed' or 'auto', got {budget!r}")
+        if accept is not None:
+            accept = [float(a) for a in accept]
+            if not accept or min(accept) < 0 or sum(accept) > 1 + 1e-6:
+                raise ValueError(f"accept must be non-negative rank acceptance rates summing to at most 1, "
+                                 f"got {accept!r}")
+        if tree == "sequoia" and accept is None:
+            raise ValueError("tree='sequoia' needs the drafter's positional acceptance vector `accept` "
+                             "(measure it with eval/flash_sequoia_vector.py)")
         if draft_vocab is not None:
             draft_vocab = sorted({int(t) for t in draft_vocab})
             if not draft_vocab or draft_vocab[0] < 0:
@@ -121,6 +142,9 @@ class FlashDrafter(Drafter):
         self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
         self.draft_vocab = draft_vocab
         self.lookup_tokens, self.pool_spans = lookup_tokens, pool_spans
+        self.accept, self.budget = accept, budget
+        self.verify_cost, self.cost_source = None, "fixed budget"   # set at bind with budget="auto"
+        self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # budget -> rank paths
         self._head = self._embed = None
         self._vocab = None                     # LongTensor [V'] of draft_vocab on the head's device
         self._reset_sequence()
@@ -142,7 +166,8 @@ class FlashDrafter(Drafter):
     def drafting_options(self) -> dict:
         return dict(compression=self.compression, tree=self.tree, depth=self.depth, top_k=self.top_k,
                     max_nodes=self.max_nodes, min_path_prob=self.min_path_prob, draft_vocab=self.draft_vocab,
-                    lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans)
+                    lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans, accept=self.accept,
+                    budget=self.budget)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write flash_config.json (sizes + drafting options) and flash_model.safetensors."""
@@ -190,6 +215,9 @@ class FlashDrafter(Drafter):
                 "builds an untrained one, `python -m flashmm.train flash` trains it)")
         self.net = self.net.to(head.weight.device).eval()
         self._head, self._embed, self._vocab = head, target.input_embeddings(), None
+        if self.budget == "auto":
+            self.verify_cost, self.cost_source = measured_verify_cost(target)
+            self._sequoia = {}
         if self.draft_vocab is not None:
             if self.draft_vocab[-1] >= target.vocab_size:
                 raise ValueError(f"draft_vocab holds token id {self.draft_vocab[-1]} but the target's vocabulary "
@@ -258,6 +286,15 @@ class FlashDrafter(Drafter):
             self._lookup.sync(committed)
             chain, _ = self._lookup.continuation(min(self.lookup_tokens, max_tokens))
         return self._make_draft(committed, dists, shape, chain, max_tokens)
+
+    @torch.no_grad()
+    def ranked_drafts(self, committed: torch.Tensor, depth: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probabilities [depth, W], token ids [depth, W]) of the W most likely draft tokens at
+        depths 1..depth after the last committed token, advancing the drafter's state to
+        ``committed`` as ``propose`` does (for measurements: eval/flash_sequoia_vector.py)."""
+        dists = self._draft_distributions(self._sync(committed, committed.shape[1] - 1), depth)
+        top_p, top = dists.topk(min(width, dists.shape[-1]), dim=-1)
+        return top_p, self._token_ids(top)
 
     # ------------------------------------------------------------------ internals
     def _run(self, units: torch.Tensor, past, predict: bool = True):
@@ -334,7 +371,34 @@ class FlashDrafter(Drafter):
         if self.tree == "chain":
             depth = min(depth, budget)
             return ("static", depth, [(0,) * d for d in range(1, depth + 1)])
+        if self.tree == "sequoia":
+            paths = self.sequoia_paths(budget, depth)
+            return ("static", max(map(len, paths)), paths) if paths else None
         return ("dynamic", min(depth, budget), budget)
+
+    def sequoia_paths(self, budget: int, depth: int) -> list[tuple[int, ...]]:
+        """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes: with
+        budget="auto" and a measured verify cost, the node count that maximises expected tokens per
+        unit of verify time (possibly none), else all of them."""
+        if budget not in self._sequoia:
+            from ..shapes import sequoia_tree  # noqa: PLC0415 (shapes imports tree, a sibling of drafters)
+
+            if self.verify_cost is not None:
+                _, tree, _ = best_tree_budget(self.accept, self.verify_cost, budget + 1, depth)
+            else:
+                _, tree = sequoia_tree(self.accept, budget + 1, depth)
+            self._sequoia[budget] = tree.rank_paths() if tree is not None else []
+        return self._sequoia[budget]
+
+    def _paying_prefix(self, scores: list[float]) -> int:
+        """How many best-first nodes to keep: the n maximising (1 + Σ_{i<n} scores) / (t(n+1) / t(1))."""
+        best_n, best_rate, total = 0, 1.0, 1.0
+        for n, score in enumerate(scores, start=1):
+            total += score
+            rate = total / self.verify_cost.relative(n + 1)
+            if rate > best_rate + 1e-12:
+                best_n, best_rate = n, rate
+        return best_n
 
     def _make_draft(self, committed: torch.Tensor, dists: torch.Tensor, shape, chain: list[int],
                     max_tokens: int) -> Draft:
@@ -342,7 +406,12 @@ class FlashDrafter(Drafter):
         width = min(dists.shape[-1], self.top_k if kind == "dynamic" else 1 + max(max(p) for p in arg))
         top_p, top_ids = dists.topk(width, dim=-1)                              # [depth, W]
         ids = self._token_ids(top_ids).tolist()
-        paths = arg if kind == "static" else self._best_first(top_p.tolist(), depth, arg)
+        if kind == "static":
+            paths = arg
+        else:
+            paths, scores = self._best_first(top_p.tolist(), depth, arg)
+            if self.budget == "auto" and self.verify_cost is not None:
+                paths = paths[:self._paying_prefix(scores)]
         chain = chain[:max_tokens]
         paths, shared = self._fit_chain(list(paths), chain, ids, max_tokens)
         if not paths and not chain:
@@ -418,20 +487,24 @@ class FlashDrafter(Drafter):
         tokens = torch.cat([committed[0, -1:], ids])[None]
         return Draft(tokens=tokens, tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)
 
-    def _best_first(self, top_p: list[list[float]], depth: int, budget: int) -> list[tuple[int, ...]]:
-        """The ``budget`` rank paths of highest cumulative probability (prefix-closed)."""
+    def _best_first(self, top_p: list[list[float]], depth: int, budget: int
+                    ) -> tuple[list[tuple[int, ...]], list[float]]:
+        """The ``budget`` rank paths of highest cumulative probability (prefix-closed, in that
+        order) and their cumulative probabilities."""
         heap = [(-top_p[0][0], (0,), 1.0)]
         chosen: list[tuple[int, ...]] = []
+        scores: list[float] = []
         while heap and len(chosen) < budget:
             neg, path, parent_score = heapq.heappop(heap)
             score = -neg
             if score < self.min_path_prob:
                 break
             chosen.append(path)
+            scores.append(score)
             level, rank = len(path), path[-1]
             if level < depth:
                 heapq.heappush(heap, (-score * top_p[level][0], path + (0,), score))
             if rank + 1 < len(top_p[level - 1]):
                 heapq.heappush(heap, (-parent_score * top_p[level - 1][rank + 1], path[:-1] + (rank + 1,),
                                       parent_score))
-        return chosen
+        return chosen, scores

@@ -137,13 +137,21 @@ def price_with_target(target, lengths: Iterable["AdaptiveDraftLength"]) -> str:
     pending = [length for length in lengths if length.verify_cost is None]
     if not pending:
         return "given"
-    try:
-        cost = target.verify_cost()
-    except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError, IndexError) as err:
-        return f"constants (verify cost not measurable: {type(err).__name__}: {err})"
+    cost, source = measured_verify_cost(target)
+    if cost is None:
+        return f"constants ({source})"
     for length in pending:
         length.verify_cost = cost
-    return "measured"
+    return source
+
+
+def measured_verify_cost(target) -> tuple["VerifyCost | None", str]:
+    """(``target.verify_cost()``, "measured"), or (None, why it could not be timed: a recurrent
+    state that cannot be cropped, a model that refuses a cached multi-token forward)."""
+    try:
+        return target.verify_cost(), "measured"
+    except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError, IndexError) as err:
+        return None, f"verify cost not measurable: {type(err).__name__}: {err}"
 
 
 def _synchronize(device: torch.device) -> None:
