@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import fields
 
 import torch
@@ -13,6 +14,7 @@ from .drafters.saved import resolve_name_or_dir
 from .engine import Decoding, GenerationStats, generate_one
 from .verify_prune import check_prunable
 from .generation import finish, prepare
+from .media_rows import has_media, item_media
 from .batched import generate_batch
 from .targets import make_target
 
@@ -62,9 +64,10 @@ class SpeculativeModel:
 
         Returns LongTensor [B * num_return_sequences, T + new] (rows that stop early are right-padded
         with pad_token_id, like model.generate), or a GenerateDecoderOnlyOutput.
-        A batch of text rows is verified together, one target forward per step for all running
-        rows (SpecConfig.batching="rows", multimodal targets: one row after another); either
-        way each row decodes exactly as the model decodes it in the batch.
+        A batch is verified together, one target forward per step for all running rows, media per
+        row. With SpecConfig.batching="rows", a recurrent or hybrid model, or num_return_sequences > 1
+        with media, rows decode one after another, each alone with its own media (a warning says
+        so); either way each row decodes exactly as the model decodes it.
         """
         unsupported = dict(synced_gpus=synced_gpus, assistant_model=assistant_model,
                            negative_prompt_ids=negative_prompt_ids,
@@ -79,29 +82,29 @@ class SpeculativeModel:
                               streamer=streamer, keep_scores=keep_scores, keep_logits=keep_logits)
                      for b in range(plan.batch_size)]
         try:
-            if self.batches(plan):
+            together = self.batches(plan)
+            row_inputs = None if together else self.row_inputs(plan)
+            if together:
                 rows = generate_batch(self.target, self.drafter, plan.input_ids, plan.attention_mask, decodings,
                                       self.spec, generator, plan.model_inputs)
             else:
                 rows = [generate_one(self.target, self.drafter, plan.input_ids[b : b + 1, plan.padding(b):],
                                      decoding=decodings[b], spec=self.spec, generator=generator,
-                                     model_inputs=plan.model_inputs)
+                                     model_inputs=row_inputs[b])
                         for b in range(plan.batch_size)]  # each row runs exactly as it would alone
             for row in rows:
                 stats.merge(row.stats)
             width = max(len(r.new_tokens) for r in rows)
             for b, row in enumerate(rows):
                 if not plan.has_eos_criteria and len(row.new_tokens) < width:
-                    if plan.model_inputs and plan.batch_size > (plan.config.num_return_sequences or 1):
-                        raise NotImplementedError("a stopping criterion other than EOS stopped one row of a batch "
-                                                  "with media early; call generate once per item")
                     # model.generate without an EOS criterion keeps decoding a row that another
                     # criterion stopped until every row has stopped: decode it to the batch's width
+                    row_inputs = row_inputs or self.row_inputs(plan, warn=False)
                     ids = plan.input_ids[b : b + 1, plan.padding(b):]
                     decoding = Decoding(sampling=plan.sampling(b), max_new_tokens=width,
                                         keep_scores=keep_scores, keep_logits=keep_logits)
                     rows[b] = generate_one(self.target, self.drafter, ids, decoding=decoding, spec=self.spec,
-                                           generator=generator, model_inputs=plan.model_inputs)
+                                           generator=generator, model_inputs=row_inputs[b])
                     stats.merge(rows[b].stats)
         finally:
             self.target.release()  # frees the cache; restores the model's attention implementation
@@ -112,29 +115,35 @@ class SpeculativeModel:
 
     def batches(self, plan) -> bool:
         """Whether this call verifies its rows together (more than one row; causal LMs and the
-        vision-language adapters, media per row). Recurrent and hybrid targets decode row by row: their
-        states are snapshot and restored per sequence. A batch with media that cannot be decoded
-        together is refused here (its media cannot be split per row), naming why."""
-        expand = plan.config.num_return_sequences or 1
-        if plan.model_inputs and expand > 1:  # media belong to the items, not to their expanded rows
-            if plan.batch_size > expand:
-                raise NotImplementedError("num_return_sequences > 1 with a batch of media items: call generate "
-                                          "once per item")
-            return False  # one item: its sequences decode one after another, each with the item's media
+        vision-language adapters, media per row). Recurrent and hybrid targets, batching="rows", and
+        num_return_sequences > 1 with media decode row by row (row_inputs gives each row its media)."""
+        if plan.model_inputs and (plan.config.num_return_sequences or 1) > 1:
+            return False  # media belong to the items, not to their expanded rows: one row after another
         if getattr(self.target, "derives_positions", False) and any(plan.padding(b) for b in range(plan.batch_size)):
             raise NotImplementedError(
                 f"{type(self.model).__name__} numbers a left-padded row's tokens from the padding on (its positions "
                 "ignore the attention mask), which flashmm does not reproduce: call generate once per row, or with "
                 "rows of equal length")
-        together = (plan.batch_size > 1 and self.spec.batching == "auto" and self.target.batchable
-                    and not self.target.recurrent)
-        if plan.batch_size > 1 and plan.model_inputs and not together:
-            why = ("batching='rows' was asked for" if self.spec.batching != "auto" else
+        return (plan.batch_size > 1 and self.spec.batching == "auto" and self.target.batchable
+                and not self.target.recurrent)
+
+    def row_inputs(self, plan, warn: bool = True) -> list[dict]:
+        """Each row's extra model inputs when rows decode one by one: the call's own for text or a single
+        item, else each item's own media (flashmm.media_rows; the items' expanded rows share them), with
+        a warning saying why the batch is not verified together. Families whose media cannot be split
+        per row raise NotImplementedError naming why."""
+        expand = plan.config.num_return_sequences or 1
+        if not plan.model_inputs or plan.batch_size == expand:
+            return [plan.model_inputs] * plan.batch_size
+        if warn and has_media(plan.input_ids, plan.model_inputs):
+            why = (f"num_return_sequences={expand} with media" if expand > 1 else
+                   "batching='rows' was asked for" if self.spec.batching != "auto" else
                    f"{type(self.model).__name__} keeps recurrent states per sequence" if self.target.recurrent else
                    f"{type(self.model).__name__} is not decoded in batches")
-            raise NotImplementedError(f"a batch with media ({', '.join(sorted(plan.model_inputs))}) is decoded in one "
-                                      f"batch or not at all, and {why}: call generate once per item")
-        return together
+            warnings.warn(f"flashmm decodes this batch with media row by row, each row with its own media, because "
+                          f"{why}", stacklevel=3)
+        items = item_media(self.target, plan.input_ids[::expand], plan.attention_mask[::expand], plan.model_inputs)
+        return [items[b // expand] for b in range(plan.batch_size)]
 
 
 def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attention: str = "auto",
