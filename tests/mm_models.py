@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 
 from flashmm.reference.qwen_twin import without_video_processor
+from tools.arch.vlm_inputs import feature_rows, qwen_patches
 
 LLAVA_KINDS = ("llava", "llava_next", "llava_onevision")
 QWEN_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -292,7 +293,7 @@ def _inputs_with_video(processor, kind: str, prompt: str, images, video: np.ndar
     if kind == "llava_onevision":
         video_inputs = dict(pixel_values_videos=frames[None])  # [1, F, 3, H, W]
     else:
-        pixels, grid = _qwen_video_patches(frames, QWEN_PATCH[kind])
+        pixels, grid = qwen_patches(frames, QWEN_PATCH[kind], QWEN_TEMPORAL, QWEN_MERGE)
         video_inputs = dict(pixel_values_videos=pixels, video_grid_thw=torch.tensor([grid]))
         if kind == "qwen2_5_vl":
             video_inputs["second_per_grid_ts"] = torch.tensor([QWEN_TEMPORAL / fps])
@@ -323,18 +324,6 @@ def _expand(prompt: str, placeholder: str, replacements: list[str]) -> str:
     if len(pieces) - 1 != len(replacements):
         raise ValueError(f"{len(pieces) - 1} {placeholder} placeholders for {len(replacements)} items")
     return pieces[0] + "".join(r + p for r, p in zip(replacements, pieces[1:]))
-
-
-def _qwen_video_patches(frames: torch.Tensor, patch: int) -> tuple[torch.Tensor, list[int]]:
-    """Normalised frames [F, C, H, W] → (patches [t*h*w, C*tp*p*p], [t, h, w]) in Qwen's layout."""
-    if pad := -frames.shape[0] % QWEN_TEMPORAL:
-        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
-    count, channels, height, width = frames.shape
-    t, h, w = count // QWEN_TEMPORAL, height // patch, width // patch
-    m = QWEN_MERGE
-    x = frames.reshape(t, QWEN_TEMPORAL, channels, h // m, m, patch, w // m, m, patch)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(t * h * w, channels * QWEN_TEMPORAL * patch * patch), [t, h, w]
 
 
 # ----------------------------------------------------------------------------------- placeholder-token VLMs
@@ -429,18 +418,6 @@ def tiny_placeholder_vlm(kind: str, seed: int = 0):
     return model
 
 
-def _feature_rows(features) -> int:
-    """Rows of what get_image_features / get_video_features return (a tensor, a list of them, or an
-    output whose pooler_output holds them)."""
-    for field in ("pooler_output", "last_hidden_state"):  # Llama 4 projects last_hidden_state in its forward
-        if getattr(features, field, None) is not None:
-            features = getattr(features, field)
-            break
-    if isinstance(features, (list, tuple)):
-        return sum(_feature_rows(f) for f in features)
-    return features.reshape(-1, features.shape[-1]).shape[0]
-
-
 def _placeholder_media(kind: str, model, count: int, video: bool, seed: int) -> tuple[dict, list[int]]:
     """(forward kwargs of ``count`` random images or one 4-frame video, placeholder tokens per item)."""
     g = torch.Generator().manual_seed(seed)
@@ -449,12 +426,12 @@ def _placeholder_media(kind: str, model, count: int, video: bool, seed: int) -> 
     if video:
         frames = torch.randn(1, 4, 3, side, side, generator=g)
         with torch.no_grad():
-            rows = _feature_rows(inner.get_video_features(pixel_values_videos=frames))
+            rows = feature_rows(inner.get_video_features(pixel_values_videos=frames))
         return dict(pixel_values_videos=frames), [rows]
     if kind in ("idefics3", "smolvlm", "idefics2"):
         pixels = torch.randn(1, count, 3, side, side, generator=g)  # [B, images, 3, H, W]
         with torch.no_grad():
-            rows = _feature_rows(inner.get_image_features(pixel_values=pixels))
+            rows = feature_rows(inner.get_image_features(pixel_values=pixels))
         return dict(pixel_values=pixels), [rows // count] * count
     pixels = torch.randn(count, 3, side, side, generator=g)
     extra = {}
@@ -464,7 +441,7 @@ def _placeholder_media(kind: str, model, count: int, video: bool, seed: int) -> 
         pixels = pixels[:, None].expand(-1, 2, -1, -1, -1)  # [images, base + 1 anyres tile, 3, H, W]
         extra["image_sizes"] = torch.tensor([[side, side]] * count)
     with torch.no_grad():
-        rows = _feature_rows(inner.get_image_features(pixel_values=pixels, **extra))
+        rows = feature_rows(inner.get_image_features(pixel_values=pixels, **extra))
     key = "pixel_values_images" if kind == "video_llava" else "pixel_values"
     return {key: pixels, **extra}, [rows // count] * count
 
@@ -560,7 +537,7 @@ def rope_inputs(kind: str, model, images: int = 1, seed: int = 0) -> dict:
     pieces, patches, grids = text(3), [], []
     for _ in range(images):
         frame = torch.randn(1, 3, 4 * patch, 4 * patch, generator=g)
-        flat, grid = _qwen_video_patches(frame.expand(QWEN_TEMPORAL, -1, -1, -1), patch)
+        flat, grid = qwen_patches(frame.expand(QWEN_TEMPORAL, -1, -1, -1), patch, QWEN_TEMPORAL, QWEN_MERGE)
         patches.append(flat)
         grids.append(grid)
         pieces += [image_id] * (grid[0] * grid[1] * grid[2] // QWEN_MERGE ** 2) + text(2)

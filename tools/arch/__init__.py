@@ -1,0 +1,1 @@
+"""Tooling for the architecture support table (eval/arch_support.py)."""

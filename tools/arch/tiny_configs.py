@@ -1,0 +1,192 @@
+"""Tiny random configs of any registered transformers architecture: the config class's defaults with
+every size shrunk generically (hidden sizes, layers, heads, experts), ``OVERRIDES`` by hand where that is
+not enough. Used by eval/arch_support.py (the support table) and eval/hybrid_cost.py:
+
+    model = tiny_model("llama", "LlamaForCausalLM")            # fp32, eval, output layer sharpened
+    model = tiny_model("llava", "LlavaForConditionalGeneration", images=True)   # takes an image too
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers import CONFIG_MAPPING
+
+from flashmm.targets.generic_vlm import rope_index_owner
+
+# generic shrink: config key -> tiny value
+SIZES = {
+    **dict.fromkeys(["hidden_size", "d_model", "n_embd", "embed_dim", "hidden_dim", "model_dim", "dim",
+                     "word_embed_proj_dim", "embedding_size", "projection_dim", "text_hidden_size",
+                     "vision_hidden_size", "hidden_size_per_head_x_heads"], 64),
+    **dict.fromkeys(["intermediate_size", "ffn_dim", "n_inner", "d_ff", "decoder_ffn_dim", "encoder_ffn_dim",
+                     "ffn_hidden_size", "mlp_dim", "inner_hidden_size", "intermediate_dim"], 128),
+    **dict.fromkeys(["moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
+                     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "shared_intermediate_size",
+                     "expert_hidden_size", "moe_hidden_size"], 32),
+    **dict.fromkeys(["num_attention_heads", "n_head", "num_heads", "decoder_attention_heads",
+                     "encoder_attention_heads", "n_heads", "attention_heads"], 4),
+    **dict.fromkeys(["num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num",
+                     "num_query_groups"], 2),
+    **dict.fromkeys(["head_dim", "attention_head_dim", "kv_channels", "d_head", "d_kv"], 16),
+    **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
+                     "ffn_num_experts"], 4),
+    **dict.fromkeys(["num_experts_per_tok", "moe_topk", "moe_k", "num_selected_experts", "top_k_experts",
+                     "moe_top_k", "num_experts_per_token"], 2),
+    **dict.fromkeys(["n_group", "topk_group", "n_shared_experts", "num_shared_experts", "moe_num_shared_experts",
+                     "first_k_dense_replace", "decoder_sparse_step"], 1),
+    # multi-head latent attention: rope dims equal head_dim, which MLA configs tie to the rotary part
+    "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "qk_head_dim": 32, "rotary_dim": 8, "rope_dim": 8,
+}
+# sizes some default configs leave None for the model to derive from full-size values
+FILL_NONE = ("head_dim", "num_key_value_heads", "moe_intermediate_size", "intermediate_size")
+LAYER_KEYS = ["num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
+              "depth", "num_decoder_layers", "num_encoder_layers"]
+MAX_LAYERS = 8  # a hybrid keeps the shortest prefix of layers that holds every layer type, up to this
+
+# by-hand settings where the generic shrink is not enough: model_type -> config kwargs
+OVERRIDES: dict[str, dict] = {
+    "mamba2": dict(head_dim=32),  # num_heads * head_dim == expand * hidden_size
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=32),
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=32),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    "gemma4_unified_assistant": dict(hidden_size_per_layer_input=0),
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1),
+    "dots3_note": dict(num_key_value_heads=4, head_dim=32),
+    "dots3_note_text": dict(num_key_value_heads=4, head_dim=32),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # hybrid / recurrent: keep one recurrent and one attention layer, and recurrent sizes that fit hidden_size 64
+    "mamba2": dict(head_dim=32, n_groups=1, state_size=16),
+    "jamba": dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, mamba_dt_rank=8, mamba_d_state=8, use_mamba_kernels=False),
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, num_hidden_layers=2, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, num_hidden_layers=2,
+                             layer_types=["linear_attention", "full_attention"]),
+    "zamba2": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1],
+                   mamba_headdim=16, n_mamba_heads=8, mamba_d_state=16, attention_head_dim=32,
+                   attention_hidden_size=128,
+                   use_mamba_kernels=False),
+    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16, num_key_value_heads=4),
+    "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "lfm2_vl": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "recurrent_gemma": dict(num_hidden_layers=2, block_types=["recurrent", "attention"]),
+    "bailing_hybrid": dict(num_expert_group=1, linear_num_heads=4, linear_head_dim=16, num_key_value_heads=4),
+    "zamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, attention_hidden_size=128,
+                  mamba_dt_rank=8, layers_block_type=["linear_attention", "hybrid"] * 2, use_mamba_kernels=False),
+}
+
+# image column only: top-level settings a tiny model needs to take an image its default config cannot
+IMAGE_OVERRIDES: dict[str, dict] = {
+    # the default SigLIP tower (224 px, patch 16: 14 x 14 patches) cannot pool to 256 tokens (16 x 16)
+    "gemma3": dict(mm_tokens_per_image=49), "shieldgemma2": dict(mm_tokens_per_image=49),
+}
+
+
+# ---------------------------------------------------------------------------- tiny configs
+def special_ids(d: dict) -> list[int]:
+    out = []
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out += special_ids(value)
+        elif isinstance(key, str) and ("token_id" in key or "token_index" in key):
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, int) and not isinstance(v, bool):
+                    out.append(v)
+    return out
+
+
+def _layer_selection(d: dict, num_layers: int) -> list[int]:
+    types = d.get("layer_types") or d.get("layers_block_type") or d.get("hybrid_override_pattern")
+    if isinstance(types, str):
+        types = list(types)
+    if not isinstance(types, (list, tuple)) or len(types) != num_layers:
+        return list(range(min(2, num_layers)))
+    wanted, sel = set(map(str, types)), []
+    for i, t in enumerate(types):
+        sel.append(i)
+        if set(map(str, (types[j] for j in sel))) == wanted and len(sel) >= 2:
+            break
+    return sel[:MAX_LAYERS]
+
+
+def shrink(d: dict) -> dict:
+    """A config dict with every size made tiny; per-layer lists follow the kept layers."""
+    d = dict(d)
+    for key, value in list(d.items()):
+        if isinstance(value, dict) and ("model_type" in value or key.endswith("config")):
+            d[key] = shrink(value)
+        elif key in FILL_NONE and value is None:
+            d[key] = SIZES[key]
+        elif key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            d[key] = min(value, SIZES[key]) if key in ("first_k_dense_replace", "decoder_sparse_step") \
+                else SIZES[key]
+    for key in LAYER_KEYS:
+        layers = d.get(key)
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
+            continue
+        sel = _layer_selection(d, layers)
+        d[key] = len(sel)
+        for k, v in list(d.items()):
+            if isinstance(v, (list, tuple)) and len(v) == layers and layers > 1:
+                d[k] = [v[i] for i in sel]
+            elif isinstance(v, str) and len(v) == layers and k.endswith("pattern"):
+                d[k] = "".join(v[i] for i in sel)
+        if isinstance(d.get("per_layer_config"), dict):  # {layer index: overrides} of the kept layers
+            d["per_layer_config"] = {str(sel.index(int(i))): v for i, v in d["per_layer_config"].items()
+                                     if int(i) in sel}
+    if "vocab_size" in d and isinstance(d["vocab_size"], int):
+        d["vocab_size"] = max([256] + [i + 1 for i in special_ids(d) if i < 300_000])
+    return d
+
+
+def _coverspecial_ids(d: dict, top: int) -> None:
+    """Every vocab_size in d (nested too) at least top: the language model embeds every placeholder id."""
+    for key, value in d.items():
+        if isinstance(value, dict):
+            _coverspecial_ids(value, top)
+        elif key == "vocab_size" and isinstance(value, int) and not isinstance(value, bool):
+            d[key] = max(value, top)
+
+
+def _fit_mrope(config) -> None:
+    """A (non-interleaved) multimodal-RoPE section sized for the full head (the config class's default),
+    scaled to the tiny head's head_dim / 2 frequencies: the split Qwen2-VL / GLM-4V rope takes."""
+    text = config.get_text_config()
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    for rope in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+        if isinstance(rope, dict) and "mrope_section" not in rope:  # modeling code falls back to [16, 24, 24]
+            rope["mrope_section"] = [16, 24, 24]
+        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+        if not isinstance(section, list) or rope.get("mrope_interleaved") or sum(section) == head // 2:
+            continue
+        scaled = [max(1, round(s * (head // 2) / sum(section))) for s in section]
+        scaled[-1] += head // 2 - sum(scaled)
+        rope["mrope_section"] = scaled
+
+
+def tiny_model(model_type: str, cls_name: str, images: bool = False) -> torch.nn.Module:
+    """The tiny random model of a row; images=True: built to take an image (the text vocabulary covers
+    the placeholder ids the top-level config names, IMAGE_OVERRIDES applied), for the image column."""
+    model_cls = getattr(transformers, cls_name)
+    # a *ForCausalLM registered under a composite model_type (qwen3_5, llama4) takes the text config
+    config_cls = getattr(model_cls, "config_class", None) or CONFIG_MAPPING[model_type]
+    small = shrink(config_cls().to_dict())
+    for part in [small] + [v for k, v in small.items() if k == "text_config" and isinstance(v, dict)]:
+        part.update(OVERRIDES.get(model_type, {}))
+    if images:
+        small.update(IMAGE_OVERRIDES.get(model_type, {}))
+        vision, text = small.get("vision_config"), small.get("text_config")
+        if isinstance(vision, dict) and isinstance(text, dict) and "out_hidden_size" in vision:
+            vision["out_hidden_size"] = text.get("hidden_size", vision["out_hidden_size"])  # merger → text width
+        _coverspecial_ids(small, max([0] + [i + 1 for i in special_ids(small) if i < 300_000]))
+    config = config_cls.from_dict(small)
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    if images and rope_index_owner(model) is not None:  # multimodal RoPE: its section must fit the tiny head
+        _fit_mrope(config)
+        torch.manual_seed(0)
+        model = model_cls(config).eval()
+    with torch.no_grad():  # random logits are near-uniform: sharpen them so greedy has no near-ties
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = None  # decode MAX_NEW tokens every time
+    return model

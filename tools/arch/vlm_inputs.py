@@ -1,0 +1,209 @@
+"""One image's inputs for any tiny vision-language model, built from the model's own config.
+
+No processor (most need hub files): the pixels are random tensors shaped for the model's vision
+config (image size, patch size, channels), and the prompt holds the placeholder run the model's
+processor would have expanded, sized by the model's own ``get_image_features`` (or, where that
+cannot be called alone, by the count its placeholder check names):
+
+    inputs = image_inputs(model)      # input_ids [1, T], attention_mask, pixel_values, ...
+    model.generate(**inputs, max_new_tokens=20, do_sample=False)
+
+Layouts tried, in order, each validated by one forward of the whole model:
+
+- multimodal-RoPE towers (Qwen-VL, GLM-4V, ...: the vision config names ``temporal_patch_size`` or
+  ``spatial_merge_size`` and the forward takes ``image_grid_thw``): flattened patches of a
+  2·merge x 2·merge grid and its ``image_grid_thw``;
+- otherwise one image [1, C, S, S] (with ``image_sizes`` where the forward takes them), then
+  [1, tiles, C, S, S] for tiled (Idefics, LLaVA-NeXT any-res) towers, for S = the tower's image
+  size and a few small multiples of its patch.
+
+``ImageInputsError`` says why no layout worked. Used by eval/arch_support.py (the "with one image"
+column) and tests/mm_models.py.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+
+import torch
+
+from flashmm.targets.generic_vlm import placeholder_ids
+from tools.arch.tiny_configs import special_ids
+
+MAX_SIDE = 448      # larger default image sizes (Pixtral's 1540) are tried at small multiples of the patch only
+MAX_TILES = 5       # tiles tried for [1, tiles, C, S, S] layouts
+TEXT_IDS = (3, 256)  # prompt text ids are drawn from this range, minus the config's special ids
+
+
+class ImageInputsError(ValueError):
+    """No image layout this module knows gives inputs the model's forward accepts."""
+
+
+# ---------------------------------------------------------------------------- small facts
+def feature_rows(features) -> int:
+    """Rows of what get_image_features / get_video_features return (a tensor, a list of them, or an
+    output whose pooler_output holds them)."""
+    for field in ("pooler_output", "last_hidden_state"):  # Llama 4 projects last_hidden_state in its forward
+        if getattr(features, field, None) is not None:
+            features = getattr(features, field)
+            break
+    if isinstance(features, (list, tuple)):
+        return sum(feature_rows(f) for f in features)
+    return features.reshape(-1, features.shape[-1]).shape[0]
+
+
+def qwen_patches(frames: torch.Tensor, patch: int, temporal: int, merge: int) -> tuple[torch.Tensor, list[int]]:
+    """Normalised frames [F, C, H, W] → (patches [t*h*w, C*temporal*patch*patch], [t, h, w]) in
+    the Qwen-VL layout (temporal groups, then merge x merge blocks of patches)."""
+    if pad := -frames.shape[0] % temporal:
+        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+    count, channels, height, width = frames.shape
+    t, h, w = count // temporal, height // patch, width // patch
+    x = frames.reshape(t, temporal, channels, h // merge, merge, patch, w // merge, merge, patch)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * h * w, channels * temporal * patch * patch), [t, h, w]
+
+
+def _config_dict(config) -> dict:
+    if config is None:
+        return {}
+    return config if isinstance(config, dict) else config.to_dict()
+
+
+def _first_int(value) -> int | None:
+    """An int size, or the first of a [H, W] pair."""
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _vision_owner(model):
+    """The module with get_image_features (model.model or the model), or None."""
+    for owner in (getattr(model, "model", None), model):
+        if owner is not None and callable(getattr(owner, "get_image_features", None)):
+            return owner
+    return None
+
+
+def _params(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+# ---------------------------------------------------------------------------- layouts
+def _layouts(model, seed: int):
+    """Candidate media dicts (forward kwargs), most specific first."""
+    vision = _config_dict(getattr(model.config, "vision_config", None))
+    forward = _params(model.forward)
+    pixel_key = next((k for k in ("pixel_values", "pixel_values_images") if k in forward), None)
+    if pixel_key is None:
+        raise ImageInputsError(f"{type(model).__name__}.forward takes neither pixel_values nor pixel_values_images")
+    channels = _first_int(vision.get("num_channels")) or _first_int(vision.get("in_channels")) or 3
+    patch = _first_int(vision.get("patch_size")) or 14
+    g = torch.Generator().manual_seed(seed)
+    if "image_grid_thw" in forward and ("temporal_patch_size" in vision or "spatial_merge_size" in vision):
+        merge = _first_int(vision.get("spatial_merge_size")) or 1
+        temporal = _first_int(vision.get("temporal_patch_size")) or 1
+        frame = torch.randn(1, channels, 2 * merge * patch, 2 * merge * patch, generator=g)
+        flat, grid = qwen_patches(frame.expand(temporal, -1, -1, -1), patch, temporal, merge)
+        yield {pixel_key: flat, "image_grid_thw": torch.tensor([grid])}
+        return
+    size = _first_int(vision.get("image_size"))
+    sides = [size] if size and size <= MAX_SIDE else []
+    sides += [s * patch for s in (4, 8, 16) if s * patch <= MAX_SIDE and s * patch not in sides]
+    takes_sizes = "image_sizes" in forward
+    for side in sides:
+        pixels = torch.randn(1, channels, side, side, generator=g)
+        size_options = [{}] + ([{"image_sizes": torch.tensor([[side, side]])}] if takes_sizes else [])
+        for sizes in size_options:
+            yield {pixel_key: pixels, **sizes}
+        for sizes in size_options:
+            for tiles in range(1, MAX_TILES + 1):  # tiled towers: [images, tiles, C, S, S]
+                yield {pixel_key: pixels[:, None].expand(-1, tiles, -1, -1, -1).contiguous(), **sizes}
+
+
+def _feature_count(model, media: dict) -> int | None:
+    """Placeholder tokens one image needs: rows of get_image_features(media), or None."""
+    owner = _vision_owner(model)
+    if owner is None:
+        return None
+    accepted = _params(owner.get_image_features)
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(owner.get_image_features).parameters.values())
+    kwargs = {k: v for k, v in media.items() if k in accepted or takes_all}
+    if "pixel_values" not in accepted and "pixel_values_images" in kwargs:  # Video-LLaVA names it in forward only
+        kwargs["pixel_values"] = kwargs.pop("pixel_values_images")
+    try:
+        with torch.no_grad():
+            return feature_rows(owner.get_image_features(**kwargs))
+    except Exception:  # noqa: BLE001 (this layout does not fit the tower: the next one is tried)
+        return None
+
+
+def _count_from_error(error: Exception) -> int | None:
+    """The feature count a placeholder-count check names ("... features: 64", "features 64")."""
+    found = re.search(r"features:?\s*(\d+)", str(error))
+    return int(found.group(1)) if found else None
+
+
+def _prompt(model, image_id: int, rows: int, seed: int) -> torch.Tensor:
+    """input_ids [1, T]: text, the image's placeholder run (between the config's vision start / end
+    tokens where it names them), text, then a question repeated in part so prompt lookup matches."""
+    special = set(special_ids(model.config.to_dict()))
+    allowed = torch.tensor([i for i in range(*TEXT_IDS) if i not in special])
+    g = torch.Generator().manual_seed(100 + seed)
+    text = lambda n: allowed[torch.randint(0, len(allowed), (n,), generator=g)].tolist()  # noqa: E731
+    config = model.config
+    start = getattr(config, "vision_start_token_id", None)
+    end = getattr(config, "vision_end_token_id", None)
+    run = ([start] if isinstance(start, int) else []) + [image_id] * rows + ([end] if isinstance(end, int) else [])
+    question = text(6)
+    return torch.tensor([text(3) + run + text(2) + question + text(2) + question[:4]])
+
+
+def _full_inputs(model, input_ids: torch.Tensor, media: dict, image_id: int) -> dict:
+    """input_ids + attention_mask + media + the token-type tensors the family's processor adds."""
+    forward = _params(model.forward)
+    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **media)
+    image_mask = (input_ids == image_id).long()
+    if "token_type_ids" in forward:  # Gemma 3: 1 at image tokens; PaliGemma: 0 over the prefix
+        paligemma = "paligemma" in str(getattr(model.config, "model_type", ""))
+        inputs["token_type_ids"] = torch.zeros_like(input_ids) if paligemma else image_mask
+    if "mm_token_type_ids" in forward:  # multimodal-RoPE processors: 1 at image tokens
+        inputs["mm_token_type_ids"] = image_mask.int()
+    return inputs
+
+
+def image_inputs(model: torch.nn.Module, seed: int = 0) -> dict:
+    """Forward / generate kwargs of one prompt with one random image for ``model`` (see the module
+    docstring); raises ImageInputsError naming why none could be built."""
+    image_id = placeholder_ids(model.config).get("image")
+    if image_id is None:
+        raise ImageInputsError(f"{type(model).__name__}'s config names no image placeholder token "
+                               "(image_token_id / image_token_index)")
+    errors = []
+    for media in _layouts(model, seed):
+        rows = _feature_count(model, media)
+        if rows is None:  # no separate vision path: ask the model's own placeholder check
+            probe = _full_inputs(model, _prompt(model, image_id, 1, seed), media, image_id)
+            try:
+                with torch.no_grad():
+                    model(**probe)
+                rows = 1
+            except Exception as error:  # noqa: BLE001
+                rows = _count_from_error(error)
+                if rows is None:
+                    errors.append(error)
+                    continue
+        inputs = _full_inputs(model, _prompt(model, image_id, rows, seed), media, image_id)
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        except Exception as error:  # noqa: BLE001 (this layout does not fit: the next one is tried)
+            errors.append(error)
+            continue
+        return inputs
+    first = errors[0] if errors else None
+    why = f"{type(first).__name__}: {str(first).splitlines()[0][:200]}" if first else "no layout to try"
+    raise ImageInputsError(f"no image layout fits {type(model).__name__} (first error: {why})")
