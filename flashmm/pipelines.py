@@ -17,10 +17,11 @@ Batching: ``batch_size`` items are loaded and preprocessed, then decoded togethe
 outputs are collated into one left-padded batch (flashmm.collate) and decoded by one ``generate``
 call (speculative: one target forward per step for all rows; drafter=None: the model's own batched
 ``generate``). Greedy captions equal batch_size=1's up to the model's own batched-vs-single
-floating-point differences (none on the tested models). A group that cannot be collated, or a
-model that decodes batches with media row by row only (recurrent / hybrid language models), is
-decoded one item at a time; an item that fails inside a batched call is retried alone, so its
-error is its own.
+floating-point differences (none on the tested models). A model that decodes batches with media
+row by row only (recurrent / hybrid language models) decodes the group's rows one after another in
+that call, each with its own media; a group that cannot be collated, or whose media cannot be split
+per row, is decoded one item at a time; an item that fails inside a batched call is retried alone,
+so its error is its own.
 
 Errors: a file that is missing, unreadable, or of an unsupported type yields a result whose
 ``error`` names the problem; the other items are still captioned (``raise_errors=True``
@@ -380,7 +381,7 @@ class CaptionPipeline:
 
     def _decode_batch(self, entries: list[_Prepared], settings) -> list[_Prepared]:
         """Decode the entries in one generate call; returns the entries still to decode one by one
-        (all of them when they cannot be collated, their model decodes media row by row, or the
+        (all of them when they cannot be collated, their media cannot be split per row, or the
         batched call failed: then each item meets its own error alone)."""
         generation, generator = settings
         pad = self.processor.tokenizer.pad_token_id

@@ -1,0 +1,190 @@
+"""Batches with media that are not verified together (batching="rows", a hybrid model,
+num_return_sequences > 1 over several items) decode row by row, each row alone with its own media
+(flashmm.media_rows splits the batch's media per item) and a warning saying why.
+
+References are independent of the split: each item's processor output built alone, and the model's own
+``generate`` on that item alone (greedy, fp32). Families: LLaVA, LLaVA-OneVision (anyres image, a
+multi-image sample, a video), Qwen2-VL (one and two images, ragged), Gemma 3 (the generic placeholder
+adapter) and Qwen3.5 (hybrid linear attention, grid media through the generic rope-index adapter).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import flashmm
+from flashmm.collate import collate
+from flashmm.drafters import PromptLookup
+from flashmm.drafters.flash import FlashDrafter
+from flashmm.media_rows import item_media
+
+from mm_models import (make_inputs, placeholder_inputs, random_image, rope_inputs, tiny_placeholder_vlm,
+                       tiny_rope_vlm, tiny_vlm)
+
+if os.environ.get("OMP_NUM_THREADS") == "1":
+    torch.set_num_threads(1)
+
+MAX_NEW = 10
+KINDS = ["llava", "llava_onevision", "qwen2_vl", "gemma3"]
+
+
+@functools.lru_cache(maxsize=None)
+def family(kind):
+    """(model, processor or None, items: one input dict per row, built alone)."""
+    if kind == "gemma3":
+        model = tiny_placeholder_vlm(kind)
+        items = [placeholder_inputs(kind, model, images=1, seed=0), placeholder_inputs(kind, model, images=2, seed=1),
+                 placeholder_inputs(kind, model, images=1, seed=2)]
+        return model, None, items
+    model, processor = tiny_vlm(kind)
+    items = [make_inputs(processor, kind, images=1, text="Describe this picture in detail, please."),
+             make_inputs(processor, kind, images=2, text="Compare them."),
+             make_inputs(processor, kind, images=0, text="Hi.")]
+    if kind == "llava_onevision":
+        items.append(make_inputs(processor, kind, video=True, text="What happens?"))
+        # one sample of two images (batch_num_images [2]: OneVision gives each no anyres tiles)
+        text = "USER: <image>\n<image>\nWhich is brighter? ASSISTANT:"
+        items.append(dict(processor(text=text, images=[[random_image(7, (40, 30)), random_image(8)]],
+                                    return_tensors="pt")))
+    return model, processor, items
+
+
+def pad_id(processor) -> int:
+    return 0 if processor is None else processor.tokenizer.pad_token_id
+
+
+@functools.lru_cache(maxsize=None)
+def alone(kind) -> list[list[int]]:
+    """Each item's new tokens from the model's own greedy generate on that item alone."""
+    model, _, items = family(kind)
+    out = []
+    for item in items:
+        with torch.no_grad():
+            ids = model.generate(**item, max_new_tokens=MAX_NEW, do_sample=False)
+        out.append(ids[0, item["input_ids"].shape[1]:].tolist())
+    assert len({tuple(r) for r in out}) == len(out)  # the items decode differently: a real test
+    return out
+
+
+def media(inputs: dict) -> dict:
+    return {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_split_media_are_each_items_own(kind):
+    """The split of the collated batch gives each row exactly what its item alone held (processor
+    output: pixel_values, image_sizes, batch_num_images, grids, token types), unpadded."""
+    model, processor, items = family(kind)
+    batch = collate(items, pad_id(processor))
+    target = flashmm.wrap(model, PromptLookup(), processor=processor).target
+    split = item_media(target, batch["input_ids"], batch["attention_mask"], media(batch))
+    assert len(split) == len(items)
+    for b, (got, item) in enumerate(zip(split, items)):
+        assert sorted(got) == sorted(media(item)), b
+        for key, value in media(item).items():
+            assert torch.equal(got[key], value), (b, key)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "flash"])
+def test_rows_batch_equals_each_item_alone(kind, drafter):
+    model, processor, items = family(kind)
+    batch = collate(items, pad_id(processor))
+    width = batch["input_ids"].shape[1]
+    draft = PromptLookup() if drafter == "prompt_lookup" else \
+        FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0)
+    sm = flashmm.wrap(model, draft, processor=processor, batching="rows")
+    with pytest.warns(UserWarning, match="row by row.*batching='rows'") as caught:
+        out = sm.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
+    assert sum("row by row" in str(w.message) for w in caught) == 1  # once per call
+    assert [row[width:].tolist() for row in out] == alone(kind)
+    if drafter == "flash":  # prompt lookup may find nothing to copy in a tiny random model's text
+        assert sm.last_stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["llava_onevision", "qwen2_vl"])
+def test_num_return_sequences_with_several_items(kind):
+    """num_return_sequences=2 over two items with media: each item's two rows get that item's media
+    and equal model.generate on the item alone with num_return_sequences=2 (top_k=1 sampling: greedy,
+    which transformers refuses for num_return_sequences > 1 without sampling)."""
+    model, processor, items = family(kind)
+    pair = [items[1], items[0]]
+    batch = collate(pair, pad_id(processor))
+    width = batch["input_ids"].shape[1]
+    kw = dict(max_new_tokens=MAX_NEW, do_sample=True, top_k=1, num_return_sequences=2)
+    sm = flashmm.wrap(model, PromptLookup(), processor=processor)
+    with pytest.warns(UserWarning, match="row by row.*num_return_sequences=2"):
+        out = sm.generate(**batch, **kw)
+    assert out.shape[0] == 4
+    for i, item in enumerate(pair):
+        with torch.no_grad():
+            ref = model.generate(**item, **kw)
+        assert out[2 * i : 2 * i + 2, width:].tolist() == ref[:, item["input_ids"].shape[1]:].tolist(), i
+    assert out[0, width:].tolist() != out[2, width:].tolist()
+
+
+def test_hybrid_model_batch_with_media_decodes_row_by_row():
+    """Qwen3.5 (linear-attention layers keep recurrent states): its media batches are not verified
+    together; each row decodes alone with its own images (grid split) as generate decodes it alone."""
+    model = tiny_rope_vlm("qwen3_5")
+    items = [rope_inputs("qwen3_5", model, images=2, seed=0), rope_inputs("qwen3_5", model, images=1, seed=1)]
+    items[1]["input_ids"] = items[1]["input_ids"][:, 2:]  # ragged lengths
+    items[1]["attention_mask"] = items[1]["attention_mask"][:, 2:]
+    items[1]["mm_token_type_ids"] = items[1]["mm_token_type_ids"][:, 2:]
+    batch = collate(items, 0)
+    width = batch["input_ids"].shape[1]
+    sm = flashmm.wrap(model, PromptLookup())
+    assert sm.target.recurrent
+    with pytest.warns(UserWarning, match="row by row.*recurrent states"):
+        out = sm.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
+    for b, item in enumerate(items):
+        with torch.no_grad():
+            ref = model.generate(**item, max_new_tokens=MAX_NEW, do_sample=False)
+        assert out[b, width:].tolist() == ref[0, item["input_ids"].shape[1]:].tolist(), b
+
+
+def test_families_that_cannot_be_split_refuse_naming_why():
+    """Idefics3 lays images out in per-row slots: refused with the reason, before any decoding."""
+    model = tiny_placeholder_vlm("idefics3")
+    items = [placeholder_inputs("idefics3", model, images=1, seed=0), placeholder_inputs("idefics3", model, images=1,
+                                                                                        seed=1)]
+    batch = collate(items, 0)
+    sm = flashmm.wrap(model, PromptLookup(), batching="rows")
+    with pytest.warns(UserWarning), pytest.raises(NotImplementedError, match="Idefics3.*per-row slots"):
+        sm.generate(**batch, max_new_tokens=2)
+
+
+class StopOn(StoppingCriteria):
+    """Stops a row once its last token is ``token`` (not an EOS criterion)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("batching", ["auto", "rows"])
+def test_row_stopped_by_another_criterion_continues_with_its_own_media(batching):
+    """Without EOS, generate keeps decoding a row another criterion stopped until every row stopped:
+    flashmm decodes that row again to the batch's width, alone with its own media (before, a batch with
+    media refused this)."""
+    model, processor, items = family("qwen2_vl")
+    expected = alone("qwen2_vl")
+    token = expected[0][3]
+    assert all(token not in row for row in expected[1:])  # only row 0 stops, after 4 tokens
+    batch = collate(items, pad_id(processor))
+    width = batch["input_ids"].shape[1]
+    sm = flashmm.wrap(model, PromptLookup(), processor=processor, batching=batching)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out = sm.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False,
+                          stopping_criteria=StoppingCriteriaList([StopOn(token)]))
+    assert [row[width:].tolist() for row in out] == expected
+    assert sm.last_row_stats[0].new_tokens == MAX_NEW
+    assert sm.last_stats.new_tokens == len(items) * MAX_NEW + 4  # row 0 stopped after 4, then ran again
