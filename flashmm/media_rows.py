@@ -248,4 +248,4 @@ def equal_units(target, input_ids: torch.Tensor, model_inputs: dict) -> list[Uni
 
 
 def _family(target) -> str:
-    return type(target.model).__name__ if hasattr(target, "model") else type(target).__name__
+    return type(target.model).__name__

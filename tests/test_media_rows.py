@@ -3,9 +3,10 @@ num_return_sequences > 1 over several items) decode row by row, each row alone w
 (flashmm.media_rows splits the batch's media per item) and a warning saying why.
 
 References are independent of the split: each item's processor output built alone, and the model's own
-``generate`` on that item alone (greedy, fp32). Families: LLaVA, LLaVA-OneVision (anyres image, a
-multi-image sample, a video), Qwen2-VL (one and two images, ragged), Gemma 3 (the generic placeholder
-adapter) and Qwen3.5 (hybrid linear attention, grid media through the generic rope-index adapter).
+``generate`` on that item alone (greedy, fp32). Families: LLaVA, LLaVA-NeXT, LLaVA-OneVision (anyres
+images, a multi-image sample, a video), Qwen2/2.5/3-VL (one and two images, a video; ragged), Gemma 3
+(the generic placeholder adapter) and Qwen3.5 (hybrid linear attention, grid media through the generic
+rope-index adapter).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from flashmm.drafters import PromptLookup
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.media_rows import item_media
 
-from mm_models import (make_inputs, placeholder_inputs, random_image, rope_inputs, tiny_placeholder_vlm,
+from mm_models import (VIDEO_KINDS, make_inputs, placeholder_inputs, random_image, rope_inputs, tiny_placeholder_vlm,
                        tiny_rope_vlm, tiny_vlm)
 
 if os.environ.get("OMP_NUM_THREADS") == "1":
@@ -35,7 +36,8 @@ KINDS = ["llava", "llava_onevision", "qwen2_vl", "gemma3"]
 
 @functools.lru_cache(maxsize=None)
 def family(kind):
-    """(model, processor or None, items: one input dict per row, built alone)."""
+    """(model, processor or None, items: one input dict per row, built alone: one image, two images,
+    text only, a video where the family takes one)."""
     if kind == "gemma3":
         model = tiny_placeholder_vlm(kind)
         items = [placeholder_inputs(kind, model, images=1, seed=0), placeholder_inputs(kind, model, images=2, seed=1),
@@ -45,8 +47,9 @@ def family(kind):
     items = [make_inputs(processor, kind, images=1, text="Describe this picture in detail, please."),
              make_inputs(processor, kind, images=2, text="Compare them."),
              make_inputs(processor, kind, images=0, text="Hi.")]
-    if kind == "llava_onevision":
+    if kind in VIDEO_KINDS:
         items.append(make_inputs(processor, kind, video=True, text="What happens?"))
+    if kind == "llava_onevision":
         # one sample of two images (batch_num_images [2]: OneVision gives each no anyres tiles)
         text = "USER: <image>\n<image>\nWhich is brighter? ASSISTANT:"
         items.append(dict(processor(text=text, images=[[random_image(7, (40, 30)), random_image(8)]],
@@ -75,7 +78,7 @@ def media(inputs: dict) -> dict:
     return {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["llava_next", "qwen2_5_vl", "qwen3_vl"])
 def test_split_media_are_each_items_own(kind):
     """The split of the collated batch gives each row exactly what its item alone held (processor
     output: pixel_values, image_sizes, batch_num_images, grids, token types), unpadded."""
