@@ -370,6 +370,7 @@ def main() -> None:
         f" {a}" for a in sys.argv[1:] if a != "--resume")
     if args.redo:  # the first run's command stays the table's; this one is listed as an update
         seconds -= sum(r.get("wall_s", 0) for r in rows if r["model_type"] in only)
+        images = {(r["model_type"], r["cls"]): r["image"] for r in rows if r["model_type"] in only and "image" in r}
         rows = [r for r in rows if r["model_type"] not in only]
         command, updates = saved["meta"]["command"], updates + [command]
     done = {(r["model_type"], r["cls"]) for r in rows}
@@ -378,6 +379,8 @@ def main() -> None:
             continue
         row = run_one(model_type, cls_name, args.timeout)
         row["mapping"] = mapping
+        if args.redo and (model_type, cls_name) in images:  # a text redo keeps the row's image result
+            row["image"] = images[(model_type, cls_name)]
         rows.append(row)
         seconds += row["wall_s"]
         print(f"{model_type:28s} {cls_name:44s} {row['outcome']:18s} {row.get('wall_s', 0):6.1f}s "

@@ -165,8 +165,9 @@ def _fit_mrope(config) -> None:
 
 
 def tiny_model(model_type: str, cls_name: str, images: bool = False) -> torch.nn.Module:
-    """The tiny random model of a row; images=True: built to take an image (the text vocabulary covers
-    the placeholder ids the top-level config names, IMAGE_OVERRIDES applied), for the image column."""
+    """The tiny random model of a row (a multimodal-RoPE section fitted to the tiny head); images=True:
+    built to take an image (the text vocabulary covers the placeholder ids the top-level config names,
+    IMAGE_OVERRIDES applied), for the image column."""
     model_cls = getattr(transformers, cls_name)
     # a *ForCausalLM registered under a composite model_type (qwen3_5, llama4) takes the text config
     config_cls = getattr(model_cls, "config_class", None) or CONFIG_MAPPING[model_type]
@@ -182,7 +183,7 @@ def tiny_model(model_type: str, cls_name: str, images: bool = False) -> torch.nn
     config = config_cls.from_dict(small)
     torch.manual_seed(0)
     model = model_cls(config).eval()
-    if images and rope_index_owner(model) is not None:  # multimodal RoPE: its section must fit the tiny head
+    if rope_index_owner(model) is not None:  # multimodal RoPE: its section must fit the tiny head
         _fit_mrope(config)
         torch.manual_seed(0)
         model = model_cls(config).eval()
