@@ -162,14 +162,18 @@ def check_images(model_type: str, cls_name: str) -> dict:
             raise RuntimeError(f"generate returned {ref.shape[1] - ids.shape[1]} new tokens, not {MAX_NEW}")
     except Exception as error:  # noqa: BLE001
         return dict(outcome="transformers fails", reason=_short(error))
-    flash = FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0)
     spans_seen = []
-    begin = flash.begin
-    flash.begin = lambda start: (spans_seen.append(list(start.visual_spans)), begin(start))[1]
+
+    def flash():  # an untrained FLASH drafter whose begin records the visual spans it is handed
+        drafter = FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0)
+        begin = drafter.begin
+        drafter.begin = lambda start: (spans_seen.append(list(start.visual_spans)), begin(start))[1]
+        return drafter
+
     taus = {}
-    for name, drafter in (("prompt lookup", "prompt_lookup"), ("FLASH", flash)):
-        try:
-            sm = flashmm.wrap(model, drafter)
+    for name, make in (("prompt lookup", lambda: "prompt_lookup"), ("FLASH", flash)):
+        try:  # building the drafter counts as flashmm's: an error there is a crash of that run
+            sm = flashmm.wrap(model, make())
             out = sm.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
         except UnsupportedModel as refusal:
             return dict(outcome="refused", reason=f"{name}: {refusal}", seconds=time.perf_counter() - t0)

@@ -79,6 +79,25 @@ OVERRIDES: dict[str, dict] = {
 IMAGE_OVERRIDES: dict[str, dict] = {
     # the default SigLIP tower (224 px, patch 16: 14 x 14 patches) cannot pool to 256 tokens (16 x 16)
     "gemma3": dict(mm_tokens_per_image=49), "shieldgemma2": dict(mm_tokens_per_image=49),
+    # SigLIP towers with fixed position embeddings take only their image_size: one whose patch grid the
+    # projector's pixel shuffle (downsample_factor 2) can halve (384 / 14 = 27 patches cannot)
+    "aya_vision": dict(vision_config=dict(image_size=112)),          # 8 x 8 patches -> 16 tokens
+    "cohere2_vision": dict(vision_config=dict(image_size=128)),      # 512 px is beyond MAX_SIDE; 8 x 8 -> 16
+    # SAM towers (GOT-OCR 2) take only their image_size: 1024 px is beyond MAX_SIDE; 256 px -> 16 tokens
+    "got_ocr2": dict(vision_config=dict(image_size=256)), "pp_chart2table": dict(vision_config=dict(image_size=256)),
+    # its SAM tower: 256 px (1024 is beyond MAX_SIDE); its global-attention layer among the 2 tiny layers
+    "deepseek_vl_hybrid": dict(high_res_vision_config=dict(image_size=256, global_attn_indexes=[1])),
+    # Llama 4: the pixel shuffle (ratio 0.5) makes 4 x 64 = 256 channels, which the adapter MLP's fc1 takes
+    # as intermediate_size; its projector widths follow the tiny tower; 112 px / 14 = 8 x 8 -> 16 tokens
+    "llama4": dict(vision_config=dict(image_size=112, intermediate_size=256, projector_input_dim=64,
+                                      projector_output_dim=64, vision_output_dim=64)),
+    # MiniCPM-V names its image token in the tokenizer only: any id above the prompt's text ids
+    "minicpmv4_6": dict(image_token_id=300), "minicpmv4_7": dict(image_token_id=300),
+    "minicpm_ocr": dict(image_token_id=300),
+    # the projector maps a patch count to its query count: 224 px / patch 32 = 49 patches -> 16 queries
+    "aria": dict(projector_patch_to_query_dict={49: 16}),
+    # ViP-LLaVA concatenates 5 vision layers (-2, -5, -8, -11, 6); the tiny tower has 2 (3 hidden states)
+    "vipllava": dict(vision_feature_layers=[-3, -2, -1, 1, 2], vision_config=dict(image_size=112)),
 }
 
 
@@ -175,7 +194,11 @@ def tiny_model(model_type: str, cls_name: str, images: bool = False) -> torch.nn
     for part in [small] + [v for k, v in small.items() if k == "text_config" and isinstance(v, dict)]:
         part.update(OVERRIDES.get(model_type, {}))
     if images:
-        small.update(IMAGE_OVERRIDES.get(model_type, {}))
+        for key, sub in getattr(config_cls, "sub_configs", {}).items():  # an optional tower left out (Gemma 4)
+            if "vision" in key and small.get(key) is None and isinstance(sub, type):
+                small[key] = shrink(sub().to_dict())
+        for key, value in IMAGE_OVERRIDES.get(model_type, {}).items():  # a sub-config dict is merged into
+            small[key] = {**small[key], **value} if isinstance(small.get(key), dict) else value
         vision, text = small.get("vision_config"), small.get("text_config")
         if isinstance(vision, dict) and isinstance(text, dict) and "out_hidden_size" in vision:
             vision["out_hidden_size"] = text.get("hidden_size", vision["out_hidden_size"])  # merger → text width

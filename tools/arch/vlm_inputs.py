@@ -96,6 +96,8 @@ def _params(fn) -> set[str]:
 def _layouts(model, seed: int):
     """Candidate media dicts (forward kwargs), most specific first."""
     vision = _config_dict(getattr(model.config, "vision_config", None))
+    towerless = not vision  # Fuyu: no vision tower, patch sizes on the top-level config, patches go to a Linear
+    vision = vision or _config_dict(model.config)
     forward = _params(model.forward)
     pixel_key = next((k for k in ("pixel_values", "pixel_values_images") if k in forward), None)
     if pixel_key is None:
@@ -109,7 +111,25 @@ def _layouts(model, seed: int):
         frame = torch.randn(1, channels, 2 * merge * patch, 2 * merge * patch, generator=g)
         flat, grid = qwen_patches(frame.expand(temporal, -1, -1, -1), patch, temporal, merge)
         yield {pixel_key: flat, "image_grid_thw": torch.tensor([grid])}
+        # Inkling 2: one channel-last tile per merged token [tokens, merge*patch, merge*patch, C], grid in tokens
+        side = merge * patch
+        tiles = frame[0].reshape(channels, 2, side, 2, side).permute(1, 3, 2, 4, 0).reshape(4, side, side, channels)
+        yield {pixel_key: tiles, "image_grid_thw": torch.tensor([[1, 2, 2]])}
         return
+    if "temporal_patch_size" in vision:  # Inkling: a channel-last tile per token [tiles, temporal, patch, patch, C]
+        temporal = _first_int(vision.get("temporal_patch_size")) or 1
+        yield {pixel_key: torch.randn(4, 1, patch, patch, channels, generator=g).expand(-1, temporal, -1, -1, -1).contiguous()}
+    if "target_sizes" in forward:  # MiniCPM-V: NaViT-packed patches side by side [1, C, patch, h*w*patch]
+        for side in (8, 4, 16):
+            yield {pixel_key: torch.randn(1, channels, patch, side * side * patch, generator=g),
+                   "target_sizes": torch.tensor([[side, side]], dtype=torch.int32)}
+        return
+    if "spatial_shapes" in forward or "image_position_ids" in forward:
+        merged = _first_int(getattr(model.config.vision_config, "model_patch_size", None))  # Gemma 4 unified: no
+        yield from _patch_list_layouts(pixel_key, forward, channels, merged or patch, g)  # tower, merged patches in
+        return
+    if towerless:  # [1, patches, patch*patch*C]: a 4 x 4 patch image, as Fuyu's processor cuts it
+        yield {pixel_key: patch_list(torch.randn(channels, 4 * patch, 4 * patch, generator=g), patch)[None]}
     size = _first_int(vision.get("image_size"))
     sides = [size] if size and size <= MAX_SIDE else []
     sides += [s * patch for s in (4, 8, 16) if s * patch <= MAX_SIDE and s * patch not in sides]
@@ -117,11 +137,38 @@ def _layouts(model, seed: int):
     for side in sides:
         pixels = torch.randn(1, channels, side, side, generator=g)
         size_options = [{}] + ([{"image_sizes": torch.tensor([[side, side]])}] if takes_sizes else [])
+        if "high_res_pixel_values" in forward:  # DeepSeek-VL hybrid: the same image for its SAM tower too
+            high = _first_int(_config_dict(getattr(model.config, "high_res_vision_config", None)).get("image_size"))
+            size_options = [{"high_res_pixel_values": torch.randn(1, channels, high or side, high or side, generator=g)}]
         for sizes in size_options:
             yield {pixel_key: pixels, **sizes}
         for sizes in size_options:
             for tiles in range(1, MAX_TILES + 1):  # tiled towers: [images, tiles, C, S, S]
                 yield {pixel_key: pixels[:, None].expand(-1, tiles, -1, -1, -1).contiguous(), **sizes}
+
+
+def patch_list(frame: torch.Tensor, patch: int) -> torch.Tensor:
+    """One image [C, H, W] → its patches [h*w, patch*patch*C], row-major, each patch's pixels
+    (row, column, channel): the SigLIP-2 / Gemma 4 processors' layout."""
+    channels, height, width = frame.shape
+    x = frame.reshape(channels, height // patch, patch, width // patch, patch).permute(1, 3, 2, 4, 0)
+    return x.reshape((height // patch) * (width // patch), -1)
+
+
+def _patch_list_layouts(pixel_key: str, forward: set, channels: int, patch: int, g: torch.Generator):
+    """Variable-resolution towers that take a list of patches (SigLIP-2 in LFM2-VL: spatial_shapes and
+    pixel_attention_mask; Gemma 4: image_position_ids, (x, y) per patch): a square grid of `side` patches
+    a side, sides that pooling / pixel-shuffle by 2 or 3 divide."""
+    for side in (6, 4, 8, 12):
+        patches = patch_list(torch.randn(channels, side * patch, side * patch, generator=g), patch)[None]
+        media = {pixel_key: patches}
+        if "spatial_shapes" in forward:
+            media["spatial_shapes"] = torch.tensor([[side, side]])
+            media["pixel_attention_mask"] = torch.ones(1, side * side, dtype=torch.long)
+        if "image_position_ids" in forward:
+            ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+            media["image_position_ids"] = torch.stack([xs, ys], dim=-1).reshape(1, side * side, 2)
+        yield media
 
 
 def _feature_count(model, media: dict) -> int | None:
@@ -204,6 +251,7 @@ def image_inputs(model: torch.nn.Module, seed: int = 0) -> dict:
             errors.append(error)
             continue
         return inputs
-    first = errors[0] if errors else None
-    why = f"{type(first).__name__}: {str(first).splitlines()[0][:200]}" if first else "no layout to try"
-    raise ImageInputsError(f"no image layout fits {type(model).__name__} (first error: {why})")
+    distinct = list(dict.fromkeys(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}" for e in errors))
+    why = "; ".join(distinct[:3]) + (f"; {len(distinct) - 3} more" if len(distinct) > 3 else "") \
+        if distinct else "no layout to try"
+    raise ImageInputsError(f"no image layout fits {type(model).__name__} ({len(errors)} layouts tried: {why})")
