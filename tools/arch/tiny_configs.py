@@ -94,6 +94,22 @@ IMAGE_OVERRIDES: dict[str, dict] = {
     # MiniCPM-V names its image token in the tokenizer only: any id above the prompt's text ids
     "minicpmv4_6": dict(image_token_id=300), "minicpmv4_7": dict(image_token_id=300),
     "minicpm_ocr": dict(image_token_id=300),
+    # Muse Glimmer's projector takes merge x merge tiny vision rows (4 x 64) and is as wide as the tiny model
+    "muse_glimmer": dict(out_hidden_size=256, projector_hidden_size=64),
+    # GLM-4V-MoE rotates half of each head (partial_rotary_factor 0.5): its split mrope section must sum to the
+    # tiny head's rotary frequencies, 16 * 0.5 / 2 = 4 (its default [8, 12, 12] sums to 32)
+    "glm4v_moe": dict(text_config=dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                            partial_rotary_factor=0.5, mrope_section=[1, 1, 2]))),
+    # Kimi K2.5's projector normalises tiny vision rows (its projection_hidden_size is the tower's width)
+    "kimi_k25": dict(projection_hidden_size=64),
+    # Mllama: its tower's intermediate layers among the 2 tiny ones (output: 3 x 64 wide), 56 px tiles
+    "mllama": dict(vision_config=dict(intermediate_layers_indices=[0, 1], vision_output_dim=192, image_size=56,
+                                      num_global_layers=1)),
+    # Qwen-Omni thinkers: their rope index reads vision_start_token_id, which the default config does not set
+    "qwen2_5_omni_thinker": dict(vision_start_token_id=151652), "qwen3_omni_moe_thinker": dict(vision_start_token_id=151652),
+    # Granite-Docling: a fixed 512 px tower (beyond MAX_SIDE): 128 px, 8 x 8 patches that its scale factor 4
+    # pixel-shuffles to 2 x 2; its deepstack layers among the 2 tiny ones
+    "granite_docling": dict(vision_config=dict(image_size=128, deepstack_visual_indexes=[0, 1])),
     # the projector maps a patch count to its query count: 224 px / patch 32 = 49 patches -> 16 queries
     "aria": dict(projector_patch_to_query_dict={49: 16}),
     # ViP-LLaVA concatenates 5 vision layers (-2, -5, -8, -11, 6); the tiny tower has 2 (3 hidden states)
@@ -176,8 +192,9 @@ def _fit_mrope(config) -> None:
         if isinstance(rope, dict) and "mrope_section" not in rope:  # modeling code falls back to [16, 24, 24]
             rope["mrope_section"] = [16, 24, 24]
         section = rope.get("mrope_section") if isinstance(rope, dict) else None
-        if not isinstance(section, list) or rope.get("mrope_interleaved") or sum(section) == head // 2:
-            continue
+        rotary = int(head * rope.get("partial_rotary_factor", 1.0)) if isinstance(rope, dict) else head
+        if not isinstance(section, list) or rope.get("mrope_interleaved") or sum(section) in (head // 2, rotary // 2):
+            continue  # already fits the head, or the rotary part of it (a partial rotary factor given by hand)
         scaled = [max(1, round(s * (head // 2) / sum(section))) for s in section]
         scaled[-1] += head // 2 - sum(scaled)
         rope["mrope_section"] = scaled

@@ -8,14 +8,23 @@ cannot be called alone, by the count its placeholder check names):
     inputs = image_inputs(model)      # input_ids [1, T], attention_mask, pixel_values, ...
     model.generate(**inputs, max_new_tokens=20, do_sample=False)
 
-Layouts tried, in order, each validated by one forward of the whole model:
+Layouts tried, in order, each validated by one forward of the whole model; which family of layouts
+is tried follows the media arguments the model's forward takes:
 
-- multimodal-RoPE towers (Qwen-VL, GLM-4V, ...: the vision config names ``temporal_patch_size`` or
-  ``spatial_merge_size`` and the forward takes ``image_grid_thw``): flattened patches of a
-  2·merge x 2·merge grid and its ``image_grid_thw``;
-- otherwise one image [1, C, S, S] (with ``image_sizes`` where the forward takes them), then
-  [1, tiles, C, S, S] for tiled (Idefics, LLaVA-NeXT any-res) towers, for S = the tower's image
+- ``image_grid_thw`` (Qwen-VL, GLM-4V, PaddleOCR-VL, Inkling 2, Video LLaMA 3, ...): a 2·merge x
+  2·merge patch image as Qwen-VL flattened patches, as channel-last tiles, or as a patch stack;
+- ``aspect_ratio_ids`` (Mllama): [1, images, tiles, C, S, S] and a cross_attention_mask;
+- ``target_sizes`` (MiniCPM-V): NaViT-packed patches [1, C, patch, h·w·patch];
+- ``spatial_shapes`` / ``image_position_ids`` (LFM2-VL's SigLIP-2, Gemma 4): a list of patches;
+- otherwise (a towerless Fuyu first gets its patch list) one image [1, C, S, S] (with
+  ``image_sizes`` / ``high_res_pixel_values`` / ``pixel_attention_mask`` where the forward takes them),
+  then [1, tiles, C, S, S] for tiled (Idefics, LLaVA-NeXT any-res) towers, for S = the tower's image
   size and a few small multiples of its patch.
+
+Sizes a family's tiny config gets wrong for an image (a fixed image_size its projector cannot pool,
+layer indices beyond the tiny tower) are set by hand in tools.arch.tiny_configs.IMAGE_OVERRIDES.
+``unplaced_image_inputs`` gives a text prompt with an image for a model whose config names no
+placeholder token (GIT), to show what flashmm does with it.
 
 ``ImageInputsError`` says why no layout worked. Used by eval/arch_support.py (the "with one image"
 column) and tests/mm_models.py.
@@ -105,20 +114,18 @@ def _layouts(model, seed: int):
     channels = _first_int(vision.get("num_channels")) or _first_int(vision.get("in_channels")) or 3
     patch = _first_int(vision.get("patch_size")) or 14
     g = torch.Generator().manual_seed(seed)
-    if "image_grid_thw" in forward and ("temporal_patch_size" in vision or "spatial_merge_size" in vision):
-        merge = _first_int(vision.get("spatial_merge_size")) or 1
-        temporal = _first_int(vision.get("temporal_patch_size")) or 1
-        frame = torch.randn(1, channels, 2 * merge * patch, 2 * merge * patch, generator=g)
-        flat, grid = qwen_patches(frame.expand(temporal, -1, -1, -1), patch, temporal, merge)
-        yield {pixel_key: flat, "image_grid_thw": torch.tensor([grid])}
-        # Inkling 2: one channel-last tile per merged token [tokens, merge*patch, merge*patch, C], grid in tokens
-        side = merge * patch
-        tiles = frame[0].reshape(channels, 2, side, 2, side).permute(1, 3, 2, 4, 0).reshape(4, side, side, channels)
-        yield {pixel_key: tiles, "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    if "image_grid_thw" in forward:
+        yield from _grid_layouts(vision, pixel_key, forward, channels, patch, g)
         return
     if "temporal_patch_size" in vision:  # Inkling: a channel-last tile per token [tiles, temporal, patch, patch, C]
         temporal = _first_int(vision.get("temporal_patch_size")) or 1
         yield {pixel_key: torch.randn(4, 1, patch, patch, channels, generator=g).expand(-1, temporal, -1, -1, -1).contiguous()}
+    if "aspect_ratio_ids" in forward:  # Mllama: [1, images, tiles, C, S, S], one tile of aspect ratio id 1
+        tiles = _first_int(vision.get("max_num_tiles")) or 4
+        side = _first_int(vision.get("image_size")) or 4 * patch
+        yield {pixel_key: torch.randn(1, 1, tiles, channels, side, side, generator=g),
+               "aspect_ratio_ids": torch.tensor([[1]]), "aspect_ratio_mask": torch.tensor([[[1] + [0] * (tiles - 1)]])}
+        return
     if "target_sizes" in forward:  # MiniCPM-V: NaViT-packed patches side by side [1, C, patch, h*w*patch]
         for side in (8, 4, 16):
             yield {pixel_key: torch.randn(1, channels, patch, side * side * patch, generator=g),
@@ -141,10 +148,43 @@ def _layouts(model, seed: int):
             high = _first_int(_config_dict(getattr(model.config, "high_res_vision_config", None)).get("image_size"))
             size_options = [{"high_res_pixel_values": torch.randn(1, channels, high or side, high or side, generator=g)}]
         for sizes in size_options:
-            yield {pixel_key: pixels, **sizes}
+            yield {pixel_key: pixels, **sizes, **_masks(forward, pixels)[0]}
         for sizes in size_options:
             for tiles in range(1, MAX_TILES + 1):  # tiled towers: [images, tiles, C, S, S]
-                yield {pixel_key: pixels[:, None].expand(-1, tiles, -1, -1, -1).contiguous(), **sizes}
+                tiled = pixels[:, None].expand(-1, tiles, -1, -1, -1).contiguous()
+                for mask in _masks(forward, tiled):
+                    yield {pixel_key: tiled, **sizes, **mask}
+
+
+def _masks(forward: set, pixels: torch.Tensor) -> list[dict]:
+    """The pixel_attention_mask options for pixels [..., C, S, S] where the forward takes one: every pixel
+    real (Idefics 3, SmolVLM: [..., S, S]), every tile real (Granite-Docling: [images, tiles])."""
+    if "pixel_attention_mask" not in forward:
+        return [{}]
+    options = [{"pixel_attention_mask": torch.ones(*pixels.shape[:-3], *pixels.shape[-2:], dtype=torch.bool)}]
+    if pixels.dim() == 5:
+        options.append({"pixel_attention_mask": torch.ones(*pixels.shape[:2], dtype=torch.bool)})
+    return options
+
+
+def _grid_layouts(vision: dict, pixel_key: str, forward: set, channels: int, patch: int, g: torch.Generator):
+    """Towers that take patches and an image_grid_thw [[t, h, w]]: a 2·merge x 2·merge patch image as
+    Qwen-VL flattened patches (Qwen-VL, GLM-4V, Muse Glimmer, Video LLaMA 3 with its image_merge_sizes),
+    as one channel-last tile per merged token (Inkling 2: the grid counts tokens), or as a stack of
+    [C·temporal, patch, patch] patches in row-major order (PaddleOCR-VL)."""
+    merge = next((m for k in ("spatial_merge_size", "merge_size", "merge_kernel_size")
+                  if (m := _first_int(vision.get(k)))), 1)
+    temporal = _first_int(vision.get("temporal_patch_size")) or _first_int(vision.get("patch_temporal")) or 1
+    extra = {"image_merge_sizes": torch.tensor([merge])} if "image_merge_sizes" in forward else {}
+    frame = torch.randn(1, channels, 2 * merge * patch, 2 * merge * patch, generator=g)
+    flat, grid = qwen_patches(frame.expand(temporal, -1, -1, -1), patch, temporal, merge)
+    yield {pixel_key: flat, "image_grid_thw": torch.tensor([grid]), **extra}
+    side = merge * patch
+    tiles = frame[0].reshape(channels, 2, side, 2, side).permute(1, 3, 2, 4, 0).reshape(4, side, side, channels)
+    yield {pixel_key: tiles, "image_grid_thw": torch.tensor([[1, 2, 2]]), **extra}
+    h = w = 2 * merge
+    stack = frame[0].reshape(channels, h, patch, w, patch).permute(1, 3, 0, 2, 4).reshape(h * w, channels, patch, patch)
+    yield {pixel_key: stack.repeat_interleave(temporal, dim=1), "image_grid_thw": torch.tensor([[1, h, w]]), **extra}
 
 
 def patch_list(frame: torch.Tensor, patch: int) -> torch.Tensor:
@@ -217,14 +257,38 @@ def _full_inputs(model, input_ids: torch.Tensor, media: dict, image_id: int) -> 
     if "token_type_ids" in forward:  # Gemma 3: 1 at image tokens; PaliGemma: 0 over the prefix
         paligemma = "paligemma" in str(getattr(model.config, "model_type", ""))
         inputs["token_type_ids"] = torch.zeros_like(input_ids) if paligemma else image_mask
+    if "cross_attention_mask" in forward and "aspect_ratio_mask" in media:  # Mllama: every token sees the image's
+        inputs["cross_attention_mask"] = media["aspect_ratio_mask"][:, None].expand(-1, input_ids.shape[1], -1, -1)
     if "mm_token_type_ids" in forward:  # multimodal-RoPE processors: 1 at image tokens
         inputs["mm_token_type_ids"] = image_mask.int()
     return inputs
 
 
+def unplaced_image_inputs(model: torch.nn.Module, seed: int = 0) -> dict:
+    """A text prompt and one image for a model whose config names no placeholder token (GIT prepends the
+    image's embeddings; BLIP-2 / Kosmos-2 place them by masks of their own): the first layout its forward
+    accepts. Raises ImageInputsError if none does."""
+    input_ids = _prompt(model, -1, 0, seed)
+    errors = []
+    for media in _layouts(model, seed):
+        inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **media)
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        except Exception as error:  # noqa: BLE001 (the next layout is tried)
+            errors.append(error)
+            continue
+        return inputs
+    why = f"{type(errors[0]).__name__}: {str(errors[0])[:160]}" if errors else "no layout to try"
+    raise ImageInputsError(f"no image layout fits {type(model).__name__} without placeholders ({why})")
+
+
 def image_inputs(model: torch.nn.Module, seed: int = 0) -> dict:
     """Forward / generate kwargs of one prompt with one random image for ``model`` (see the module
     docstring); raises ImageInputsError naming why none could be built."""
+    if not {"pixel_values", "pixel_values_images"} & _params(model.forward):
+        raise ImageInputsError(f"{type(model).__name__}.forward takes no image (neither pixel_values nor "
+                               "pixel_values_images)")
     image_id = placeholder_ids(model.config).get("image")
     if image_id is None:
         raise ImageInputsError(f"{type(model).__name__}'s config names no image placeholder token "
