@@ -88,3 +88,22 @@ def test_no_placeholder_token_is_named_and_flashmm_refuses_the_image():
         model.generate(**inputs, max_new_tokens=2, do_sample=False)
     with pytest.raises(UnsupportedModel, match="placeholder"):
         flashmm.wrap(model, "prompt_lookup").generate(**inputs, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("model_type,cls_name,drafter", [
+    # FLASH read the text config's head_dim, which Gemma 4 keeps per layer (it raised)
+    ("gemma4", "Gemma4ForConditionalGeneration", "flash"),
+    # positions: MiniCPM-V 4.7 sizes its images by target_sizes, not image_grid_thw, and flashmm gave
+    # its prompt plain 1-D positions (different tokens from new token 13 on)
+    ("minicpmv4_7", "MiniCPMV4_7ForConditionalGeneration", "prompt_lookup"),
+    # Qwen3-Omni's get_rope_index indexes attention_mask without checking it (flashmm passed None)
+    ("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration", "prompt_lookup")])
+def test_families_the_image_column_caught_decode_exactly(model_type, cls_name, drafter):
+    model = tiny_model(model_type, cls_name, images=True)
+    inputs = image_inputs(model)
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    if drafter == "flash":
+        drafter = FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0)
+    out = flashmm.wrap(model, drafter).generate(**inputs, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, ref)

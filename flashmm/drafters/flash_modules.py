@@ -74,7 +74,7 @@ class FlashConfig:
             vocab_size=model.get_output_embeddings().weight.shape[0],
             num_attention_heads=heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            head_dim=_global_attr(text, "head_dim") or text.hidden_size // heads,
             intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6),
             final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
@@ -89,6 +89,16 @@ class FlashConfig:
     def from_dict(cls, data: dict) -> "FlashConfig":
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _global_attr(config, name: str):
+    """config.<name>, or None when absent or set per layer (Gemma 4's text config raises
+    AmbiguousGlobalPerLayerAttributeError, a RuntimeError, on a global read of its per-layer
+    head_dim): the drafter's own attention then takes hidden / heads."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:
+        return None
 
 
 class RMSNorm(nn.Module):

@@ -81,6 +81,13 @@ def media_keys(model_inputs: dict) -> list[str]:
     return [k for k, v in model_inputs.items() if torch.is_tensor(v) and any(w in k for w in words)]
 
 
+def has_media(model_inputs: dict) -> bool:
+    """Whether a prompt's inputs carry media: a media tensor, or multimodal token types marking some
+    (MiniCPM-V sizes its images by ``target_sizes``, Qwen-VL by ``image_grid_thw``: any of them counts)."""
+    types = model_inputs.get("mm_token_type_ids")
+    return bool(media_keys(model_inputs)) or (torch.is_tensor(types) and bool((types != 0).any()))
+
+
 def takes_media(model: torch.nn.Module) -> bool:
     """Whether the model's forward takes pixels (pixel_values, flattened_patches, image_patches, ...)."""
     params = inspect.signature(model.forward).parameters
@@ -218,8 +225,7 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
     def prompt_position_ids(self, input_ids: torch.Tensor, attention_mask, model_inputs: dict):
         """(position_ids LongTensor [R, B, T], rope_delta LongTensor [B, 1]) of the prompt: text
         positions in every row without media (as generate), else ``get_rope_index``."""
-        has_media = any(model_inputs.get(k) is not None for k in ("image_grid_thw", "video_grid_thw"))
-        if not has_media:
+        if not has_media(model_inputs):
             text = generate_position_ids(self.model, input_ids, attention_mask).get("position_ids")
             text = torch.arange(input_ids.shape[1], device=input_ids.device)[None] if text is None else text
             delta = torch.zeros(input_ids.shape[0], 1, dtype=torch.long, device=input_ids.device)
@@ -232,6 +238,8 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             kwargs = {k: v for k, v in kwargs.items() if k in params}
         owner = rope_index_owner(self.model)
+        if attention_mask is None:  # some get_rope_index (Qwen3-Omni) index the mask without checking it
+            attention_mask = torch.ones_like(input_ids)
         return owner.get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)
 
     def _rope_index_params(self):

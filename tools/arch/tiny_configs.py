@@ -46,6 +46,9 @@ MAX_LAYERS = 8  # a hybrid keeps the shortest prefix of layers that holds every 
 
 # by-hand settings where the generic shrink is not enough: model_type -> config kwargs
 OVERRIDES: dict[str, dict] = {
+    # GLM-4V-MoE's split mrope section fitted to the tiny head's rotary part (see IMAGE_OVERRIDES)
+    "glm4v_moe": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                           mrope_section=[1, 1, 2])),
     "mamba2": dict(head_dim=32),  # num_heads * head_dim == expand * hidden_size
     "bamba": dict(mamba_n_heads=4, mamba_d_head=32),
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=32),
