@@ -14,7 +14,7 @@ from .drafters.saved import resolve_name_or_dir
 from .engine import Decoding, GenerationStats, generate_one
 from .verify_prune import check_prunable
 from .generation import finish, prepare
-from .media_rows import has_media, item_media
+from .media_rows import holds_media_tensors, item_media
 from .batched import generate_batch
 from .targets import make_target
 
@@ -135,7 +135,7 @@ class SpeculativeModel:
         expand = plan.config.num_return_sequences or 1
         if not plan.model_inputs or plan.batch_size == expand:
             return [plan.model_inputs] * plan.batch_size
-        if warn and has_media(plan.input_ids, plan.model_inputs):
+        if warn and holds_media_tensors(plan.input_ids, plan.model_inputs):
             why = (f"num_return_sequences={expand} with media" if expand > 1 else
                    "batching='rows' was asked for" if self.spec.batching != "auto" else
                    f"{type(self.model).__name__} keeps recurrent states per sequence" if self.target.recurrent else

@@ -45,7 +45,7 @@ def item_media(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, mo
     """input_ids, attention_mask [B, T] (one row per item, left-padded); model_inputs: the batch's extra
     inputs → per item, its inputs alone: token-aligned tensors unpadded [1, T_b], its own media."""
     batch = input_ids.shape[0]
-    groups = media_units(target, input_ids, model_inputs) if has_media(input_ids, model_inputs) else []
+    groups = media_units(target, input_ids, model_inputs) if holds_media_tensors(input_ids, model_inputs) else []
     claimed = {key for units in groups for key in units.rows}
     items = [{} for _ in range(batch)]
     pads = [int((attention_mask[b] == 0).long().cumprod(0).sum()) for b in range(batch)]
@@ -104,7 +104,7 @@ def split_counts(counts, images: list[int]) -> list[list[int]]:
     return parts
 
 
-def has_media(input_ids: torch.Tensor, model_inputs: dict) -> bool:
+def holds_media_tensors(input_ids: torch.Tensor, model_inputs: dict) -> bool:
     """Whether model_inputs hold media: a tensor neither aligned with input_ids [B, T] nor a count per item."""
     return any(torch.is_tensor(v) and v.shape != input_ids.shape and k not in COUNT_KEYS
                for k, v in model_inputs.items())
