@@ -12,13 +12,17 @@ the FLASH drafter's W most likely tokens at depths 1..D after it. accept[r] = th
 the top W, so that the node exists in a full top-W tree — at which the target's token is the r-th
 choice. Also per depth: the same rates, and the mean top-1 probability beside the top-1 hit rate
 (how well FLASH's own probabilities, which ``budget="auto"`` prices dynamic trees with, are
-calibrated). ``--save`` writes the vector into the drafter's flash_config.json ("drafting":
-{"accept": ...}); the drafter uses it with tree="sequoia".
+calibrated), and the calibration power γ: the maximum-likelihood fit of P(node accepted | parent
+accepted) = q^γ over every top-W node of those pairs (q: its draft probability; a power keeps the
+best-first order and multiplies along a path). ``--save`` writes both into the drafter's
+flash_config.json ("drafting": {"accept": ..., "calibration": γ}); the drafter uses the vector with
+tree="sequoia" and γ with budget="auto".
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -50,9 +54,9 @@ class Probe(FlashDrafter):
         return root_only(committed)
 
 
-def tally(records, output: list[int], depth: int, width: int, counts, top1):
+def tally(records, output: list[int], depth: int, width: int, counts, top1, outcomes):
     """Add one item's (position, depth) outcomes: counts[d][r] (r = width: not in the top W),
-    top1[d] = [top-1 probability sum, top-1 hits, pairs]."""
+    top1[d] = [top-1 probability sum, top-1 hits, pairs], outcomes: (top-W probabilities, rank)."""
     for length, ids, probs in records:
         for d in range(depth):
             position = length + d  # the target's token at depth d + 1 after the root length - 1
@@ -64,8 +68,24 @@ def tally(records, output: list[int], depth: int, width: int, counts, top1):
             top1[d][0] += probs[d][0]
             top1[d][1] += rank == 0
             top1[d][2] += 1
+            outcomes.append((probs[d], rank))
             if rank == width:  # deeper nodes on the target's path are not in the tree
                 break
+
+
+def fit_calibration(outcomes, width: int) -> float:
+    """γ in [0.2, 2] maximising Σ log-likelihood of "the target's token is this node" over the top-W
+    nodes of every pair, with P = q^γ (float64; a grid of step 0.01)."""
+    q = torch.tensor([probs for probs, _ in outcomes], dtype=torch.float64).clamp(1e-9, 1.0)   # [N, W]
+    hit = torch.zeros_like(q)
+    rows = [i for i, (_, rank) in enumerate(outcomes) if rank < width]
+    hit[rows, [outcomes[i][1] for i in rows]] = 1.0
+    best = (-math.inf, 1.0)
+    for gamma in torch.arange(0.2, 2.0001, 0.01, dtype=torch.float64).tolist():
+        p = (q ** gamma).clamp(1e-12, 1 - 1e-12)
+        ll = float((hit * p.log() + (1 - hit) * (1 - p).log()).sum())
+        best = max(best, (ll, round(gamma, 2)))
+    return best[1]
 
 
 def main(argv=None):
@@ -97,18 +117,19 @@ def main(argv=None):
              + make_items("vqa", seeds[:args.vqa]))
     counts = [[0] * (args.width + 1) for _ in range(args.depth)]
     top1 = [[0.0, 0, 0] for _ in range(args.depth)]
-    exact = 0
+    exact, outcomes = 0, []
     for item in tqdm(items, desc="items"):
         inputs = item_inputs(processor, item["images"], item["prompt"])
         plain = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
         probe.records = []
         out = sm.generate(**inputs, max_new_tokens=args.max_new_tokens)
         exact += bool(torch.equal(out, plain))
-        tally(probe.records, out[0].tolist(), args.depth, args.width, counts, top1)
+        tally(probe.records, out[0].tolist(), args.depth, args.width, counts, top1, outcomes)
 
     pairs = sum(map(sum, counts))
     accept = [sum(c[r] for c in counts) / pairs for r in range(args.width)]
     per_depth = [[c[r] / max(1, sum(c)) for r in range(args.width)] for c in counts]
+    gamma = fit_calibration(outcomes, args.width)
     calibration = [dict(depth=d + 1, pairs=t[2], mean_top1_prob=t[0] / max(1, t[2]), top1_rate=t[1] / max(1, t[2]))
                    for d, t in enumerate(top1)]
     header = ["depth", "pairs"] + [f"rank {r}" for r in range(args.width)] + ["mean top-1 prob"]
@@ -121,9 +142,11 @@ def main(argv=None):
           f"probe output identical to plain greedy on {exact}/{len(items)}. Rate of rank r = the fraction of "
           "(position, depth) pairs on the target's path through a full top-W tree whose target token is the "
           "FLASH drafter's r-th choice at that depth; the row 'all' is the vector saved for tree='sequoia'. "
-          "Mean top-1 prob beside the rank-0 rate: FLASH's calibration.\n\n" + markdown_table(header, rows) + "\n")
+          "Mean top-1 prob beside the rank-0 rate: FLASH's calibration.\n\n" + markdown_table(header, rows) + "\n\n"
+          f"Calibration power γ (P(node accepted | parent accepted) = q^γ, maximum likelihood over "
+          f"{len(outcomes)} pairs × top-{args.width} nodes): **{gamma:.2f}**.\n")
     write_results(args.out, {"machine": info, "command": command, "accept": accept, "per_depth": per_depth,
-                             "calibration": calibration, "counts": counts, "exact": exact, "items": len(items)}, md)
+                             "calibration": calibration, "gamma": gamma, "counts": counts, "exact": exact, "items": len(items)}, md)
     print(md)
     if exact != len(items):
         raise SystemExit(f"the probe's output differed from plain greedy on {len(items) - exact} items")
@@ -131,6 +154,7 @@ def main(argv=None):
         path = Path(args.flash) / CONFIG_NAME
         meta = json.loads(path.read_text())
         meta.setdefault("drafting", {})["accept"] = [round(a, 4) for a in accept]
+        meta["drafting"]["calibration"] = gamma
         path.write_text(json.dumps(meta, indent=2))
         print(f"saved accept into {path}")
 

@@ -534,3 +534,41 @@ def test_unpaying_budget_drafts_nothing_and_stays_exact(text_target):
     out = sm.generate(ids, max_new_tokens=MAX_NEW)
     assert torch.equal(out, text_target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False))
     assert sm.last_stats.drafted_tokens == 0
+
+
+def test_calibration_prices_nodes_by_a_power_of_their_path_probability():
+    scores = [0.6, 0.35, 0.2, 0.1, 0.05, 0.01]
+    slope = 0.25
+    for gamma in (0.5, 1.0, 2.0):
+        drafter = FlashDrafter(None, budget="auto", calibration=gamma)
+        drafter.verify_cost = cost_of(lambda n: 1 + slope * (n - 1))
+        rates = [(1 + sum(s ** gamma for s in scores[:n])) / (1 + slope * n) for n in range(7)]
+        assert drafter._paying_prefix(scores) == max(range(7), key=lambda n: (rates[n], -n))
+    # underconfident probabilities raised to γ < 1 buy more nodes than taken at face value
+    low, face = FlashDrafter(None, budget="auto", calibration=0.5), FlashDrafter(None, budget="auto")
+    low.verify_cost = face.verify_cost = cost_of(lambda n: 1 + slope * (n - 1))
+    assert low._paying_prefix(scores) > face._paying_prefix(scores)
+    with pytest.raises(ValueError, match="calibration"):
+        FlashDrafter(None, calibration=0.0)
+
+
+@pytest.mark.parametrize("gamma", [0.8, 1.5])
+def test_calibration_fit_recovers_the_power_that_generated_the_outcomes(gamma):
+    """eval/flash_sequoia_vector.fit_calibration on outcomes drawn with P(rank r) = q_r^γ exactly."""
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    from flash_sequoia_vector import fit_calibration  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        q = torch.distributions.Dirichlet(torch.full((200,), 0.5)).sample((4000,))
+    q = q.sort(-1, descending=True).values[:, :8]                           # [N, 8] draft probabilities
+    accept = (q.double() ** gamma)                                          # [N, 8], each row sums below 1
+    assert float(accept.sum(-1).max()) < 1
+    u = torch.rand(len(q), generator=g, dtype=torch.float64)[:, None]
+    rank = (u >= accept.cumsum(-1)).sum(-1)                                 # 8: none of the top 8
+    outcomes = list(zip(q.tolist(), rank.tolist()))
+    assert fit_calibration(outcomes, 8) == pytest.approx(gamma, abs=0.06)

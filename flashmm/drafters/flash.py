@@ -16,9 +16,10 @@ the depth-(j+1) distribution. The tree is a static shape (Medusa-style rank path
 positional acceptance vector ``accept`` (flashmm.shapes.sequoia_tree; eval/flash_sequoia_vector.py
 measures it). ``budget="auto"`` sizes each step's tree by the target's measured verify time
 (target.verify_cost()): a dynamic tree keeps the prefix of its best-first nodes that maximises
-(1 + Σ path probabilities) / (t(n) / t(1)) — the path probability a node's estimate of its chance
-to be accepted —, a Sequoia tree the node count that maximises expected tokens per unit of verify
-time (flashmm.drafters.length.best_tree_budget).
+(1 + Σ path probability ** calibration) / (t(n) / t(1)) — a node's estimated chance to be accepted;
+``calibration`` (1: the draft's probabilities as they are) is fitted on held-out decoding by the same
+script —, a Sequoia tree the node count that maximises expected tokens per unit of verify time
+(flashmm.drafters.length.best_tree_budget).
 Children are deterministic, so q_probs is None and sampling is verified by the multi-round tree
 rule in its deterministic-children form (lossless).
 
@@ -99,7 +100,7 @@ class FlashDrafter(Drafter):
                  tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
                  max_nodes: int | None = None, min_path_prob: float = 0.0,
                  draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0, pool_spans: int = 1,
-                 accept: Sequence[float] | None = None, budget: str = "fixed"):
+                 accept: Sequence[float] | None = None, budget: str = "fixed", calibration: float = 1.0):
         if isinstance(net, (str, os.PathLike)):
             net = FlashDrafter.from_pretrained(net).net
         if net is not None and not isinstance(net, FlashNet):
@@ -125,6 +126,8 @@ class FlashDrafter(Drafter):
             raise ValueError(f"pool_spans must be >= 1, got {pool_spans}")
         if budget not in ("fixed", "auto"):
             raise ValueError(f"budget must be 'fixed' or 'auto', got {budget!r}")
+        if not calibration > 0:
+            raise ValueError(f"calibration must be > 0, got {calibration}")
         if accept is not None:
             accept = [float(a) for a in accept]
             if not accept or min(accept) < 0 or sum(accept) > 1 + 1e-6:
@@ -142,7 +145,7 @@ class FlashDrafter(Drafter):
         self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
         self.draft_vocab = draft_vocab
         self.lookup_tokens, self.pool_spans = lookup_tokens, pool_spans
-        self.accept, self.budget = accept, budget
+        self.accept, self.budget, self.calibration = accept, budget, float(calibration)
         self.verify_cost, self.cost_source = None, "fixed budget"   # set at bind with budget="auto"
         self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # budget -> rank paths
         self._head = self._embed = None
@@ -167,7 +170,7 @@ class FlashDrafter(Drafter):
         return dict(compression=self.compression, tree=self.tree, depth=self.depth, top_k=self.top_k,
                     max_nodes=self.max_nodes, min_path_prob=self.min_path_prob, draft_vocab=self.draft_vocab,
                     lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans, accept=self.accept,
-                    budget=self.budget)
+                    budget=self.budget, calibration=self.calibration)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write flash_config.json (sizes + drafting options) and flash_model.safetensors."""
@@ -391,10 +394,11 @@ class FlashDrafter(Drafter):
         return self._sequoia[budget]
 
     def _paying_prefix(self, scores: list[float]) -> int:
-        """How many best-first nodes to keep: the n maximising (1 + Σ_{i<n} scores) / (t(n+1) / t(1))."""
+        """How many best-first nodes to keep: the n maximising (1 + Σ_{i<n} scores^calibration) /
+        (t(n+1) / t(1)); scores are path probabilities (a power keeps their order)."""
         best_n, best_rate, total = 0, 1.0, 1.0
         for n, score in enumerate(scores, start=1):
-            total += score
+            total += score ** self.calibration
             rate = total / self.verify_cost.relative(n + 1)
             if rate > best_rate + 1e-12:
                 best_n, best_rate = n, rate
