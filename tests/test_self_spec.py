@@ -326,3 +326,23 @@ def test_shipped_smollm2_kangaroo_is_an_adapter_only_folder():
     assert {k.split(".")[0] for k in weights} == {"input_norm", "self_attn", "post_norm"}  # no layers, no LM head
     assert all(w.dtype == torch.float16 for w in weights.values())
     assert (folder / "model.safetensors").stat().st_size < 30e6
+
+
+def test_swift_stops_searching_when_its_best_set_could_not_pay():
+    model = deep("llama")
+    ids = prompt(12, seed=6)
+    # a draft that costs as much as the target's forward never pays, whatever the matchness
+    drafter = Swift(search_budget=12, evals_per_step=2, random_trials=4, window=16, max_draft_tokens=3,
+                    search_share=None)
+    sm = flashmm.wrap(model, drafter)
+    drafter.draft_token_cost = lambda: 1.0
+    assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False), greedy_reference(model, ids, 24))
+    assert drafter.gave_up and len(drafter.trials) == 4 and not drafter.searching
+    # free drafts pay at any matchness above zero: the search runs its whole budget
+    free = Swift(search_budget=12, evals_per_step=2, random_trials=4, window=16, max_draft_tokens=3,
+                 search_share=None)
+    sm = flashmm.wrap(model, free)
+    free.draft_token_cost = lambda: 0.0
+    free.length.verify_cost = None  # the linear cost model: 1 + small per-token costs
+    sm.generate(ids, max_new_tokens=24, do_sample=False)
+    assert free.best_matchness > 0 and not free.gave_up and len(free.trials) == 12
