@@ -17,7 +17,7 @@ from flashmm.train import eagle3 as E
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import PROMPT, SAMPLING, exact_joint, histogram, models  # noqa: F401 (fixture)
-from text_models import VOCAB, prompt, tiny_lm
+from text_models import VOCAB, chat_prompt, prompt, tiny_lm
 
 LAYERS = (2, 1, 0)
 
@@ -335,9 +335,7 @@ def test_shipped_head_is_exact_on_smollm2(smollm2):
     model, tokenizer = smollm2
     drafter = load(SHIPPED, adaptive=False)  # draft every step: exactness of the drafts themselves
     assert isinstance(drafter, Eagle3Drafter) and drafter.info["method"] == "eagle3"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colours."}],
-                                         tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    ids = chat_prompt(tokenizer, "List three primary colours.")
     sm = flashmm.wrap(model, drafter)
     assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False),
                        model.generate(ids, max_new_tokens=24, do_sample=False))

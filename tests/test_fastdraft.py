@@ -14,7 +14,7 @@ from flashmm.train import draft_lm as T
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import PROMPT, exact_joint, histogram, models  # noqa: F401 (fixture)
-from text_models import VOCAB, prompt, tiny_lm
+from text_models import VOCAB, chat_prompt, prompt, tiny_lm
 
 
 def reduced(target, rows: list[int], seed: int = 0, layers: int = 1) -> ReducedVocabLM:
@@ -174,9 +174,7 @@ def test_shipped_draft_is_exact_on_smollm2(smollm2, method):
     model, tokenizer = smollm2
     drafter = load(SHIPPED / method)
     assert drafter.info["method"] == method and drafter.info["target"]["vocab_size"] == model.config.vocab_size
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colours."}],
-                                         tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    ids = chat_prompt(tokenizer, "List three primary colours.")
     sm = flashmm.wrap(model, drafter)
     out = sm.generate(ids, max_new_tokens=24, do_sample=False)
     assert torch.equal(out, model.generate(ids, max_new_tokens=24, do_sample=False))

@@ -22,7 +22,7 @@ from flashmm.train.corpus import features
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import exact_joint, histogram, models  # noqa: F401 (fixture)
-from text_models import prompt, tiny_lm
+from text_models import chat_prompt, prompt, tiny_lm
 
 ANSWER = 40
 
@@ -238,9 +238,7 @@ def test_shipped_heads_are_exact_on_smollm2(request, method):
     model, tokenizer = request.getfixturevalue("smollm2")
     drafter = load(SHIPPED / method, adaptive=False)  # draft every step: exactness of the drafts themselves
     assert drafter.info["method"] == method and drafter.info["target"]["vocab_size"] == model.config.vocab_size
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colours."}],
-                                         tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    ids = chat_prompt(tokenizer, "List three primary colours.")
     sm = flashmm.wrap(model, drafter)
     out = sm.generate(ids, max_new_tokens=24, do_sample=False)
     assert torch.equal(out, model.generate(ids, max_new_tokens=24, do_sample=False))

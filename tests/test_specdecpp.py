@@ -20,7 +20,7 @@ from flashmm.train import eagle3 as E
 
 from test_eagle3 import brute_expand, features_of, greedy_examples, head_for
 from test_fastdraft import reduced
-from text_models import VOCAB, prompt, tiny_lm
+from text_models import VOCAB, chat_prompt, prompt, tiny_lm
 
 
 def constant_head(hidden_size: int, p_accept: float) -> AcceptanceHead:
@@ -273,9 +273,7 @@ def test_shipped_eagle3_acceptance_head_is_exact_on_smollm2(smollm2):
     model, tokenizer = smollm2
     drafter = load(SHIPPED_EAGLE3, adaptive=False)   # draft every step: exactness of what the head lets through
     assert isinstance(drafter, Eagle3Drafter) and isinstance(drafter.acceptance, RankAcceptanceHead)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
-                                         tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    ids = chat_prompt(tokenizer, "Name three rivers in Europe.")
     sm = flashmm.wrap(model, drafter)
     assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False),
                        model.generate(ids, max_new_tokens=24, do_sample=False))

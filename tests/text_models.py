@@ -36,6 +36,13 @@ def tiny_lm(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model
 
 
+def chat_prompt(tokenizer, question: str) -> torch.Tensor:
+    """[1, T]: one user turn in the tokenizer's chat template, ready for the assistant's answer."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+
+
 def prompt(length: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (1, length), generator=g)

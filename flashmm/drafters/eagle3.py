@@ -26,9 +26,8 @@ from safetensors.torch import load_file, save_file
 from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
-from ..shapes import sequoia_tree
 from .dynamic_tree import GrownTree, TreeUnits, grow, grow_static
-from .length import AdaptiveDraftLength, best_tree_budget, price_with_target
+from .length import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
 from .eagle3_net import Eagle3Config, Eagle3Net
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
@@ -260,12 +259,8 @@ class Eagle3Drafter(Drafter):
         that maximises tokens per unit of verify time when the target's cost is measured, else
         the full budget."""
         if budget not in self._shapes:
-            cost = self.length.verify_cost
-            if cost is not None:
-                _, tree, _ = best_tree_budget(self.accept, cost, budget + 1, self.depth)
-            else:
-                _, tree = sequoia_tree(self.accept, budget + 1, self.depth)
-            self._shapes[budget] = tree.rank_paths() or [(0,)]
+            paths = sequoia_rank_paths(self.accept, budget, self.depth, self.length.verify_cost)
+            self._shapes[budget] = paths or [(0,)]
         return self._shapes[budget]
 
 

@@ -49,7 +49,7 @@ from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import TreeUnits, grow
-from .length import best_tree_budget, measured_verify_cost
+from .length import measured_verify_cost, paying_prefix, sequoia_rank_paths
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units
 from .prompt_lookup import NgramIndex
 
@@ -380,29 +380,16 @@ class FlashDrafter(Drafter):
         return ("dynamic", min(depth, budget), budget)
 
     def sequoia_paths(self, budget: int, depth: int) -> list[tuple[int, ...]]:
-        """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes: with
-        budget="auto" and a measured verify cost, the node count that maximises expected tokens per
-        unit of verify time (possibly none), else all of them."""
+        """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes (with
+        budget="auto", the node count the measured verify cost pays for; flashmm.drafters.length)."""
         if budget not in self._sequoia:
-            from ..shapes import sequoia_tree  # noqa: PLC0415 (shapes imports tree, a sibling of drafters)
-
-            if self.verify_cost is not None:
-                _, tree, _ = best_tree_budget(self.accept, self.verify_cost, budget + 1, depth)
-            else:
-                _, tree = sequoia_tree(self.accept, budget + 1, depth)
-            self._sequoia[budget] = tree.rank_paths() if tree is not None else []
+            self._sequoia[budget] = sequoia_rank_paths(self.accept, budget, depth, self.verify_cost)
         return self._sequoia[budget]
 
     def _paying_prefix(self, scores: list[float]) -> int:
-        """How many best-first nodes to keep: the n maximising (1 + Σ_{i<n} scores^calibration) /
-        (t(n+1) / t(1)); scores are path probabilities (a power keeps their order)."""
-        best_n, best_rate, total = 0, 1.0, 1.0
-        for n, score in enumerate(scores, start=1):
-            total += score ** self.calibration
-            rate = total / self.verify_cost.relative(n + 1)
-            if rate > best_rate + 1e-12:
-                best_n, best_rate = n, rate
-        return best_n
+        """How many best-first nodes to keep: length.paying_prefix of path probability ** calibration
+        (a power keeps their order)."""
+        return paying_prefix([score ** self.calibration for score in scores], self.verify_cost)
 
     def _make_draft(self, committed: torch.Tensor, dists: torch.Tensor, shape, chain: list[int],
                     max_tokens: int) -> Draft:

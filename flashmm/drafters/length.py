@@ -240,3 +240,29 @@ def best_tree_budget(accept: Sequence[float], verify_cost: VerifyCost, max_nodes
         if rate > best[2] + 1e-12 or best[1] is None:
             best = (n, tree, rate)
     return best
+
+
+def sequoia_rank_paths(accept: Sequence[float], budget: int, depth: int | None,
+                       verify_cost: VerifyCost | None) -> list[tuple[int, ...]]:
+    """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes: with a
+    measured ``verify_cost``, the node count maximising expected tokens per unit of verify time
+    (best_tree_budget; possibly no node), else all ``budget`` of them."""
+    from ..shapes import sequoia_tree  # noqa: PLC0415 (shapes imports tree, a sibling of drafters)
+
+    if verify_cost is not None:
+        _, tree, _ = best_tree_budget(accept, verify_cost, budget + 1, depth)
+    else:
+        _, tree = sequoia_tree(accept, budget + 1, depth)
+    return tree.rank_paths()
+
+
+def paying_prefix(values: Sequence[float], verify_cost: VerifyCost) -> int:
+    """How many of a best-first list of nodes to draft: the n maximising (1 + Σ_{i<n} values) /
+    (t(n+1) / t(1)), values being each node's estimated chance to be accepted (0: none pays)."""
+    best_n, best_rate, total = 0, 1.0, 1.0
+    for n, value in enumerate(values, start=1):
+        total += value
+        rate = total / verify_cost.relative(n + 1)
+        if rate > best_rate + 1e-12:
+            best_n, best_rate = n, rate
+    return best_n
