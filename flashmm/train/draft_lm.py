@@ -226,16 +226,18 @@ def batch_loss(lm, batch: dict, objective: str, target_to_draft: torch.Tensor, r
 def train_draft(lm, examples: list[dict], *, objective: str, target_to_draft: torch.Tensor, work_dir,
                 epochs: float = 1.0, lr: float = 1e-3, tokens_per_batch: int = 4096, seed: int = 0,
                 reference=None, select_fraction: float = 1.0, checkpoint_every: int = 50,
-                max_seconds: float | None = None, log=print) -> dict:
+                max_seconds: float | None = None, log=print, group_loss=None) -> dict:
     """Train ``lm`` in place on ``examples``; returns the stage's summary (also in work_dir/summary.json).
 
     Resumable: the optimiser state, step and RNG are checkpointed every ``checkpoint_every`` steps
     and at the end; a call with the same work_dir continues from the last checkpoint. With
     ``max_seconds`` the stage stops early (checkpointed) and reports ``finished: False``.
+    ``group_loss(lm, examples) -> (loss, metrics with "agree")`` replaces the objective's loss for
+    other training layouts (PARD's mask tokens, S2D's exits); ``objective`` then only names it.
     """
-    if objective not in OBJECTIVES:
+    if group_loss is None and objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose one of {OBJECTIVES}")
-    if objective != "ce" and "topk_ids" not in examples[0]:
+    if group_loss is None and objective != "ce" and "topk_ids" not in examples[0]:
         raise ValueError(f"objective {objective!r} needs the target's distributions: build the examples with "
                          "examples_from_features(corpus.features(target, ..., layers=()))")
     work = Path(work_dir)
@@ -273,8 +275,11 @@ def train_draft(lm, examples: list[dict], *, objective: str, target_to_draft: to
         reference.eval()
     pad_row = 0
     while step < total:
-        batch = collate(plan[step], pad_row)
-        loss, metrics = batch_loss(lm, batch, objective, target_to_draft, reference, select_fraction)
+        if group_loss is not None:
+            loss, metrics = group_loss(lm, plan[step])
+        else:
+            batch = collate(plan[step], pad_row)
+            loss, metrics = batch_loss(lm, batch, objective, target_to_draft, reference, select_fraction)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
