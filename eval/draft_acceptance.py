@@ -17,6 +17,7 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -89,6 +90,39 @@ def measure(draft_lm, model, items: list[dict], temperature: float, ks: tuple[in
     return {c: {m: sum(v) / len(v) for m, v in s.items()} for c, s in per_category.items()}
 
 
+class ExitView:
+    """A nested draft (S2D) read at one exit, or per position at the first exit whose top-1 probability
+    reaches its threshold (``rule``): called like a causal LM, teacher-forced, logits in target ids."""
+
+    def __init__(self, drafter, exit: int | None):
+        self.drafter, self.exit = drafter, exit
+
+    def __call__(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> SimpleNamespace:
+        from flashmm.train.sorted import exit_logits  # noqa: PLC0415
+
+        draft = self.drafter.model
+        exits = self.drafter.exits if self.exit is None else (self.exit,)
+        small = exit_logits(draft.lm, draft.target_to_draft[input_ids], None, exits)  # {e: [1, W, Vd]}
+        chosen = small[exits[-1]]
+        if self.exit is None:  # shallow first: a confident exit answers, else the next one
+            taken = torch.zeros(chosen.shape[:-1], dtype=torch.bool)
+            for e, threshold in zip(exits[:-1], self.drafter.thresholds):
+                take = ~taken & (small[e].softmax(-1).amax(-1) >= threshold)
+                chosen = torch.where(take[..., None], small[e], chosen)
+                taken |= take
+        full = chosen.new_full((*chosen.shape[:-1], draft.target_vocab), float("-inf"))
+        full[..., draft.draft_to_target] = chosen
+        return SimpleNamespace(logits=full)
+
+
+def exit_views(drafter) -> dict[str, ExitView]:
+    """{"exit<e>": ..., "rule": ...} for a drafter with several exits (S2D); {} for any other."""
+    exits = getattr(drafter, "exits", ())
+    if len(exits) < 2:
+        return {}
+    return {**{f"exit{e}": ExitView(drafter, e) for e in exits}, "rule": ExitView(drafter, None)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafters", nargs="+", required=True, help="trained drafter folders")
@@ -109,6 +143,8 @@ def main(argv=None) -> None:
     for folder in args.drafters:
         drafter = load(folder)
         results[Path(folder).name] = measure(drafter.model, model, items, args.temperature, ks)
+        for name, view in exit_views(drafter).items():  # S2D: every exit alone, and its confidence rule
+            results[f"{Path(folder).name}@{name}"] = measure(view, model, items, args.temperature, ks)
     metrics = ["alpha_greedy", "alpha_sampled"] + [f"tau_k{k}" for k in ks]
     rows = []
     for name, per_category in results.items():
