@@ -19,7 +19,8 @@ and uses the fit to ask whether the shipped FastDraft (assets/text_drafters/smol
      iid acceptance, E[tokens/step] = (1 - alpha^(k+1)) / (1 - alpha), speedup = that / (1 + k*c),
      best k per shape, at the corpus we have and at larger ones.
 
-    python -m eval.scylla_scaling --work /tmp/scylla_work --out eval/results/scylla_scaling
+    python -m eval.scylla_scaling --work /tmp/scylla_work --out eval/results/scylla_scaling \\
+        [--grid "h128_l1,h256_l2,h384_l2:1/12,1/6,1/3;h512_l3:1/6"]
 
 Resumable: every run trains under --work/runs/<name>/train (checkpointed, train_draft) and writes
 --work/runs/<name>/result.json when evaluated; a re-run only trains what is missing, then fits and
@@ -38,9 +39,9 @@ import torch
 
 SIZES = {"h128_l1": (128, 1), "h256_l2": (256, 2), "h384_l2": (384, 2), "h512_l3": (512, 3)}
 SHIPPED = "h384_l2"  # the shape of assets/text_drafters/smollm2/fastdraft
-# (shape, fraction of the training split's tokens; nested subsets): 3 shapes x 3 corpus sizes, then
-# the largest shape at the two smaller corpus sizes (what the 35-minute budget allows on 1 thread)
-GRID = "h128_l1,h256_l2,h384_l2:1/12,1/6,1/3;h512_l3:1/12,1/6"
+# (shape, fraction of the training split's tokens; nested subsets): 3 shapes x 3 corpus sizes, ~30 minutes
+# on one loaded thread. The committed results add "h512_l3:1/6" (~11 more minutes) for a 4th size.
+GRID = "h128_l1,h256_l2,h384_l2:1/12,1/6,1/3"
 COST_ONLY = {"h768_l4": (768, 4)}  # timed (random weights) but not trained: what a larger draft would cost
 
 
@@ -290,7 +291,8 @@ def agreements(draft, sequences: list[tuple[list[int], int]]) -> list[list[bool]
 
 
 def acceptance(agree: list[list[bool]]) -> dict:
-    """alpha (pooled over positions) and the exact greedy tau of k-token chains (eval.draft_acceptance)."""
+    """alpha (pooled over positions) and the exact greedy tau of k-token chains (eval.draft_acceptance's
+    walk per answer, averaged with answer-length weights)."""
     from eval.draft_acceptance import greedy_tau  # noqa: PLC0415
 
     flat = [a for seq in agree for a in seq]
@@ -324,178 +326,6 @@ def step_seconds(models: dict, context: list[int], repeats: int) -> dict:
     return {name: median(t) for name, t in times.items()}
 
 
-# ---------------------------------------------------------------- report
-
-def per_size_slopes(runs: list[dict]) -> dict:
-    """Per shape, the slope of alpha against ln D alone: the additive law assumes one slope for all."""
-    out = {}
-    for size in dict.fromkeys(r["size"] for r in runs):
-        rs = [r for r in runs if r["size"] == size]
-        if len(rs) >= 2:
-            out[size] = float(np.polyfit(np.log([r["tokens"] for r in rs]), [r["alpha"] for r in rs], 1)[0])
-    return out
-
-
-def holdout_check(runs: list[dict]) -> dict | None:
-    """Fit without the largest corpus size, predict it: how well the law extrapolates in D (2x here)."""
-    largest = max(r["fraction"] for r in runs)
-    inside = [r for r in runs if r["fraction"] < largest]
-    outside = [r for r in runs if r["fraction"] == largest]
-    if len(inside) < 3 or not outside:
-        return None
-    fit = fit_loglinear(*zip(*[(r["params"], r["tokens"], r["alpha"]) for r in inside]))
-    errors = {r["name"]: float(r["alpha"] - predict_alpha(fit, r["params"], r["tokens"])) for r in outside}
-    return dict(fit=fit, errors=errors, max_abs_error=max(abs(e) for e in errors.values()))
-
-
-def predictions(fit: dict, costs: dict, tokens_now: int, scales=(1, 4, 16)) -> list[dict]:
-    """Per timed shape: the fit's alpha at ``scale`` x the corpus we have and the best modelled chain."""
-    out = []
-    for shape, c in costs["shapes"].items():
-        for scale in scales:
-            alpha = float(predict_alpha(fit, c["params"], scale * tokens_now))
-            k, s = best_chain(alpha, c["cost"])
-            out.append(dict(shape=shape, params=c["params"], cost=c["cost"], scale=scale, tokens=scale * tokens_now,
-                            alpha=alpha, best_k=k, speedup=s, speedup_per_cost=s / (1 + c["cost"])))
-    return out
-
-
-def plot(runs: list[dict], fit: dict, tokens_now: int, shipped: dict, path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    lo = min(r["tokens"] for r in runs) / 1.5
-    for i, size in enumerate(dict.fromkeys(r["size"] for r in runs)):
-        rs = sorted((r for r in runs if r["size"] == size), key=lambda r: r["tokens"])
-        color = f"C{i}"
-        ax.plot([r["tokens"] for r in rs], [r["alpha"] for r in rs], "o", color=color,
-                label=f"{size} ({rs[0]['params'] / 1e6:.1f}M params)")
-        measured_top = max(r["tokens"] for r in rs) * 1.2
-        for start, stop, style in ((lo, measured_top, "-"), (measured_top, 4 * tokens_now, ":")):
-            d = np.geomspace(start, stop, 50)
-            ax.plot(d, predict_alpha(fit, rs[0]["params"], d), style, color=color, lw=1)
-    ax.axvline(tokens_now, color="grey", lw=0.8, ls="--")
-    ax.text(tokens_now, ax.get_ylim()[0], " whole corpus", color="grey", fontsize=8, va="bottom")
-    ax.plot([shipped["tokens"]], [shipped["alpha"]], "*", color="k", ms=10, mfc="none",
-            label="shipped FastDraft (trained on the held-out records too)")
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens D (one epoch of next-token CE)")
-    ax.set_ylabel("greedy acceptance alpha (held-out answers)")
-    ax.set_title(f"alpha = {fit['a']:.3f} + {fit['b']:.4f} ln N + {fit['c']:.4f} ln D  (R$^2$ = {fit['r2']:.3f})",
-                 fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def markdown(payload: dict, command: str) -> str:
-    from eval.common import markdown_table  # noqa: PLC0415
-
-    runs, fit, costs, shipped = payload["runs"], payload["fit"], payload["costs"], payload["shipped"]
-    now = payload["tokens_now"]
-    shapes = costs["shapes"]
-    run_rows = [[r["name"], r["hidden"], r["layers"], f"{r['params'] / 1e6:.2f}M", f"{r['fraction']:.3f}",
-                 r["tokens"], r["steps"], r["alpha"], f"{p:.4f}", f"{r['alpha'] - p:+.4f}", r["tau_k4"],
-                 shapes[r["size"]]["cost"], *best_chain(r["alpha"], shapes[r["size"]]["cost"]),
-                 f"{r['train_seconds']:.0f}"]
-                for r, p in zip(runs, fit["predicted"])]
-    cost_rows = [[s, c["hidden"], c["layers"], f"{c['params'] / 1e6:.2f}M", f"{1e3 * c['seconds']:.2f}", c["cost"]]
-                 for s, c in shapes.items()]
-    pred_rows = [[p["shape"], f"{p['params'] / 1e6:.2f}M", f"{p['scale']}x ({p['tokens'] / 1e6:.2f}M)", p["alpha"],
-                  p["cost"], p["best_k"], p["speedup"]] for p in payload["predictions"]]
-    slopes = ", ".join(f"{s} {v:.4f}" for s, v in payload["slopes"].items())
-    check = payload["holdout_check"]
-    check_text = ("" if check is None else
-                  f"Extrapolation check: fitted without the largest corpus size, the law predicts the largest-size runs "
-                  f"with errors {', '.join(f'{n} {e:+.4f}' for n, e in check['errors'].items())} "
-                  f"(max |error| {check['max_abs_error']:.4f}; a 2x extrapolation in D).\n\n")
-    return "\n".join([
-        "# Scylla-style scaling study: SmolLM2-135M-Instruct draft LMs (arXiv 2505.07858)",
-        "",
-        f"Machine: {json.dumps(payload['machine'])}",
-        "",
-        f"Command: `{command}` (wall {payload['wall_minutes']:.1f} min for this invocation; cached runs are not "
-        f"retrained; other agents shared the 2 cores, so step costs are medians under load)",
-        "",
-        payload["setup"],
-        "",
-        "## Runs",
-        "",
-        "alpha = held-out greedy acceptance; fit = the law's alpha for the run; tau k=4 = exact tokens per "
-        "verification step of 4-token chains on the held-out answers (eval.draft_acceptance.greedy_tau); "
-        "best k / modelled speedup = the iid chain model at the shape's measured cost c.",
-        "",
-        markdown_table(["run", "hidden", "layers", "params N", "fraction", "tokens D", "steps", "alpha", "fit",
-                        "residual", "tau k=4", "cost c", "best k", "modelled speedup", "train s"], run_rows),
-        "",
-        f"Shipped FastDraft ({shipped['params'] / 1e6:.2f}M params, pretrained one epoch on all {shipped['tokens']} "
-        f"corpus tokens, then aligned half an epoch on greedy answers): alpha {shipped['alpha']:.4f}, tau k=4 "
-        f"{shipped['tau_k4']:.3f} on the same held-out answers - which it trained on (a reference, not a test).",
-        "",
-        "## Step cost (one cached token, 1 thread, median CPU time)",
-        "",
-        f"Target SmolLM2-135M: {1e3 * costs['target_seconds']:.2f} ms per step at a {costs['context']}-token context "
-        f"({costs['repeats']} interleaved rounds). Draft shapes (ReducedVocabLM forward, random weights: cost does "
-        "not depend on them):",
-        "",
-        markdown_table(["shape", "hidden", "layers", "params", "ms / step", "cost c (target steps)"], cost_rows),
-        "",
-        "## Fit",
-        "",
-        f"alpha = {fit['a']:.4f} + {fit['b']:.5f} ln N + {fit['c']:.5f} ln D over {len(runs)} runs: "
-        f"R^2 = {fit['r2']:.4f}, RMSE {fit['rmse']:.4f} (residuals in the runs table). Per doubling: "
-        f"+{fit['b'] * np.log(2):.4f} alpha per 2x params, +{fit['c'] * np.log(2):.4f} per 2x tokens.",
-        "",
-        f"Slope in ln D fitted per shape alone: {slopes} (the additive law assumes one common slope).",
-        "",
-        check_text + "## What the fit predicts (D = the whole corpus and more; best chain length per shape)",
-        "",
-        f"The whole corpus is {now} tokens (what the shipped draft pretrained on). Predictions beyond "
-        f"{max(r['tokens'] for r in runs)} tokens or outside {min(r['params'] for r in runs) / 1e6:.2f}M-"
-        f"{max(r['params'] for r in runs) / 1e6:.2f}M params are extrapolations.",
-        "",
-        markdown_table(["shape", "params", "tokens", "predicted alpha", "cost c", "best k", "modelled speedup"],
-                       pred_rows),
-        "",
-        "## Conclusion",
-        "",
-        payload["conclusion"],
-        "",
-    ])
-
-
-def conclusion(payload: dict) -> str:
-    """The verdict on the shipped size, written from the numbers."""
-    fit, preds, runs = payload["fit"], payload["predictions"], payload["runs"]
-    now = [p for p in preds if p["scale"] == 1]
-    best = max(now, key=lambda p: p["speedup"])
-    shipped = next(p for p in now if p["shape"] == SHIPPED)
-    big = [p for p in preds if p["scale"] == max(q["scale"] for q in preds)]
-    best_big = max(big, key=lambda p: p["speedup"])
-    trained = {r["size"] for r in runs}
-    lines = [
-        f"- The law fits our {len(runs)} runs with R^2 {fit['r2']:.3f}: acceptance rises {fit['c'] * np.log(2):.4f} "
-        f"per doubling of tokens and {fit['b'] * np.log(2):.4f} per doubling of parameters. "
-        + ("Data, not size, is what moves acceptance here." if abs(fit["c"]) > abs(fit["b"]) else
-           "Size moves acceptance more than data here."),
-        f"- At the corpus we have ({payload['tokens_now']} tokens) the fit puts the shipped shape ({SHIPPED}) at alpha "
-        f"{shipped['alpha']:.3f}, best k {shipped['best_k']}, modelled speedup {shipped['speedup']:.3f}; the best timed "
-        f"shape is {best['shape']} (alpha {best['alpha']:.3f}, cost {best['cost']:.3f}, k {best['best_k']}, "
-        f"{best['speedup']:.3f})"
-        + (" - the shipped shape itself." if best["shape"] == SHIPPED else
-           f"{' (never trained: its alpha is an extrapolation in N)' if best['shape'] not in trained else ''}."),
-        f"- With {max(p['scale'] for p in preds)}x the corpus the best shape would be {best_big['shape']} "
-        f"(predicted alpha {best_big['alpha']:.3f}, modelled speedup {best_big['speedup']:.3f}); the shipped shape "
-        f"would reach {next(p for p in big if p['shape'] == SHIPPED)['speedup']:.3f}.",
-    ]
-    return "\n".join(lines)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
@@ -524,6 +354,7 @@ def main(argv=None) -> None:
     fit = fit_loglinear([r["params"] for r in runs], [r["tokens"] for r in runs], [r["alpha"] for r in runs])
     log(f"fit: alpha = {fit['a']:.4f} + {fit['b']:.5f} ln N + {fit['c']:.5f} ln D, R^2 {fit['r2']:.4f}")
     from eval.common import machine, write_results  # noqa: PLC0415
+    from eval.scylla_report import conclusion, holdout_check, markdown, per_size_slopes, plot, predictions  # noqa: PLC0415
 
     payload = dict(
         machine=machine(), grid=args.grid, runs=runs, costs=costs, shipped=shipped, fit=fit,
