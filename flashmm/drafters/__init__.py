@@ -15,6 +15,7 @@ from .lookahead import Lookahead
 from .medusa import Medusa
 from .mtp import MTP
 from .online import OnlineSD
+from .pard import Pard
 from .prompt_lookup import PromptLookup
 from .rest import Rest
 from .s2d import S2D
@@ -25,4 +26,4 @@ from .specdecpp import SpecDecPP
 
 __all__ = ["CrossTokenizerDraft", "Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
            "DraftModel", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
-           "HorizontalCascade", "VerticalCascade", "OnlineSD", "S2D"]
+           "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]

@@ -66,10 +66,12 @@ class ReducedVocabLM(nn.Module):
                 logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
         out = self.lm(input_ids=self.target_to_draft[input_ids], past_key_values=past_key_values,
                       use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
-        small = out.logits  # [B, L, Vd]
+        return CausalLMOutputWithPast(logits=self.to_target(out.logits), past_key_values=out.past_key_values)
+
+    def to_target(self, small: torch.Tensor) -> torch.Tensor:
+        """Draft-row logits [..., Vd] as target-vocabulary logits [..., V], -inf outside the subset."""
         logits = small.new_full((*small.shape[:-1], self.target_vocab), float("-inf"))
-        logits.index_copy_(-1, self.draft_to_target, small)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+        return logits.index_copy_(-1, self.draft_to_target, small)
 
 
 def build_lm(config: dict) -> LlamaForCausalLM:
@@ -99,22 +101,34 @@ class FastDraft(DraftModel):
 
     @classmethod
     def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "FastDraft":
-        path = Path(path)
-        info = json.loads((path / CONFIG_FILE).read_text())
-        tensors = load_file(str(path / WEIGHTS_FILE))
-        draft_to_target = tensors.pop("draft_to_target")
-        lm = build_lm(info["lm_config"])
-        missing, unexpected = lm.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
-        missing = [k for k in missing if not (k == "lm_head.weight" and lm.config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, "
-                             f"unexpected {unexpected}")
-        model = ReducedVocabLM(lm.to(dtype), draft_to_target, info["target"]["vocab_size"])
+        model, info, extra = load_reduced_lm(path, dtype)
+        if extra:
+            raise ValueError(f"{path / WEIGHTS_FILE} holds tensors a FastDraft does not use: {sorted(extra)}")
         return cls(model, info=info, **options)
 
 
-def save_reduced_lm(path, model: ReducedVocabLM, info: dict) -> Path:
-    """Write ``model`` (fp16) and ``info`` (must name method and target) as a loadable drafter folder."""
+def load_reduced_lm(path, dtype: torch.dtype = torch.float32, extra: tuple[str, ...] = ()):
+    """(ReducedVocabLM, drafter.json info, {name: tensor} for the ``extra`` names) from a folder
+    written by save_reduced_lm; weights the config does not describe are refused, not ignored."""
+    path = Path(path)
+    info = json.loads((path / CONFIG_FILE).read_text())
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    draft_to_target = tensors.pop("draft_to_target")
+    kept = {name: tensors.pop(name).to(dtype) for name in extra if name in tensors}
+    lm = build_lm(info["lm_config"])
+    missing, unexpected = lm.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and lm.config.tie_word_embeddings)]
+    missing += [name for name in extra if name not in kept]
+    if missing or unexpected:
+        raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return ReducedVocabLM(lm.to(dtype), draft_to_target, info["target"]["vocab_size"]), info, kept
+
+
+def save_reduced_lm(path, model: ReducedVocabLM, info: dict, drafter: str = "fastdraft",
+                    extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``model`` (fp16), ``extra`` tensors (fp16) and ``info`` (must name method and target) as
+    a folder ``flashmm.drafters.load`` runs with the registered drafter ``drafter``."""
     for key in ("method", "target"):
         if key not in info:
             raise ValueError(f"drafter info needs {key!r}")
@@ -122,8 +136,9 @@ def save_reduced_lm(path, model: ReducedVocabLM, info: dict) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.lm.state_dict().items()
              if not (k == "lm_head.weight" and model.lm.config.tie_word_embeddings)}
+    state.update({name: t.detach().to(torch.float16).contiguous() for name, t in (extra or {}).items()})
     state["draft_to_target"] = model.draft_to_target.cpu()
     save_file(state, str(path / WEIGHTS_FILE))
-    full = {**info, "drafter": FastDraft.name, "lm_config": model.lm.config.to_diff_dict()}
+    full = {**info, "drafter": drafter, "lm_config": model.lm.config.to_diff_dict()}
     (path / CONFIG_FILE).write_text(json.dumps(full, indent=1) + "\n")
     return path

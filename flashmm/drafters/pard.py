@@ -1,0 +1,143 @@
+"""PARD (AMD, arXiv 2504.18583): a draft LM that drafts K tokens in one forward from mask tokens.
+
+The draft reads the committed tokens followed by K − 1 copies of a learned mask token; the logits
+after the last real token and at each mask are its K drafted positions (training:
+flashmm.train.pard). One draft forward per step whatever K, against K for an autoregressive
+draft: the drafting cost that bounds a draft LM on a CPU mostly disappears; each deeper position
+is predicted without seeing the tokens drafted before it, so acceptance falls faster with depth.
+
+Lossless: a chain whose token j is drawn from the draft's distribution q_j at that position (greedy:
+its argmax), verified against the target by the chain rule with q_j — q_j depends only on the
+committed tokens, which the speculative-sampling argument allows for any proposal.
+
+On disk: a FastDraft folder (flashmm.drafters.fastdraft: reduced-vocabulary Llama, ``drafter.json``,
+fp16 ``model.safetensors``) whose weights add ``mask_embedding`` and whose config adds ``pard``
+(``depth``: the K it was trained for).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import cache as kv
+from ..config import SamplingParams
+from ..sampling import sample
+from ..tree import TokenTree
+from .base import Draft, register, root_only
+from .draft_model import DraftModel
+from .fastdraft import ReducedVocabLM, load_reduced_lm
+from .length import AdaptiveDraftLength
+
+
+class PardLM(nn.Module):
+    """A draft LM (any causal LM over draft rows) plus the learned embedding of the mask token.
+
+    The mask is an input-only row, never an output: the draft's (tied) LM head keeps its
+    vocabulary and cannot draft it.
+    """
+
+    def __init__(self, lm: nn.Module, mask_embedding: torch.Tensor | None = None):
+        super().__init__()
+        self.lm = lm
+        if mask_embedding is None:  # start from the mean input embedding: a "typical token"
+            mask_embedding = lm.get_input_embeddings().weight.detach().mean(0)
+        weight = lm.get_input_embeddings().weight
+        self.mask_embedding = nn.Parameter(mask_embedding.detach().clone().to(weight.dtype))
+
+    def embed(self, rows: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [..., H] of draft rows, the mask embedding where ``is_mask``."""
+        embeds = self.lm.get_input_embeddings()(rows)
+        return torch.where(is_mask[..., None], self.mask_embedding.to(embeds.dtype), embeds)
+
+
+@register
+class Pard(DraftModel):
+    """Drafts a chain of up to ``depth`` tokens per step with one forward of a PARD-trained draft.
+
+    ``depth``: the positions the draft was trained to predict (1 real + depth − 1 masks); chains are
+    never longer. Length: DraftModel's adaptive length, pricing the draft as one forward per step
+    (``draft_step_cost``) rather than one per token; ``adaptive=False`` drafts ``min(depth,
+    max_draft_tokens)``; greedy chains stop before a position whose top probability is below
+    ``confidence``. Build with ``flashmm.drafters.load(dir)``.
+    """
+
+    name = "pard"
+
+    def __init__(self, model: ReducedVocabLM, mask_embedding: torch.Tensor, depth: int, max_draft_tokens: int = 8,
+                 confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None,
+                 budget: str = "auto", info: dict | None = None):
+        if not isinstance(model, ReducedVocabLM):
+            raise TypeError("Pard drafts with a ReducedVocabLM trained by flashmm.train.pard; load one with "
+                            "flashmm.drafters.load(dir)")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1 (the positions the draft predicts), got {depth}")
+        super().__init__(model, max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive,
+                         length=length, budget=budget)
+        self.depth = depth
+        self.pard = PardLM(model.lm, mask_embedding)
+        self.info = info or {}
+
+    @classmethod
+    def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "Pard":
+        model, info, extra = load_reduced_lm(path, dtype, extra=("mask_embedding",))
+        return cls(model, extra["mask_embedding"], depth=int(info["pard"]["depth"]), info=info, **options)
+
+    def _measure_costs(self, target) -> None:
+        super()._measure_costs(target)  # prices one draft token forward as draft_token_cost
+        self.length.draft_step_cost, self.length.draft_token_cost = self.length.draft_token_cost, 0.0
+
+    def logits_with_masks(self, ids: list[int], count: int, device) -> torch.Tensor:
+        """The draft's logits [count, V] (target vocabulary) for the ``count`` positions after ``ids``:
+        one forward over the tokens its cache lacks and count − 1 masks; the masks leave no trace in
+        the cache, which afterwards holds exactly ``ids``."""
+        if self._cache is None:
+            self.reset_cache()
+        common = 0
+        for a, b in zip(self._cached_ids, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)
+        kv.crop(self._cache, common)
+        rows = self.model.target_to_draft[torch.tensor(ids[common:], device=device)]
+        rows = torch.cat([rows, rows.new_zeros(count - 1)])
+        is_mask = torch.arange(len(rows), device=device) >= len(ids) - common
+        out = self.pard.lm(inputs_embeds=self.pard.embed(rows, is_mask)[None], past_key_values=self._cache,
+                           use_cache=True, logits_to_keep=count)
+        kv.crop(self._cache, len(ids))
+        self._cached_ids = list(ids)
+        return self.model.to_target(out.logits[0, -count:])
+
+    @torch.no_grad()
+    def propose(self, committed, max_tokens, sampling: SamplingParams, generator) -> Draft:
+        if committed.shape[0] != 1:
+            raise NotImplementedError("Pard drafts one sequence at a time")
+        budget = min(max_tokens, self.max_draft_tokens, self.depth)
+        count = self.length.choose(budget) if self.adaptive else budget
+        self.last_depth = 0
+        if count <= 0:
+            return root_only(committed)
+        ids = committed[0].tolist()
+        logits = self.logits_with_masks(ids, count, committed.device)  # [count, V]
+        tokens, q_rows = [], []
+        for j in range(count):
+            if sampling.do_sample:  # q_j processed exactly as the target's p at this node
+                context = [committed.new_tensor(ids + tokens)] if sampling.needs_prefix else None
+                q = sampling.probs(logits[j : j + 1], context)[0]
+                token = int(sample(q, generator))
+            else:
+                q = logits[j].softmax(-1)
+                token = int(q.argmax())
+                if self.stop_before(q, token, j):
+                    break
+            q_rows.append(q)
+            tokens.append(token)
+        self.last_depth = len(tokens)
+        if not tokens:
+            return root_only(committed)
+        tree = TokenTree.chain(len(tokens))
+        q_probs = None
+        if sampling.do_sample:  # row j: the distribution node j's child was drawn from
+            q_probs = torch.zeros(1, tree.num_nodes, logits.shape[-1], device=logits.device)
+            q_probs[0, : len(q_rows)] = torch.stack(q_rows)
+        return Draft(tokens=committed.new_tensor([ids[-1:] + tokens]), tree=tree, q_probs=q_probs)
