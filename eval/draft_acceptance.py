@@ -60,34 +60,62 @@ def target_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, cach
 
 def greedy_tau(agree: list[bool], k: int) -> float:
     """Exact tokens per verification step of greedy chain drafting with k tokens, from agreements."""
-    i, steps, n = 0, 0, len(agree)
+    runs = [0] * (len(agree) + 1)
+    for i in range(len(agree) - 1, -1, -1):
+        runs[i] = runs[i + 1] + 1 if agree[i] else 0
+    return tau_from_runs(runs[:-1], k)
+
+
+def tau_from_runs(runs: list[int], k: int) -> float:
+    """Exact tokens per verification step when a chain drafted after answer position i would have its
+    first runs[i] tokens right (an autoregressive draft: its consecutive agreements; PARD: its depths)."""
+    i, steps, n = 0, 0, len(runs)
     while i < n:
-        run = 0
-        while run < k and i + run < n and agree[i + run]:
-            run += 1
-        i += run + 1  # accepted tokens + the target's own token
+        i += min(k, runs[i], n - i) + 1  # accepted tokens + the target's own token
         steps += 1
     return n / steps if steps else 0.0
 
 
 @torch.no_grad()
-def measure(draft_lm, model, items: list[dict], temperature: float, ks: tuple[int, ...]) -> dict:
+def pard_runs(drafter, item: dict) -> list[int]:
+    """For each answer position i, how many of PARD's depth 0..K-1 predictions from the prefix
+    ending there (one teacher-forced packed forward, flashmm.train.pard) match the answer in a row."""
+    import random  # noqa: PLC0415
+
+    from flashmm.train.pard import packed_logits  # noqa: PLC0415
+
+    ids = torch.tensor(item["prompt"] + item["answer"])
+    start = len(item["prompt"]) - 1
+    rows = drafter.model.target_to_draft[ids]
+    logits, _, _, (layout,) = packed_logits(drafter.pard, [dict(input_ids=rows, first_trained=start)],
+                                            drafter.depth, 1.0, random.Random(0))
+    guess = drafter.model.draft_to_target[logits[0].argmax(-1)]
+    right = {}  # (anchor, depth) → the guess is the answer's token
+    for slot in range(len(layout["source"])):
+        label = int(layout["label"][slot])
+        if label >= 0:
+            right[int(layout["anchor"][slot]), int(layout["level"][slot])] = bool(guess[slot] == ids[label])
+    runs = []
+    for anchor in range(start, len(ids) - 1):
+        run = 0
+        while right.get((anchor, run), False):
+            run += 1
+        runs.append(run)
+    return runs
+
+
+def measure_pard(drafter, model, items: list[dict], temperature: float, ks: tuple[int, ...]) -> dict:
+    """measure()'s figures for a PARD drafter: α from its first position (a plain forward of its LM),
+    τ from its K positions per forward (pard_runs), chains no longer than its depth."""
+    out = measure(drafter.model, model, items, temperature, ks)
     per_category: dict[str, dict] = defaultdict(lambda: defaultdict(list))
     for item in items:
-        ids = torch.tensor([item["prompt"] + item["answer"]])
-        start = len(item["prompt"]) - 1  # position predicting the first answer token
-        q_logits = draft_lm(input_ids=ids, logits_to_keep=0).logits[0, start:-1].float()  # [A, V]
-        p_logits = model(input_ids=ids).logits[0, start:-1].float()
-        answer = torch.tensor(item["answer"])
-        agree = (q_logits.argmax(-1) == answer).tolist()
-        p = (p_logits / temperature).softmax(-1)
-        q = (q_logits / temperature).softmax(-1)
-        stats = per_category[item["category"]]
-        stats["alpha_greedy"].append(sum(agree) / len(agree))
-        stats["alpha_sampled"].append(float(torch.minimum(p, q).sum(-1).mean()))
+        runs = pard_runs(drafter, item)
         for k in ks:
-            stats[f"tau_k{k}"].append(greedy_tau(agree, k))
-    return {c: {m: sum(v) / len(v) for m, v in s.items()} for c, s in per_category.items()}
+            per_category[item["category"]][f"tau_k{k}"].append(tau_from_runs(runs, min(k, drafter.depth)))
+    for category, taus in per_category.items():
+        out[category].update({m: sum(v) / len(v) for m, v in taus.items()})
+    return out
 
 
 class ExitView:
@@ -142,6 +170,9 @@ def main(argv=None) -> None:
     results = {}
     for folder in args.drafters:
         drafter = load(folder)
+        if hasattr(drafter, "pard"):  # K tokens per forward: its own depths, not an autoregressive chain
+            results[Path(folder).name] = measure_pard(drafter, model, items, args.temperature, ks)
+            continue
         results[Path(folder).name] = measure(drafter.model, model, items, args.temperature, ks)
         for name, view in exit_views(drafter).items():  # S2D: every exit alone, and its confidence rule
             results[f"{Path(folder).name}@{name}"] = measure(view, model, items, args.temperature, ks)

@@ -185,3 +185,29 @@ def test_a_drafting_step_is_priced_once():
     # an α that pays for a chain at no drafting cost stops paying once the forward is priced
     free = AdaptiveDraftLength(step_cost=0.2, token_cost=0.05)
     assert free.choose(4, alpha=0.3) > 0 and length.choose(4, alpha=0.3) == 0
+
+
+def test_offline_acceptance_walks_what_the_drafter_drafts():
+    """eval/draft_acceptance's PARD runs equal the drafter's own chains, anchor by anchor."""
+    from eval.draft_acceptance import pard_runs, tau_from_runs  # noqa: PLC0415
+
+    target = tiny_lm("llama", seed=0)
+    drafter = pard_drafter(target, list(range(VOCAB)), layers=2)
+    ids = prompt(5, seed=7)
+    answer = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, 5:].tolist()
+    drafter.length = AdaptiveDraftLength()  # unused: adaptive=False below
+    drafter.adaptive = False
+    item = dict(prompt=ids[0].tolist(), answer=answer)
+    runs = pard_runs(drafter, item)
+    full = item["prompt"] + answer
+    for i, run in enumerate(runs):
+        drafter.reset_cache()
+        prefix = full[: len(item["prompt"]) + i]
+        drafted = drafter.propose(torch.tensor([prefix]), 4, flashmm.config.SamplingParams(), None)
+        chain = drafted.tokens[0, 1:].tolist()
+        truth = full[len(prefix):len(prefix) + len(chain)]
+        want = 0
+        while want < len(chain) and want < len(truth) and chain[want] == truth[want]:
+            want += 1
+        assert run == want, (i, run, want)
+    assert tau_from_runs([2, 0, 0, 1, 0], 4) == 5 / 2 and tau_from_runs([3, 0, 0, 0], 2) == 4 / 2
