@@ -90,6 +90,18 @@ def best_chain(alpha: float, cost: float, max_k: int = 16) -> tuple[int, float]:
     return max(((k, speedup(alpha, k, cost)) for k in range(max_k + 1)), key=lambda x: (x[1], -x[0]))
 
 
+def break_even_alpha(target: float, cost: float, max_k: int = 16) -> float:
+    """The smallest alpha whose best chain at ``cost`` reaches modelled speedup ``target`` (bisection;
+    the best speedup grows monotonically with alpha). 1.0 when even alpha = 1 falls short."""
+    if best_chain(1.0, cost, max_k)[1] < target:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if best_chain(mid, cost, max_k)[1] >= target else (mid, hi)
+    return hi
+
+
 # ---------------------------------------------------------------- data
 
 def split_records(records: list, held_fraction: float, seed: int) -> tuple[list, list]:
@@ -261,6 +273,13 @@ class Study:
         path.write_text(json.dumps(out, indent=1) + "\n")
         return out
 
+    def wall_minutes(self) -> float:
+        """Minutes from the study's first cached file to its last (across resumed invocations)."""
+        first = [self.work / "end_ids.json", self.work / "vocab.pt"]
+        last = [*self.work.glob("runs/*/result.json"), self.work / "costs.json", self.work / "shipped.json"]
+        stamps = lambda paths: [p.stat().st_mtime for p in paths if p.exists()]  # noqa: E731
+        return (max(stamps(last)) - min(stamps(first))) / 60
+
     def shipped(self) -> dict:
         """The shipped FastDraft on the same held-out answers (it trained on them: a reference only)."""
         path = self.work / "shipped.json"
@@ -360,7 +379,7 @@ def main(argv=None) -> None:
         machine=machine(), grid=args.grid, runs=runs, costs=costs, shipped=shipped, fit=fit,
         slopes=per_size_slopes(runs), holdout_check=holdout_check(runs), tokens_now=shipped["tokens"],
         train_tokens_available=trained_positions(study.sequences(study.train_records, "all")),
-        wall_minutes=(time.time() - study.start) / 60,
+        wall_minutes=(time.time() - study.start) / 60, study_wall_minutes=study.wall_minutes(),
         setup=(f"Setup: {len(study.held_records)} of {len(study.records)} corpus records held out (seed {args.seed}); "
                f"runs train one epoch of next-token CE on every token (prompts and greedy + sampled answers) of a "
                f"nested seeded subset of the other records, lr {args.lr} cosine, {args.tokens_per_batch} tokens per "

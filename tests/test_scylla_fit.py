@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eval.draft_acceptance import greedy_tau
-from eval.scylla_scaling import (best_chain, expected_tokens, fit_loglinear, nested_subset, parse_grid,
+from eval.scylla_scaling import (best_chain, break_even_alpha, expected_tokens, fit_loglinear, nested_subset, parse_grid,
                                  predict_alpha, speedup, split_records)
 
 A, B, C = -0.9, 0.021, 0.047  # coefficients of the synthetic law
@@ -104,3 +104,11 @@ def test_parse_grid():
         ("h128_l1", 0.25), ("h128_l1", 0.5), ("h256_l2", 0.25), ("h256_l2", 0.5), ("h512_l3", 1.0)]
     with pytest.raises(ValueError, match="unknown shape"):
         parse_grid("h999_l9:1/2")
+
+
+@pytest.mark.parametrize("target,cost", [(1.187, 0.12), (1.2, 0.05), (1.5, 0.02)])
+def test_break_even_alpha_is_the_smallest_alpha_reaching_the_speedup(target, cost):
+    alpha = break_even_alpha(target, cost)
+    assert best_chain(alpha, cost)[1] >= target - 1e-9
+    assert best_chain(alpha - 1e-6, cost)[1] < target
+    assert break_even_alpha(100.0, cost) == 1.0  # unreachable: more than max_k + 1 tokens per step
