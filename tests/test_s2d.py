@@ -1,6 +1,7 @@
 """S2D: the nested draft's exits against truncated models, its cache, its sorted loss (float64 by
 hand) and its exactness as a drafter (greedy token-identical, sampled with the target's distribution)."""
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from flashmm.train.sorted import SortedLoss, choose_thresholds, deepen, exit_con
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import exact_joint, histogram, models  # noqa: F401 (fixture)
-from text_models import VOCAB, prompt, tiny_lm
+from text_models import VOCAB, chat_prompt, prompt, tiny_lm
 
 
 def nested(target, rows: list[int], layers: int = 3, seed: int = 0, sharpen: float = 1.0) -> ReducedVocabLM:
@@ -190,3 +191,21 @@ def test_folder_round_trip(tmp_path):
         S2D(draft, exits=(1, 2, 4), thresholds=(0.5,))
     with pytest.raises(ValueError, match="increasing layer counts"):
         S2D(draft, exits=(3, 2), thresholds=(0.5,))
+
+
+# ---------------------------------------------------------------- the shipped drafter on real weights
+
+SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2/s2d"
+
+
+def test_shipped_s2d_is_exact_on_smollm2(smollm2):
+    if not (SHIPPED / "drafter.json").exists():
+        pytest.skip("S2D is not built (python -m tools.drafters.build_s2d)")
+    model, tokenizer = smollm2
+    drafter = load(SHIPPED, adaptive=False, max_draft_tokens=4)
+    assert drafter.info["method"] == "s2d" and len(drafter.exits) == len(drafter.thresholds) + 1
+    ids = chat_prompt(tokenizer, "List three primary colours.")
+    sm = flashmm.wrap(model, drafter)
+    out = sm.generate(ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=24, do_sample=False))
+    assert sum(drafter.exit_counts.values()) > 0
