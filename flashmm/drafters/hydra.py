@@ -11,8 +11,15 @@ drafted on the same path. Hydra's MLP form:
 Tree drafting uses the same static tree as Medusa (head_base.static_tree from measured rank
 accuracies), but every node's children come from head k run on *that node's own path*, so siblings
 under different parents differ (one batched head call per depth). Hydra++'s teacher-distillation
-objective is a training option (flashmm.train.heads, ``--loss distill``); deterministic drafts, so
-verification is exact with every verifier (``typical_lossy`` is the lossy one).
+objective is a training option (flashmm.train.heads, ``--objective distill``); deterministic drafts,
+so verification is exact with every verifier (``typical_lossy`` is the lossy one).
+
+Hydra++ prefix attention (``HydraHeads(..., prefix_layer={...})``, off by default): one extra Llama
+decoder layer over the target's final hidden states of the whole committed prefix (causal, with its
+own KV cache of those states) whose output at the root's parent replaces h as the feature every
+head reads. Its cache only grows: the engine hands over the states of accepted nodes, each step's
+positions right after the last ones fed. Trained with the heads (o_proj and down_proj start at
+zero, so an untrained layer is the identity and the heads start as plain Hydra's).
 """
 from __future__ import annotations
 
@@ -20,16 +27,37 @@ import torch
 from torch import nn
 
 from ..config import SamplingParams
-from .base import Draft, register, root_only
+from .base import Draft, SequenceStart, StepResult, register, root_only
 from .head_base import HeadDrafter
+from .mtp import Block, rope_inv_freq, rope_tables
+
+
+class PrefixLayer(nn.Module):
+    """Hydra++'s decoder layer over the target's hidden states (a Llama block with rotary positions)."""
+
+    def __init__(self, hidden_size: int, num_attention_heads: int = 9, num_key_value_heads: int = 3,
+                 intermediate_size: int = 768, rms_norm_eps: float = 1e-5, rope_theta: float = 10000.0):
+        super().__init__()
+        self.block = Block(hidden_size, num_attention_heads, num_key_value_heads, intermediate_size, rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(hidden_size // num_attention_heads, rope_theta),
+                             persistent=False)
+
+    def forward(self, h: torch.Tensor, start: int = 0, past=None):
+        """h [B, T, d]: target states at positions start .. start + T - 1, after ``past`` (the cache of
+        positions 0 .. start - 1, or None) → (features [B, T, d], cache incl. past)."""
+        cos, sin = rope_tables(self.inv_freq, start, h.shape[1], h.dtype)
+        return self.block(h, cos, sin, past)
 
 
 class HydraHeads(nn.Module):
-    """K sequential heads: inputs.k: Linear((k + 2) d → d) (k 0-based), blocks weight [K, d, d], bias [K, d]."""
+    """K sequential heads: inputs.k: Linear((k + 2) d → d) (k 0-based), blocks weight [K, d, d], bias [K, d].
+    ``prefix_layer``: PrefixLayer's arguments besides hidden_size (Hydra++), or None (plain Hydra)."""
 
-    def __init__(self, hidden_size: int, num_heads: int = 4):
+    def __init__(self, hidden_size: int, num_heads: int = 4, prefix_layer: dict | None = None):
         super().__init__()
         self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.prefix_config = dict(prefix_layer) if prefix_layer else None
+        self.prefix_layer = PrefixLayer(hidden_size, **prefix_layer) if prefix_layer else None
         self.inputs = nn.ModuleList(nn.Linear((k + 2) * hidden_size, hidden_size, bias=False)
                                     for k in range(num_heads))
         for layer in self.inputs:
@@ -44,8 +72,18 @@ class HydraHeads(nn.Module):
         z = h + self.inputs[k](x)
         return z + nn.functional.silu(z @ self.weight[k].T + self.bias[k])
 
+    def prefix(self, h: torch.Tensor, start: int = 0, past=None):
+        """The features the heads read for target states h [B, T, d] at positions start.. (see PrefixLayer);
+        without a prefix layer, h itself (and no cache)."""
+        if self.prefix_layer is None:
+            return h, None
+        return self.prefix_layer(h.to(self.weight.dtype), start, past)
+
     def config(self) -> dict:
-        return {"hidden_size": self.hidden_size, "num_heads": self.num_heads}
+        out = {"hidden_size": self.hidden_size, "num_heads": self.num_heads}
+        if self.prefix_config:
+            out["prefix_layer"] = dict(self.prefix_config)
+        return out
 
 
 @register
@@ -57,6 +95,25 @@ class Hydra(HeadDrafter):
 
     name = "hydra"
     heads_class = HydraHeads
+
+    def begin(self, start: SequenceStart) -> None:
+        super().begin(start)
+        self._prefix_cache, self._fed = None, 0
+        if self.heads.prefix_layer is not None:
+            self._feed(start.hidden_states[0])
+
+    def observe(self, step: StepResult) -> None:
+        super().observe(step)
+        if self.heads.prefix_layer is not None:
+            self._feed(step.hidden_states[0])
+
+    @torch.no_grad()
+    def _feed(self, states: torch.Tensor) -> None:
+        """Extend the prefix layer's cache by the target states [T, d] of the next T positions; the
+        feature becomes the layer's output at the last of them."""
+        out, self._prefix_cache = self.heads.prefix(states[None], self._fed, self._prefix_cache)
+        self._fed += states.shape[0]
+        self._feature = out[0, -1]
 
     @torch.no_grad()
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,

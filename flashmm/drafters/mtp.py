@@ -12,7 +12,17 @@ h^0 is the target's final hidden state. Module k at position i needs tokens up t
 committed tokens x_0..x_R (R: the root), module k's KV cache holds positions 0..R-k, computed from
 committed tokens only; drafting runs module k at positions R-k+1..R-1, whose inputs are the tokens
 modules 1..k-1 just drafted, and keeps nothing of them. Token R + k comes from module k at
-position R - 1. Chains only (depth D); drafts are deterministic, verification exact.
+position R - 1. Drafts are deterministic, verification exact.
+
+Trees (``tree_nodes`` > 0; the static tree of head_base.static_tree from the modules' measured rank
+accuracies, as Hydra's). A node n at depth j (tokens d_1..d_j on its path, d_j at position R + j)
+gets its children from module j + 1 at position R - 1 run on *n's own path*: module j + 1 runs at
+positions R-j..R-1, reading h^j at R-j from its committed states and h^j at R-j+1..R-1 from module
+j's run for n's parent (which ran on d_1..d_{j-1}), with embeddings of d_1..d_j. Those j positions
+attend to module j + 1's cache (committed positions 0..R-j-1) and causally to each other, i.e. only
+to n's ancestors: every node's run is its own short sequence, so the nodes of a depth run as one
+batch [nodes, j] over the shared cache (no tree mask needed). The root's children come from module
+1's committed state at R - 1. A chain is the tree with one child per node (the same computation).
 """
 from __future__ import annotations
 
@@ -42,6 +52,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Llama's rotary inverse frequencies [hd / 2]."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
+def rope_tables(inv_freq: torch.Tensor, start: int, length: int, dtype: torch.dtype):
+    """(cos, sin) [length, hd] for positions start .. start + length - 1."""
+    positions = torch.arange(start, start + length, device=inv_freq.device, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int):
         super().__init__()
@@ -58,8 +81,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        if past is not None:  # a cache of batch 1 serves every row (the tree's paths share the committed text)
+            pk, pv = (past[0].expand(b, -1, -1, -1), past[1].expand(b, -1, -1, -1)) if past[0].shape[0] != b else past
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
         groups = self.heads // self.kv_heads
         kk, vv = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         p = k.shape[2] - t
@@ -127,18 +151,14 @@ class MTPModules(nn.Module):
         self.layers = nn.ModuleList(MTPModule(hidden_size, num_attention_heads, num_key_value_heads,
                                               intermediate_size, rms_norm_eps) for _ in range(num_heads))
         head_dim = hidden_size // num_attention_heads
-        inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta), persistent=False)
 
     def config(self) -> dict:
         return dict(self._config)
 
     def rope(self, start: int, length: int, dtype: torch.dtype):
         """(cos, sin) [length, hd] for positions start .. start + length - 1."""
-        positions = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
-        angles = positions[:, None] * self.inv_freq[None]
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return rope_tables(self.inv_freq, start, length, dtype)
 
     def run(self, k: int, h_prev, embeds, start: int = 0, past=None):
         """Module k (0-based) at positions start .. start + T - 1: h_prev, embeds [B, T, d] → (h [B, T, d], cache)."""
@@ -152,11 +172,11 @@ class MTPModules(nn.Module):
 
 @register
 class MTP(HeadDrafter):
-    """MTP modules as a drafter (chains of depth D); trained ones load with ``flashmm.drafters.load(dir)``."""
+    """MTP modules as a drafter; trained ones load with ``flashmm.drafters.load(dir)``.
+    ``tree_nodes``: drafted nodes of the static tree (0 = a chain of D)."""
 
     name = "mtp"
     heads_class = MTPModules
-    chain_only = True
     sequential = True
 
     def begin(self, start: SequenceStart) -> None:
@@ -195,22 +215,33 @@ class MTP(HeadDrafter):
         if self._weight is None or min(self.heads.num_heads, max_tokens, root) < 1:
             return root_only(committed)
         self._sync(committed)                       # every step, drafting or not: the caches stay in step
-        tree = self.planned_tree(min(self.heads.num_heads, max_tokens, root))
-        if tree is None or tree.num_nodes < 2:
+        tree = self.planned_tree(max_tokens if self.tree_nodes else min(self.heads.num_heads, max_tokens, root))
+        if tree is None or tree.num_nodes < 2 or tree.max_depth > root:
             return root_only(committed)
-        depth = tree.num_nodes - 1
-        drafted: list[torch.Tensor] = []
-        drafted.append(self._pick(0, self._states[1][root - 1]))              # module 1 at position R-1
-        prev_draft = self._states[1][:0]                                       # module k's drafted positions
-        for k in range(1, depth):                                              # module k+1 (1-based)
-            first = root - k                                                   # positions R-k .. R-1
-            h_prev = torch.cat([self._states[k][first:first + 1], prev_draft])  # [k, d]
-            embeds = self.embed(torch.stack(drafted))                          # x_{R+1} .. x_{R+k}
-            out, _ = self.heads.run(k, h_prev[None], embeds[None], first, self._caches[k])
-            prev_draft = out[0]
-            drafted.append(self._pick(k, prev_draft[-1]))
-        tokens = torch.cat([committed[0, -1:], torch.stack(drafted).to(committed.device)])[None]
-        return Draft(tokens=tokens, tree=tree, q_probs=None)
-
-    def _pick(self, k: int, state: torch.Tensor) -> torch.Tensor:
-        return self.target_ids(self.logits(self.heads.output(k, state)).argmax(-1))
+        tokens = committed[0, -1:].repeat(tree.num_nodes)                      # [N]; root first
+        children, ranks, parents = tree.children, tree.ranks.tolist(), tree.parents.tolist()
+        paths = {0: []}                                                        # node → its drafted token ids
+        runs = {0: self._states[1][root:root]}                                 # node at depth j → module j+1's run [j, d]
+        level, last = [0], self._states[1][root - 1:root]                      # last [P, d]: what the children's logits read
+        for j in range(tree.max_depth):                                        # children of depth-j nodes, module j+1
+            if j:  # module j+1 (0-based j) at positions R-j..R-1 on each parent's own path
+                committed_h = self._states[j][root - j:root - j + 1]           # h^j at R-j  [1, d]
+                h_prev = torch.stack([torch.cat([committed_h, runs[parents[n]]]) for n in level])   # [P, j, d]
+                embeds = self.embed(torch.stack([torch.stack(paths[n]) for n in level]))           # [P, j, d]
+                out, _ = self.heads.run(j, h_prev, embeds, root - j, self._caches[j])             # [P, j, d]
+                for row, n in enumerate(level):
+                    runs[n] = out[row]
+                last = out[:, -1]
+            width = max(ranks[c] for n in level for c in children[n]) + 1
+            top = self.target_ids(self.logits(self.heads.output(j, last)).topk(width, dim=-1).indices)  # [P, s]
+            following = []
+            for row, n in enumerate(level):
+                for child in children[n]:
+                    tokens[child] = top[row, ranks[child]]
+                    paths[child] = paths[n] + [tokens[child]]
+                    if children[child]:
+                        following.append(child)
+            level = following
+            if not level:
+                break
+        return Draft(tokens=tokens[None], tree=tree, q_probs=None)

@@ -15,6 +15,12 @@ costs more than the heads. Heads draft over a reduced vocabulary (``vocab``: e.g
 Objectives: "ce" (the corpus token; the corpus is greedy, so the target's argmax) or "distill"
 (Hydra++: soft cross-entropy to the target's top-k distribution restricted to the candidates).
 
+Hydra++'s prefix layer (HydraHeads with ``prefix_layer``) reads whole prefixes, so each step takes
+the next ``PREFIX_SEQUENCES`` sequences of a seeded permutation, draws ``batch`` of their trained
+positions at random, and runs the layer once over those sequences (right-padded, causal, cut after
+the last drawn position); the heads train at the drawn positions. (Whole sequences as batches, all
+their positions at once, trained worse: 256 positions of one or two answers are too alike.)
+
 Accuracy (``head_accuracy``): on held-out sequences, P(the label is head k's rank-r token over the
 whole reduced vocabulary) with the preceding tokens right (teacher-forced), the table
 head_base.static_tree turns into a tree.
@@ -164,9 +170,11 @@ def labels_at(data: HeadData, g: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.where(valid, data.ids[target.clamp_max(data.ids.numel() - 1)], -1)
 
 
-def head_states(heads, data: HeadData, g: torch.Tensor, embeddings: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-    """Medusa / Hydra: per head k (0-based), (states [B, d] at positions g, label offset k + 2)."""
-    h = data.hidden[g].float()
+def head_states(heads, data: HeadData, g: torch.Tensor, embeddings: torch.Tensor,
+                h: torch.Tensor | None = None) -> list[tuple[torch.Tensor, int]]:
+    """Medusa / Hydra: per head k (0-based), (states [B, d] at positions g, label offset k + 2).
+    h [B, d]: the features the heads read (default: the target's states at g; Hydra++: its prefix layer's)."""
+    h = data.hidden[g].float() if h is None else h
     if isinstance(heads, MedusaHeads):
         states = heads(h)                                                       # [B, K, d]
         return [(states[:, k], k + 2) for k in range(heads.num_heads)]
@@ -178,9 +186,9 @@ def head_states(heads, data: HeadData, g: torch.Tensor, embeddings: torch.Tensor
 
 
 def batch_loss(heads, data: HeadData, g: torch.Tensor, lm_rows, embeddings, vocab: Vocab, mode: str,
-               objective: str) -> tuple[torch.Tensor, list[float]]:
-    """Mean loss over all heads at positions g [B] (Medusa / Hydra), and each head's mean loss."""
-    pieces = head_states(heads, data, g, embeddings)
+               objective: str, h: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+    """Mean loss over all heads at positions g [B] (Medusa / Hydra; h as in head_states), and each head's mean loss."""
+    pieces = head_states(heads, data, g, embeddings, h)
     labels = [labels_at(data, g, off) for _, off in pieces]
     teachers = [teacher_at(data, (g + off - 1).clamp_max(data.ids.numel() - 1)) for _, off in pieces]
     cand = candidate_rows(vocab, torch.stack(labels), torch.stack([t[0] for t in teachers]), mode)
@@ -192,14 +200,62 @@ def batch_loss(heads, data: HeadData, g: torch.Tensor, lm_rows, embeddings, voca
     return total / max(count, 1), per_head
 
 
+def has_prefix(heads) -> bool:
+    """Hydra++ heads: their feature is a prefix layer's output over whole sequences."""
+    return getattr(heads, "prefix_layer", None) is not None
+
+
+def padded_positions(data: HeadData, seqs: list[int]) -> torch.Tensor:
+    """Global indices g [S, L] of sequences ``seqs`` right-padded to the longest (-1 at padding)."""
+    lengths = [int(data.starts[s + 1] - data.starts[s]) for s in seqs]
+    g = torch.full((len(seqs), max(lengths)), -1, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        g[row, :lengths[row]] = torch.arange(int(data.starts[s]), int(data.starts[s + 1]))
+    return g
+
+
+PREFIX_SEQUENCES = 8
+
+
+def prefix_batch(heads, data: HeadData, seqs: list[int], batch: int | None = None,
+                 gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hydra++: (g [B], features [B, d]) at the trained positions of ``seqs`` (those data.positions
+    keeps; with ``batch``, that many of them drawn with ``gen``), the prefix layer run causally over
+    each sequence up to the last position needed."""
+    g = padded_positions(data, seqs)
+    keep = torch.zeros_like(g, dtype=torch.bool)
+    for row, s in enumerate(seqs):
+        length = int(data.starts[s + 1] - data.starts[s])
+        keep[row, int(data.prompt_lens[s]) - 1:max(length - 2, 0)] = True
+    if batch is not None and int(keep.sum()) > batch:
+        flat = keep.flatten().nonzero()[:, 0]
+        chosen = flat[torch.randperm(flat.numel(), generator=gen)[:batch]]
+        keep = torch.zeros_like(keep)
+        keep.view(-1)[chosen] = True
+    width = int(keep.any(0).nonzero().max()) + 1 if bool(keep.any()) else 0
+    g, keep = g[:, :width], keep[:, :width]
+    h = torch.where(g[..., None] >= 0, data.hidden[g.clamp_min(0)].float(), 0.0)
+    feats, _ = heads.prefix(h)                                                  # [S, W, d]
+    return g[keep], feats[keep]
+
+
+def sequence_batches(data: HeadData, steps: int, per_step: int, gen: torch.Generator) -> list[list[int]]:
+    """Per step, the next ``per_step`` sequences of seeded permutations (reshuffled per pass)."""
+    out, queue = [], []
+    while len(out) < steps:
+        group = []
+        while len(group) < min(per_step, data.num_sequences):
+            if not queue:
+                queue = torch.randperm(data.num_sequences, generator=gen).tolist()
+            group.append(queue.pop(0))
+        out.append(group)
+    return out
+
+
 def mtp_states(modules: MTPModules, data: HeadData, seqs: list[int], embeddings: torch.Tensor):
     """MTP over whole sequences (right-padded): per module k (0-based), (states [S, L, d] the LM head
     reads, global indices g [S, L] of each slot, -1 at padding)."""
-    lengths = [int(data.starts[s + 1] - data.starts[s]) for s in seqs]
-    width = max(lengths)
-    g = torch.full((len(seqs), width), -1, dtype=torch.long)
-    for row, s in enumerate(seqs):
-        g[row, :lengths[row]] = torch.arange(int(data.starts[s]), int(data.starts[s + 1]))
+    g = padded_positions(data, seqs)
     h = torch.where(g[..., None] >= 0, data.hidden[g.clamp_min(0)].float(), 0.0)
     out = []
     for k in range(modules.num_heads):
@@ -255,6 +311,11 @@ def head_accuracy(heads, data: HeadData, lm_rows, embeddings, vocab: Vocab, rank
                 for row, s in enumerate(seqs):
                     keep[row, :int(data.prompt_lens[s]) - 1] = False
                 score(k, states[keep], labels_at(data, g[keep], k + 2))
+    elif has_prefix(heads):
+        for first in range(0, data.num_sequences, 8):
+            g, h = prefix_batch(heads, data, list(range(first, min(first + 8, data.num_sequences))))
+            for k, (states, off) in enumerate(head_states(heads, data, g, embeddings, h)):
+                score(k, states, labels_at(data, g, off))
     else:
         g_all = data.positions(heads.num_heads)
         for first in range(0, g_all.numel(), batch):
@@ -318,30 +379,49 @@ def replay_tau(drafter, data: HeadData, max_new_tokens: int = 128, max_draft_tok
 
 # ---------------------------------------------------------------- building and training
 
-def build_heads(method: str, target_config, num_heads: int, intermediate_size: int | None = None):
+def _llama_init(module, std: float, blocks) -> None:
+    """Seeded normal init of every matrix, then zero o_proj and down_proj of ``blocks`` (residual
+    blocks that start as the identity)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.ndim == 2:
+                torch.nn.init.normal_(p, std=std)
+        for block in blocks:
+            block.self_attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
+
+
+def build_heads(method: str, target_config, num_heads: int, intermediate_size: int | None = None,
+                prefix_layer: bool = False):
     """A fresh heads module of ``method`` for a target config. Every family starts by repeating the
     LM head's guess: Medusa / Hydra zero-initialised, MTP modules with a seeded normal init like
-    Llama's but the identity on the normed previous state (proj = [I 0], zero o_proj and down_proj)."""
+    Llama's but the identity on the normed previous state (proj = [I 0], zero o_proj and down_proj).
+    ``prefix_layer`` (Hydra only): Hydra++'s decoder layer over the prefix, starting as the identity."""
     d = target_config.hidden_size
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
+    std = getattr(target_config, "initializer_range", 0.02)
+    if prefix_layer and method != "hydra":
+        raise ValueError(f"a prefix layer is a Hydra++ option; {method} heads have none")
     if method == "medusa":
         return MedusaHeads(d, num_heads)
     if method == "hydra":
-        return HydraHeads(d, num_heads)
+        if not prefix_layer:
+            return HydraHeads(d, num_heads)
+        heads = HydraHeads(d, num_heads, prefix_layer=dict(
+            num_attention_heads=target_config.num_attention_heads, num_key_value_heads=target_config.num_key_value_heads,
+            intermediate_size=intermediate_size or target_config.intermediate_size,
+            rms_norm_eps=target_config.rms_norm_eps, rope_theta=theta))
+        _llama_init(heads.prefix_layer, std, [heads.prefix_layer.block])
+        return heads
     if method == "mtp":
-        rope = getattr(target_config, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
         modules = MTPModules(d, num_heads, target_config.num_attention_heads, target_config.num_key_value_heads,
                              intermediate_size or target_config.intermediate_size, target_config.rms_norm_eps, theta)
-        std = getattr(target_config, "initializer_range", 0.02)
+        _llama_init(modules, std, [layer.block for layer in modules.layers])
         with torch.no_grad():
-            for name, p in modules.named_parameters():
-                if p.ndim == 2:
-                    torch.nn.init.normal_(p, std=std)
             for layer in modules.layers:  # start as the identity on RMSNorm(h^{k-1}): module 1 repeats the LM head
                 layer.proj.weight.zero_()
                 layer.proj.weight[:, :d].copy_(torch.eye(d))
-                layer.block.self_attn.o_proj.weight.zero_()
-                layer.block.mlp.down_proj.weight.zero_()
         return modules
     raise ValueError(f'method must be "medusa", "hydra" or "mtp", got {method!r}')
 
@@ -355,15 +435,25 @@ def _atomic_save(obj, path: Path) -> None:
 def train_heads(heads, data: HeadData, lm_rows: torch.Tensor, embeddings: torch.Tensor, vocab: Vocab, *,
                 steps: int, batch: int, lr: float = 1e-3, loss_vocab: str = "batch", objective: str = "ce",
                 seed: int = 0, work_dir=None, checkpoint_every: int = 100, max_seconds: float | None = None,
-                log=print) -> dict:
+                log=print, before_step=None, prefix_lr_scale: float = 0.1) -> dict:
     """Train ``heads`` for ``steps`` AdamW steps (cosine decay after a 5% warm-up); Medusa / Hydra
     batches are ``batch`` positions, MTP batches ``batch`` whole sequences, drawn by a seeded
     permutation. With ``work_dir``: a checkpoint every ``checkpoint_every`` steps, and a rerun resumes
     from the last one (the same batches follow). ``max_seconds``: stop (checkpointed) once this call has
-    run that long; a rerun continues. Returns {"step": steps done, "losses": [...], "seconds": ...}."""
-    is_mtp = isinstance(heads, MTPModules)
+    run that long; a rerun continues. Hydra++ (a prefix layer): ``batch`` positions drawn from
+    PREFIX_SEQUENCES sequences per step (prefix_batch); the layer trains at ``prefix_lr_scale`` times
+    the heads' lr (a choice, not tuned: it starts as the identity the heads read through). ``before_step``:
+    called before every step (e.g. to wait while the machine must stay quiet); returns the seconds it
+    paused, or None. Returns {"step": steps done, "losses": [...], "seconds": ...}."""
+    is_mtp, is_prefix = isinstance(heads, MTPModules), has_prefix(heads)
     pool = torch.arange(data.num_sequences) if is_mtp else data.positions(heads.num_heads)
-    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
+    if is_prefix:
+        prefix = list(heads.prefix_layer.parameters())
+        others = [p for p in heads.parameters() if all(p is not q for q in prefix)]
+        groups_ = [{"params": others}, {"params": prefix, "lr": lr * prefix_lr_scale}]
+    else:
+        groups_ = [{"params": list(heads.parameters())}]
+    opt = torch.optim.AdamW(groups_, lr=lr, weight_decay=0.0)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
@@ -377,18 +467,28 @@ def train_heads(heads, data: HeadData, lm_rows: torch.Tensor, embeddings: torch.
         state = saved["state"]
         log(f"resumed at step {state['step']}")
     gen = torch.Generator().manual_seed(seed)
-    order = torch.cat([torch.randperm(pool.numel(), generator=gen)
-                       for _ in range(-(-steps * batch // max(pool.numel(), 1)) + 1)])
+    if is_prefix:
+        groups = sequence_batches(data, steps, PREFIX_SEQUENCES, gen)
+    else:
+        order = torch.cat([torch.randperm(pool.numel(), generator=gen)
+                           for _ in range(-(-steps * batch // max(pool.numel(), 1)) + 1)])
     heads.train()
     start = began = time.perf_counter()
     for step in range(state["step"], steps):
         if max_seconds is not None and time.perf_counter() - began > max_seconds:
             log(f"stopping at step {step}/{steps}: --max-minutes reached (rerun to continue)")
             break
-        pick = pool[order[step * batch:(step + 1) * batch]]
-        if is_mtp:
+        if before_step is not None:  # time it spends (a pause) counts neither as training nor against max_seconds
+            paused = before_step() or 0.0
+            start, began = start + paused, began + paused
+        if is_prefix:
+            g, h = prefix_batch(heads, data, groups[step], batch, torch.Generator().manual_seed(seed * 100003 + step))
+            loss, per_head = batch_loss(heads, data, g, lm_rows, embeddings, vocab, loss_vocab, objective, h)
+        elif is_mtp:
+            pick = pool[order[step * batch:(step + 1) * batch]]
             loss, per_head = mtp_loss(heads, data, pick.tolist(), lm_rows, embeddings, vocab, loss_vocab, objective)
         else:
+            pick = pool[order[step * batch:(step + 1) * batch]]
             loss, per_head = batch_loss(heads, data, pick, lm_rows, embeddings, vocab, loss_vocab, objective)
         opt.zero_grad()
         loss.backward()

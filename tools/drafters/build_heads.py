@@ -3,7 +3,11 @@
     python -m tools.drafters.build_heads --method medusa|hydra|mtp --seed 0 \\
         [--corpus assets/corpus/smollm2] [--features-cache /tmp/head_work/features] [--shards N] \\
         [--work /tmp/heads_work] [--out assets/text_drafters/smollm2] [--steps S] [--batch B] \\
-        [--loss-vocab batch|reduced] [--objective ce|distill] [--tau-prompts 8]
+        [--loss-vocab batch|reduced] [--objective ce|distill] [--prefix-attention] [--tau-prompts 8]
+
+Hydra++ (arXiv 2402.05109): ``--method hydra --objective distill --prefix-attention --name hydra_pp``
+adds the decoder layer over the prefix's target states (MLP width ``--intermediate``) whose output the
+heads read; it trains on batches of whole sequences holding ``--batch`` positions.
 
 Features: the target's final-normed hidden states (output_hidden_states[30]) and top-32 logits over
 the greedy corpus, as ``flashmm.train.corpus.features(model, corpus, layers=(2, 15, 27, 30),
@@ -69,6 +73,11 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--loss-vocab", default="batch", choices=["batch", "reduced"])
     ap.add_argument("--objective", default="ce", choices=["ce", "distill"])
+    ap.add_argument("--prefix-attention", action="store_true",
+                    help="Hydra++: a decoder layer over the prefix's target states feeds the heads")
+    ap.add_argument("--prefix-lr-scale", type=float, default=0.1, help="the prefix layer's lr over the heads' lr")
+    ap.add_argument("--pause-while-exists", default=None, metavar="PATH",
+                    help="before every training step, wait (polling every 10 s) while PATH exists")
     ap.add_argument("--tree-nodes", type=int, default=None)
     ap.add_argument("--tau-prompts", type=int, default=2,
                     help="held-out prompts decoded live: τ and exactness against model.generate (0: skip)")
@@ -76,6 +85,22 @@ def parse_args(argv=None):
     ap.add_argument("--max-minutes", type=float, default=None, help="stop training (checkpointed) after this long")
     ap.add_argument("--threads", type=int, default=1)
     return ap.parse_args(argv)
+
+
+def pauser(path: str | None):
+    """A before-step hook that sleeps while ``path`` exists (None: no hook)."""
+    if path is None:
+        return None
+
+    def wait() -> float:
+        began = time.perf_counter()
+        if Path(path).exists():
+            log(f"{path} exists: paused")
+            while Path(path).exists():
+                time.sleep(10)
+            log("resumed")
+        return time.perf_counter() - began
+    return wait
 
 
 def corpus_features(model, args) -> CorpusFeatures:
@@ -137,10 +162,11 @@ def main(argv=None) -> None:
     log(f"train positions {train_data.ids.numel()}, held-out {held_data.ids.numel()}")
 
     torch.manual_seed(args.seed)
-    heads = H.build_heads(args.method, model.config, n_heads, args.intermediate)
+    heads = H.build_heads(args.method, model.config, n_heads, args.intermediate, prefix_layer=args.prefix_attention)
     state = H.train_heads(heads, train_data, lm_rows, embeddings, vocab, steps=steps, batch=batch, lr=lr,
                           loss_vocab=args.loss_vocab, objective=args.objective, seed=args.seed, work_dir=work,
-                          max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, log=log)
+                          max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, log=log,
+                          before_step=pauser(args.pause_while_exists), prefix_lr_scale=args.prefix_lr_scale)
     accuracy = H.head_accuracy(heads, held_data, lm_rows, embeddings, vocab)
     log("held-out rank accuracy per head: " + "; ".join(" ".join(f"{a:.3f}" for a in row[:4]) for row in accuracy))
 
@@ -152,7 +178,8 @@ def main(argv=None) -> None:
         "drafting": {"tree_nodes": tree_nodes},
         "accuracy": accuracy,
         "training": {"seed": args.seed, "steps": state["step"], "planned_steps": steps, "batch": batch, "lr": lr, "loss_vocab": args.loss_vocab,
-                     "objective": args.objective, "feature_layer": 30, "train_sequences": len(train),
+                     "objective": args.objective, "prefix_attention": args.prefix_attention,
+                     **({"prefix_lr_scale": args.prefix_lr_scale} if args.prefix_attention else {}), "feature_layer": 30, "train_sequences": len(train),
                      "train_positions": int(train_data.ids.numel()), "held_out_sequences": len(held),
                      "train_wall_seconds_1_thread": round(state["seconds"], 1),
                      "final_loss": round(sum(l[0] for l in state["losses"][-25:]) / 25, 4),
@@ -161,12 +188,15 @@ def main(argv=None) -> None:
     }
     out = Path(args.out) / name
     save_heads(out, DRAFTERS[args.method].name, heads, heads.config(), vocab.ids, info)
+    wait = pauser(args.pause_while_exists) or (lambda: 0.0)
+    wait()
     drafter = load_drafter(out)
     drafter.bind(H.ModelFacts(model))
     info["held_out_replay"] = H.replay_tau(drafter, held_data, max_new_tokens=args.max_new_tokens)
     log(f"held-out greedy τ (exact offline replay) {info['held_out_replay']}")
     save_heads(out, DRAFTERS[args.method].name, heads, heads.config(), vocab.ids, info)
     if args.tau_prompts:
+        wait()
         records = read_corpus(args.corpus)
         heldout_records = [records[i] for i in held[:args.tau_prompts]]
         info["held_out_tau"] = measure_tau(model, out, heldout_records, args.max_new_tokens)
