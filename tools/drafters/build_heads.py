@@ -46,7 +46,7 @@ LAYERS = (2, 15, 27, 30)
 DEFAULTS = {  # method: (heads, steps, batch, lr, tree nodes)
     "medusa": (4, 600, 256, 1e-3, 16),
     "hydra": (4, 400, 256, 1e-3, 16),
-    "mtp": (3, 120, 2, 1e-3, 0),
+    "mtp": (3, 120, 2, 1e-3, 16),
 }
 
 
@@ -190,7 +190,7 @@ def main(argv=None) -> None:
     save_heads(out, DRAFTERS[args.method].name, heads, heads.config(), vocab.ids, info)
     wait = pauser(args.pause_while_exists) or (lambda: 0.0)
     wait()
-    drafter = load_drafter(out)
+    drafter = load_drafter(out, adaptive=False)  # τ of the drafts themselves (adaptive sizing would decline some steps)
     drafter.bind(H.ModelFacts(model))
     info["held_out_replay"] = H.replay_tau(drafter, held_data, max_new_tokens=args.max_new_tokens)
     log(f"held-out greedy τ (exact offline replay) {info['held_out_replay']}")
