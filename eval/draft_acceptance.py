@@ -104,6 +104,26 @@ def pard_runs(drafter, item: dict) -> list[int]:
     return runs
 
 
+@torch.no_grad()
+def measure(draft_lm, model, items: list[dict], temperature: float, ks: tuple[int, ...]) -> dict:
+    per_category: dict[str, dict] = defaultdict(lambda: defaultdict(list))
+    for item in items:
+        ids = torch.tensor([item["prompt"] + item["answer"]])
+        start = len(item["prompt"]) - 1  # position predicting the first answer token
+        q_logits = draft_lm(input_ids=ids, logits_to_keep=0).logits[0, start:-1].float()  # [A, V]
+        p_logits = model(input_ids=ids).logits[0, start:-1].float()
+        answer = torch.tensor(item["answer"])
+        agree = (q_logits.argmax(-1) == answer).tolist()
+        p = (p_logits / temperature).softmax(-1)
+        q = (q_logits / temperature).softmax(-1)
+        stats = per_category[item["category"]]
+        stats["alpha_greedy"].append(sum(agree) / len(agree))
+        stats["alpha_sampled"].append(float(torch.minimum(p, q).sum(-1).mean()))
+        for k in ks:
+            stats[f"tau_k{k}"].append(greedy_tau(agree, k))
+    return {c: {m: sum(v) / len(v) for m, v in s.items()} for c, s in per_category.items()}
+
+
 def measure_pard(drafter, model, items: list[dict], temperature: float, ks: tuple[int, ...]) -> dict:
     """measure()'s figures for a PARD drafter: α from its first position (a plain forward of its LM),
     τ from its K positions per forward (pard_runs), chains no longer than its depth."""
