@@ -185,8 +185,8 @@ SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2"
 @pytest.mark.parametrize("name,options", [("mtp", {}), ("mtp", {"tree_nodes": 0}), ("hydra", {}),
                                           ("hydra_pp", {})])
 def test_shipped_folders_on_smollm2(request, name, options):
-    """The shipped MTP folder drafts its 16-node tree by default and chains on request; the plain Hydra folder
-    loads without a prefix layer; Hydra++ with one; all exact."""
+    """The shipped MTP folder drafts its 16-node tree by default and chains on request; the plain
+    Hydra folder loads without a prefix layer, Hydra++ with one; all exact."""
     if not (SHIPPED / name / "drafter.json").exists():
         pytest.skip(f"{name} is not built (tools/drafters/build_heads.py)")
     model, tokenizer = request.getfixturevalue("smollm2")

@@ -435,14 +435,15 @@ def _atomic_save(obj, path: Path) -> None:
 def train_heads(heads, data: HeadData, lm_rows: torch.Tensor, embeddings: torch.Tensor, vocab: Vocab, *,
                 steps: int, batch: int, lr: float = 1e-3, loss_vocab: str = "batch", objective: str = "ce",
                 seed: int = 0, work_dir=None, checkpoint_every: int = 100, max_seconds: float | None = None,
-                log=print, before_step=None, prefix_lr_scale: float = 0.1) -> dict:
+                log=print, before_step=None, prefix_lr_scale: float = 1.0) -> dict:
     """Train ``heads`` for ``steps`` AdamW steps (cosine decay after a 5% warm-up); Medusa / Hydra
     batches are ``batch`` positions, MTP batches ``batch`` whole sequences, drawn by a seeded
     permutation. With ``work_dir``: a checkpoint every ``checkpoint_every`` steps, and a rerun resumes
     from the last one (the same batches follow). ``max_seconds``: stop (checkpointed) once this call has
     run that long; a rerun continues. Hydra++ (a prefix layer): ``batch`` positions drawn from
     PREFIX_SEQUENCES sequences per step (prefix_batch); the layer trains at ``prefix_lr_scale`` times
-    the heads' lr (a choice, not tuned: it starts as the identity the heads read through). ``before_step``:
+    the heads' lr (on SmolLM2, 0.1 gave held-out top-1 0.406 / 0.307 / 0.276 / 0.270 against 1.0's
+    0.419 / 0.314 / 0.291 / 0.279). ``before_step``:
     called before every step (e.g. to wait while the machine must stay quiet); returns the seconds it
     paused, or None. Returns {"step": steps done, "losses": [...], "seconds": ...}."""
     is_mtp, is_prefix = isinstance(heads, MTPModules), has_prefix(heads)

@@ -75,7 +75,7 @@ def parse_args(argv=None):
     ap.add_argument("--objective", default="ce", choices=["ce", "distill"])
     ap.add_argument("--prefix-attention", action="store_true",
                     help="Hydra++: a decoder layer over the prefix's target states feeds the heads")
-    ap.add_argument("--prefix-lr-scale", type=float, default=0.1, help="the prefix layer's lr over the heads' lr")
+    ap.add_argument("--prefix-lr-scale", type=float, default=1.0, help="the prefix layer's lr over the heads' lr")
     ap.add_argument("--pause-while-exists", default=None, metavar="PATH",
                     help="before every training step, wait (polling every 10 s) while PATH exists")
     ap.add_argument("--tree-nodes", type=int, default=None)
@@ -179,7 +179,8 @@ def main(argv=None) -> None:
         "accuracy": accuracy,
         "training": {"seed": args.seed, "steps": state["step"], "planned_steps": steps, "batch": batch, "lr": lr, "loss_vocab": args.loss_vocab,
                      "objective": args.objective, "prefix_attention": args.prefix_attention,
-                     **({"prefix_lr_scale": args.prefix_lr_scale} if args.prefix_attention else {}), "feature_layer": 30, "train_sequences": len(train),
+                     **({"prefix_lr_scale": args.prefix_lr_scale} if args.prefix_attention else {}),
+                     "feature_layer": 30, "train_sequences": len(train),
                      "train_positions": int(train_data.ids.numel()), "held_out_sequences": len(held),
                      "train_wall_seconds_1_thread": round(state["seconds"], 1),
                      "final_loss": round(sum(l[0] for l in state["losses"][-25:]) / 25, 4),
