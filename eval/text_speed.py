@@ -22,6 +22,7 @@ assisted decoding when the tokenizers differ), e.g. against ``cross_tokenizer:dr
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from collections import defaultdict
@@ -89,12 +90,33 @@ def prompt_ids(tokenizer, question: str) -> torch.Tensor:
 
 
 def hf_assisted(model, tokenizer, assistant: str, sampling: dict):
-    """transformers' assisted generation with a reference LM as ``assistant_model``; with another
-    tokenizer, its universal assisted decoding (``tokenizer=``, ``assistant_tokenizer=``)."""
+    """transformers' assisted generation with ``assistant_model``: a reference LM (smollm2 | gemma3;
+    with another tokenizer, its universal assisted decoding: ``tokenizer=``, ``assistant_tokenizer=``)
+    or a trained draft-LM folder (FastDraft, ...: the same draft flashmm drafts with)."""
+    if Path(assistant).is_dir():
+        draft = reduced_assistant(flashmm.drafters.load(assistant).model)
+        return lambda ids, n: model.generate(ids, max_new_tokens=n, assistant_model=draft, **sampling)
     draft, draft_tokenizer = load_gguf_lm(assistant)
     extra = {} if draft_tokenizer.get_vocab() == tokenizer.get_vocab() else \
         dict(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
     return lambda ids, n: model.generate(ids, max_new_tokens=n, assistant_model=draft, **extra, **sampling)
+
+
+def reduced_assistant(reduced):
+    """A ReducedVocabLM (flashmm.drafters.fastdraft) as a transformers model assisted generation can
+    drive: the same weights, reading target ids and answering logits over the target vocabulary
+    (-inf outside its rows), its config declaring the target's vocabulary size."""
+    class ReducedAssistant(type(reduced.lm)):
+        def forward(self, input_ids=None, **kwargs):
+            out = super().forward(input_ids=reduced.target_to_draft[input_ids], **kwargs)
+            out.logits = reduced.to_target(out.logits)
+            return out
+
+    config = copy.deepcopy(reduced.lm.config)
+    assistant = ReducedAssistant(config).eval()
+    assistant.load_state_dict(reduced.lm.state_dict())
+    assistant.config.vocab_size = reduced.target_vocab  # transformers compares it with the target's
+    return assistant
 
 
 def make_methods(model, tokenizer, specs: list[str], hf_lookup: bool, plain_onednn: bool, sampling: dict,
@@ -130,7 +152,8 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--hf-lookup", action="store_true", help="add transformers' prompt_lookup_num_tokens=10")
     ap.add_argument("--hf-assistant", default=None,
-                    help="add transformers' assisted generation with this reference LM (smollm2 | gemma3)")
+                    help="add transformers' assisted generation with this reference LM (smollm2 | gemma3) "
+                         "or trained draft-LM folder")
     ap.add_argument("--plain-onednn", action="store_true", help="add plain generate on oneDNN linears")
     ap.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default greedy)")
     ap.add_argument("--seed", type=int, default=0)
