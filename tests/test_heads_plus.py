@@ -87,6 +87,34 @@ def test_mtp_tree_children_follow_each_nodes_own_path(corpus, trained_plus):  # 
     assert checked == tree.num_nodes - 1
 
 
+def test_mtp_catches_up_after_steps_without_drafts(corpus, trained_plus, monkeypatch):  # noqa: F811
+    """Steps that draft nothing skip the modules' upkeep; the next drafting step catches every module
+    up in one run and drafts what a drafter that kept up step by step drafts."""
+    target, data, _ = corpus
+    a = int(data.starts[1])
+    ids, h = data.ids[a:a + 30], data.hidden[a:a + 30].float()
+
+    def drafts(skip_first: bool):
+        drafter = MTP(trained_plus["mtp"], adaptive=False, accuracy=BRANCHY, tree_nodes=6)
+        drafter.bind(H.ModelFacts(target))
+        drafter.begin(SequenceStart(input_ids=ids[None, :11], hidden_states=h[None, :11]))
+        planned = drafter.planned_tree
+        if skip_first:
+            monkeypatch.setattr(drafter, "planned_tree", lambda n: None)
+        first = drafter.propose(ids[None, :11], 8, SamplingParams(), None)
+        monkeypatch.setattr(drafter, "planned_tree", planned)
+        fed = list(drafter._fed)
+        drafter.observe(StepResult(committed=ids[None, :14], accepted_len=2, path=torch.tensor([[0, 1, 2]]),
+                                   hidden_states=h[None, 11:14]))
+        second = drafter.propose(ids[None, :14], 8, SamplingParams(), None)
+        return first, fed, second
+
+    skipped, fed, caught_up = drafts(skip_first=True)
+    assert skipped.tree.num_nodes == 1 and fed == [0, 0, 0]  # no draft, no module ran
+    _, _, kept_up = drafts(skip_first=False)
+    assert caught_up.tokens.tolist() == kept_up.tokens.tolist()
+
+
 @pytest.mark.parametrize("tree_nodes", [0, 6, 14])
 def test_mtp_tree_greedy_identical_to_generate(corpus, trained_plus, tree_nodes):  # noqa: F811
     target, data, _ = corpus

@@ -214,10 +214,10 @@ class MTP(HeadDrafter):
         root = committed.shape[1] - 1
         if self._weight is None or min(self.heads.num_heads, max_tokens, root) < 1:
             return root_only(committed)
-        self._sync(committed)                       # every step, drafting or not: the caches stay in step
         tree = self.planned_tree(max_tokens if self.tree_nodes else min(self.heads.num_heads, max_tokens, root))
         if tree is None or tree.num_nodes < 2 or tree.max_depth > root:
-            return root_only(committed)
+            return root_only(committed)  # the modules' caches catch up when a step drafts again
+        self._sync(committed)  # one run per module over every position committed since it last drafted
         tokens = committed[0, -1:].repeat(tree.num_nodes)                      # [N]; root first
         children, ranks, parents = tree.children, tree.ranks.tolist(), tree.parents.tolist()
         paths = {0: []}                                                        # node → its drafted token ids
