@@ -123,6 +123,21 @@ class DraftModel(Drafter):
         """Whether the draft's cache is a recurrent state (restored from snapshots, never cropped)."""
         return hasattr(self._cache, "rewind")
 
+    def rewind_cache(self, ids: list[int], keep: int = 1) -> int:
+        """Roll the cache back to the longest prefix it shares with ``ids``, always leaving the last
+        ``keep`` tokens to feed, and record ``ids`` as what it will hold; returns how many tokens it
+        still holds (feed ``ids[returned:]``; a recurrent draft may go back further, to a saved state)."""
+        if self._cache is None:
+            self.reset_cache()
+        common = 0
+        for a, b in zip(self._cached_ids, ids):
+            if a != b:
+                break
+            common += 1
+        common = kv.rewind(self._cache, min(common, len(ids) - keep))
+        self._cached_ids = list(ids)
+        return common
+
     def logits_after(self, ids: list[int], device) -> torch.Tensor:
         """Bring the cache to ``ids`` and return the next-token logits [1, V] after the last one."""
         return self.logits_along(ids, 1, device)
@@ -131,15 +146,8 @@ class DraftModel(Drafter):
         """Bring the cache to ``ids`` and return the next-token logits [keep, V] after each of the
         last ``keep`` tokens (one forward), in the target's vocabulary: rows past the shared
         vocabulary are -inf, never drafted. keep > 1 needs a cache that crops (not a recurrent one)."""
-        common = 0
-        for a, b in zip(self._cached_ids, ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - keep)  # always feed at least the last ``keep`` tokens
-        common = kv.rewind(self._cache, common)  # a recurrent draft may go back further, to a saved state
+        common = self.rewind_cache(ids, keep)
         feed = torch.tensor([ids[common:]], device=device)
-        self._cached_ids = list(ids)
         if keep == 1:
             logits = kv.next_logits(self.model, self._cache, feed)
         else:

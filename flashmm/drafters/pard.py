@@ -90,22 +90,13 @@ class Pard(DraftModel):
         """The draft's logits [count, V] (target vocabulary) for the ``count`` positions after ``ids``:
         one forward over the tokens its cache lacks and count − 1 masks; the masks leave no trace in
         the cache, which afterwards holds exactly ``ids``."""
-        if self._cache is None:
-            self.reset_cache()
-        common = 0
-        for a, b in zip(self._cached_ids, ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)
-        kv.crop(self._cache, common)
+        common = self.rewind_cache(ids)
         rows = self.model.target_to_draft[torch.tensor(ids[common:], device=device)]
         rows = torch.cat([rows, rows.new_zeros(count - 1)])
         is_mask = torch.arange(len(rows), device=device) >= len(ids) - common
         out = self.pard.lm(inputs_embeds=self.pard.embed(rows, is_mask)[None], past_key_values=self._cache,
                            use_cache=True, logits_to_keep=count)
         kv.crop(self._cache, len(ids))
-        self._cached_ids = list(ids)
         return self.model.to_target(out.logits[0, -count:])
 
     @torch.no_grad()

@@ -112,14 +112,8 @@ class S2D(FastDraft):
 
     def _commit(self, ids: list[int], device) -> torch.Tensor:
         """Bring the cache to ``ids`` at the deepest exit's depth; logits [1, V] after the last id."""
-        common = 0
-        for a, b in zip(self._cached_ids, ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)
-        kv.crop(self._cache, common)
-        self._cached_ids, self._pending = list(ids), []
+        common = self.rewind_cache(ids)
+        self._pending = []
         hidden = self.model.lm.model.embed_tokens(self.model.target_to_draft[torch.tensor([ids[common:]], device=device)])
         for j in range(self.exits[-1]):
             hidden = self._run_layer(j, hidden)
