@@ -11,8 +11,14 @@ number of placeholder tokens it fills, by the family's own geometry:
 - LLaVA-NeXT / OneVision: one ``pixel_values`` entry per image ([N, tiles, 3, H, W], tiles zero-padded)
   and ``image_sizes``; tokens per image from the model's own ``pack_image_features`` run on empty
   features; OneVision videos ([V, F, 3, H, W]) take F * pooled + 1 tokens.
+- Idefics2 / Idefics3 / SmolVLM (per-row slots): ``pixel_values`` [B, slots, 3, H, W] and
+  ``pixel_attention_mask`` [B, slots, H, W], a row's images (tiles) in its slot row, padded with all-zero
+  images and with zero pixels up to the batch's largest H, W. A unit is one real image, as the model itself
+  tells them (an image whose values are all 0.0 is padding), each filling the same number of placeholders;
+  an item gets its own images as one slot row [1, images, ...], cropped to the largest H, W its own pixel
+  mask marks (what its processor pads to for that item alone).
 - other placeholder families: one dim-0 entry per image (or tile), all taking the same number of tokens
-  (refused where ``image_sizes`` differ, or where images sit in per-row slots).
+  (refused where ``image_sizes`` differ).
 
 Each row takes units in order until its placeholder count is covered; a row whose count falls inside a
 unit is an error. Families whose media cannot be cut this way raise NotImplementedError naming why.
@@ -38,7 +44,11 @@ class Units:
     token_id: int
     tokens: list[int]  # placeholder tokens each unit fills
     rows: dict[str, list[int]]  # key -> dim-0 rows of each unit (1 per image, t*h*w per Qwen image, ...)
-    tiles: dict[str, list[int]] = field(default_factory=dict)  # key -> dim-1 extent each unit uses (anyres)
+    # key -> the extent of dims 1.. each unit uses (anyres tiles; slot images' C, h, w): an item keeps the
+    # largest of its own units', dropping the batch's zero padding beyond them
+    extents: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> what is cut, where not model_inputs[key]
+    slotted: bool = False  # an item's units go back into one slot row: [1, units, ...]
 
 
 def item_media(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict) -> list[dict]:
@@ -69,14 +79,11 @@ def item_media(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, mo
         counts = [int(n) for n in (input_ids == units.token_id).sum(1).tolist()]
         per_row = taken[units.token_id] = units_per_row(target, counts, units.tokens)
         for key, rows in units.rows.items():
-            value, start, first = model_inputs[key], 0, 0
+            value, start, first = units.values.get(key, model_inputs[key]), 0, 0
             for b, n in enumerate(per_row):
                 length = sum(rows[first : first + n])
                 if n:
-                    part = value[start : start + length]
-                    if key in units.tiles:  # drop the batch's zero-padding tiles beyond this item's largest image
-                        part = part[:, : max(units.tiles[key][first : first + n])]
-                    items[b][key] = part
+                    items[b][key] = own_part(units, key, value[start : start + length], first, n)
                 start, first = start + length, first + n
     for key in COUNT_KEYS:
         if model_inputs.get(key) is not None:
@@ -85,6 +92,14 @@ def item_media(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, mo
                 if part:
                     items[b][key] = model_inputs[key].new_tensor(part)
     return items
+
+
+def own_part(units: Units, key: str, part: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """part: units first .. first+n of key, cut from the batch → as the item's processor gives them alone."""
+    if key in units.extents:
+        keep = [max(sizes) for sizes in zip(*units.extents[key][first : first + n])]
+        part = part[(slice(None),) + tuple(slice(0, m) for m in keep)]
+    return part[None].contiguous() if units.slotted else part
 
 
 def split_counts(counts, images: list[int]) -> list[list[int]]:
@@ -146,6 +161,8 @@ def media_units(target, input_ids: torch.Tensor, model_inputs: dict) -> list[Uni
         per_image = target._tokens_per_image(pixels)
         return [Units(target.image_token_id, [per_image] * pixels.shape[0], {"pixel_values": [1] * pixels.shape[0]})]
     if isinstance(target, PlaceholderVLMTarget):
+        if "pixel_attention_mask" in inspect.signature(target.model.forward).parameters:
+            return slot_units(target, input_ids, model_inputs)
         return equal_units(target, input_ids, model_inputs)
     raise NotImplementedError(f"flashmm cannot split the media of {_family(target)} per row; call generate once "
                               "per item")
@@ -181,7 +198,7 @@ def anyres_units(target, model_inputs: dict) -> list[Units]:
         tokens, tiles = anyres_tokens(target, sizes, model_inputs.get("batch_num_images"))
         groups.append(Units(target.image_token_id, tokens, {"pixel_values": [1] * len(tokens),
                                                             "image_sizes": [1] * len(tokens)},
-                            tiles={"pixel_values": tiles}))
+                            extents={"pixel_values": [(n,) for n in tiles]}))
     videos = model_inputs.get("pixel_values_videos")
     if videos is not None and isinstance(target, LlavaOnevisionTarget):
         per_video = videos.shape[1] * math.ceil(target.patches_per_side / 2) ** 2 + 1  # frames pooled 2x2, + newline
@@ -216,13 +233,45 @@ def anyres_tokens(target, image_sizes: torch.Tensor, batch_num_images) -> tuple[
     return [int(n) for n in lengths], tiles
 
 
+def slot_units(target, input_ids: torch.Tensor, model_inputs: dict) -> list[Units]:
+    """Idefics2 / Idefics3 / SmolVLM: pixel_values [B, slots, 3, H, W] (all-zero images pad a row's slots) and
+    pixel_attention_mask [B, slots, H, W] (1 over an image's own pixels, from the top left). The model drops
+    the padding images and scatters the rest, row after row, over the image placeholders, the same number
+    each (image_seq_len, or the resampler's latents): the units are those real images, in that order."""
+    pixels = model_inputs.get("pixel_values")
+    if pixels is None:
+        return []
+    if pixels.ndim != 5:
+        raise NotImplementedError(f"{_family(target)} pixel_values {tuple(pixels.shape)} are not per-row slots "
+                                  "[rows, images, 3, H, W], which flashmm does not split; call generate once per item")
+    flat = pixels.flatten(0, 1)  # [B * slots, 3, H, W]
+    # padding or not, exactly as their get_image_features decides (transformers 5.23)
+    real = (flat == 0.0).sum(dim=(-1, -2, -3)) != flat[0].numel()
+    images = flat[real]  # [N, 3, H, W]
+    count, total = len(images), int((input_ids == target.image_token_id).sum())
+    per_image = total // count if count else 0
+    if per_image * count != total:
+        raise target._media_error("visual placeholders and media differ",
+                                  f"{total} image placeholder tokens over {count} images (all-zero padding images "
+                                  f"dropped), not one equal count per image ({_family(target)})")
+    values, extents = {"pixel_values": images}, {}
+    mask = model_inputs.get("pixel_attention_mask")
+    if mask is not None:
+        masks = values["pixel_attention_mask"] = mask.flatten(0, 1)[real]  # [N, H, W]
+        height, width = masks.shape[1:]
+        # rows / columns up to the last one the mask marks (all of them where it marks none)
+        heights = (height - masks.any(-1).flip(-1).int().argmax(-1)).tolist()
+        widths = (width - masks.any(-2).flip(-1).int().argmax(-1)).tolist()
+        extents = {"pixel_values": [(images.shape[1], h, w) for h, w in zip(heights, widths)],
+                   "pixel_attention_mask": list(zip(heights, widths))}
+    return [Units(target.image_token_id, [per_image] * count, {key: [1] * count for key in values}, extents=extents,
+                  values=values, slotted=True)]
+
+
 def equal_units(target, input_ids: torch.Tensor, model_inputs: dict) -> list[Units]:
     """Any other placeholder family: one dim-0 entry per image / video (or tile), each filling the same
     number of placeholders (the batch's placeholders of that kind / entries)."""
     family = _family(target)
-    if "pixel_attention_mask" in inspect.signature(target.model.forward).parameters:
-        raise NotImplementedError(f"{family} lays its images out in per-row slots ([rows, images, 3, H, W], "
-                                  "pixel_attention_mask), which flashmm does not split; call generate once per item")
     if "video" not in target.placeholders and any(model_inputs.get(k) is not None for k in MEDIA_KEYS["video"]):
         raise NotImplementedError(f"{family} marks video frames with its image placeholder, which flashmm does not "
                                   "split per row; call generate once per item")
