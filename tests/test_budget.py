@@ -129,3 +129,80 @@ def test_every_adaptive_drafter_is_priced_by_the_target_at_bind(tmp_path, monkey
     ids = prompt(10, seed=2)
     assert torch.equal(sm.generate(ids, do_sample=False, max_new_tokens=12),
                        target.generate(ids, do_sample=False, max_new_tokens=12))
+
+
+def test_a_batch_is_timed_with_every_row_and_priced_per_row(tmp_path, monkeypatch):
+    """measure_verify_cost(batch=B) forwards B rows together and returns a row's share: a fake clock
+    that advances 1 s per forward gives 1 / B seconds at every node count."""
+    from flashmm.drafters import length as length_module
+
+    model = tiny_lm("llama", seed=0)
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                           with_kwargs=True)
+    clock = iter(range(10_000))
+    monkeypatch.setattr(length_module.time, "perf_counter", lambda: float(next(clock)))
+    try:
+        cost = measure_verify_cost(model, grid=(1, 3), prefix_len=8, repeats=1, directory=tmp_path, batch=4)
+    finally:
+        hook.remove()
+    assert shapes == [(4, 8), (4, 1), (4, 1), (4, 3), (4, 3)]     # the prefix, then warm-up + 1 per size
+    assert cost.seconds == (0.25, 0.25)
+    single = measure_verify_cost(model, grid=(1, 3), prefix_len=8, repeats=1, directory=tmp_path)
+    assert single.seconds == (1.0, 1.0) and len(list(tmp_path.glob("verify_cost_*.json"))) == 2
+    with pytest.raises(ValueError, match="batch"):
+        measure_verify_cost(model, grid=(1,), directory=tmp_path, batch=0)
+
+
+def test_reprice_keeps_the_drafts_own_cost_in_units_of_the_new_step():
+    alone = VerifyCost((1, 2, 4), (0.04, 0.05, 0.06))
+    batched = VerifyCost((1, 2, 4), (0.01, 0.02, 0.04))       # per row: a row's share of a batched step
+    length = AdaptiveDraftLength(verify_cost=alone, draft_token_cost=0.25, draft_step_cost=0.5)
+    length.reprice(batched)
+    # a draft forward of 0.01 s was 0.25 of 0.04 s; it is 1.0 of a 0.01 s share
+    assert length.draft_token_cost == pytest.approx(1.0) and length.draft_step_cost == pytest.approx(2.0)
+    assert length.cost(1) == pytest.approx(2.0 + 1.0 + 2.0)
+    with pytest.raises(ValueError, match="constants"):
+        AdaptiveDraftLength().reprice(batched)
+
+
+def test_batch_bucket_is_the_next_power_of_two():
+    from flashmm.drafters.length import batch_bucket
+
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+
+
+def test_forks_in_a_batch_are_priced_at_the_batch_size(tmp_path, monkeypatch):
+    """price_for_batch gives each measured fork the target's per-row cost at the batch's bucket; the
+    drafter it was forked from and a drafter priced by constants keep theirs."""
+    from flashmm.drafters.length import price_for_batch
+
+    monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
+    sm = flashmm.wrap(tiny_lm("llama", seed=0), "prompt_lookup")
+    constants = flashmm.wrap(tiny_lm("llama", seed=0), flashmm.drafters.PromptLookup()).drafter
+    constants.budget, constants.cost_source = "constants", "constants"
+    for length in constants.cost_models():
+        length.verify_cost = None
+    forks = [sm.drafter.fork() for _ in range(3)] + [constants]
+    price_for_batch(forks, sm.target, rows=3)
+    batched, alone = sm.target.verify_cost(batch=4), sm.target.verify_cost()
+    assert batched != alone
+    assert all(length.verify_cost == batched for fork in forks[:3] for length in fork.cost_models())
+    assert all(length.verify_cost == alone for length in sm.drafter.cost_models())
+    assert all(length.verify_cost is None for length in constants.cost_models())
+
+
+def test_flash_forks_size_their_trees_by_the_batch_cost(tmp_path, monkeypatch):
+    from flashmm.drafters import FlashDrafter
+    from flashmm.drafters.length import price_for_batch
+
+    monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
+    model = tiny_lm("llama", seed=0)
+    drafter = FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0)
+    drafter.budget = "auto"
+    sm = flashmm.wrap(model, drafter)
+    assert sm.drafter.cost_source == "measured"
+    fork = sm.drafter.fork()
+    fork._sequoia[4] = [(0,)]                                   # a tree sized by the old cost
+    price_for_batch([fork], sm.target, rows=2)
+    assert fork.verify_cost == sm.target.verify_cost(batch=2) != sm.drafter.verify_cost and fork._sequoia == {}

@@ -146,6 +146,19 @@ class Drafter:
     def bind(self, target: "Target") -> None:
         """Check this drafter can serve ``target``; raise ValueError naming the mismatch."""
 
+    def cost_models(self) -> list:
+        """The AdaptiveDraftLength objects that size this drafter's drafts (``bind`` prices them with
+        the target's measured verify cost; ``reprice`` replaces it)."""
+        return []
+
+    def reprice(self, verify_cost) -> None:
+        """Size drafts by ``verify_cost`` (a flashmm.drafters.length.VerifyCost) from now on, in place
+        of the one measured at bind: batched decoding gives each row's drafter the target's per-row
+        cost at its batch size."""
+        for length in self.cost_models():
+            if length.verify_cost is not None:
+                length.reprice(verify_cost)
+
     def begin(self, start: SequenceStart) -> None:
         """A new sequence starts."""
 

@@ -298,11 +298,14 @@ class HorizontalCascade(Drafter):
     def drafting_scheme(self) -> str:
         return "chain" if "chain" in (scheme_of(self.first), scheme_of(self.second)) else "deterministic"
 
+    def cost_models(self) -> list:
+        return [self.pricing]
+
     def bind(self, target) -> None:
         self.first.bind(target)
         self.second.bind(target)
         if self.budget == "auto":
-            self.cost_source = price_with_target(target, [self.pricing])
+            self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:
         self.first.begin(start)

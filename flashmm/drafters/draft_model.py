@@ -78,6 +78,9 @@ class DraftModel(Drafter):
         self.last_depth = 0
         self._shared_vocab = self._target_vocab = output_rows(model)
 
+    def cost_models(self) -> list:
+        return [self.length]
+
     def bind(self, target) -> None:
         """Accept a draft with the target's tokenizer, even when its output layer is padded to
         another row count (Qwen2.5-0.5B: 151936 rows, Qwen2.5-7B: 152064): only the shared rows
@@ -98,7 +101,7 @@ class DraftModel(Drafter):
     def _measure_costs(self, target) -> None:
         """Fill the length's verify_cost (the target's, price_with_target) and draft_token_cost
         (the draft model's one-token forward, in target forwards) from this machine's timings."""
-        self.cost_source = price_with_target(target, [self.length])
+        self.cost_source = price_with_target(target, self.cost_models())
         if self.cost_source != "measured":
             return
         try:

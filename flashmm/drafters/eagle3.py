@@ -114,6 +114,9 @@ class Eagle3Drafter(Drafter):
         return save_head(path, self.net, info, drafting)
 
     # ------------------------------------------------------------------ protocol
+    def cost_models(self) -> list:
+        return [self.length]
+
     def bind(self, target) -> None:
         cfg = self.net.cfg
         layers = target.model.config.get_text_config().num_hidden_layers
@@ -125,7 +128,7 @@ class Eagle3Drafter(Drafter):
                 f"{target.hidden_size} and {target.vocab_size} ids; train a head for this model "
                 "(python -m tools.drafters.build_eagle3)")
         if self.budget == "auto":
-            self.cost_source = price_with_target(target, [self.length])
+            self.cost_source = price_with_target(target, self.cost_models())
         self._embed = target.input_embeddings()
         self._target_weights = sum(p.numel() for p in target.model.parameters())
         device = self._embed.weight.device

@@ -379,6 +379,10 @@ class FlashDrafter(Drafter):
             return ("static", max(map(len, paths)), paths) if paths else None
         return ("dynamic", min(depth, budget), budget)
 
+    def reprice(self, verify_cost) -> None:
+        if self.verify_cost is not None:            # budget "auto": trees sized by the new cost
+            self.verify_cost, self._sequoia = verify_cost, {}
+
     def sequoia_paths(self, budget: int, depth: int) -> list[tuple[int, ...]]:
         """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes (with
         budget="auto", the node count the measured verify cost pays for; flashmm.drafters.length)."""

@@ -110,6 +110,9 @@ class HeadDrafter(Drafter):
         self._sizes: dict = {}                       # n -> (tree, expected accepted, draft cost)
 
     # ------------------------------------------------------------------ binding and state
+    def cost_models(self) -> list:
+        return [self.length]
+
     def bind(self, target) -> None:
         head = target.output_embeddings()
         weight = getattr(head, "weight", None)
@@ -121,7 +124,7 @@ class HeadDrafter(Drafter):
             raise ValueError(f"the heads' vocabulary names token id {int(self.vocab.max())} but the target has "
                              f"{weight.shape[0]} output rows: these heads belong to another target")
         if self.budget == "auto":
-            self.cost_source = price_with_target(target, [self.length])
+            self.cost_source = price_with_target(target, self.cost_models())
         device = weight.device
         self.heads = self.heads.to(device)
         rows = slice(None) if self.vocab is None else self.vocab.to(device)

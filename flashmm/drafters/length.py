@@ -73,34 +73,41 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLASHMM_CACHE_DIR", Path.home() / ".cache" / "flashmm"))
 
 
-def _cost_key(model: torch.nn.Module, grid: Sequence[int], prefix_len: int, linear: str) -> str:
+def _cost_key(model: torch.nn.Module, grid: Sequence[int], prefix_len: int, linear: str, batch: int) -> str:
     param = next(model.parameters())
     config = model.config.to_json_string(use_diff=False) if hasattr(model, "config") else type(model).__name__
-    ident = json.dumps([type(model).__name__, config, str(param.device), str(param.dtype),
-                        torch.get_num_threads(), list(grid), prefix_len, torch.__version__, linear])
+    ident = [type(model).__name__, config, str(param.device), str(param.dtype),
+             torch.get_num_threads(), list(grid), prefix_len, torch.__version__, linear]
+    ident = json.dumps(ident + ([batch] if batch != 1 else []))
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 
 
 @torch.no_grad()
 def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GRID, prefix_len: int = 128,
-                        repeats: int = 3, directory: Path | None = None, linear: str = "torch") -> VerifyCost:
+                        repeats: int = 3, directory: Path | None = None, linear: str = "torch",
+                        batch: int = 1) -> VerifyCost:
     """Time ``model``'s forward of N new tokens after a ``prefix_len``-token cache for N in grid.
 
+    batch: rows forwarded together (each N new tokens after its own prefix); the seconds returned
+    are per row, a batch forward's time / batch, so ``seconds[0]`` is one row's share of a plain
+    batched decoding step and ``relative(n)`` what drafting n - 1 tokens in every row costs.
     Measured once per (model class and config, device, dtype, torch threads, grid, prefix, linear
-    backend) and cached as JSON under ``directory`` (default ``cache_dir()``); later calls read the
-    file. ``linear="onednn"`` times the forwards with the model's linears on oneDNN (flashmm.onednn),
-    as a text target's tree forwards run them.
+    backend, batch) and cached as JSON under ``directory`` (default ``cache_dir()``); later calls
+    read the file. ``linear="onednn"`` times the forwards with the model's linears on oneDNN
+    (flashmm.onednn), as a text target's tree forwards run them.
     Raises what the model raises when it cannot run a cached multi-token forward.
     """
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     directory = Path(directory) if directory is not None else cache_dir()
-    path = directory / f"verify_cost_{_cost_key(model, grid, prefix_len, linear)}.json"
+    path = directory / f"verify_cost_{_cost_key(model, grid, prefix_len, linear, batch)}.json"
     if path.is_file():
         data = json.loads(path.read_text())
         return VerifyCost(tuple(data["nodes"]), tuple(data["seconds"]))
     param = next(model.parameters())
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(vocab, (1, prefix_len), generator=gen).to(param.device)
+    prefix = torch.randint(vocab, (batch, prefix_len), generator=gen).to(param.device)
     # flashmm's own full-length cache, as the targets and drafters use (a model's default cache may
     # evict sliding-window rows, and then cannot be cropped back to the prefix)
     cache = kv.new_cache()
@@ -108,7 +115,7 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     seconds = []
     routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
     for n in grid:
-        feed = torch.randint(vocab, (1, n), generator=gen).to(param.device)
+        feed = torch.randint(vocab, (batch, n), generator=gen).to(param.device)
         best = float("inf")
         for attempt in range(repeats + 1):            # the first run warms up, never counted
             kv.crop(cache, prefix_len)
@@ -119,7 +126,7 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
             _synchronize(param.device)
             if attempt:
                 best = min(best, time.perf_counter() - start)
-        seconds.append(best)
+        seconds.append(best / batch)
     cost = VerifyCost(tuple(int(n) for n in grid), tuple(seconds))
     directory.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
@@ -224,6 +231,37 @@ class AdaptiveDraftLength:
 
     def reset(self) -> None:
         self.accepted = self.rejected = 0.0
+
+    def reprice(self, verify_cost: VerifyCost) -> None:
+        """Price drafts with ``verify_cost`` from now on (a measured one replacing a measured one,
+        e.g. the target's per-row cost at the batch size decoding now runs at). The drafter's own
+        costs are kept in units of the new one-token forward: a draft forward that cost 0.5 of a
+        lone row's step costs 0.5 · t1_old / t1_new of a row's share of a batched step."""
+        if self.verify_cost is None:
+            raise ValueError("reprice replaces a measured verify cost; this length uses the constants")
+        scale = self.verify_cost.seconds[0] / verify_cost.seconds[0]
+        self.draft_token_cost *= scale
+        self.draft_step_cost *= scale
+        self.verify_cost = verify_cost
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch size verify costs are measured at for ``rows`` rows: the next power of two (the
+    per-row cost curve changes slowly with the batch, and each size measured is a disk entry)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def price_for_batch(drafters, target, rows: int) -> None:
+    """Price each drafter's drafts for verification among ``rows`` rows (batched decoding; called
+    again as rows finish): every drafter priced by measurement (cost_source "measured") is
+    repriced (``Drafter.reprice``) with the target's per-row verify cost at ``batch_bucket(rows)``. On a CPU a batched forward is
+    compute-bound, so a draft that paid for itself alone may not in a batch: the lengths then
+    draft less, or nothing. Drafters priced otherwise keep their prices."""
+    measured = [d for d in drafters if d.cost_source == "measured"]
+    if measured:
+        cost = target.verify_cost(batch=batch_bucket(rows))
+        for drafter in measured:
+            drafter.reprice(cost)
 
 
 def best_tree_budget(accept: Sequence[float], verify_cost: VerifyCost, max_nodes: int,

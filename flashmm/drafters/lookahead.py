@@ -57,9 +57,12 @@ class Lookahead(Drafter):
         picks = torch.randint(len(self._context), (count,), generator=self._rng).tolist()
         return [self._context[i] for i in picks]
 
+    def cost_models(self) -> list:
+        return [self.sizer.cost]
+
     def bind(self, target) -> None:
         if self.budget == "auto":
-            self.cost_source = price_with_target(target, [self.sizer.cost])
+            self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:
         self._context = start.input_ids[0].tolist()

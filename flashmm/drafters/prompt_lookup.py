@@ -88,9 +88,12 @@ class PromptLookup(Drafter):
         self._last = (0, 0)  # (matched n, drafted tokens) of the last proposal
         self._index = NgramIndex(max_ngram, min_ngram)
 
+    def cost_models(self) -> list:
+        return list(self.lengths.values())
+
     def bind(self, target) -> None:
         if self.budget == "auto":
-            self.cost_source = price_with_target(target, self.lengths.values())
+            self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:
         for length in self.lengths.values():

@@ -225,6 +225,9 @@ class Rest(Drafter):
         row.datastore = store  # read-only: shared by the batch's rows
         return row
 
+    def cost_models(self) -> list:
+        return [self.sizer.cost]
+
     def bind(self, target) -> None:
         if self.datastore is None:
             raise ValueError("the rest drafter needs a datastore: Rest.from_corpus(files, tokenizer) or "
@@ -234,7 +237,7 @@ class Rest(Drafter):
             raise ValueError(f"the datastore holds token id {top} but the target's vocabulary has "
                              f"{target.vocab_size} tokens: a datastore built with another tokenizer")
         if self.budget == "auto":
-            self.cost_source = price_with_target(target, [self.sizer.cost])
+            self.cost_source = price_with_target(target, self.cost_models())
 
     def retrieve(self, context: list[int]) -> tuple[list[list[int]], int]:
         """(continuations of the longest matched context suffix, its length), or ([], 0)."""

@@ -47,6 +47,9 @@ class SelfDrafter(Drafter):
         self.length = AdaptiveDraftLength()
         self._drafted = 0
 
+    def cost_models(self) -> list:
+        return [self.length]
+
     def bind(self, target) -> None:
         if not hasattr(target, "kv_cache") or getattr(target, "recurrent", False):
             raise ValueError(f"{type(self).__name__} drafts through the target's own attention layers and KV "
@@ -54,7 +57,7 @@ class SelfDrafter(Drafter):
         self.runner = LayerRunner(target.model)  # refuses unsupported families, naming the supported ones
         self.target = target
         if self.budget == "auto":
-            self.cost_source = price_with_target(target, [self.length])
+            self.cost_source = price_with_target(target, self.cost_models())
 
     # ------------------------------------------------------------------ what a method defines
     def draft_logits(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:

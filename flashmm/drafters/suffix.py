@@ -134,11 +134,14 @@ class SuffixDecoding(Drafter):
         row.outputs, row.corpus = shared
         return row
 
+    def cost_models(self) -> list:
+        return [self.sizer.cost]
+
     def bind(self, target) -> None:
         if self.corpus is not None:
             self.corpus.bind(target)
         if self.budget == "auto":
-            self.cost_source = price_with_target(target, [self.sizer.cost])
+            self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:
         self.sizer.new_sequence()

@@ -81,6 +81,9 @@ class TokenRecycling(Drafter):
         return drafter
 
     # ---------------------------------------------------------------- protocol
+    def cost_models(self) -> list:
+        return [self.sizer.cost]
+
     def bind(self, target) -> None:
         if self.successors is None:
             self.successors = self._empty(target.vocab_size)
@@ -88,7 +91,7 @@ class TokenRecycling(Drafter):
             raise ValueError(f"the successor matrix has {self.successors.shape[0]} rows but the target's vocabulary "
                              f"has {target.vocab_size} tokens: a matrix saved for another model")
         if self.budget == "auto":
-            self.cost_source = price_with_target(target, [self.sizer.cost])
+            self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:
         self.sizer.new_sequence()

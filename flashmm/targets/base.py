@@ -71,14 +71,15 @@ class Target:
     def output_embeddings(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
 
-    def verify_cost(self):
+    def verify_cost(self, batch: int = 1):
         """The seconds of one forward of N tree tokens after a cached prefix, on this machine and
         through this target's linear backend (flashmm.drafters.length.VerifyCost; measured once
-        per model, device, dtype, threads and backend, then read from the disk cache). Raises
-        what the model raises when its cache cannot be timed this way."""
+        per model, device, dtype, threads, backend and batch, then read from the disk cache); per
+        row when ``batch`` rows are forwarded together. Raises what the model raises when its
+        cache cannot be timed this way."""
         from ..drafters.length import measure_verify_cost  # noqa: PLC0415 (drafters import targets' types)
 
-        return measure_verify_cost(self.model, linear=self.linear_backend)
+        return measure_verify_cost(self.model, linear=self.linear_backend, batch=batch)
 
     def prompt_features(self, input_ids: torch.Tensor, **model_inputs):
         """(input_embeds [B,T,d] with visual features merged, visual_spans) for drafters that
