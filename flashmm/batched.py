@@ -1,7 +1,9 @@
 """Batched speculative decoding: every active row verified in one target forward per step.
 
 Each row drafts its own tree (drafters are forked per row); trees are padded to the step's
-largest node count, and one forward scores them all with a 4D additive mask built per row.
+largest node count, and one forward scores them all: with a 4D additive mask built per row, or,
+on the Triton backend, with the tree-attention kernel given each row's packed tree mask and the
+slots it may see (``valid``).
 
 The cache is one ``DynamicCache`` of B rows laid out by *slot*: the prompt's slots (left padding
 included), then, each step, the kept path rows of every row written side by side. Rows keep
@@ -9,11 +11,15 @@ different numbers of tokens per step, so a row's slots past its own kept count a
 ``valid[b, s]`` says whether slot s of row b holds a real token and ``slot_pos[b, s]`` its
 position id. Masks come from ``valid`` (holes and padding are never attended to); positions
 and sliding windows from ``slot_pos``, so each row attends exactly what ``model.generate``
-attends in the same batch. Rows that finish leave the batch (their cache rows are dropped).
+attends in the same batch. The kernel applies a window as one first visible slot per node
+(a row's real slots have increasing positions); a step whose deepest tree reaches past the
+window runs on the 4D-mask path instead, as the single-sequence target does. Rows that finish
+leave the batch (their cache rows are dropped).
 """
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +88,15 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     return out.logits[:, -1], hidden, (embeds[0] if embeds else None), state
 
 
+def tree_positions(state: BatchState, trees: list[TokenTree], width: int) -> torch.Tensor:
+    """LongTensor [B, W]: each node's position, its row's root position + its depth (a padding
+    node, index >= its row's node count, at depth 0)."""
+    depth = torch.zeros(len(trees), width, dtype=torch.long, device=state.valid.device)
+    for b, tree in enumerate(trees):
+        depth[b, : tree.num_nodes] = tree.depth.to(depth.device)
+    return state.root_pos[:, None] + depth
+
+
 def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dtype) -> tuple[dict, torch.Tensor]:
     """Per-row masks and positions of one padded tree forward.
 
@@ -89,15 +104,11 @@ def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dt
     (index >= its row's node count) sees only the prefix and itself; nothing sees it.
     """
     device = state.valid.device
-    batch, slots = state.valid.shape
-    allowed_tree = torch.zeros(batch, width, width, dtype=torch.bool, device=device)
-    depth = torch.zeros(batch, width, dtype=torch.long, device=device)
+    allowed_tree = torch.zeros(len(trees), width, width, dtype=torch.bool, device=device)
     for b, tree in enumerate(trees):
-        n = tree.num_nodes
-        allowed_tree[b, :n, :n] = tree.ancestor_mask.to(device)
-        depth[b, :n] = tree.depth.to(device)
+        allowed_tree[b, : tree.num_nodes, : tree.num_nodes] = tree.ancestor_mask.to(device)
     allowed_tree |= torch.eye(width, dtype=torch.bool, device=device)
-    q_pos = state.root_pos[:, None] + depth                                       # [B, W]
+    q_pos = tree_positions(state, trees, width)                                   # [B, W]
     allowed = torch.cat([state.valid[:, None, :].expand(-1, width, -1), allowed_tree], dim=2)  # [B, W, L+W]
     masks = {}
     for layer_type in target.mask_types:
@@ -113,12 +124,21 @@ def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dt
 def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[TokenTree], want_hidden: bool):
     """tokens [B, W] (each row's tree, padded) → (logits [B, W, V], hidden [B, W, d] or None).
     The cache grows by W slots (valid only once kept by ``keep_paths``)."""
-    masks, positions = tree_masks(target, state, trees, tokens.shape[1], target.model.dtype)
-    mask = masks if len(masks) > 1 else next(iter(masks.values()))
-    with target.tree_linears():
-        out = target.model(input_ids=tokens, attention_mask=mask,
-                           position_ids=target.batch_position_ids(positions + state.offset[:, None]),
-                           past_key_values=state.cache, use_cache=True, output_hidden_states=bool(want_hidden))
+    switch = target.kernel_attention(max(trees, key=lambda tree: tree.max_depth))  # None: 4D masks
+    if switch is None:
+        masks, positions = tree_masks(target, state, trees, tokens.shape[1], target.model.dtype)
+        mask_args = {"attention_mask": masks if len(masks) > 1 else next(iter(masks.values()))}
+    else:
+        from .kernels import tree_attention_kwargs  # noqa: PLC0415 (triton loads on first use)
+
+        positions = tree_positions(state, trees, tokens.shape[1])
+        mask_args = tree_attention_kwargs(trees, state.num_slots, len(trees), state.valid.device, backend="triton",
+                                          prefix_valid=state.valid, prefix_positions=state.slot_pos,
+                                          root_positions=state.root_pos)
+    with target.tree_linears(), (nullcontext() if switch is None else switch):
+        out = target.model(input_ids=tokens, position_ids=target.batch_position_ids(positions + state.offset[:, None]),
+                           past_key_values=state.cache, use_cache=True, output_hidden_states=bool(want_hidden),
+                           **mask_args)
     return out.logits, select_hidden(out.hidden_states, want_hidden)
 
 

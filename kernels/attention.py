@@ -12,6 +12,11 @@ Optional ``prefix_start`` int32 [B, N]: query i of row b sees prefix rows
 [prefix_start[b, i], P) only. It expresses left padding (the first real row) and sliding
 windows (P + depth_i - window + 1) with one lower bound per query.
 
+Optional ``prefix_valid`` bool/int8 [B, P]: prefix row p of row b is seen only where
+prefix_valid[b, p] is set. It expresses holes inside the prefix (a batched cache laid out by
+slot, where rows that kept fewer tokens than others leave unused slots); it combines with
+prefix_start (a row must pass both).
+
 GQA: the G = Hq / Hkv query heads that share a KV head are packed into the M tile
 (row r = node * G + head_in_group), so each KV head's rows are read once per tile.
 Long prefixes are split across programs (flash-decoding) and merged by a second kernel when
@@ -33,11 +38,12 @@ __all__ = ["tree_attention", "tree_attention_ref", "dense_tree_mask", "launch_co
 
 
 # ---------------------------------------------------------------------------- reference
-def dense_tree_mask(tree_mask: torch.Tensor, prefix_len: int,
-                    prefix_start: torch.Tensor | None = None) -> torch.Tensor:
+def dense_tree_mask(tree_mask: torch.Tensor, prefix_len: int, prefix_start: torch.Tensor | None = None,
+                    prefix_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Unpack tree_mask int32 [B, N, W] into the dense visibility mask bool [B, N, P + N].
 
     prefix_start: int32/int64 [B, N] or None; prefix rows below it are hidden for that query.
+    prefix_valid: bool/int [B, P] or None; prefix rows where it is 0 are hidden for every query.
     """
     bsz, n, _ = tree_mask.shape
     shifts = torch.arange(32, device=tree_mask.device, dtype=torch.int32)
@@ -47,18 +53,22 @@ def dense_tree_mask(tree_mask: torch.Tensor, prefix_len: int,
     if prefix_start is not None:
         cols = torch.arange(prefix_len, device=tree_mask.device)
         prefix_part = cols >= prefix_start[..., None].to(tree_mask.device)  # [B, N, P]
+    if prefix_valid is not None:
+        prefix_part = prefix_part & (prefix_valid.to(tree_mask.device) != 0)[:, None, :]
     return torch.cat([prefix_part, tree_part], dim=-1)
 
 
 def tree_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor,
                        prefix_len: int, sm_scale: float | None = None,
-                       prefix_start: torch.Tensor | None = None) -> torch.Tensor:
+                       prefix_start: torch.Tensor | None = None,
+                       prefix_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 reference of ``tree_attention`` (same arguments, same output shape and dtype)."""
     bsz, hq, n, d = q.shape
     group = hq // k.shape[1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     allowed = dense_tree_mask(tree_mask.expand(bsz, -1, -1), prefix_len,
-                              None if prefix_start is None else prefix_start.expand(bsz, n))
+                              None if prefix_start is None else prefix_start.expand(bsz, n),
+                              None if prefix_valid is None else prefix_valid.expand(bsz, prefix_len))
     kf = k.float().repeat_interleave(group, dim=1)                   # [B, Hq, P+N, D]
     vf = v.float().repeat_interleave(group, dim=1)
     scores = (q.float() @ kf.transpose(-1, -2)) * scale              # [B, Hq, N, P+N]
@@ -82,17 +92,18 @@ def _online_softmax_step(qk, valid, v, m_i, l_i, acc, INPUT_PRECISION: tl.conste
 
 @triton.jit
 def _tree_attention_kernel(
-    Q, K, V, Mask, PrefixStart, Out, PartAcc, PartM, PartL,
+    Q, K, V, Mask, PrefixStart, PrefixValid, Out, PartAcc, PartM, PartL,
     qk_scale,                                   # sm_scale * log2(e)
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_mb, stride_mn, stride_mw,
     stride_sb, stride_sn,
+    stride_pvb, stride_pvp,
     stride_ob, stride_oh, stride_on, stride_od,
     num_kv_heads, num_q_heads, N, P, D, chunk,  # chunk: prefix rows per split (multiple of BLOCK_N)
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_PREFIX_START: tl.constexpr, SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_PREFIX_START: tl.constexpr, HAS_PREFIX_VALID: tl.constexpr, SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -117,7 +128,8 @@ def _tree_attention_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
-    # ---- stage 1: this split's slice of the prefix, no mask loads
+    # ---- stage 1: this split's slice of the prefix; no mask loads but the optional per-row
+    # prefix_valid flags (one BLOCK_N vector per key tile, shared by the tile's queries)
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, P)
     if HAS_PREFIX_START:
@@ -134,6 +146,9 @@ def _tree_attention_kernel(
         valid = col_ok[None, :]
         if HAS_PREFIX_START:
             valid = valid & (cols[None, :] >= row_lo[:, None])
+        if HAS_PREFIX_VALID:
+            real = tl.load(PrefixValid + b * stride_pvb + cols * stride_pvp, mask=col_ok, other=0)
+            valid = valid & (real != 0)[None, :]
         m_i, l_i, acc = _online_softmax_step(qk, valid, vv, m_i, l_i, acc, INPUT_PRECISION)
 
     # ---- stage 2 (last split only): the tree rows, visibility from the packed mask bits.
@@ -243,7 +258,8 @@ def split_count(prefix_len: int, programs: int, sms: int) -> int:
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor,
                    prefix_len: int, sm_scale: float | None = None,
-                   prefix_start: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                   prefix_start: torch.Tensor | None = None, prefix_valid: torch.Tensor | None = None, *,
+                   out: torch.Tensor | None = None,
                    block_m: int | None = None, block_n: int | None = None,
                    num_splits: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None) -> torch.Tensor:
@@ -252,6 +268,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
     q: [B, Hq, N, D]; k, v: [B, Hkv, prefix_len + N, D] (any strides); Hq % Hkv == 0.
     tree_mask: int32 [B, N, ceil(N/32)] (a [N, W] or [1, N, W] mask is broadcast over B).
     prefix_start: int [B, N] or [B] or None (first visible prefix row per query).
+    prefix_valid: bool or int8 [B, prefix_len] or None (0 hides that prefix row from all of the
+    row's queries: holes in a slot-laid batched cache); None costs nothing.
     sm_scale: softmax scale, default 1/sqrt(D).
     out: optional [B, Hq, N, D] tensor of q's dtype to write into (any strides).
     block_m, block_n, num_splits, num_warps, num_stages: tuning overrides (tile rows, key rows per
@@ -287,6 +305,15 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
         if prefix_start.ndim == 1:
             prefix_start = prefix_start[:, None]
         prefix_start = prefix_start.to(device=q.device, dtype=torch.int32).expand(bsz, n)
+    if prefix_valid is not None:
+        if prefix_valid.dtype not in (torch.bool, torch.int8):
+            raise TypeError(f"prefix_valid must be bool or int8 (1 = a real prefix row), got {prefix_valid.dtype}")
+        if prefix_valid.ndim != 2 or prefix_valid.shape[0] not in (1, bsz) or prefix_valid.shape[1] != prefix_len:
+            raise ValueError(f"prefix_valid must be [B, prefix_len] = [{bsz}, {prefix_len}], "
+                             f"got {tuple(prefix_valid.shape)}")
+        if prefix_valid.device != q.device:
+            raise ValueError(f"prefix_valid is on {prefix_valid.device}; q is on {q.device}")
+        prefix_valid = prefix_valid.view(torch.int8).expand(bsz, prefix_len)   # bool -> int8: same bytes
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype:
@@ -319,16 +346,19 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
     else:
         part_acc = part_m = part_l = out  # unused
     start = prefix_start if prefix_start is not None else tree_mask  # unused when absent
+    real = prefix_valid if prefix_valid is not None else tree_mask
     grid = (m_blocks, bsz * hkv, num_splits)
     _tree_attention_kernel[grid](
-        q, k, v, tree_mask, start, out, part_acc, part_m, part_l,
+        q, k, v, tree_mask, start, real, out, part_acc, part_m, part_l,
         scale * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *tree_mask.stride(),
         *(prefix_start.stride() if prefix_start is not None else (0, 0)),
+        *(prefix_valid.stride() if prefix_valid is not None else (0, 0)),
         *out.stride(),
         hkv, hq, n, prefix_len, d, chunk,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_PREFIX_START=prefix_start is not None, SPLIT=split, INPUT_PRECISION=config["INPUT_PRECISION"],
+        HAS_PREFIX_START=prefix_start is not None, HAS_PREFIX_VALID=prefix_valid is not None, SPLIT=split,
+        INPUT_PRECISION=config["INPUT_PRECISION"],
         num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
     )
     if split:

@@ -20,6 +20,11 @@ while the tree is shallower than the window (``fits_window``). What the kernel c
 (attention logit soft-capping, attention sinks) is found before generation by
 ``TreeAttentionSwitch``, which then raises ``TreeAttentionUnsupported`` naming the feature.
 
+Batched decoding (flashmm.batched) passes one tree per row, padded to the widest, and a prefix
+with holes: ``prefix_valid`` [B, P] hides the slots a row does not use, and ``prefix_positions``
+(the slots' position ids) place each row's window; since a row's real slots have increasing
+positions, the window is still one lower bound per query, found by binary search.
+
 The name avoids "flash": transformers treats any implementation containing it as FlashAttention.
 """
 from __future__ import annotations
@@ -28,6 +33,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from flashmm.tree import pack_mask
 
 ATTENTION_NAME = "spec_tree_attention"
 BACKENDS = ("auto", "triton", "torch")
@@ -47,6 +54,11 @@ class TreeAttentionArgs:
     prefix_len:   int P, cache rows before the tree (the KV the layer sees has P + N rows).
     prefix_start: int32 [B] first non-padding prefix row (left padding), or None.
     backend:      "triton" or "torch".
+    prefix_valid: bool [B, P] prefix rows that are real tokens of their row (holes hidden), or None.
+    prefix_positions: int64 [B, P] position id of each prefix row, non-decreasing along a row (a
+                  hole carries its predecessor's), or None: the row index.
+    node_positions: int64 [B, N] position id of each node, or None: prefix_len + depth. Both
+                  positions are only read by sliding-window layers.
     """
 
     tree_mask: torch.Tensor
@@ -55,6 +67,9 @@ class TreeAttentionArgs:
     prefix_len: int
     prefix_start: torch.Tensor | None
     backend: str
+    prefix_valid: torch.Tensor | None = None
+    prefix_positions: torch.Tensor | None = None
+    node_positions: torch.Tensor | None = None
 
 
 def resolve_backend(attention: str, device: torch.device | str) -> str:
@@ -144,21 +159,37 @@ class TreeAttentionSwitch:
 
 
 def tree_attention_kwargs(tree, prefix_len: int, batch_size: int, device: torch.device | str, *,
-                          backend: str = "auto", padding_mask: torch.Tensor | None = None) -> dict:
+                          backend: str = "auto", padding_mask: torch.Tensor | None = None,
+                          prefix_valid: torch.Tensor | None = None, prefix_positions: torch.Tensor | None = None,
+                          root_positions: torch.Tensor | None = None) -> dict:
     """Model-forward keyword arguments for one tree-verification forward.
 
-    tree:         TokenTree with N nodes (node 0 = root, not yet in the cache).
+    tree:         TokenTree with N nodes (node 0 = root, not yet in the cache), shared by all rows;
+                  or a list of B TokenTrees, one per row, padded to N = the largest node count
+                  (a padding node sees the prefix and itself only; no node sees it).
     prefix_len:   rows already in the cache (P); the forward appends the N tree rows.
     padding_mask: optional int/bool [B, >= P] 2D attention mask of the prefix (1 = real token);
                   only left padding is supported (the first real row per sequence is kept).
+    prefix_valid: optional bool [B, P]: prefix rows that are real tokens of their row; any pattern
+                  (holes anywhere, as in a batched cache laid out by slot).
+    prefix_positions, root_positions: optional int [B, P] and [B], given together: the position
+                  ids of the prefix rows (increasing along each row's valid rows) and of each row's
+                  root, for sliding windows over a prefix with holes. Default: row index, prefix_len.
     Returns {"attention_mask": int32 [B, 1, N, W], "spec_tree": TreeAttentionArgs}; pass them
     with input_ids [B, N], position_ids (prefix_len + depth) and the cache to ``model(...)``.
     """
     device = torch.device(device)
-    n = tree.num_nodes
-    packed = tree.packed_mask.to(device)                               # [N, W]
-    tree_mask = packed[None].expand(batch_size, *packed.shape)         # [B, N, W]
-    depth = tree.depth.to(device=device, dtype=torch.int32)[None].expand(batch_size, n)
+    if isinstance(tree, (list, tuple)):
+        if len(tree) != batch_size:
+            raise ValueError(f"got {len(tree)} trees for a batch of {batch_size} rows; pass one tree per row")
+        tree_mask, depth = _padded_trees(tree)
+        tree_mask, depth = tree_mask.to(device), depth.to(device)
+        max_depth = max(int(t.max_depth) for t in tree)
+    else:
+        packed = tree.packed_mask.to(device)                               # [N, W]
+        tree_mask = packed[None].expand(batch_size, *packed.shape)         # [B, N, W]
+        depth = tree.depth.to(device=device, dtype=torch.int32)[None].expand(batch_size, tree.num_nodes)
+        max_depth = int(tree.max_depth)
     prefix_start = None
     if padding_mask is not None:
         if padding_mask.ndim != 2 or padding_mask.shape[0] != batch_size or padding_mask.shape[1] < prefix_len:
@@ -166,21 +197,58 @@ def tree_attention_kwargs(tree, prefix_len: int, batch_size: int, device: torch.
                              f"got {tuple(padding_mask.shape)}")
         real = padding_mask[:, :prefix_len].to(device) != 0
         prefix_start = torch.where(real.any(1), real.int().argmax(1), prefix_len).to(torch.int32)
-    args = TreeAttentionArgs(tree_mask=tree_mask, depth=depth, max_depth=int(tree.max_depth),
+    if prefix_valid is not None:
+        if prefix_valid.shape != (batch_size, prefix_len):
+            raise ValueError(f"prefix_valid must be [B, prefix_len] = [{batch_size}, {prefix_len}], "
+                             f"got {tuple(prefix_valid.shape)}")
+        prefix_valid = prefix_valid.to(device=device, dtype=torch.bool)
+    node_positions = None
+    if (prefix_positions is None) != (root_positions is None):
+        raise ValueError("pass prefix_positions and root_positions together (or neither)")
+    if prefix_positions is not None:
+        if prefix_positions.shape != (batch_size, prefix_len) or root_positions.shape != (batch_size,):
+            raise ValueError(f"prefix_positions must be [B, P] = [{batch_size}, {prefix_len}] and root_positions "
+                             f"[B] = [{batch_size}]; got {tuple(prefix_positions.shape)}, "
+                             f"{tuple(root_positions.shape)}")
+        prefix_positions = prefix_positions.to(device=device, dtype=torch.long)
+        if prefix_valid is not None:  # holes take their predecessor's position: non-decreasing rows
+            prefix_positions = prefix_positions.masked_fill(~prefix_valid, -1).cummax(1).values
+        node_positions = root_positions.to(device=device, dtype=torch.long)[:, None] + depth
+    args = TreeAttentionArgs(tree_mask=tree_mask, depth=depth, max_depth=max_depth,
                              prefix_len=int(prefix_len), prefix_start=prefix_start,
-                             backend=resolve_backend(backend, device))
+                             backend=resolve_backend(backend, device), prefix_valid=prefix_valid,
+                             prefix_positions=prefix_positions, node_positions=node_positions)
     return {"attention_mask": tree_mask[:, None], "spec_tree": args}
+
+
+def _padded_trees(trees) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tree per row, padded to the largest: (packed mask int32 [B, N, ceil(N/32)], depth
+    int32 [B, N]); a padding node is its own only ancestor, at depth 0."""
+    width = max(t.num_nodes for t in trees)
+    allowed = torch.zeros(len(trees), width, width, dtype=torch.bool)
+    depth = torch.zeros(len(trees), width, dtype=torch.int32)
+    for b, tree in enumerate(trees):
+        n = tree.num_nodes
+        allowed[b, :n, :n] = tree.ancestor_mask.cpu()
+        depth[b, :n] = tree.depth.cpu()
+    allowed |= torch.eye(width, dtype=torch.bool)
+    return pack_mask(allowed), depth
 
 
 def _query_prefix_start(args: TreeAttentionArgs, sliding_window: int | None) -> torch.Tensor | None:
     """int32 [B, N] first visible prefix row per query, or None when all rows are visible."""
     start = None if args.prefix_start is None else args.prefix_start[:, None].expand_as(args.depth)
-    if sliding_window is not None and args.prefix_len + args.max_depth >= sliding_window:
+    by_position = args.prefix_positions is not None
+    if sliding_window is not None and (by_position or args.prefix_len + args.max_depth >= sliding_window):
         if not fits_window(args.max_depth, sliding_window):
             raise ValueError(f"tree depth {args.max_depth} reaches past the sliding window ({sliding_window}), "
                              "which tree attention does not apply inside the tree; verify this tree with a "
                              "4D additive mask (flashmm's targets do so by themselves)")
-        window_start = args.prefix_len + args.depth - sliding_window + 1
+        if by_position:   # the first prefix row whose position is inside the node's window
+            window_start = torch.searchsorted(args.prefix_positions.contiguous(),
+                                              (args.node_positions - sliding_window + 1).contiguous())
+        else:
+            window_start = args.prefix_len + args.depth - sliding_window + 1
         start = window_start if start is None else torch.maximum(start, window_start)
     return None if start is None else start.to(torch.int32)
 
@@ -212,11 +280,12 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     prefix_start = _query_prefix_start(args, sliding_window)
     if args.backend == "torch":
         from .attention import dense_tree_mask
-        allowed = dense_tree_mask(args.tree_mask, args.prefix_len, prefix_start)[:, None]  # [B,1,N,P+N]
+        allowed = dense_tree_mask(args.tree_mask, args.prefix_len, prefix_start,
+                                  args.prefix_valid)[:, None]                             # [B,1,N,P+N]
         return sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout,
                                       scaling=scaling, **kwargs)
     from .attention import tree_attention
     out = query.new_empty(bsz, n, query.shape[1], query.shape[3])                       # [B, N, Hq, D]
-    tree_attention(query, key, value, args.tree_mask, args.prefix_len, scaling, prefix_start,
+    tree_attention(query, key, value, args.tree_mask, args.prefix_len, scaling, prefix_start, args.prefix_valid,
                    out=out.transpose(1, 2))
     return out, None

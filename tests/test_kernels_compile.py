@@ -30,16 +30,18 @@ def build(fn, types, constexprs, num_warps=4, num_stages=2):
     assert kernel.asm["cubin"], fn.__name__
     return kernel
 
-for dtype, head_dim, rows, split, prefix_start in [(torch.bfloat16, 128, 256, True, True),
-                                                   (torch.float16, 64, 12, False, False),
-                                                   (torch.float32, 128, 64, True, False)]:
+CASES = [(torch.bfloat16, 128, 256, True, True, True),    # dtype, D, rows, split, prefix_start, prefix_valid
+         (torch.float16, 64, 12, False, False, False),
+         (torch.float32, 128, 64, True, False, True)]
+for dtype, head_dim, rows, split, prefix_start, prefix_valid in CASES:
     cfg = attention.launch_config(dtype, head_dim, rows)
     t = "*" + TRITON_DTYPE[dtype]
     build(attention._tree_attention_kernel,
-          dict(Q=t, K=t, V=t, Mask="*i32", PrefixStart="*i32", Out=t, PartAcc="*fp32", PartM="*fp32",
-               PartL="*fp32", qk_scale="fp32"),
+          dict(Q=t, K=t, V=t, Mask="*i32", PrefixStart="*i32", PrefixValid="*i8", Out=t, PartAcc="*fp32",
+               PartM="*fp32", PartL="*fp32", qk_scale="fp32"),
           dict(GROUP=4, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-               HAS_PREFIX_START=prefix_start, SPLIT=split, INPUT_PRECISION=cfg["INPUT_PRECISION"]),
+               HAS_PREFIX_START=prefix_start, HAS_PREFIX_VALID=prefix_valid, SPLIT=split,
+               INPUT_PRECISION=cfg["INPUT_PRECISION"]),
           cfg["num_warps"], cfg["num_stages"])
     build(attention._tree_attention_combine_kernel,
           dict(PartAcc="*fp32", PartM="*fp32", PartL="*fp32", Out=t), dict(BLOCK_R=16, BLOCK_D=cfg["BLOCK_D"]))

@@ -177,13 +177,14 @@ class CausalLMTarget(Target):
             return TargetOutput(*self._verification.forward(self._run_chain, tokens, tree, want_hidden))
         prefix_len = self.cache_len
         self._tree_prefix_len = prefix_len
-        use_kernel = self.backend == "triton" and self._kernel_fits(tree)
+        switch = self.kernel_attention(tree)
+        use_kernel = switch is not None
         args = dict(input_ids=tokens, past_key_values=self._cache, use_cache=True,
                     output_hidden_states=bool(want_hidden),
                     **self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel))
         positions = positions_given(self._position_modules, tree.positions(prefix_len).to(self.device)) \
             if self._position_modules else nullcontext()
-        with self._linears, positions, (self._tree_attention if use_kernel else nullcontext()):
+        with self._linears, positions, (switch if use_kernel else nullcontext()):
             out = self.model(**args)
         hidden = select_hidden(out.hidden_states, want_hidden)
         return TargetOutput(out.logits, hidden)
@@ -201,6 +202,14 @@ class CausalLMTarget(Target):
                              **{self.cache_argument: self._cache}, **positions)
         self._cache.counted = prefix_len + tokens.shape[1]
         return out.logits, select_hidden(out.hidden_states, want_hidden)
+
+    def kernel_attention(self, deepest: TokenTree):
+        """The TreeAttentionSwitch a tree forward runs inside when the Triton kernel verifies it
+        (``deepest``: the forward's deepest tree), else None: the PyTorch backend, or a tree as deep
+        as the sliding window (warned once)."""
+        if self.backend != "triton" or self._tree_attention is None or not self._kernel_fits(deepest):
+            return None
+        return self._tree_attention
 
     def _kernel_fits(self, tree: TokenTree) -> bool:
         """Whether the kernel can apply this model's sliding window to ``tree`` (it cannot to a
