@@ -86,7 +86,7 @@ def sequoia_tree(accept: Sequence[float], num_nodes: int, max_depth: int | None 
             collect(prefix + [rank], sub)
 
     collect([], children)
-    return value, TokenTree.from_choices(choices) if choices else TokenTree.chain(0)
+    return value, TokenTree.from_choices(choices)  # no choices: the root alone (ranks recorded)
 
 
 def dyspec_tree(child_probs: Callable[[tuple[int, ...]], Sequence[float]], budget: int

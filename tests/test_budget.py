@@ -206,3 +206,13 @@ def test_flash_forks_size_their_trees_by_the_batch_cost(tmp_path, monkeypatch):
     fork._sequoia[4] = [(0,)]                                   # a tree sized by the old cost
     price_for_batch([fork], sm.target, rows=2)
     assert fork.verify_cost == sm.target.verify_cost(batch=2) != sm.drafter.verify_cost and fork._sequoia == {}
+
+
+def test_a_cost_no_node_pays_for_gives_no_sequoia_paths():
+    """A steep measured cost (a loaded machine, a compute-bound batch) can make even one drafted
+    node a loss: the Sequoia paths are then empty (a plain step), not an error."""
+    from flashmm.drafters.length import sequoia_rank_paths
+
+    steep = VerifyCost((1, 2, 4), (1.0, 50.0, 100.0))
+    assert sequoia_rank_paths([0.6, 0.3, 0.1], budget=4, depth=3, verify_cost=steep) == []
+    assert len(sequoia_rank_paths([0.6, 0.3, 0.1], budget=4, depth=3, verify_cost=None)) == 4
