@@ -21,6 +21,17 @@ flash_torch_linear (FLASH with the model's own linear layers). Separately: the F
 own prefill (``FlashDrafter.begin`` on the prompt) with each visual compression, timed directly.
 Outputs: OUT.json, OUT.md and OUT_accept_hist.png (acceptance-length histogram, drawn with PIL).
 
+``--drafters DIR [DIR ...]`` adds one row per trained drafter folder (``flashmm.drafters.load``),
+named by the folder, through the same loop: e.g. the SmolLM2 heads (the reference LMM's language
+model is SmolLM2 unchanged), trained on SmolLM2's text self-distillation corpus, beside FLASH:
+
+    python eval/mm_speed.py --methods flash,flash_k1,plain_onednn \
+        --drafters assets/text_drafters/smollm2/{medusa,hydra,hydra_pp,mtp,eagle3} \
+        --out eval/results/mm_speed_reference_heads
+
+A folder may carry loader options, ``DIR:key=value,...`` (e.g. ``.../eagle3:adaptive=False``: draft
+every step instead of only when the draft is expected to pay for its verification).
+
 ``--model qwen2vl`` runs the same on the reference LMM's Qwen2-VL twin (flashmm.reference.qwen_twin:
 the same SmolLM2 under multimodal RoPE, its own vision tower; images only, so no video task) with
 the LLaVA reference's drafters, which were trained on the LLaVA twin's features:
@@ -94,6 +105,39 @@ def benchmark_items(images: int, videos: int, vqa: int, photos: int, first_seed:
 
 
 # ----------------------------------------------------------------------------------- methods
+def folder_drafters(specs: list[str], taken) -> tuple[dict, list[str]]:
+    """(name -> drafter, notes) for trained drafter folders, each ``DIR`` or ``DIR:key=value,...``
+    (options for its loader, Python literals or strings, e.g. ``eagle3:adaptive=False``), each row
+    named by the folder's name (plus ``:options``).
+
+    taken: row names already in use (a clash is refused)."""
+    import ast  # noqa: PLC0415
+
+    drafters, notes = {}, []
+    for spec in specs:
+        folder, _, options = spec.partition(":")
+        kwargs = {}
+        for item in filter(None, options.split(",")):
+            key, _, value = item.partition("=")
+            try:
+                kwargs[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                kwargs[key] = value
+        name = Path(folder).name + (f":{options}" if options else "")
+        if name in taken or name in drafters or name == "plain":
+            raise SystemExit(f"--drafters: a row named {name!r} exists already; copy or link {folder} "
+                             "under another folder name")
+        drafter = flashmm.drafters.load(folder, **kwargs)
+        info = getattr(drafter, "info", {}) or {}
+        target = info.get("target", "?")
+        target = target.get("name", target) if isinstance(target, dict) else target
+        drafters[name] = drafter
+        notes.append(f"{name} = the trained drafter in {folder} (method {info.get('method', '?')}, trained for "
+                     f"{target}; drafting {info.get('drafting', {})}, adaptive={getattr(drafter, 'adaptive', '-')}"
+                     f"{', options ' + str(kwargs) if kwargs else ''}).")
+    return drafters, notes
+
+
 def build_methods(model, processor, drafters: dict, plain_onednn: bool = False, **spec) -> tuple[dict, dict]:
     """(callables name -> fn(inputs, max_new_tokens) -> ids, wrapped name -> SpeculativeModel).
 
@@ -381,6 +425,9 @@ def main(argv=None):
     ap.add_argument("--max-draft-tokens", type=int, default=16, help="SpecConfig.max_draft_tokens")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="comma-separated subset of the drafters to run (plain model.generate always runs)")
+    ap.add_argument("--drafters", nargs="+", default=[], metavar="DIR",
+                    help="trained drafter folders (flashmm.drafters.load), each DIR or DIR:key=value,... "
+                         "(loader options); one row each, named by the folder")
     ap.add_argument("--images", type=int, default=12)
     ap.add_argument("--videos", type=int, default=6)
     ap.add_argument("--vqa", type=int, default=12)
@@ -472,6 +519,9 @@ def main(argv=None):
         drafters["rest"] = flashmm.drafters.make_drafter("rest", datastore=str(REST_DATASTORE))
         notes.append("rest = REST over the SmolLM2 self-distillation corpus's answers (the reference LMM speaks "
                      "SmolLM2's ids); no caption text is in it.")
+    loaded, loaded_notes = folder_drafters(args.drafters, set(METHODS) | set(drafters))
+    drafters.update(loaded)
+    notes += loaded_notes
     onednn_here = resolve_linear_backend("auto", model) == "onednn"
     if "flash_torch_linear" in wanted and onednn_here:
         drafters["flash_torch_linear"] = (FlashDrafter(flash.net, **flash.drafting_options()), dict(linear="torch"))

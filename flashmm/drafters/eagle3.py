@@ -29,6 +29,7 @@ from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import GrownTree, TreeUnits, grow, grow_static
 from .length import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
 from .eagle3_net import Eagle3Config, Eagle3Net
+from .head_base import committed_embeds
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
 
@@ -141,6 +142,7 @@ class Eagle3Drafter(Drafter):
         self._pending = None                    # [P, 3D] target features not yet in a unit
         self._next = 0                          # first position without a unit
         self._root_out = None
+        self._prompt_embeds = None              # [T, d] what the target consumed for the prompt
 
     def begin(self, start: SequenceStart) -> None:
         if self._embed is None:
@@ -151,6 +153,7 @@ class Eagle3Drafter(Drafter):
             raise NotImplementedError("Eagle3Drafter drafts one sequence at a time (the batched engine forks it)")
         self._reset()
         self._pending = start.hidden_states[0]
+        self._prompt_embeds = None if start.input_embeds is None else start.input_embeds[0]
 
     def observe(self, step: StepResult) -> None:
         if step.hidden_states is None:
@@ -214,7 +217,9 @@ class Eagle3Drafter(Drafter):
         if count < 1 or self._pending is None or self._pending.shape[0] < count:
             raise RuntimeError(f"Eagle3Drafter is out of step with the target: {count} new positions, "
                                f"{0 if self._pending is None else self._pending.shape[0]} features")
-        embeds = self._embed(committed[:, self._next + 1: root + 1])                    # [1, count, d]
+        # unit t reads the embedding of x_{t+1} the target consumed: a visual feature inside an image
+        embeds = committed_embeds(self._embed, self._prompt_embeds, committed[0, self._next + 1: root + 1],
+                                  self._next + 1)[None]                                 # [1, count, d]
         positions = torch.arange(self._next, root, device=committed.device)[None]
         past_len = 0 if self._past is None else self._past[0].shape[2]
         mask = torch.ones(1, count, past_len + count, dtype=torch.bool, device=committed.device)

@@ -63,6 +63,20 @@ def static_tree(accuracy: list[list[float]], budget: int) -> TokenTree:
     return TokenTree.from_choices(paths) if paths else TokenTree.chain(0)
 
 
+def committed_embeds(embed, prompt_embeds: torch.Tensor | None, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """The target's input embeddings of committed tokens ids [n] at positions first .. first + n - 1
+    → [n, d]: rows of prompt_embeds [T, d] (what the target consumed for the prompt: a multimodal
+    prompt's visual features at its visual positions) for positions < T, the embedding table
+    ``embed`` after them. Looking placeholder ids up in the table would hand the heads the
+    embedding of an unused token where the target saw an image; with no prompt_embeds (text
+    targets, offline replays) every row comes from the table."""
+    if prompt_embeds is None or first >= prompt_embeds.shape[0]:
+        return embed(ids)
+    inside = min(ids.shape[0], prompt_embeds.shape[0] - first)
+    tail = embed(ids[inside:])
+    return torch.cat([prompt_embeds[first: first + inside].to(device=tail.device, dtype=tail.dtype), tail])
+
+
 def chain_tree(depth: int) -> TokenTree:
     """A chain of ``depth`` drafted nodes, each taking its head's top-1 token (ranks all 0)."""
     return TokenTree.from_choices([[0] * j for j in range(1, depth + 1)]) if depth else TokenTree.chain(0)
@@ -103,6 +117,7 @@ class HeadDrafter(Drafter):
         self.info = info or {}
         self._weight = self._bias = self._embed = None
         self._feature = None                         # [d]: target feature at the root's parent
+        self._prompt_embeds = None                   # [T, d]: what the target consumed for the prompt
         self.adaptive, self.length = adaptive, AdaptiveDraftLength()
         self.evidence = [0.0, 0.0]                   # forgetting sums of accepted and predicted tokens
         self._predicted = 0.0                        # predicted accepted tokens of the last draft
@@ -145,6 +160,7 @@ class HeadDrafter(Drafter):
         if start.input_ids.shape[0] != 1:
             raise NotImplementedError(f"{type(self).__name__} drafts one sequence at a time (batches fork it per row)")
         self._feature = start.hidden_states[0, -1]
+        self._prompt_embeds = None if start.input_embeds is None else start.input_embeds[0]
 
     def observe(self, step: StepResult) -> None:
         if step.hidden_states is None:
@@ -169,6 +185,12 @@ class HeadDrafter(Drafter):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Target token ids [...] → the target's input embeddings [..., d] (in the heads' dtype)."""
         return self._embed(ids).to(next(self.heads.parameters()).dtype)
+
+    def committed_embeds(self, ids: torch.Tensor, first: int) -> torch.Tensor:
+        """Committed tokens ids [n] at positions first .. → the target's input embeddings [n, d]
+        (visual features at a multimodal prompt's visual positions; see committed_embeds), in the
+        heads' dtype."""
+        return committed_embeds(self.embed, self._prompt_embeds, ids, first)
 
     def tree_for(self, max_tokens: int) -> TokenTree | None:
         """The static tree (or chain) of at most ``max_tokens`` drafted nodes; None drafts nothing."""

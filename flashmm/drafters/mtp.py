@@ -201,7 +201,7 @@ class MTP(HeadDrafter):
             start, stop = self._fed[k], min(prev.shape[0], root - k)           # 0-based k: positions <= R-(k+1)
             if stop <= start:
                 continue
-            embeds = self.embed(committed[0, start + k + 1:stop + k + 1])      # x_{i+k+1}
+            embeds = self.committed_embeds(committed[0, start + k + 1:stop + k + 1], start + k + 1)  # x_{i+k+1}
             out, self._caches[k] = self.heads.run(k, prev[None, start:stop], embeds[None], start, self._caches[k])
             self._states[k + 1] = out[0] if self._states[k + 1] is None else torch.cat([self._states[k + 1], out[0]])
             self._fed[k] = stop
