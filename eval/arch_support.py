@@ -13,7 +13,8 @@ is built with random weights (fp32, CPU, output layer sharpened so greedy has no
      drafter = target; or ``flashmm.wrap`` refuses (``UnsupportedModel``) with the reason.
 
 Each architecture runs in a forked child (1 thread) with a time limit. Rows: exact, refused,
-transformers fails, build fails (the tiny construction failed: a gap of this script), and the
+transformers fails, build fails (a package that cannot be installed here, or a class transformers itself
+cannot build), and the
 outcomes that must not happen: wrong (different tokens), crash (an error inside flashmm), timeout.
 
     OMP_NUM_THREADS=1 python eval/arch_support.py [--only llama,qwen3_moe] [--timeout 120]
@@ -53,7 +54,8 @@ import flashmm  # noqa: E402
 from flashmm.drafters import DraftModel, PromptLookup  # noqa: E402
 from flashmm.targets.generic_vlm import placeholder_ids  # noqa: E402
 from flashmm.targets.support import UnsupportedModel  # noqa: E402
-from tools.arch.tiny_configs import special_ids, tiny_model  # noqa: E402  (hybrid_cost imports tiny_model from here)
+from tools.arch.tiny_configs import (output_heads, special_ids,  # noqa: E402
+                                     tiny_model)  # (hybrid_cost imports tiny_model from here)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_NEW = 20
@@ -74,7 +76,20 @@ def architectures() -> list[tuple[str, str, str]]:
 
 # ---------------------------------------------------------------------------- one architecture
 def _short(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+    """Type and first non-empty line of an error (transformers' ImportErrors start with a blank line)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def _wrap_verdict(model) -> str:
+    """What flashmm.wrap says of a model whose generate fails: its refusal, or that it wraps it."""
+    try:
+        flashmm.wrap(model, PromptLookup())
+    except UnsupportedModel as refusal:
+        return f"; flashmm.wrap refuses it: {str(refusal).split(': ', 1)[-1].split('; run it with')[0][:300]}"
+    except Exception as error:  # noqa: BLE001
+        return f"; flashmm.wrap crashes: {_short(error)}"
+    return "; flashmm.wrap accepts it (no reference to compare with)"
 
 
 def check(model_type: str, cls_name: str) -> dict:
@@ -86,7 +101,8 @@ def check(model_type: str, cls_name: str) -> dict:
     except Exception as error:  # noqa: BLE001 (a row of the table, not a failure of the script)
         return dict(row, outcome="build fails", reason=_short(error))
     row["params"] = sum(p.numel() for p in model.parameters())
-    vocab = model.get_output_embeddings().weight.shape[0]
+    heads = output_heads(model)  # (none: PI0's action head; several: MusicGen's codebooks)
+    vocab = heads[0].weight.shape[0] if heads else getattr(model.config.get_text_config(), "vocab_size", 256)
     g = torch.Generator().manual_seed(0)
     special = set(special_ids(model.config.to_dict()))  # placeholders (image / video ids) are not text
     allowed = torch.tensor([i for i in range(3, min(vocab, 256)) if i not in special])
@@ -95,10 +111,14 @@ def check(model_type: str, cls_name: str) -> dict:
     try:
         with torch.no_grad():
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+        if not isinstance(ref, torch.Tensor):  # DiffusionGemma's block-diffusion output
+            raise RuntimeError(f"generate returns a {type(ref).__name__}, not the token ids of greedy decoding")
         if ref.shape[1] != ids.shape[1] + MAX_NEW:
             raise RuntimeError(f"generate returned {ref.shape[1] - ids.shape[1]} new tokens, not {MAX_NEW}")
     except Exception as error:  # noqa: BLE001
-        return dict(row, outcome="transformers fails", reason=_short(error))
+        verdict = _wrap_verdict(model)  # a crash of flashmm.wrap is a crash row even without a reference
+        return dict(row, outcome="crash" if "wrap crashes" in verdict else "transformers fails",
+                    reason=_short(error) + verdict)
     runs = [("prompt lookup", lambda: PromptLookup()),
             ("drafter = target", lambda: DraftModel(model, max_draft_tokens=4, adaptive=False)),
             ("drafter = target, tree", lambda: DraftModel(model, max_draft_tokens=8, tree_width=2, adaptive=False))]
@@ -288,8 +308,10 @@ def write_table(rows: list[dict], command: str, seconds: float, path: Path, upda
              "`model.generate`, τ > 1 with drafter = target. **refused**: `flashmm.wrap` raises "
              "`UnsupportedModel` naming the reason. **transformers fails**: `model.generate` itself cannot decode "
              "the tiny model (some of these come from this script's shrinking, e.g. a rope section sized for the "
-             "full head: read the reason). **build fails**: this script could not build the tiny config (no flashmm "
-             "result; add an `OVERRIDES` entry). The outcome column decodes vision-language models as text (no image). "
+             "full head: read the reason); its reason adds what `flashmm.wrap` says of the model (robot-action, "
+             "block-diffusion and multi-codebook models are refused there). **build fails**: the tiny model cannot be "
+             "built here: a package this machine cannot install, or a class transformers itself cannot build (the "
+             "reason says which). The outcome column decodes vision-language models as text (no image). "
              "**with one image** (image-text-to-text rows only): the same tiny model built to take an image (its text "
              "vocabulary covering the placeholder ids, a multimodal-RoPE section fitted to the tiny head), one random "
              "image shaped for its vision config and the placeholder run its own `get_image_features` gives "

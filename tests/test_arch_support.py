@@ -109,3 +109,27 @@ def test_a_decoder_numbering_its_own_positions_gets_the_trees_positions():
     padded = torch.cat([torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt(6, seed=3)], 1), prompt(8, seed=4)])
     with pytest.raises(NotImplementedError, match="padding"):
         sm.generate(padded, attention_mask=(padded != 0).long(), max_new_tokens=4)
+
+
+def _bare_llama():
+    """A LlamaModel: the decoder without its language-model head (get_output_embeddings() is None)."""
+    from transformers import LlamaConfig, LlamaModel  # noqa: PLC0415
+
+    return LlamaModel(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+@pytest.mark.parametrize("model_type, cls_name, reason", [
+    ("musicgen", "MusicgenForCausalLM", "list of 4 heads"),  # one head per audio codebook
+    # block diffusion: logits for a whole block per forward (the self-check's shapes differ; it crashed before)
+    ("diffusion_gemma", "DiffusionGemmaForBlockDiffusion", "non-autoregressive"),
+    ("llama", "LlamaModel", "no language-model head"),
+])
+def test_not_a_next_token_decoder_is_refused(model_type, cls_name, reason):
+    """Models without one next-token distribution per input token are refused at wrap(), naming why."""
+    from tools.arch.tiny_configs import tiny_model  # noqa: PLC0415
+
+    model = _bare_llama() if cls_name == "LlamaModel" else tiny_model(model_type, cls_name)
+    with pytest.raises(UnsupportedModel, match=reason) as refusal:
+        flashmm.wrap(model, PromptLookup())
+    assert cls_name in str(refusal.value)

@@ -3,6 +3,9 @@
 Two layers of checks, both generic (no list of architecture names):
 
 1. ``refusal(model)`` reads what transformers itself says about the model, before any forward:
+   - *no single language-model head*: ``get_output_embeddings()`` is None (robot-action models such as
+     PI0, a model whose head sits in a submodule) or a list of heads (MusicGen's one per codebook:
+     several tokens per position): flashmm verifies one token per position against one head's logits.
    - *recurrent state outside the cache*: the model is stateful (``_is_stateful``: transformers
      refuses assisted generation for it too) but its cache has no conv / SSM / linear-attention
      layers (RWKV, xLSTM, DeepSeek-V4's compressed KV): nothing flashmm can snapshot. Stateful
@@ -61,6 +64,9 @@ def check_supported(model: torch.nn.Module) -> None:
 
 def refusal(model: torch.nn.Module) -> str:
     """Why flashmm cannot decode ``model`` ('' when nothing static says so)."""
+    why = head_refusal(model)
+    if why:
+        return why
     text_config = model.config.get_text_config(decoder=True)
     recurrent_kinds = recurrent_layer_kinds(text_config)
     if getattr(model, "_is_stateful", False) and not recurrent_kinds:
@@ -82,6 +88,20 @@ def refusal(model: torch.nn.Module) -> str:
     forward = inspect.signature(model.forward).parameters
     if "past_key_values" not in forward and not any(p.kind == p.VAR_KEYWORD for p in forward.values()):
         return "its forward takes no past_key_values (no KV cache to verify drafts against)"
+    return ""
+
+
+def head_refusal(model: torch.nn.Module) -> str:
+    """Why ``model`` has no single language-model head flashmm can verify against ('' when it has one)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.ModuleList):
+        return (f"its get_output_embeddings() is a list of {len(head)} heads (one per codebook: it predicts several "
+                "tokens per position, e.g. MusicGen's audio codebooks), while flashmm verifies one token per position "
+                "against one head's logits")
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return ("it exposes no language-model head (get_output_embeddings() is None: an action or diffusion model, or "
+                "one whose head sits in a submodule such as language_model), so there are no next-token logits for "
+                "flashmm to verify drafts against")
     return ""
 
 
@@ -203,6 +223,8 @@ def _check_gap(target) -> float:
         with torch.no_grad():
             target.prefill(prompt, None, False)
             got = target.forward_tree(tree_tokens, tree, False).logits.float()  # [1, 4, V]
+            if got.shape[:2] != tree_tokens.shape:  # not one row per token: refused below, before the references
+                _not_per_token(model, got, tree_tokens)
             branch_a = _reference_logits(model, prompt, tree_tokens[:, [0, 1, 3]])
             branch_b = _reference_logits(model, prompt, tree_tokens[:, [0, 2]])[:, -1:]
             want = torch.cat([branch_a[:, :2], branch_b, branch_a[:, 2:]], 1)  # nodes in tree order
@@ -212,12 +234,25 @@ def _check_gap(target) -> float:
                 got = torch.cat([got, target.forward_tree(chain, TokenTree.chain(1), False).logits.float()], 1)
                 text = torch.cat([tree_tokens[:, [0, 1]], chain], 1)
                 want = torch.cat([want, _reference_logits(model, prompt, text)[:, -2:]], 1)
+    except UnsupportedModel:
+        raise
     except Exception as error:  # noqa: BLE001 (a model the generic path cannot run is refused, not crashed)
         raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: its cached tree forward fails "
                                f"({type(error).__name__}: {error}){_HOW_TO_RUN}") from error
     finally:
         target.release()
+    if got.shape != want.shape:
+        _not_per_token(model, got, want)
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+def _not_per_token(model, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Raise UnsupportedModel: the logits [1, n', V'] of an n-token tree forward are not one next-token
+    distribution per token, the shape of ``want`` (block-diffusion decoders give a whole block's)."""
+    raise UnsupportedModel(
+        f"flashmm cannot decode {architecture(model)}: its forward gives logits of shape {tuple(got.shape)} for "
+        f"{want.shape[1]} tokens, not one next-token distribution per input token (a block-diffusion or other "
+        f"non-autoregressive decoder){_HOW_TO_RUN}")
 
 
 def _reference_logits(model, prompt: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
