@@ -18,6 +18,9 @@ it is what speculation alone buys; --hf-lookup adds transformers' own prompt loo
 --hf-assistant smollm2 adds transformers' assisted generation with that draft LM (its universal
 assisted decoding when the tokenizers differ), e.g. against ``cross_tokenizer:draft=smollm2`` on
 ``--model gemma3`` (a base model: questions go in a plain "Question: ... Answer:" frame).
+Results are written after every question; --resume keeps the questions already in OUT.json (run
+with the same arguments) and runs the rest, so a long run can be split across sessions (drafters
+that learn across questions then start the resumed part fresh).
 """
 from __future__ import annotations
 
@@ -159,6 +162,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="eval/results/text_speed")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the questions OUT.json already holds (same arguments) and run the rest")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -185,8 +190,11 @@ def main(argv=None):
     for fn in methods.values():
         fn(warm, 4)
 
-    records = []
+    records = earlier_records(args) if args.resume else []
+    done = {r["id"] for r in records}
     for qi, q in enumerate(tqdm(questions, desc="questions")):
+        if q["question_id"] in done:
+            continue
         ids = prompt_ids(tokenizer, q["turns"][0])
         order = names[qi % len(names):] + names[: qi % len(names)]
         outs, rec = {}, {"id": q["question_id"], "category": q["category"], "prompt_len": ids.shape[1]}
@@ -201,8 +209,23 @@ def main(argv=None):
         for name in names:
             rec[name]["exact"] = bool(torch.equal(outs[name], outs["plain"])) if greedy else None
         records.append(rec)
-        md = report(args, argv, records, names, greedy, len(questions))
-    print(md)
+        report(args, argv, records, names, greedy, len(questions))
+    print(report(args, argv, records, names, greedy, len(questions)))
+
+def earlier_records(args) -> list[dict]:
+    """The per-question records of an earlier run of the same arguments at ``args.out`` (none if it
+    has not started); a run with other arguments is an error, not something to mix in."""
+    path = Path(args.out).with_suffix(".json")
+    if not path.is_file():
+        return []
+    saved = json.loads(path.read_text())
+    def same(a):
+        return {k: v for k, v in json.loads(json.dumps(a, default=str)).items() if k != "resume"}
+    if same(saved["args"]) != same(vars(args)):
+        raise ValueError(f"{path} was written with other arguments ({saved['args']}); "
+                         "resume with the same ones or choose another --out")
+    return saved["records"]
+
 
 def report(args, argv, records: list[dict], names: list[str], greedy: bool, planned: int) -> None:
     """Write the tables and records so far (after every question: a run cut short keeps them)."""
