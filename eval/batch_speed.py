@@ -24,6 +24,7 @@ from common import machine, markdown_table, on_onednn, summarize_batches, timed_
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
 
 import flashmm  # noqa: E402
+from flashmm.drafters.length import batch_bucket  # noqa: E402
 from flashmm.onednn import resolve_linear_backend  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
@@ -85,6 +86,11 @@ def main(argv=None):
     warm = batches_of(tokenizer, questions, 2, 1)[0]
     for fn in methods.values():
         fn(warm["ids"][:, -8:], warm["mask"][:, -8:])
+    # the per-row verify costs batched drafts are priced by: measured (once, cached on disk) before
+    # the clock runs, for every batch size a batch passes through as its rows finish
+    for sm in wrapped.values():
+        for rows in range(1, max(args.batch_sizes) + 1):
+            sm.target.verify_cost(batch=batch_bucket(rows))
 
     records = []
     for size in args.batch_sizes:
