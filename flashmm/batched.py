@@ -154,8 +154,15 @@ def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
         index[b, : path.numel()] = path.to(device)
         kept[b, : path.numel()] = True
     slots = index + prefix
+    # accepted chain prefixes (every path 0, 1, ..., a_b) already sit where they are kept: only the
+    # rows past the longest go (what lies past a shorter row's path stays, as a hole)
+    in_place = all(path.tolist() == list(range(path.numel())) for path in paths)
     for layer in state.cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        if in_place:
+            layer.keys = layer.keys[:, :, : prefix + longest]
+            layer.values = layer.values[:, :, : prefix + longest]
             continue
         idx = slots.to(layer.keys.device)[:, None, :, None]
         heads = layer.keys.shape[1]
