@@ -106,7 +106,7 @@ class Kangaroo(SelfDrafter):
         return range(self.exit_layer)
 
     def draft_parameters(self) -> int:
-        return super().draft_parameters() + sum(p.numel() for p in self.adapter.parameters())
+        return super().draft_parameters() + self.numel(self.adapter)
 
     # ------------------------------------------------------------------ drafting
     def draft_logits(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:

@@ -72,18 +72,25 @@ class SelfDrafter(Drafter):
     def after_chain(self) -> None:
         """Called once the chain is drafted and the cache cropped (per-method bookkeeping)."""
 
+    def numel(self, module: torch.nn.Module) -> int:
+        """``module``'s parameter count, counted once (the adaptive length asks every step)."""
+        counts = self.__dict__.setdefault("_numel", {})
+        if id(module) not in counts:
+            counts[id(module)] = sum(p.numel() for p in module.parameters())
+        return counts[id(module)]
+
     def draft_parameters(self) -> int:
         """Weights one draft token reads: the drafting layers' and the LM head's (methods that skip
         blocks or add an adapter override this)."""
         layers = self.runner.layers
-        return sum(p.numel() for i in self.drafting_layers() for p in layers[i].parameters()) + self.head_parameters()
+        return sum(self.numel(layers[i]) for i in self.drafting_layers()) + self.head_parameters()
 
     def head_parameters(self) -> int:
-        return sum(p.numel() for p in self.runner.lm_head.parameters())
+        return self.numel(self.runner.lm_head)
 
     def draft_token_cost(self) -> float:
         """A draft token's cost in target decoding steps: weights read, over the target's."""
-        full = sum(p.numel() for layer in self.runner.layers for p in layer.parameters()) + self.head_parameters()
+        full = sum(self.numel(layer) for layer in self.runner.layers) + self.head_parameters()
         return self.draft_parameters() / full
 
     def observe(self, step: StepResult) -> None:

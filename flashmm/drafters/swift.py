@@ -86,7 +86,7 @@ class Swift(SelfDrafter):
     def draft_parameters(self) -> int:
         skipped = [self.runner.layers[i].self_attn for i in self.skip_attention] + \
                   [self.runner.layers[i].mlp for i in self.skip_mlp]
-        return super().draft_parameters() - sum(p.numel() for block in skipped for p in block.parameters())
+        return super().draft_parameters() - sum(self.numel(block) for block in skipped)
 
     def draft_logits(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
         runner = self.runner
