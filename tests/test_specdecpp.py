@@ -49,6 +49,27 @@ def test_stop_rule_matches_product_of_acceptances(p_accept, threshold, expected)
     assert proposal.tree.max_depth == expected  # a chain
 
 
+def test_priced_chain_stops_where_tokens_per_cost_peak():
+    """With a measured cost the head's chain ends where expected tokens per unit of cost peak: with
+    acceptance 0.9 per token and verify cost 1 + 0.5 k, (1 + sum 0.9^i) / (1 + 0.5 k) is largest at
+    k = 3 (brute force below), where the threshold alone would draft the cap of 8."""
+    from flashmm.drafters.length import VerifyCost
+
+    target, draft = tiny_lm("llama", seed=0), tiny_lm("llama", seed=1)
+    drafter = SpecDecPP(draft, constant_head(draft.config.hidden_size, 0.9), threshold=0.99, max_draft_tokens=8)
+    drafter.length.verify_cost = VerifyCost(tuple(range(1, 10)), tuple(1 + 0.5 * (n - 1) for n in range(1, 10)))
+    drafter.begin(None)
+    drafter.length.accepted = 20.0                       # the running acceptance says drafting pays
+    rates = [(1 + sum(0.9 ** i for i in range(1, k + 1))) / (1 + 0.5 * k) for k in range(9)]
+    best = max(range(9), key=rates.__getitem__)
+    assert drafter.propose(prompt(6), 16, SamplingParams(), None).num_draft_tokens == best == 3
+    drafter.adaptive = False                             # unpriced: the threshold alone
+    assert drafter.propose(prompt(6), 16, SamplingParams(), None).num_draft_tokens == 8
+    drafter.adaptive, drafter.length.accepted = True, 0.0
+    drafter.length.rejected = 20.0                       # drafting does not pay: no draft forward at all
+    assert drafter.propose(prompt(6), 16, SamplingParams(), None).num_draft_tokens == 0
+
+
 def test_specdecpp_greedy_is_exact_and_reads_its_head():
     target, draft = tiny_lm("llama", seed=0), tiny_lm("llama", seed=1)
     ids = prompt(8, seed=2)

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .base import register
+from .base import register, root_only
 from .draft_model import DraftModel
 from .saved import CONFIG_FILE, load, read_info
 
@@ -120,7 +120,9 @@ class SpecDecPP(DraftModel):
 
     model: the draft LM; head: its AcceptanceHead; threshold: stop before the token that would make
     P(at least one rejection) exceed it. ``max_draft_tokens`` caps the chain (default 12).
-    Options of DraftModel other than ``adaptive`` (always off for greedy chains here) pass through.
+    Options of DraftModel pass through; with ``adaptive`` (the default) the running acceptance and the
+    measured costs still decide whether a step drafts at all (a chain the head would stop at once
+    costs a draft forward), and the head decides where a chain stops.
     """
 
     name = "specdecpp"
@@ -136,6 +138,8 @@ class SpecDecPP(DraftModel):
         self.threshold = threshold
         self.info = info or {}
         self._all_accepted = 1.0   # prod of predicted acceptances along the current chain
+        self._expected = 1.0       # expected tokens of the chain so far (the bonus token + sum of those)
+        self._priced = False       # the current chain's tokens are priced by self.length
         self._hidden: torch.Tensor | None = None
         self._output_layer = output_layer(model)
 
@@ -153,19 +157,35 @@ class SpecDecPP(DraftModel):
     def propose(self, committed, max_tokens, sampling, generator):
         if sampling.do_sample:  # the head predicts greedy acceptance; sampling keeps the adaptive length
             return super().propose(committed, max_tokens, sampling, generator)
-        adaptive, self.adaptive = self.adaptive, False
+        if self.adaptive and self.length.choose(min(max_tokens, self.max_draft_tokens)) == 0:
+            self.last_depth = 0  # even one token would not pay at the running acceptance: no draft forward
+            return root_only(committed)
+        self._priced = self.adaptive          # stop_before prices each further token (see there)
+        adaptive, self.adaptive = self.adaptive, False  # the head, not the running average, ends the chain
         try:
             return super().propose(committed, max_tokens, sampling, generator)
         finally:
             self.adaptive = adaptive
 
     def stop_before(self, q: torch.Tensor, token: int, drafted: int) -> bool:
+        """Stop before draft token ``drafted + 1`` when P(at least one rejection) would exceed the
+        threshold or, when priced (``adaptive``, greedy), when the token would lower the step's expected tokens per
+        unit of cost: it adds P(all accepted through it) = a tokens for the marginal cost m of drafting
+        and verifying one more (the length's measured or constant costs), so it is kept iff
+        a / m > E / C, the chain so far's expected tokens E over its cost C."""
         if drafted == 0:
-            self._all_accepted = 1.0
+            self._all_accepted, self._expected = 1.0, 1.0
         with torch.no_grad():
             logit = self.head(self._hidden[0], AcceptanceHead.scalars(q.float()))
         self._all_accepted *= float(torch.sigmoid(logit))
-        return 1.0 - self._all_accepted > self.threshold
+        if 1.0 - self._all_accepted > self.threshold:
+            return True
+        if self._priced:
+            marginal = self.length.cost(drafted + 1) - self.length.cost(drafted)
+            if self._all_accepted * self.length.cost(drafted) <= marginal * self._expected:
+                return True
+        self._expected += self._all_accepted
+        return False
 
     @classmethod
     def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "SpecDecPP":
