@@ -65,6 +65,21 @@ def on_onednn(model, fn):
     return run
 
 
+def parse_options(options: str) -> dict:
+    """``key=value,...`` → {key: value}, each value a Python literal where it parses, else the string
+    (the options of a ``--drafters NAME_OR_DIR:key=value,...`` argument)."""
+    import ast  # noqa: PLC0415
+
+    kwargs = {}
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return kwargs
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root: tools.reference
-from common import machine, markdown_table, median, on_onednn, timed, write_results  # noqa: E402
+from common import machine, markdown_table, median, on_onednn, parse_options, timed, write_results  # noqa: E402
 
 import flashmm  # noqa: E402
 from flashmm.drafters.flash import FlashDrafter  # noqa: E402
@@ -110,18 +110,10 @@ def folder_drafters(specs: list[str], taken) -> tuple[dict, list[str]]:
     named by the folder's name (plus ``:options``).
 
     taken: row names already in use (a clash is refused)."""
-    import ast  # noqa: PLC0415
-
     drafters, notes = {}, []
     for spec in specs:
         folder, _, options = spec.partition(":")
-        kwargs = {}
-        for item in filter(None, options.split(",")):
-            key, _, value = item.partition("=")
-            try:
-                kwargs[key] = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                kwargs[key] = value
+        kwargs = parse_options(options)
         name = Path(folder).name + (f":{options}" if options else "")
         if name in taken or name in drafters or name == "plain":
             raise SystemExit(f"--drafters: a row named {name!r} exists already; copy or link {folder} "

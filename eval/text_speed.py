@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, median, on_onednn, timed_with_cpu, write_results  # noqa: E402
+from common import machine, markdown_table, median, on_onednn, parse_options, timed_with_cpu, write_results  # noqa: E402
 
 import flashmm  # noqa: E402
 from flashmm.onednn import resolve_linear_backend  # noqa: E402
@@ -60,16 +60,8 @@ def parse_drafter(spec: str, tokenizer=None):
     """(label, Drafter) of a name or a trained drafter's folder, each optionally ``:key=value,...``.
     ``cross_tokenizer:draft=smollm2,...`` drafts with that reference LM and its own tokenizer
     (``tokenizer``: the target's)."""
-    import ast  # noqa: PLC0415
-
     name, _, options = spec.partition(":")
-    kwargs = {}
-    for item in filter(None, options.split(",")):
-        key, _, value = item.partition("=")
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value
+    kwargs = parse_options(options)
     if Path(name).is_dir():  # a trained drafter's folder, options passed to its loader
         from flashmm.drafters import saved  # noqa: PLC0415 (the trained-drafter loader)
 

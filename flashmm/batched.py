@@ -26,7 +26,7 @@ import torch
 
 from .drafters.length import batch_bucket, price_for_batch
 from .targets.base import select_hidden
-from .tree import TokenTree
+from .tree import TokenTree, padded_trees
 
 
 @dataclass
@@ -88,27 +88,14 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     return out.logits[:, -1], hidden, (embeds[0] if embeds else None), state
 
 
-def tree_positions(state: BatchState, trees: list[TokenTree], width: int) -> torch.Tensor:
-    """LongTensor [B, W]: each node's position, its row's root position + its depth (a padding
-    node, index >= its row's node count, at depth 0)."""
-    depth = torch.zeros(len(trees), width, dtype=torch.long, device=state.valid.device)
-    for b, tree in enumerate(trees):
-        depth[b, : tree.num_nodes] = tree.depth.to(depth.device)
-    return state.root_pos[:, None] + depth
-
-
 def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dtype) -> tuple[dict, torch.Tensor]:
     """Per-row masks and positions of one padded tree forward.
 
     Returns ({layer type: additive mask [B, 1, W, L + W]}, position_ids [B, W]). A padding node
     (index >= its row's node count) sees only the prefix and itself; nothing sees it.
     """
-    device = state.valid.device
-    allowed_tree = torch.zeros(len(trees), width, width, dtype=torch.bool, device=device)
-    for b, tree in enumerate(trees):
-        allowed_tree[b, : tree.num_nodes, : tree.num_nodes] = tree.ancestor_mask.to(device)
-    allowed_tree |= torch.eye(width, dtype=torch.bool, device=device)
-    q_pos = tree_positions(state, trees, width)                                   # [B, W]
+    allowed_tree, depth = padded_trees(trees, state.valid.device)                 # [B, W, W], [B, W]
+    q_pos = state.root_pos[:, None] + depth                                       # [B, W]
     allowed = torch.cat([state.valid[:, None, :].expand(-1, width, -1), allowed_tree], dim=2)  # [B, W, L+W]
     masks = {}
     for layer_type in target.mask_types:
@@ -116,7 +103,7 @@ def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dt
         if layer_type == "sliding_attention" and target.window is not None:
             k_pos = torch.cat([state.slot_pos, q_pos], dim=1)                     # [B, L+W]
             keep = allowed & ((q_pos[:, :, None] - k_pos[:, None, :]) < target.window)
-        bias = torch.zeros(keep.shape, dtype=dtype, device=device)
+        bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
         masks[layer_type] = bias.masked_fill_(~keep, torch.finfo(dtype).min)[:, None]
     return masks, q_pos
 
@@ -131,7 +118,7 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
     else:
         from .kernels import tree_attention_kwargs  # noqa: PLC0415 (triton loads on first use)
 
-        positions = tree_positions(state, trees, tokens.shape[1])
+        positions = state.root_pos[:, None] + padded_trees(trees, state.valid.device)[1]
         mask_args = tree_attention_kwargs(trees, state.num_slots, len(trees), state.valid.device, backend="triton",
                                           prefix_valid=state.valid, prefix_positions=state.slot_pos,
                                           root_positions=state.root_pos)

@@ -167,6 +167,21 @@ def _chain(cls, num_draft: int) -> TokenTree:
     return cls(torch.arange(-1, num_draft, dtype=torch.long))
 
 
+def padded_trees(trees, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tree per batch row, padded to the largest node count W: (ancestor mask bool [B, W, W],
+    depth long [B, W]). A padding node (index >= its row's node count) is its own only ancestor,
+    at depth 0, and no node has it as an ancestor."""
+    width = max(tree.num_nodes for tree in trees)
+    allowed = torch.zeros(len(trees), width, width, dtype=torch.bool, device=device)
+    depth = torch.zeros(len(trees), width, dtype=torch.long, device=device)
+    for b, tree in enumerate(trees):
+        n = tree.num_nodes
+        allowed[b, :n, :n] = tree.ancestor_mask.to(device)
+        depth[b, :n] = tree.depth.to(device)
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)
+    return allowed, depth
+
+
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """Pack a bool mask [..., N, N] into int32 words [..., N, ceil(N/32)] (bit j%32 of word j//32)."""
     n = mask.shape[-1]

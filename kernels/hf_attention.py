@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmm.tree import pack_mask
+from flashmm.tree import pack_mask, padded_trees
 
 ATTENTION_NAME = "spec_tree_attention"
 BACKENDS = ("auto", "triton", "torch")
@@ -182,8 +182,8 @@ def tree_attention_kwargs(tree, prefix_len: int, batch_size: int, device: torch.
     if isinstance(tree, (list, tuple)):
         if len(tree) != batch_size:
             raise ValueError(f"got {len(tree)} trees for a batch of {batch_size} rows; pass one tree per row")
-        tree_mask, depth = _padded_trees(tree)
-        tree_mask, depth = tree_mask.to(device), depth.to(device)
+        allowed, depth = padded_trees(tree)
+        tree_mask, depth = pack_mask(allowed).to(device), depth.to(device=device, dtype=torch.int32)
         max_depth = max(int(t.max_depth) for t in tree)
     else:
         packed = tree.packed_mask.to(device)                               # [N, W]
@@ -219,20 +219,6 @@ def tree_attention_kwargs(tree, prefix_len: int, batch_size: int, device: torch.
                              backend=resolve_backend(backend, device), prefix_valid=prefix_valid,
                              prefix_positions=prefix_positions, node_positions=node_positions)
     return {"attention_mask": tree_mask[:, None], "spec_tree": args}
-
-
-def _padded_trees(trees) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tree per row, padded to the largest: (packed mask int32 [B, N, ceil(N/32)], depth
-    int32 [B, N]); a padding node is its own only ancestor, at depth 0."""
-    width = max(t.num_nodes for t in trees)
-    allowed = torch.zeros(len(trees), width, width, dtype=torch.bool)
-    depth = torch.zeros(len(trees), width, dtype=torch.int32)
-    for b, tree in enumerate(trees):
-        n = tree.num_nodes
-        allowed[b, :n, :n] = tree.ancestor_mask.cpu()
-        depth[b, :n] = tree.depth.cpu()
-    allowed |= torch.eye(width, dtype=torch.bool)
-    return pack_mask(allowed), depth
 
 
 def _query_prefix_start(args: TreeAttentionArgs, sliding_window: int | None) -> torch.Tensor | None:

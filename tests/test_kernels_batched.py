@@ -23,11 +23,11 @@ from transformers import DynamicCache  # noqa: E402
 
 import flashmm  # noqa: E402
 import flashmm.kernels.attention as attention_kernels  # noqa: E402
-from flashmm.batched import BatchState, tree_masks, tree_positions  # noqa: E402
+from flashmm.batched import BatchState, tree_masks  # noqa: E402
 from flashmm.drafters import DraftModel, PromptLookup  # noqa: E402
 from flashmm.kernels.attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
 from flashmm.kernels.hf_attention import TreeAttentionSwitch, tree_attention_kwargs  # noqa: E402
-from flashmm.tree import pack_mask  # noqa: E402
+from flashmm.tree import pack_mask, padded_trees  # noqa: E402
 
 from test_kernels_tree_attention import brute_force, make_inputs, run_poisoned  # noqa: E402
 from text_models import VOCAB, tiny_lm  # noqa: E402
@@ -141,7 +141,7 @@ def test_padded_row_trees_through_both_backends_equal_the_additive_mask():
             model(input_ids=ids, past_key_values=cache, use_cache=True)
             state = BatchState(cache=cache, valid=valid.to(DEVICE), slot_pos=slot_pos.to(DEVICE),
                                root_pos=valid.long().sum(1).to(DEVICE), offset=torch.zeros(bsz, dtype=torch.long))
-            positions = tree_positions(state, trees, width)
+            positions = state.root_pos[:, None] + padded_trees(trees, DEVICE)[1]
             if path in ("mask", "unwindowed"):
                 layers = SimpleNamespace(mask_types=["full_attention", "sliding_attention"],
                                          window=8 if path == "mask" else None)

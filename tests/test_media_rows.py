@@ -80,19 +80,24 @@ def media(inputs: dict) -> dict:
     return {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
 
 
-@pytest.mark.parametrize("kind", KINDS + ["llava_next", "qwen2_5_vl", "qwen3_vl"])
-def test_split_media_are_each_items_own(kind):
-    """The split of the collated batch gives each row exactly what its item alone held (processor
-    output: pixel_values, image_sizes, batch_num_images, grids, token types), unpadded."""
-    model, processor, items = family(kind)
-    batch = collate(items, pad_id(processor))
+def assert_split_is_each_items_own(model, processor, items, batch):
+    """item_media of the batch gives each row exactly its item's own media: same keys, shapes, values."""
     target = flashmm.wrap(model, PromptLookup(), processor=processor).target
     split = item_media(target, batch["input_ids"], batch["attention_mask"], media(batch))
     assert len(split) == len(items)
     for b, (got, item) in enumerate(zip(split, items)):
         assert sorted(got) == sorted(media(item)), b
         for key, value in media(item).items():
-            assert torch.equal(got[key], value), (b, key)
+            assert got[key].shape == value.shape and torch.equal(got[key], value), (b, key)
+
+
+@pytest.mark.parametrize("kind", KINDS + ["llava_next", "qwen2_5_vl", "qwen3_vl"])
+def test_split_media_are_each_items_own(kind):
+    """The split of the collated batch gives each row exactly what its item alone held (processor
+    output: pixel_values, image_sizes, batch_num_images, grids, token types), unpadded."""
+    model, processor, items = family(kind)
+    batch = collate(items, pad_id(processor))
+    assert_split_is_each_items_own(model, processor, items, batch)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -242,13 +247,7 @@ def test_slot_split_media_are_each_items_own(kind, built):
     assert pixels.ndim == 5 and bool((pixels.flatten(2) == 0).all(-1).any())  # the batch has padding images
     if kind == "idefics2":  # and pads the 1-image item's image to another item's height
         assert pixels.shape[-2:] != items[0]["pixel_values"].shape[-2:]
-    target = flashmm.wrap(model, PromptLookup(), processor=processor).target
-    split = item_media(target, batch["input_ids"], batch["attention_mask"], media(batch))
-    assert len(split) == len(items)
-    for b, (got, item) in enumerate(zip(split, items)):
-        assert sorted(got) == sorted(media(item)), b
-        for key, value in media(item).items():
-            assert got[key].shape == value.shape and torch.equal(got[key], value), (b, key)
+    assert_split_is_each_items_own(model, processor, items, batch)
 
 
 @pytest.mark.parametrize("kind,drafter", [(kind, "prompt_lookup") for kind in SLOT_KINDS] + [("idefics3", "flash")])
