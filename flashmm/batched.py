@@ -79,7 +79,7 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     full = bool((mask == 1).all())
     target.start_sequence()
     kwargs, offset = target.batch_prompt(input_ids, mask, dict(model_inputs))
-    with target.watching_prompt(input_ids, bool(want_hidden)) as embeds:
+    with target.watching_prompt(input_ids, bool(want_hidden)) as embeds, target.linears():
         out = target.model(input_ids=input_ids, attention_mask=None if full else mask, past_key_values=cache,
                            use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=1, **kwargs)
     hidden = select_hidden(out.hidden_states, want_hidden)
@@ -122,7 +122,7 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
         mask_args = tree_attention_kwargs(trees, state.num_slots, len(trees), state.valid.device, backend="triton",
                                           prefix_valid=state.valid, prefix_positions=state.slot_pos,
                                           root_positions=state.root_pos)
-    with target.tree_linears(), (nullcontext() if switch is None else switch):
+    with target.linears(), (nullcontext() if switch is None else switch):
         out = target.model(input_ids=tokens, position_ids=target.batch_position_ids(positions + state.offset[:, None]),
                            past_key_values=state.cache, use_cache=True, output_hidden_states=bool(want_hidden),
                            **mask_args)

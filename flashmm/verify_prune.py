@@ -79,7 +79,7 @@ def score_draft(target, draft: Draft, want_hidden, spec, sampling, stats=None) -
         raise ValueError(f"prune_layer must be in [1, {runner.num_layers - 1}], got {split}")
     cache, tree, tokens = target.kv_cache, draft.tree, draft.tokens
     prefix = target.cache_len
-    with torch.no_grad(), target.tree_linears():
+    with torch.no_grad(), target.linears():
         hidden = runner.run(runner.embed(tokens), 0, split, cache, target.tree_attention_mask(tree, prefix),
                             target.tree_position_ids(tree, prefix, 1))  # [1, N, d]
         # the early LM head runs only where a decision needs it: at nodes with children

@@ -70,9 +70,9 @@ def test_resolve_linear_backend():
 
 @needs_onednn
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_tree_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
-    """Every linear of every tree forward goes through oneDNN, the prefill through the model's own
-    layers; greedy output equals generate's; the layers are the model's own again afterwards."""
+def test_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
+    """Every linear of the prefill and of every tree forward goes through oneDNN; greedy output
+    equals generate's; the layers are the model's own again afterwards; linear="torch" routes nothing."""
     calls = []
 
     def counting(layer, x):
@@ -89,8 +89,8 @@ def test_tree_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
         sm = flashmm.wrap(model, drafter, linear="onednn")
         calls.clear()  # (wrap's self-check runs one tree forward: flashmm.targets.support)
         assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)
-        assert len(calls) == layers * sm.last_stats.verify_steps
-        assert 40 not in calls  # the prompt's rows never reached oneDNN
+        assert len(calls) == layers * (1 + sm.last_stats.verify_steps)  # the prefill, then each tree
+        assert calls[:layers] == [40] * (layers - 1) + [1]  # the prompt's 40 rows first (the head: the last)
         assert not any("forward" in m.__dict__ for m in model.modules())
     calls.clear()
     sm = flashmm.wrap(model, PromptLookup(), linear="torch")

@@ -121,7 +121,7 @@ class SelfDrafter(Drafter):
         prefix = committed.shape[1] - 1
         tokens, q_rows = [int(committed[0, -1])], []
         try:
-            with self.target.tree_linears():
+            with self.target.linears():
                 for step in range(depth):
                     logits = self.draft_logits(committed.new_tensor([[tokens[-1]]]), prefix + step, cache)
                     if sampling.do_sample:  # q processed exactly as the target's p at this node

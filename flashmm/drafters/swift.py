@@ -136,7 +136,7 @@ class Swift(SelfDrafter):
         runner = self.runner
         n = runner.num_layers
         ids = window[None]
-        with self.target.tree_linears():
+        with self.target.linears():
             hidden = runner.run(runner.embed(ids), 0, n, None, runner.causal_mask(ids.shape[1], 0),
                                 torch.arange(ids.shape[1], device=ids.device)[None],
                                 skip_attention={i for i in range(n) if bits[i]},
@@ -148,7 +148,7 @@ class Swift(SelfDrafter):
         """Score ``evals_per_step`` candidate sets on window [W] (the latest committed tokens)."""
         runner = self.runner
         ids = window[None]
-        with self.target.tree_linears():
+        with self.target.linears():
             reference = runner.logits(runner.run(runner.embed(ids), 0, runner.num_layers, None,
                                                  runner.causal_mask(ids.shape[1], 0),
                                                  torch.arange(ids.shape[1], device=ids.device)[None]))[0].argmax(-1)

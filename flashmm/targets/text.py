@@ -109,8 +109,9 @@ class CausalLMTarget(Target):
         """The sliding window of "sliding_attention" layers, or None."""
         return self._window
 
-    def tree_linears(self):
-        """The context the tree forwards run their linear layers in (oneDNN routing or nothing)."""
+    def linears(self):
+        """The context flashmm's forwards of the model (prefill and tree forwards) run its linear
+        layers in: oneDNN routing (``linear_backend == "onednn"``) or nothing."""
         return self._linears
 
     # ------------------------------------------------------------------ batched decoding (flashmm.batched)
@@ -138,7 +139,7 @@ class CausalLMTarget(Target):
     explicit_chain_positions = False
 
     def start_sequence(self) -> None:
-        """A fresh cache; with the oneDNN linear backend, the layers its tree forwards route (see
+        """A fresh cache; with the oneDNN linear backend, the layers flashmm's forwards route (see
         flashmm.onednn). The model's attention implementation is left as the user loaded it."""
         if self.recurrent:
             self._cache = recurrent.RecurrentCache(self.model.config.get_text_config(decoder=True))
@@ -163,9 +164,10 @@ class CausalLMTarget(Target):
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
         self.start_sequence()
         model_inputs = {**generate_position_ids(self.model, input_ids, attention_mask), **model_inputs}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                         output_hidden_states=bool(want_hidden), logits_to_keep=1,
-                         **{self.cache_argument: self._cache}, **model_inputs)
+        with self._linears:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                             output_hidden_states=bool(want_hidden), logits_to_keep=1,
+                             **{self.cache_argument: self._cache}, **model_inputs)
         if self.recurrent:
             self._cache.counted = input_ids.shape[1]
         hidden = select_hidden(out.hidden_states, want_hidden)

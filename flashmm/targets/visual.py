@@ -100,7 +100,7 @@ class VisualTarget(CausalLMTarget):
         model_inputs = self.model_kwargs(input_ids, attention_mask, model_inputs)
         self.start_sequence()
         self._prompt_cache = None
-        with self.watching_prompt(input_ids, bool(want_hidden)) as captured:
+        with self.watching_prompt(input_ids, bool(want_hidden)) as captured, self._linears:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                              output_hidden_states=bool(want_hidden), logits_to_keep=1,
                              **{self.cache_argument: self._cache}, **model_inputs)
