@@ -1,6 +1,8 @@
 """Batched speculative decoding: every active row verified in one target forward per step.
 
-Each row drafts its own tree (drafters are forked per row); trees are padded to the step's
+Each row drafts its own tree (drafters are forked per row). Every row pays for the step's widest
+tree, so drafts that carry ``values`` are first cut to one batch-wide width (``batch_width``: the
+most expected tokens per unit of verify time over all rows); trees are then padded to the step's
 largest node count, and one forward scores them all: with a 4D additive mask built per row, or,
 on the Triton backend, with the tree-attention kernel given each row's packed tree mask and the
 slots it may see (``valid``).
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters.length import batch_bucket, price_for_batch
+from .drafters.length import batch_bucket, measured_verify_cost, price_for_batch
 from .targets.base import select_hidden
 from .tree import TokenTree, padded_trees
 
@@ -129,6 +131,27 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
     return out.logits, select_hidden(out.hidden_states, want_hidden)
 
 
+def batch_width(drafts: list, verify_cost) -> int:
+    """The node count W every row's tree is cut to for one padded forward (each row pays for W
+    nodes, whatever its own size): the W maximising the rows' expected tokens per unit of verify
+    time, sum_b (1 + sum_{0 < i < min(n_b, W)} values_b[i]) / (t(W) / t(1)), with values_b a
+    draft's ``values`` (its nodes' estimated chances to be accepted, in node order). A draft
+    without values is never cut (W is at least its size) and counts its root only."""
+    floor = max([d.tree.num_nodes for d in drafts if d.values is None], default=1)
+    widest = max(d.tree.num_nodes for d in drafts)
+    if floor >= widest:
+        return widest
+    gains = [d.values.float().cpu().cumsum(0) for d in drafts if d.values is not None]  # [n_b]
+    fixed = len(drafts) - len(gains)
+    best, best_rate = floor, float("-inf")
+    for width in range(floor, widest + 1):
+        tokens = fixed + sum(float(g[min(width, g.numel()) - 1]) for g in gains)
+        rate = tokens / verify_cost.relative(width)
+        if rate > best_rate + 1e-12:
+            best, best_rate = width, rate
+    return best
+
+
 def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
     """Keep each row's accepted path (LongTensor [L_b] of node indices, root first) after the
     prefix; rows with shorter paths leave holes up to the longest."""
@@ -203,11 +226,19 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
     state.select(torch.tensor(active, dtype=torch.long))
     priced = batch_bucket(len(active))
     price_for_batch([drafters[b] for b in active], target, len(active))  # drafts that pay at this batch size
+    width_cost = {}  # batch bucket -> per-row VerifyCost (None: not measurable), for batch_width
 
     while active:
         t0 = time.perf_counter()
         drafts = [drafters[b].propose(rows[b].committed, spec.max_draft_tokens, rows[b].decoding.sampling, generator)
                   for b in active]
+        if len(active) > 1 and any(d.values is not None for d in drafts):  # one width for all rows
+            if priced not in width_cost:
+                width_cost[priced] = measured_verify_cost(target, priced)[0]
+            if width_cost[priced] is not None:
+                cut = batch_width(drafts, width_cost[priced])
+                drafts = [drafters[b].cut(d, cut) if d.values is not None and d.tree.num_nodes > cut else d
+                          for b, d in zip(active, drafts)]
         layouts = [d.forward_layout() for d in drafts]  # each row's tree, then its aux rows (if any)
         width = max(tree.num_nodes for _, tree in layouts)
         tokens = input_ids.new_zeros(len(active), width)

@@ -111,3 +111,66 @@ def test_batched_sampling_exact_per_row():
     for b in range(2):
         p = chi_square_pvalue(counts[b], exact[b])
         assert p > 1e-3, f"row {b} deviates from the target distribution (p = {p:.2e})"
+
+
+def test_batch_width_by_hand():
+    """One width for all rows: every row pays for the widest tree, so the width maximises the rows'
+    expected tokens per unit of verify time (worked by hand below)."""
+    from flashmm.batched import batch_width
+    from flashmm.drafters.base import Draft
+    from flashmm.drafters.length import VerifyCost
+    from flashmm.tree import TokenTree
+
+    def chain(values, k=2):
+        k = k if values is None else len(values) - 1
+        return Draft(tokens=torch.zeros(1, k + 1, dtype=torch.long), tree=TokenTree.chain(k),
+                     values=None if values is None else torch.tensor(values))
+
+    cost = VerifyCost((1, 2, 3, 4), (1.0, 1.1, 1.6, 1.7))
+    rows = [chain([1, 0.9, 0.81]), chain([1, 0.2]), chain([1])]
+    # W=1: (1 + 1 + 1) / 1 = 3.0; W=2: (1.9 + 1.2 + 1) / 1.1 = 3.73; W=3: (2.71 + 1.2 + 1) / 1.6 = 3.07
+    assert batch_width(rows, cost) == 2
+    assert batch_width(rows, VerifyCost((1, 2, 3, 4), (1.0, 1.0, 1.0, 1.0))) == 3  # free nodes: keep all
+    assert batch_width(rows[:2] + [chain(None)], cost) == 3  # a draft without values is never cut
+
+
+def test_prompt_lookup_cut_learns_from_the_tokens_verified():
+    from flashmm.config import SamplingParams
+    from flashmm.drafters.base import StepResult
+
+    pl = PromptLookup()
+    pl.begin(None)
+    committed = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7]])
+    draft = pl.propose(committed, 10, SamplingParams(), None)
+    n, k = pl._last
+    assert k > 2 and torch.allclose(draft.values, pl.lengths[n].alpha ** torch.arange(k + 1.0))
+    cut = pl.cut(draft, 3)
+    assert cut.tokens.tolist() == draft.tokens[:, :3].tolist() and cut.tree.num_nodes == 3
+    assert cut.values.tolist() == draft.values[:3].tolist()
+    pl.observe(StepResult(committed=committed, accepted_len=2, path=torch.tensor([[0, 1, 2]])))
+    assert pl.lengths[n].accepted == 2 and pl.lengths[n].rejected == 0  # both verified tokens accepted
+
+
+def test_cut_drafts_stay_exact(models, monkeypatch):
+    """Rows whose lookup drafts are cut to one width (forced to 2 nodes here, whatever the timings)
+    still equal the model's own batched generate."""
+    import flashmm.batched
+
+    target, _ = models
+    pattern = prompt(6, seed=11)[0]
+    ids, mask = ragged_batch((30, 9, 20))
+    ids[0, -24:] = pattern.repeat(4)  # row 0 repeats itself: lookup drafts long chains there
+    forward = flashmm.batched.forward_trees
+    widths = []  # (rows, width) of every batched tree forward
+
+    def recording(target, state, tokens, trees, want_hidden):
+        widths.append(tuple(tokens.shape))
+        return forward(target, state, tokens, trees, want_hidden)
+
+    monkeypatch.setattr(flashmm.batched, "batch_width", lambda drafts, cost: 2)
+    monkeypatch.setattr(flashmm.batched, "forward_trees", recording)
+    sm = flashmm.wrap(target, PromptLookup())
+    out = sm.generate(ids, attention_mask=mask, max_new_tokens=25)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=25))
+    shared = [width for rows, width in widths if rows > 1]
+    assert max(shared) == 2 and sm.last_stats.accepted_tokens > 0  # cut, and cut drafts were accepted

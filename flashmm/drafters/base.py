@@ -47,16 +47,30 @@ class Draft:
              children are deterministic (greedy / top-k / lookup), verified as such.
 
     aux:     AuxRows or None; extra rows scored in the same forward for the drafter alone.
+    values:  FloatTensor [N] or None; each node's estimated chance to be accepted (root: 1), from
+             the drafter's own acceptance estimates. A draft with values may be cut to its first
+             nodes (``Drafter.cut``) where batched decoding verifies all rows at one width.
     """
 
     tokens: torch.Tensor
     tree: TokenTree
     q_probs: torch.Tensor | None = None
     aux: AuxRows | None = None
+    values: torch.Tensor | None = None
 
     @property
     def num_draft_tokens(self) -> int:
         return self.tree.num_nodes - 1
+
+    def head(self, nodes: int) -> "Draft":
+        """The draft's first ``nodes`` nodes (a tree in topological order: its first nodes are a tree)."""
+        if self.aux is not None:
+            raise ValueError("a draft with aux rows cannot be cut")
+        if not 1 <= nodes <= self.tree.num_nodes:
+            raise ValueError(f"cannot keep {nodes} of {self.tree.num_nodes} nodes")
+        cut = (lambda t: None if t is None else t[:, :nodes])
+        return Draft(tokens=self.tokens[:, :nodes], tree=TokenTree(self.tree.parents[:nodes]),
+                     q_probs=cut(self.q_probs), values=None if self.values is None else self.values[:nodes])
 
     def forward_layout(self) -> tuple[torch.Tensor, TokenTree]:
         """(tokens [B, N + A], tree of N + A nodes) the target scores: the draft tree, then the
@@ -169,6 +183,12 @@ class Drafter:
 
     def observe(self, step: StepResult) -> None:
         """Learn what the target accepted."""
+
+    def cut(self, draft: Draft, nodes: int) -> Draft:
+        """The first ``nodes`` nodes of ``draft``, this drafter's last proposal (one that carries
+        ``values``), which is what the target verifies instead: batched decoding cuts drafts to
+        the batch's width. A drafter whose ``observe`` reads what it proposed updates that here."""
+        return draft.head(nodes)
 
     def fork(self) -> "Drafter":
         """A drafter for one more sequence decoded at the same time (a batch row): shares this

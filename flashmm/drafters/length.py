@@ -152,11 +152,11 @@ def price_with_target(target, lengths: Iterable["AdaptiveDraftLength"]) -> str:
     return source
 
 
-def measured_verify_cost(target) -> tuple["VerifyCost | None", str]:
-    """(``target.verify_cost()``, "measured"), or (None, why it could not be timed: a recurrent
-    state that cannot be cropped, a model that refuses a cached multi-token forward)."""
+def measured_verify_cost(target, batch: int = 1) -> tuple["VerifyCost | None", str]:
+    """(``target.verify_cost(batch=batch)``, "measured"), or (None, why it could not be timed: a
+    recurrent state that cannot be cropped, a model that refuses a cached multi-token forward)."""
     try:
-        return target.verify_cost(), "measured"
+        return target.verify_cost(batch=batch), "measured"
     except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError, IndexError) as err:
         return None, f"verify cost not measurable: {type(err).__name__}: {err}"
 

@@ -118,7 +118,12 @@ class PromptLookup(Drafter):
             return root_only(committed)
         self._last = (n, k)
         tokens = torch.cat([committed[:, -1:], committed.new_tensor([continuation[:k]])], dim=1)
-        return Draft(tokens=tokens, tree=TokenTree.chain(k), q_probs=None)
+        values = torch.full((k + 1,), self.lengths[n].alpha).pow_(torch.arange(k + 1))  # α^depth
+        return Draft(tokens=tokens, tree=TokenTree.chain(k), q_probs=None, values=values)
+
+    def cut(self, draft: Draft, nodes: int) -> Draft:
+        self._last = (self._last[0], nodes - 1)  # acceptance is learned from the tokens verified
+        return draft.head(nodes)
 
     def observe(self, step: StepResult) -> None:
         n, drafted = self._last
