@@ -17,6 +17,7 @@ from flashmm.drafters.medusa import MedusaHeads
 from flashmm.drafters.mtp import MTPModules
 from flashmm.sampling import SamplingParams
 from flashmm.shapes import expected_accepted
+from flashmm.train import head_replay as R
 from flashmm.train import heads as H
 from flashmm.train.corpus import features
 
@@ -103,8 +104,8 @@ def test_greedy_identical_to_generate_and_replay_matches_engine(corpus, trained,
                          starts=data.starts, prompt_lens=data.prompt_lens)
         one.starts, one.prompt_lens = data.starts[s:s + 2], data.prompt_lens[s:s + 1]
         replay = DRAFTERS[kind](trained)
-        replay.bind(H.ModelFacts(target))
-        got = H.replay_tau(replay, one, max_new_tokens=30)
+        replay.bind(R.ModelFacts(target))
+        got = R.replay_tau(replay, one, max_new_tokens=30)
         assert got["steps"] == sm.last_stats.verify_steps and got["tau"] == pytest.approx(sm.last_stats.tau)
     assert sm.last_stats.tau > 1.1  # trained heads get drafts accepted (the accepted paths are exercised)
 
@@ -115,7 +116,7 @@ def test_mtp_draft_equals_teacher_forced_forward(corpus, trained):
     target, data, _ = corpus
     modules = trained["mtp"][0]
     drafter = MTP(modules, adaptive=False)
-    drafter.bind(H.ModelFacts(target))
+    drafter.bind(R.ModelFacts(target))
     lm, embeds, _ = tools(target)
     a = int(data.starts[0])
     ids, h = data.ids[a:a + 30], data.hidden[a:a + 30].float()

@@ -18,6 +18,7 @@ from flashmm.drafters import MTP, Hydra, load
 from flashmm.drafters.base import SequenceStart, StepResult
 from flashmm.drafters.head_base import save_heads
 from flashmm.sampling import SamplingParams
+from flashmm.train import head_replay as R
 from flashmm.train import heads as H
 
 from test_heads import corpus, tools  # noqa: F401 (fixture)
@@ -56,7 +57,7 @@ def test_mtp_tree_children_follow_each_nodes_own_path(corpus, trained_plus):  # 
     target, data, _ = corpus
     modules = trained_plus["mtp"]
     drafter = MTP(modules, adaptive=False, accuracy=BRANCHY, tree_nodes=14)
-    drafter.bind(H.ModelFacts(target))
+    drafter.bind(R.ModelFacts(target))
     _, embeds, _ = tools(target)
     lm = target.get_output_embeddings().weight.detach()
     a = int(data.starts[1])
@@ -96,7 +97,7 @@ def test_mtp_catches_up_after_steps_without_drafts(corpus, trained_plus, monkeyp
 
     def drafts(skip_first: bool):
         drafter = MTP(trained_plus["mtp"], adaptive=False, accuracy=BRANCHY, tree_nodes=6)
-        drafter.bind(H.ModelFacts(target))
+        drafter.bind(R.ModelFacts(target))
         drafter.begin(SequenceStart(input_ids=ids[None, :11], hidden_states=h[None, :11]))
         planned = drafter.planned_tree
         if skip_first:
@@ -145,7 +146,7 @@ def test_prefix_layer_cache_equals_a_whole_prefix_forward_of_llamas_layer(corpus
     layer.load_state_dict(heads.prefix_layer.block.state_dict())
     rope = LlamaRotaryEmbedding(cfg)
     drafter = Hydra(heads, adaptive=False)
-    drafter.bind(H.ModelFacts(target))
+    drafter.bind(R.ModelFacts(target))
     a = int(data.starts[2])
     h = data.hidden[a:a + 30].float()
     drafter.begin(SequenceStart(input_ids=data.ids[None, a:a + 9], hidden_states=h[None, :9]))
@@ -180,8 +181,8 @@ def test_hydra_pp_trains_and_decodes_exactly(corpus, trained_plus):  # noqa: F81
             one = H.HeadData(**{k: getattr(data, k) for k in ("hidden", "ids", "topk_ids", "topk_logits", "lse")},
                              starts=data.starts[s:s + 2], prompt_lens=data.prompt_lens[s:s + 1])
             replay = Hydra(heads, adaptive=False, accuracy=after, tree_nodes=tree_nodes)
-            replay.bind(H.ModelFacts(target))
-            got = H.replay_tau(replay, one, max_new_tokens=30)
+            replay.bind(R.ModelFacts(target))
+            got = R.replay_tau(replay, one, max_new_tokens=30)
             assert got["steps"] == sm.last_stats.verify_steps and got["tau"] == pytest.approx(sm.last_stats.tau)
     ids = torch.cat([prompt(10, seed=1), prompt(10, seed=2)])
     mask = torch.ones_like(ids)

@@ -37,6 +37,7 @@ from flashmm.drafters.head_base import save_heads
 from flashmm.drafters.hydra import Hydra
 from flashmm.drafters.medusa import Medusa
 from flashmm.drafters.mtp import MTP
+from flashmm.train import head_replay as R
 from flashmm.train import heads as H
 from flashmm.train.corpus import CorpusFeatures, features, read_corpus
 from tools.corpus.build import load_target
@@ -192,8 +193,8 @@ def main(argv=None) -> None:
     wait = pauser(args.pause_while_exists) or (lambda: 0.0)
     wait()
     drafter = load_drafter(out, adaptive=False)  # τ of the drafts themselves (adaptive sizing would decline some steps)
-    drafter.bind(H.ModelFacts(model))
-    info["held_out_replay"] = H.replay_tau(drafter, held_data, max_new_tokens=args.max_new_tokens)
+    drafter.bind(R.ModelFacts(model))
+    info["held_out_replay"] = R.replay_tau(drafter, held_data, max_new_tokens=args.max_new_tokens)
     log(f"held-out greedy τ (exact offline replay) {info['held_out_replay']}")
     save_heads(out, DRAFTERS[args.method].name, heads, heads.config(), vocab.ids, info)
     if args.tau_prompts:
