@@ -101,7 +101,7 @@ def test_onednn_cost_has_its_own_entry_and_routes_the_linears(tmp_path):
     real = onednn._onednn_linear
     measure_verify_cost(model, grid=(1, 2), prefix_len=8, repeats=1, directory=tmp_path, linear="torch")
     assert not calls
-    onednn._onednn_linear = lambda layer, x: calls.append(1) or real(layer, x)
+    onednn._onednn_linear = lambda layer, weight, x: calls.append(1) or real(layer, weight, x)
     try:
         measure_verify_cost(model, grid=(1, 2), prefix_len=8, repeats=1, directory=tmp_path, linear="onednn")
     finally:

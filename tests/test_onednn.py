@@ -75,9 +75,11 @@ def test_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
     equals generate's; the layers are the model's own again afterwards; linear="torch" routes nothing."""
     calls = []
 
-    def counting(layer, x):
+    original = onednn._onednn_linear
+
+    def counting(layer, weight, x):
         calls.append(x.shape[-2])
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+        return original(layer, weight, x)
 
     monkeypatch.setattr(onednn, "_onednn_linear", counting)
     model = tiny_lm(arch)
@@ -124,3 +126,31 @@ def test_nesting_leaves_the_outer_routing_in_place():
             pass
         assert layer.__dict__["forward"] is outer
     assert "forward" not in layer.__dict__
+
+
+@needs_onednn
+@pytest.mark.skipif(not onednn.can_pack(), reason="this torch cannot reorder weights for oneDNN")
+def test_packed_weights_give_the_same_products_and_follow_weight_changes():
+    """Packed (blocked-layout) weights multiply into the plain layout's products to fp32 rounding,
+    for every row count, batched or not; a packed copy is made once and remade when the weight changes."""
+    model = tiny_lm("llama")
+    packed, plain = OneDNNLinears(model), OneDNNLinears(model, pack=False)
+    assert packed.packed and not plain.packed
+    with torch.no_grad():
+        for shape in ((1, 1), (1, 5), (1, 40), (3, 7)):
+            ids = torch.randint(0, 100, shape, generator=torch.Generator().manual_seed(shape[1]))
+            with packed:
+                a = model(ids).logits
+            with plain:
+                b = model(ids).logits
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a, model(ids).logits, rtol=1e-5, atol=1e-5)  # MKL's, to rounding
+    layer = model.lm_head
+    first = onednn.packed_weight(layer)
+    assert onednn.packed_weight(layer) is first  # kept
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # changed in place: packed again
+    again = onednn.packed_weight(layer)
+    assert again is not first
+    x = torch.randn(4, layer.in_features)
+    torch.testing.assert_close(onednn._onednn_linear(layer, again, x), x @ layer.weight.T, rtol=1e-4, atol=1e-4)

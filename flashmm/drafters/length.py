@@ -100,7 +100,9 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     directory = Path(directory) if directory is not None else cache_dir()
-    path = directory / f"verify_cost_{_cost_key(model, grid, prefix_len, linear, batch)}.json"
+    routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
+    backend = linear + ("-packed" if getattr(routing, "packed", False) else "")
+    path = directory / f"verify_cost_{_cost_key(model, grid, prefix_len, backend, batch)}.json"
     if path.is_file():
         data = json.loads(path.read_text())
         return VerifyCost(tuple(data["nodes"]), tuple(data["seconds"]))
@@ -113,7 +115,6 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     cache = kv.new_cache()
     model(input_ids=prefix, past_key_values=cache, use_cache=True)
     seconds = []
-    routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
     for n in grid:
         feed = torch.randint(vocab, (batch, n), generator=gen).to(param.device)
         best = float("inf")
