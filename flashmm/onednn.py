@@ -93,6 +93,20 @@ def _onednn_linear(layer: torch.nn.Linear, weight: torch.Tensor, x: torch.Tensor
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def routable_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The layers OneDNNLinears routes: plain fp32 CPU ``nn.Linear`` whose forward is their own."""
+    return [layer for layer in model.modules()
+            if type(layer) is torch.nn.Linear and "forward" not in layer.__dict__
+            and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32]
+
+
+def packs(layers: list[torch.nn.Linear], pack: bool | None = None) -> bool:
+    """Whether OneDNNLinears multiplies ``layers`` with packed weights (``pack`` None: when torch
+    can and their weights total at most PACK_LIMIT_BYTES)."""
+    size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    return bool(layers) and can_pack() and (size <= PACK_LIMIT_BYTES if pack is None else pack)
+
+
 class OneDNNLinears:
     """Context manager: while entered, ``model``'s fp32 CPU ``nn.Linear`` layers compute with oneDNN.
 
@@ -107,11 +121,8 @@ class OneDNNLinears:
     """
 
     def __init__(self, model: torch.nn.Module, pack: bool | None = None):
-        layers = [layer for layer in model.modules()
-                  if type(layer) is torch.nn.Linear and "forward" not in layer.__dict__
-                  and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32]
-        size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
-        self.packed = bool(layers) and can_pack() and (size <= PACK_LIMIT_BYTES if pack is None else pack)
+        layers = routable_layers(model)
+        self.packed = packs(layers, pack)
         self.routes = [(layer, partial(_onednn_linear, layer, packed_weight(layer) if self.packed else layer.weight))
                        for layer in layers]
 

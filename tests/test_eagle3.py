@@ -347,7 +347,7 @@ def test_shipped_head_is_exact_on_smollm2(smollm2):
 
 def test_flash_k1_eagle2_tree_equals_brute_force_and_is_exact():
     from flashmm.drafters import FlashDrafter  # noqa: PLC0415
-    from flashmm.drafters.flash import head_logits  # noqa: PLC0415
+    from flashmm.drafters.flash_modules import head_logits  # noqa: PLC0415
 
     target = tiny_lm("llama", seed=0)
     drafter = FlashDrafter.from_target(target, tokens_per_step=1, seed=3, tree="eagle2", depth=3, top_k=3)

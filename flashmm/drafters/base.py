@@ -68,9 +68,9 @@ class Draft:
             raise ValueError("a draft with aux rows cannot be cut")
         if not 1 <= nodes <= self.tree.num_nodes:
             raise ValueError(f"cannot keep {nodes} of {self.tree.num_nodes} nodes")
-        cut = (lambda t: None if t is None else t[:, :nodes])
         return Draft(tokens=self.tokens[:, :nodes], tree=TokenTree(self.tree.parents[:nodes]),
-                     q_probs=cut(self.q_probs), values=None if self.values is None else self.values[:nodes])
+                     q_probs=None if self.q_probs is None else self.q_probs[:, :nodes],
+                     values=None if self.values is None else self.values[:nodes])
 
     def forward_layout(self) -> tuple[torch.Tensor, TokenTree]:
         """(tokens [B, N + A], tree of N + A nodes) the target scores: the draft tree, then the

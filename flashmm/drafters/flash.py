@@ -50,18 +50,10 @@ from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import TreeUnits, grow
 from .length import measured_verify_cost, paying_prefix, sequoia_rank_paths
-from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units
+from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
 from .prompt_lookup import NgramIndex
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
-
-
-def head_logits(head: torch.nn.Module, features: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """The target's LM head on features [..., d] → float32 logits [..., V] (final softcapping applied)."""
-    logits = head(features.to(head.weight.dtype)).float()
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
 
 
 @register

@@ -355,3 +355,11 @@ def build_units(net: FlashNet, features: torch.Tensor, input_embeds: torch.Tenso
     if not pieces:
         return features.new_zeros(0, net.cfg.hidden_size), torch.zeros(0, dtype=torch.long)
     return torch.cat(pieces, dim=0), torch.tensor(text_pos, dtype=torch.long)
+
+
+def head_logits(head: torch.nn.Module, features: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The target's LM head on features [..., d] → float32 logits [..., V] (final softcapping applied)."""
+    logits = head(features.to(head.weight.dtype)).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits

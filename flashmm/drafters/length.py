@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .. import cache as kv
-from ..onednn import OneDNNLinears
+from ..onednn import OneDNNLinears, packs, routable_layers
 
 DEFAULT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -100,9 +100,8 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     directory = Path(directory) if directory is not None else cache_dir()
-    routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
-    backend = linear + ("-packed" if getattr(routing, "packed", False) else "")
-    path = directory / f"verify_cost_{_cost_key(model, grid, prefix_len, backend, batch)}.json"
+    packed = linear == "onednn" and packs(routable_layers(model))  # (packing itself waits for a measurement)
+    path = directory / f"verify_cost_{_cost_key(model, grid, prefix_len, linear + '-packed' * packed, batch)}.json"
     if path.is_file():
         data = json.loads(path.read_text())
         return VerifyCost(tuple(data["nodes"]), tuple(data["seconds"]))
@@ -115,6 +114,7 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     cache = kv.new_cache()
     model(input_ids=prefix, past_key_values=cache, use_cache=True)
     seconds = []
+    routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
     for n in grid:
         feed = torch.randint(vocab, (batch, n), generator=gen).to(param.device)
         best = float("inf")
