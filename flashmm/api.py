@@ -29,7 +29,7 @@ class SpeculativeModel:
     """
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, processor=None, attention: str = "auto",
-                 linear: str = "auto", **config):
+                 linear: str = "auto", cuda_graphs: bool = False, **config):
         unknown = set(config) - _SPEC_FIELDS
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; SpecConfig fields are {sorted(_SPEC_FIELDS)}")
@@ -39,6 +39,8 @@ class SpeculativeModel:
         self.processor = processor
         self.spec = SpecConfig(**config)
         self.target = make_target(model, processor=processor, attention=attention, linear=linear)
+        if cuda_graphs:
+            self.target.use_cuda_graphs()
         self.drafter = drafter
         drafter.bind(self.target)
         if self.spec.prune != "none":
@@ -147,7 +149,7 @@ class SpeculativeModel:
 
 
 def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attention: str = "auto",
-         linear: str = "auto", **config) -> SpeculativeModel:
+         linear: str = "auto", cuda_graphs: bool = False, **config) -> SpeculativeModel:
     """Wrap ``model`` for speculative decoding with ``drafter``: an instance, a registered name, or the
     folder of a trained drafter (``flashmm.drafters.load``).
 
@@ -155,9 +157,14 @@ def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attenti
     attention path: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". ``linear``
     picks how the tree forwards' linear layers multiply: "auto" (oneDNN for an fp32 model on
     an x86-64 CPU, see flashmm.onednn; torch elsewhere), "onednn" or "torch" (the model's own layers).
+    ``cuda_graphs=True`` verifies each single sequence on a preallocated KV cache, every tree shape
+    captured once as a CUDA graph and replayed (flashmm.graphs: what a small model on a GPU needs,
+    where eager forwards are bound by kernel launches; the cache and its graphs are kept between
+    calls). Padded batches are still verified together, eagerly.
     """
     if isinstance(drafter, (str, os.PathLike)):
         drafter = resolve_name_or_dir(os.fspath(drafter))
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter must be a flashmm Drafter or a registered name, got {type(drafter).__name__}")
-    return SpeculativeModel(model, drafter, processor=processor, attention=attention, linear=linear, **config)
+    return SpeculativeModel(model, drafter, processor=processor, attention=attention, linear=linear,
+                            cuda_graphs=cuda_graphs, **config)

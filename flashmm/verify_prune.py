@@ -33,6 +33,9 @@ def check_prunable(target) -> None:
     if not hasattr(target, "kv_cache") or getattr(target, "recurrent", False) or getattr(target, "backend", "torch") != "torch":
         raise ValueError("prune='propd' splits the target's forward layer by layer: it needs a text causal LM "
                          "verified through the PyTorch path (attention='torch'), not a recurrent or Triton target")
+    if getattr(target, "cuda_graphs", False):
+        raise ValueError("prune='propd' runs the target's layers one by one, which CUDA-graph verification "
+                         "replays whole: wrap without cuda_graphs")
     check_supported(target.model)
 
 

@@ -95,6 +95,9 @@ class DraftModel(Drafter):
                 "with another tokenizer needs cross-tokenizer drafting (text-level re-tokenisation)")
         self._shared_vocab = min(rows, target.vocab_size)
         self._target_vocab = target.vocab_size
+        device = target.model.get_output_embeddings().weight.device
+        if next(self.model.parameters()).device != device:
+            self.model.to(device)  # it drafts from the target's committed ids, on their device
         if self.budget == "auto" and self.adaptive and self.length.verify_cost is None:
             self._measure_costs(target)
 

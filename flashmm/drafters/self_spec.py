@@ -54,6 +54,9 @@ class SelfDrafter(Drafter):
         if not hasattr(target, "kv_cache") or getattr(target, "recurrent", False):
             raise ValueError(f"{type(self).__name__} drafts through the target's own attention layers and KV "
                              f"cache; {type(target).__name__} (recurrent or multimodal) has none it can share")
+        if getattr(target, "cuda_graphs", False):
+            raise ValueError(f"{type(self).__name__} drafts on the target's own growing KV cache, which CUDA-graph "
+                             "verification replaces with fixed slots: wrap without cuda_graphs")
         self.runner = LayerRunner(target.model)  # refuses unsupported families, naming the supported ones
         self.target = target
         if self.budget == "auto":

@@ -23,6 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from .. import cache as kv
+from .. import graphs
 from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..tree import TokenTree
 from . import recurrent
@@ -76,6 +77,22 @@ class CausalLMTarget(Target):
             layer_types = ["sliding_attention"]
         self._mask_types = sorted(set(layer_types)) or ["full_attention"]
         self._window = window
+        #: verification on a SlotCache with CUDA-graph replays (use_cuda_graphs; flashmm.graphs)
+        self.cuda_graphs = False
+        self._graphs: graphs.GraphedForwards | None = None
+
+    def use_cuda_graphs(self) -> None:
+        """Verify every single-sequence step on a preallocated SlotCache, each tree shape captured once as a
+        CUDA graph and replayed (flashmm.graphs; on a CPU the same cache runs eagerly). Padded batches are
+        still verified together, eagerly. Raises ValueError for a model whose forwards cannot be replayed
+        with fixed shapes."""
+        why = ("keeps recurrent states" if self.recurrent else "derives its own positions" if self.derives_positions
+               else "has sliding-window layers" if "sliding_attention" in self._mask_types else None)
+        if why:
+            raise ValueError(f"cuda_graphs: {type(self.model).__name__} {why}, which flashmm's graph-replayed "
+                             "verification does not handle; wrap it without cuda_graphs")
+        self.cuda_graphs = True
+        self.backend = "torch"  # 4D masks over the cache's slots; the Triton kernels are not captured
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -90,9 +107,9 @@ class CausalLMTarget(Target):
 
     @property
     def kv_cache(self):
-        """The running sequence's DynamicCache (None before a prefill and on the batched path), for
-        self-speculation that runs the model's own layers on it (flashmm.targets.layers)."""
-        return self._cache
+        """The running sequence's DynamicCache (None before a prefill, on the batched path and with CUDA
+        graphs), for self-speculation that runs the model's own layers on it (flashmm.targets.layers)."""
+        return None if self.cuda_graphs else self._cache
 
     def tree_started(self, prefix_len: int) -> None:
         """A tree forward run outside forward_tree (ProPD, flashmm.verify_prune) appended its rows after
@@ -138,10 +155,14 @@ class CausalLMTarget(Target):
     #: chains are verified with the model's own causal mask unless positions are non-trivial
     explicit_chain_positions = False
 
-    def start_sequence(self) -> None:
+    def start_sequence(self, prompt_len: int | None = None) -> None:
         """A fresh cache; with the oneDNN linear backend, the layers flashmm's forwards route (see
-        flashmm.onednn). The model's attention implementation is left as the user loaded it."""
-        if self.recurrent:
+        flashmm.onednn). The model's attention implementation is left as the user loaded it. With CUDA
+        graphs and a prompt_len (single sequences), the SlotCache of the last sequence is reused when the
+        prompt fits it, so its graphs replay again."""
+        if self.cuda_graphs and prompt_len is not None:
+            self._start_slots(prompt_len)
+        elif self.recurrent:
             self._cache = recurrent.RecurrentCache(self.model.config.get_text_config(decoder=True))
             self._verification = recurrent.RecurrentVerification(self._cache, self.stepwise)
         else:
@@ -161,15 +182,44 @@ class CausalLMTarget(Target):
                           "the same tokens, without the Triton kernels", stacklevel=4)
             return None
 
+    def _start_slots(self, prompt_len: int) -> None:
+        if self._graphs is None or self._graphs.cache.capacity < prompt_len + graphs.SLOT_BLOCK // 2:
+            self._graphs = graphs.GraphedForwards(self.model, graphs.new_slot_cache(self.model, prompt_len),
+                                                  self.linears)
+        self._graphs.cache.length = 0
+        self._cache = self._graphs.cache
+
+    def prompt_attention(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """The attention mask a single sequence's prefill passes: the caller's, or with CUDA graphs a causal
+        4D mask over the SlotCache's slots (the prompt then fills slots 0 .. T-1)."""
+        if not self.cuda_graphs:
+            return attention_mask
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("cuda_graphs: a single sequence's prompt carries no padding")
+        batch, length = input_ids.shape
+        cache = self._cache
+        cache.write_at = torch.arange(length, device=self.device)
+        mask = graphs.prefix_mask(cache, length, batch, self.model.dtype, self.device)
+        causal = torch.ones(length, length, dtype=torch.bool, device=self.device).tril()
+        mask[..., :length] = mask[..., :length].masked_fill(causal, 0)
+        return mask
+
+    def prompt_written(self, input_ids: torch.Tensor) -> None:
+        """After a single sequence's prefill forward: with CUDA graphs, the prompt holds the first slots."""
+        if self.cuda_graphs:
+            self._cache.length = input_ids.shape[1]
+
     def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
-        self.start_sequence()
+        self.start_sequence(input_ids.shape[1])
         model_inputs = {**generate_position_ids(self.model, input_ids, attention_mask), **model_inputs}
+        attention_mask = self.prompt_attention(input_ids, attention_mask)
         with self._linears:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                              output_hidden_states=bool(want_hidden), logits_to_keep=1,
                              **{self.cache_argument: self._cache}, **model_inputs)
         if self.recurrent:
             self._cache.counted = input_ids.shape[1]
+        self.prompt_written(input_ids)
         hidden = select_hidden(out.hidden_states, want_hidden)
         return TargetOutput(out.logits[:, -1:], hidden)
 
@@ -177,6 +227,8 @@ class CausalLMTarget(Target):
         """tokens [B, N] → logits [B, N, V] (and last-layer hidden [B, N, d])."""
         if self._verification is not None:
             return TargetOutput(*self._verification.forward(self._run_chain, tokens, tree, want_hidden))
+        if self.cuda_graphs:
+            return self._graph_tree(tokens, tree, want_hidden)
         prefix_len = self.cache_len
         self._tree_prefix_len = prefix_len
         switch = self.kernel_attention(tree)
@@ -190,6 +242,20 @@ class CausalLMTarget(Target):
             out = self.model(**args)
         hidden = select_hidden(out.hidden_states, want_hidden)
         return TargetOutput(out.logits, hidden)
+
+    def _graph_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden) -> TargetOutput:
+        """forward_tree on the SlotCache: the tree's rows at slots prefix .. prefix+N-1, seeing the prefix
+        and their ancestors (flashmm.graphs.GraphedForwards replays the step's graph on CUDA)."""
+        cache, n, batch = self._cache, tree.num_nodes, tokens.shape[0]
+        prefix_len = self._tree_prefix_len = cache.length
+        if cache.grow(prefix_len + n):
+            self._graphs.reset()
+        dtype = self.model.dtype
+        mask = graphs.prefix_mask(cache, n, batch, dtype, self.device)
+        mask[..., prefix_len : prefix_len + n] = tree.attention_bias(0, dtype, self.device)[0, 0]
+        write_at = torch.arange(prefix_len, prefix_len + n, device=self.device)
+        positions = self.tree_position_ids(tree, prefix_len, batch)
+        return TargetOutput(*self._graphs.run(tokens, positions, write_at, mask, want_hidden))
 
     def _run_chain(self, tokens: torch.Tensor, want_hidden: bool):
         """Recurrent targets: tokens [1, n] as a chain at the end of the cache → (logits [1, n, V],
@@ -248,6 +314,8 @@ class CausalLMTarget(Target):
     def commit(self, path: torch.Tensor) -> None:
         if self._verification is not None:
             self._verification.commit(path)
+        elif self.cuda_graphs:
+            self._cache.keep(self._tree_prefix_len, path)
         elif self.backend == "triton":
             kv.keep_rows_kernel(self._cache, self._tree_prefix_len, path)
         else:

@@ -98,14 +98,16 @@ class VisualTarget(CausalLMTarget):
         """
         self.check_media(input_ids, model_inputs)
         model_inputs = self.model_kwargs(input_ids, attention_mask, model_inputs)
-        self.start_sequence()
+        self.start_sequence(input_ids.shape[1])
         self._prompt_cache = None
+        attention_mask = self.prompt_attention(input_ids, attention_mask)
         with self.watching_prompt(input_ids, bool(want_hidden)) as captured, self._linears:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                              output_hidden_states=bool(want_hidden), logits_to_keep=1,
                              **{self.cache_argument: self._cache}, **model_inputs)
         if self.recurrent:
             self._cache.counted = input_ids.shape[1]
+        self.prompt_written(input_ids)
         if captured:
             self._prompt_cache = (input_ids, captured[0])
         hidden = select_hidden(out.hidden_states, want_hidden)

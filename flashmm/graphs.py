@@ -1,0 +1,195 @@
+"""Tree forwards replayed from CUDA graphs, on a preallocated KV cache.
+
+On a GPU an eager forward of a small model is bound by kernel launches and Python, not by the
+arithmetic: SmolLM2-135M issues some 400 kernels per forward. A CUDA graph captured once per
+shape replays them all in one launch. Shapes must then be fixed, so verification runs on
+``SlotCache``: every layer's keys and values preallocated as [B, H, capacity, D], each forward
+writing its rows at the slots ``write_at`` names (a device tensor, so a replay writes where the
+step says without re-capturing) and attending over all ``capacity`` slots through a 4D additive
+mask (slots past the committed prefix and the step's own tree are masked out). One graph is
+captured per (node count, hidden-state request) the first time a step needs it; the cache's
+tensors, the step's inputs and the graph's outputs keep their addresses from then on. A cache
+that runs out of slots doubles (and the graphs are captured again for the new tensors).
+
+On a CPU the same cache and masks run eagerly (no graph): the path is tested anywhere against the
+model's own ``generate``, and on a GPU only the capture is added.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+#: slots a fresh cache gets beyond the prompt, rounded up to a multiple of this
+SLOT_BLOCK = 512
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values [B, H, capacity, D]; ``update`` writes the rows of a forward at the
+    slots its cache's ``write_at`` [n] names and returns every slot (masks hide the unused ones)."""
+
+    def __init__(self, cache: "SlotCache"):
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, _ = key_states.shape
+        capacity = self.cache.capacity
+        self.keys = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
+        self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, self.cache.write_at, key_states)
+        self.values.index_copy_(2, self.cache.write_at, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.cache.capacity, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.length
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+    def resize(self, capacity: int) -> None:
+        """Move the rows into tensors of ``capacity`` slots (the first ``length`` rows matter)."""
+        if not self.is_initialized:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
+            kept = min(old.shape[2], capacity)
+            new[:, :, :kept] = old[:, :, :kept]
+            setattr(self, name, new)
+
+
+class SlotCache(Cache):
+    """The KV cache of CUDA-graph verification: ``length`` committed rows (slots 0 .. length-1), room
+    for ``capacity``; forwards write at ``write_at`` (LongTensor [n] of slots)."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+        self.capacity = capacity
+        self.length = 0
+        self.write_at: torch.Tensor | None = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def grow(self, needed: int) -> bool:
+        """Make room for ``needed`` slots (doubling); True when the tensors moved."""
+        if needed <= self.capacity:
+            return False
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        for layer in self.layers:
+            layer.resize(capacity)
+        self.capacity = capacity
+        return True
+
+    def keep(self, prefix_len: int, path: torch.Tensor) -> None:
+        """Keep slots 0 .. prefix_len-1, then the accepted nodes' rows prefix_len + path[b] (path [B, L],
+        root first) moved to slots prefix_len .. prefix_len+L-1; what lies past them is masked later."""
+        length = path.shape[1]
+        if not bool((path == torch.arange(length, device=path.device)).all()):
+            layers = [layer for layer in self.layers if layer.is_initialized]
+            tensors = [t for layer in layers for t in (layer.keys, layer.values)]
+            if not _kv_keep_kernel(tensors, prefix_len, path):
+                index = (path.to(tensors[0].device) + prefix_len)[:, None, :, None]
+                for t in tensors:
+                    kept = t.gather(2, index.expand(t.shape[0], t.shape[1], length, t.shape[3]))
+                    t[:, :, prefix_len : prefix_len + length] = kept  # gathered first: rows may overlap
+        self.length = prefix_len + length
+
+
+def _kv_keep_kernel(tensors: list, prefix_len: int, path: torch.Tensor) -> bool:
+    """flashmm.kernels.kv_keep (one launch for every layer) on CUDA; False where it does not run."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return False
+    try:
+        from .kernels import kv_keep  # noqa: PLC0415 (triton loads on first use)
+
+        kv_keep(tensors, prefix_len, path.to(tensors[0].device))
+        return True
+    except (ImportError, ValueError):
+        return False
+
+
+def new_slot_cache(model: torch.nn.Module, prompt_len: int) -> SlotCache:
+    config = model.config.get_text_config(decoder=True)
+    capacity = -(-(prompt_len + SLOT_BLOCK) // SLOT_BLOCK) * SLOT_BLOCK
+    return SlotCache(config.num_hidden_layers, capacity)
+
+
+def prefix_mask(cache: SlotCache, rows: int, batch: int, dtype, device) -> torch.Tensor:
+    """Additive mask [B, 1, rows, capacity] with the committed prefix visible and every other slot hidden;
+    a forward then opens its own rows (causal for a prompt, ancestry for a tree)."""
+    mask = torch.full((batch, 1, rows, cache.capacity), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[..., : cache.length] = 0
+    return mask
+
+
+class GraphedForwards:
+    """Forwards of ``model`` on a SlotCache: on CUDA each (node count, hidden request) is captured once
+    as a CUDA graph and replayed; elsewhere they run eagerly. ``run`` takes the step's inputs and
+    returns fresh output tensors (the graph's own are overwritten by the next replay)."""
+
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, linears):
+        """linears: the target's ``linears`` (a callable giving the context its forwards run in)."""
+        self.model, self.cache, self.linears = model, cache, linears
+        self.graphs: dict = {}
+        self.pool = None
+
+    def forward(self, ids, positions, mask, want_hidden):
+        with self.linears():
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache,
+                             use_cache=True, output_hidden_states=bool(want_hidden))
+        from .targets.base import select_hidden  # noqa: PLC0415 (targets import this module)
+
+        return out.logits, select_hidden(out.hidden_states, want_hidden)
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor,
+            want_hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [B, n], positions (the model's layout), write_at [n] slots, mask [B, 1, n, capacity]
+        → (logits [B, n, V], hidden or None)."""
+        if ids.device.type != "cuda":
+            self.cache.write_at = write_at
+            return self.forward(ids, positions, mask, want_hidden)
+        key = (ids.shape, positions.shape, self.cache.capacity, want_hidden if isinstance(want_hidden, tuple)
+               else bool(want_hidden))
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self.capture(ids, positions, write_at, mask, want_hidden)
+        else:
+            inputs = entry[1]
+            for buffer, value in zip(inputs, (ids, positions, write_at, mask)):
+                buffer.copy_(value)
+            entry[0].replay()
+        logits, hidden = entry[2]
+        return logits.clone(), None if hidden is None else hidden.clone()
+
+    def capture(self, ids, positions, write_at, mask, want_hidden):
+        """Capture one step's graph with this step's own inputs (the warm-up forwards write the very rows
+        this step writes), then replay it once: the step's outputs."""
+        inputs = tuple(t.clone() for t in (ids, positions, write_at, mask))
+        self.cache.write_at = inputs[2]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # allocations, library handles and autotuning happen outside the capture
+                self.forward(inputs[0], inputs[1], inputs[3], want_hidden)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.forward(inputs[0], inputs[1], inputs[3], want_hidden)
+        self.pool = graph.pool()
+        graph.replay()
+        return graph, inputs, outputs
+
+    def reset(self) -> None:
+        """Forget the graphs (the cache's tensors moved)."""
+        self.graphs.clear()

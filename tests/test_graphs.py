@@ -1,0 +1,157 @@
+"""CUDA-graph verification (flashmm.graphs): the SlotCache path gives the model's own generate's tokens.
+
+On this CPU the same preallocated cache, slot writes, 4D masks over every slot and in-place path
+keeps run eagerly (only the capture is CUDA's); the reference is the model's own ``generate`` and,
+for sampling, flashmm's ordinary path with the same seed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashmm
+from flashmm import graphs
+from flashmm.drafters.base import Draft, Drafter, root_only
+from flashmm.tree import TokenTree
+
+from mm_models import make_inputs, tiny_vlm
+from text_models import VOCAB, prompt, tiny_lm
+
+
+class BranchingOracle(Drafter):
+    """Drafts 3-wide trees around a known continuation whose correct child is the middle one (so kept
+    paths are not a prefix of node order); every third step a wrong level cuts the path short."""
+
+    def __init__(self, reference: torch.Tensor, depth: int = 3):
+        self.reference, self.depth, self.steps, self.vocab = reference[0].tolist(), depth, 0, None
+
+    def bind(self, target):
+        self.vocab = target.vocab_size
+
+    def begin(self, start):
+        pass
+
+    def propose(self, committed, max_tokens, sampling, generator) -> Draft:
+        truth = self.reference[committed.shape[1]: committed.shape[1] + self.depth]
+        self.steps += 1
+        if not truth:
+            return root_only(committed)
+        parents, tokens, node = [-1], [int(committed[0, -1])], 0
+        for d, token in enumerate(truth):
+            if d == 1 and self.steps % 3 == 0:
+                token = (token + 3) % self.vocab
+            for child in ((token + 1) % self.vocab, token, (token + 2) % self.vocab):
+                parents.append(node)
+                tokens.append(child)
+            node = len(tokens) - 2
+        return Draft(tokens=committed.new_tensor([tokens]), tree=TokenTree.from_parents(parents))
+
+
+def repetitive_prompt() -> torch.Tensor:
+    ids = prompt(40, seed=3)
+    return torch.cat([ids, ids[:, :12], ids[:, 5:15]], dim=1)
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "token_recycling", "oracle"])
+def test_greedy_matches_generate_across_cache_growth_and_calls(drafter, monkeypatch):
+    """Tokens equal generate's while the SlotCache doubles twice mid-sequence (the graphs are dropped with
+    it) and when a second call reuses the cache of the first."""
+    monkeypatch.setattr(graphs, "SLOT_BLOCK", 32)
+    model, ids = tiny_lm("llama"), repetitive_prompt()
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=200, do_sample=False)
+        ref_short = model.generate(ids[:, :30], max_new_tokens=25, do_sample=False)
+    made = BranchingOracle(ref) if drafter == "oracle" else drafter
+    sm = flashmm.wrap(model, made, cuda_graphs=True)
+    out = sm.generate(ids, max_new_tokens=200, do_sample=False)
+    assert torch.equal(out, ref)
+    cache = sm.target._graphs.cache
+    first = -(-(ids.shape[1] + 32) // 32) * 32                              # the capacity it started with
+    assert cache.capacity >= 4 * first and cache.capacity >= ids.shape[1] + 200  # it doubled twice
+    if drafter == "oracle":
+        made.reference, made.steps = ref_short[0].tolist(), 0
+    assert torch.equal(sm.generate(ids[:, :30], max_new_tokens=25, do_sample=False), ref_short)
+    assert sm.target._graphs.cache is cache                                  # reused, graphs kept
+
+
+def test_sampling_draws_what_the_ordinary_path_draws():
+    """Same seed, same drafter: the slot path samples the very tokens the DynamicCache path samples (its
+    logits differ from them by fp32 rounding only), so its distribution is the one the verifier tests
+    (tests/test_verify_distribution.py) establish for the ordinary path."""
+    model, ids = tiny_lm("qwen2", seed=1), repetitive_prompt()
+    outs = []
+    for graphed in (False, True):
+        sm = flashmm.wrap(model, "token_recycling", cuda_graphs=graphed)
+        outs.append(sm.generate(ids, max_new_tokens=60, min_new_tokens=60, do_sample=True, temperature=1.0, top_k=0,
+                                generator=torch.Generator().manual_seed(7)))
+    assert torch.equal(outs[0], outs[1])
+    assert len(set(outs[0][0, ids.shape[1]:].tolist())) > 10
+
+
+def test_slot_cache_keep_moves_the_accepted_rows():
+    """keep() against a float64 brute force: slots after the prefix hold the path's rows in path order."""
+    cache = graphs.SlotCache(num_layers=2, capacity=16)
+    rows = torch.arange(2 * 3 * 16 * 4, dtype=torch.float64).reshape(2, 3, 16, 4)
+    for layer in cache.layers:
+        layer.keys, layer.values, layer.is_initialized = rows.clone(), -rows.clone(), True
+    path = torch.tensor([[0, 2, 5], [0, 1, 3]])
+    cache.keep(6, path)
+    assert cache.length == 9
+    for layer in cache.layers:
+        for b in range(2):
+            want = rows[b, :, [6 + int(p) for p in path[b]]]
+            assert torch.equal(layer.keys[b, :, 6:9], want) and torch.equal(layer.values[b, :, 6:9], -want)
+            assert torch.equal(layer.keys[b, :, :6], rows[b, :, :6])
+
+
+def test_llava_with_images_matches_generate():
+    model, processor = tiny_vlm("llava")
+    inputs = make_inputs(processor, "llava", images=1)
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    sm = flashmm.wrap(model, BranchingOracle(ref), processor=processor, cuda_graphs=True)
+    assert torch.equal(sm.generate(**inputs, max_new_tokens=20, do_sample=False), ref)
+    assert sm.last_stats.accepted_tokens > 0
+
+
+def test_what_cannot_be_replayed_is_refused_by_name():
+    with pytest.raises(ValueError, match="sliding-window"):
+        flashmm.wrap(tiny_lm("gemma3"), "prompt_lookup", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        flashmm.wrap(tiny_lm("llama"), "prompt_lookup", cuda_graphs=True, prune="propd")
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        flashmm.wrap(tiny_lm("llama"), flashmm.drafters.make_drafter("layerskip", exit_layer=1),
+                     cuda_graphs=True)
+
+
+def test_a_padded_batch_is_still_verified_together():
+    model = tiny_lm("llama")
+    ids = torch.cat([torch.zeros(1, 6, dtype=torch.long), prompt(20)], 1)
+    ids = torch.cat([ids, prompt(26, seed=5)])
+    mask = (ids != 0).long()
+    mask[1] = 1
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False)
+    sm = flashmm.wrap(model, "prompt_lookup", cuda_graphs=True)
+    assert torch.equal(sm.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False), ref)
+    assert VOCAB == model.config.vocab_size
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a GPU only")
+def test_cuda_graph_replays_match_generate_on_the_gpu():
+    """On a GPU: each step's shape captured once and replayed; greedy tokens equal generate's on the same
+    device (fp32), with a tree drafter whose kept paths skip nodes, and sampling draws what the
+    eager path draws."""
+    model, ids = tiny_lm("llama").cuda(), repetitive_prompt().cuda()
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=150, do_sample=False)
+    for drafter in ("prompt_lookup", BranchingOracle(ref)):
+        sm = flashmm.wrap(model, drafter, cuda_graphs=True)
+        assert torch.equal(sm.generate(ids, max_new_tokens=150, do_sample=False), ref)
+        assert sm.target._graphs.graphs                                  # replayed, not run eagerly
+    outs = []
+    for graphed in (False, True):
+        sm = flashmm.wrap(model, "token_recycling", cuda_graphs=graphed)
+        outs.append(sm.generate(ids, max_new_tokens=60, min_new_tokens=60, do_sample=True, top_k=0,
+                                generator=torch.Generator(device="cuda").manual_seed(7)))
+    assert torch.equal(outs[0], outs[1])
