@@ -70,7 +70,7 @@ def parse_drafter(spec: str, tokenizer=None):
         draft, draft_tokenizer = load_gguf_lm(kwargs.pop("draft", "smollm2"))
         label = f"{name}:{kwargs['mode']}" if "mode" in kwargs else name
         return label, flashmm.drafters.CrossTokenizerDraft(draft, draft_tokenizer, tokenizer, **kwargs)
-    return name, flashmm.drafters.make_drafter(name, **kwargs)
+    return (f"{name}:{options}" if options else name), flashmm.drafters.make_drafter(name, **kwargs)
 
 
 def prompt_ids(tokenizer, question: str) -> torch.Tensor:
