@@ -86,7 +86,8 @@ def run_items(items: list[dict], methods: dict, wrapped: dict, max_new: int, war
             if name in wrapped:
                 st = wrapped[name].last_stats
                 rec[name].update(verify_steps=st.verify_steps, accepted=st.accepted_tokens,
-                                 new_tokens_counted=st.new_tokens)
+                                 new_tokens_counted=st.new_tokens, draft_seconds=st.draft_seconds,
+                                 verify_seconds=st.verify_seconds)
         plain = outs["plain"]
         rec["tokens"] = new_tokens(plain, prompt_len, eos)
         for name in outs:
@@ -126,6 +127,8 @@ def summarize(records: list[dict], names: list[str]) -> dict:
             if "verify_steps" in ok[0][name]:
                 steps = sum(r[name]["verify_steps"] for r in ok)
                 m["tau"] = (sum(r[name]["accepted"] for r in ok) + steps) / max(steps, 1)
+                m["draft_ms_per_step"] = sum(r[name]["draft_seconds"] for r in ok) / max(steps, 1) * 1e3
+                m["verify_ms_per_step"] = sum(r[name]["verify_seconds"] for r in ok) / max(steps, 1) * 1e3
             s[name] = m
         for name in names:
             for base in ("plain", "plain_static"):
