@@ -114,6 +114,7 @@ def main(argv=None):
     ap.add_argument("--prefix", nargs="+", type=int, default=[256, 1024])
     ap.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--no-compiled", action="store_true", help="skip the compiled plain step (compiling takes minutes)")
     ap.add_argument("--tiny", action="store_true", help="2 layers, d = 64: a smoke test anywhere")
     ap.add_argument("--out", default="eval/results/gpu_step_cost")
     args = ap.parse_args(argv)
@@ -129,7 +130,7 @@ def main(argv=None):
         model = LlamaForCausalLM(LlamaConfig(**config)).to(device=device, dtype=dtype).eval()
         for prefix_len in args.prefix:
             prompt = torch.randint(3, 1000, (1, prefix_len), device=device)
-            compiled = compiled_ms_per_token(model, prefix_len) if device == "cuda" else None
+            compiled = compiled_ms_per_token(model, prefix_len) if device == "cuda" and not args.no_compiled else None
             targets = {}
             for graphs in (False, True):
                 target = make_target(model)
