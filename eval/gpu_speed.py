@@ -11,7 +11,7 @@ eager or with ``cuda_graphs=True`` (flashmm.graphs: every verification shape cap
 replayed). Parts:
 
   text1  SmolLM2-135M-Instruct, Spec-Bench dev questions (first turn, chat template), one at a time
-  text8  the same questions left-padded into batches of 8 (flashmm verifies a batch together, eagerly)
+  text8  the same questions left-padded into batches of 8 (flashmm verifies a batch together)
   mm     the reference LMM (LLaVA on SmolLM2): image and video captioning, VQA, with FLASH
 
 Every method runs on every item back to back in a rotating order after a warm-up pass over the
@@ -172,15 +172,13 @@ def text_models(args, device, dtype):
 
 def text_drafters(args, batch: int) -> dict:
     graphs = {"cuda_graphs": True}
-    drafters = {"pl": ("prompt_lookup", {})}
+    drafters = {"pl": ("prompt_lookup", {}), "pl_graphs": ("prompt_lookup", graphs)}
     if batch == 1:
-        drafters.update(pl_graphs=("prompt_lookup", graphs), suffix_graphs=("suffix", graphs))
+        drafters.update(suffix_graphs=("suffix", graphs))
     for folder in args.text_drafters:
-        drafter = flashmm.drafters.load(folder)
         name = Path(folder).name
-        drafters[name] = (drafter, {})
-        if batch == 1:
-            drafters[name + "_graphs"] = (flashmm.drafters.load(folder), graphs)
+        drafters[name] = (flashmm.drafters.load(folder), {})
+        drafters[name + "_graphs"] = (flashmm.drafters.load(folder), graphs)
     return drafters
 
 

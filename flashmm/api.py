@@ -157,10 +157,10 @@ def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attenti
     attention path: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". ``linear``
     picks how the tree forwards' linear layers multiply: "auto" (oneDNN for an fp32 model on
     an x86-64 CPU, see flashmm.onednn; torch elsewhere), "onednn" or "torch" (the model's own layers).
-    ``cuda_graphs=True`` verifies each single sequence on a preallocated KV cache, every tree shape
-    captured once as a CUDA graph and replayed (flashmm.graphs: what a small model on a GPU needs,
-    where eager forwards are bound by kernel launches; the cache and its graphs are kept between
-    calls). Padded batches are still verified together, eagerly.
+    ``cuda_graphs=True`` verifies on a preallocated KV cache, every step shape captured once as a CUDA
+    graph and replayed (flashmm.graphs: what a small model on a GPU needs, where eager forwards are
+    bound by kernel launches; the caches and their graphs are kept between calls), single sequences
+    and padded batches alike.
     """
     if isinstance(drafter, (str, os.PathLike)):
         drafter = resolve_name_or_dir(os.fspath(drafter))

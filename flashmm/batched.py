@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafters.length import batch_bucket, measured_verify_cost, price_for_batch
+from .graphs import SlotCache
 from .targets.base import select_hidden
 from .tree import TokenTree, padded_trees
 
@@ -56,10 +57,13 @@ class BatchState:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (LongTensor [B'] of row indices), dropping the others' cache rows."""
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
-                layer.values = layer.values.index_select(0, rows.to(layer.values.device))
+        if isinstance(self.cache, SlotCache):
+            self.cache.use_rows(rows)  # rows move within the preallocated tensors (graphs stay valid)
+        else:
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
+                    layer.values = layer.values.index_select(0, rows.to(layer.values.device))
         self.valid, self.slot_pos, self.root_pos = self.valid[rows], self.slot_pos[rows], self.root_pos[rows]
         self.offset = self.offset[rows.to(self.offset.device)]
 
@@ -75,19 +79,37 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     """
     from transformers import DynamicCache  # noqa: PLC0415
 
-    cache = DynamicCache()
     mask = attention_mask.to(input_ids.device)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     full = bool((mask == 1).all())
     target.start_sequence()
+    cache, attention = DynamicCache(), None if full else mask
+    if getattr(target, "cuda_graphs", False):
+        cache = target.batch_slots(*input_ids.shape)
+        attention = slot_prompt_mask(cache, mask, target.model.dtype)
     kwargs, offset = target.batch_prompt(input_ids, mask, dict(model_inputs))
     with target.watching_prompt(input_ids, bool(want_hidden)) as embeds, target.linears():
-        out = target.model(input_ids=input_ids, attention_mask=None if full else mask, past_key_values=cache,
+        out = target.model(input_ids=input_ids, attention_mask=attention, past_key_values=cache,
                            use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=1, **kwargs)
+    if isinstance(cache, SlotCache):
+        cache.length = input_ids.shape[1]
     hidden = select_hidden(out.hidden_states, want_hidden)
     state = BatchState(cache=cache, valid=mask.bool(), slot_pos=positions, root_pos=mask.long().sum(-1),
                        offset=offset.to(mask.device))
     return out.logits[:, -1], hidden, (embeds[0] if embeds else None), state
+
+
+def slot_prompt_mask(cache: SlotCache, mask: torch.Tensor, dtype) -> torch.Tensor:
+    """The additive mask [B, 1, T, capacity] of a padded prompt [B, T] on a SlotCache (CUDA graphs): causal
+    over the real tokens; a padding position sees only itself (finite rows nothing reads)."""
+    length = mask.shape[1]
+    cache.write_at = torch.arange(length, device=mask.device)
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    allowed = (causal[None] & mask.bool()[:, None, :]) | torch.eye(length, dtype=torch.bool, device=mask.device)
+    bias = torch.full((mask.shape[0], 1, length, cache.capacity), torch.finfo(dtype).min, dtype=dtype,
+                      device=mask.device)
+    bias[:, 0, :, :length] = bias[:, 0, :, :length].masked_fill(allowed, 0)
+    return bias
 
 
 def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dtype) -> tuple[dict, torch.Tensor]:
@@ -113,6 +135,8 @@ def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dt
 def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[TokenTree], want_hidden: bool):
     """tokens [B, W] (each row's tree, padded) → (logits [B, W, V], hidden [B, W, d] or None).
     The cache grows by W slots (valid only once kept by ``keep_paths``)."""
+    if isinstance(state.cache, SlotCache):
+        return graph_trees(target, state, tokens, trees, want_hidden)
     switch = target.kernel_attention(max(trees, key=lambda tree: tree.max_depth))  # None: 4D masks
     if switch is None:
         masks, positions = tree_masks(target, state, trees, tokens.shape[1], target.model.dtype)
@@ -129,6 +153,23 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
                            past_key_values=state.cache, use_cache=True, output_hidden_states=bool(want_hidden),
                            **mask_args)
     return out.logits, select_hidden(out.hidden_states, want_hidden)
+
+
+def graph_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[TokenTree], want_hidden: bool):
+    """forward_trees on the batch's SlotCache (CUDA graphs: flashmm.graphs): the padded trees at slots
+    L .. L+W-1, each row seeing its valid slots and its tree's ancestry, the rest of the slots hidden."""
+    cache, (batch, width), slots = state.cache, tokens.shape, state.num_slots
+    if cache.grow(slots + width):
+        target._batch_graphs.reset()
+    allowed_tree, depth = padded_trees(trees, state.valid.device)                 # [B, W, W], [B, W]
+    dtype = target.model.dtype
+    lowest = torch.finfo(dtype).min
+    mask = torch.full((batch, 1, width, cache.capacity), lowest, dtype=dtype, device=state.valid.device)
+    mask[:, 0, :, :slots] = mask[:, 0, :, :slots].masked_fill(state.valid[:, None, :], 0)
+    mask[:, 0, :, slots : slots + width] = mask[:, 0, :, slots : slots + width].masked_fill(allowed_tree, 0)
+    write_at = torch.arange(slots, slots + width, device=state.valid.device)
+    positions = target.batch_position_ids(state.root_pos[:, None] + depth + state.offset[:, None])
+    return target._batch_graphs.run(tokens, positions, write_at, mask, want_hidden)
 
 
 def batch_width(drafts: list, verify_cost) -> int:
@@ -167,8 +208,9 @@ def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
     # accepted chain prefixes (every path 0, 1, ..., a_b) already sit where they are kept: only the
     # rows past the longest go (what lies past a shorter row's path stays, as a hole)
     in_place = all(path.tolist() == list(range(path.numel())) for path in paths)
+    slotted = isinstance(state.cache, SlotCache)  # preallocated: rows moved in place, never cropped
     for layer in state.cache.layers:
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0 or (slotted and in_place):
             continue
         if in_place:
             layer.keys = layer.keys[:, :, : prefix + longest]
@@ -180,8 +222,11 @@ def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
         new_v = layer.values.gather(2, idx.expand(-1, heads, -1, layer.values.shape[-1]))
         layer.keys[:, :, prefix : prefix + longest] = new_k  # gathered first: sources may overlap
         layer.values[:, :, prefix : prefix + longest] = new_v
-        layer.keys = layer.keys[:, :, : prefix + longest]
-        layer.values = layer.values[:, :, : prefix + longest]
+        if not slotted:
+            layer.keys = layer.keys[:, :, : prefix + longest]
+            layer.values = layer.values[:, :, : prefix + longest]
+    if slotted:
+        state.cache.length = prefix + longest
     offsets = torch.arange(longest, device=device)
     state.valid = torch.cat([state.valid, kept], dim=1)
     state.slot_pos = torch.cat([state.slot_pos, state.root_pos[:, None] + offsets[None]], dim=1)

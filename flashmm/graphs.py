@@ -9,7 +9,10 @@ step says without re-capturing) and attending over all ``capacity`` slots throug
 mask (slots past the committed prefix and the step's own tree are masked out). One graph is
 captured per (node count, hidden-state request) the first time a step needs it; the cache's
 tensors, the step's inputs and the graph's outputs keep their addresses from then on. A cache
-that runs out of slots doubles (and the graphs are captured again for the new tensors).
+that runs out of slots doubles (and the graphs are captured again for the new tensors). A padded
+batch (flashmm.batched) runs on its own SlotCache: its rows are views of the first rows of the
+allocation, so when finished rows leave, the others move up within the same tensors and the
+graphs of each batch size stay valid.
 
 On a CPU the same cache and masks run eagerly (no graph): the path is tested anywhere against the
 model's own ``generate``, and on a GPU only the capture is added.
@@ -34,8 +37,11 @@ class SlotLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
         capacity = self.cache.capacity
-        self.keys = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
-        self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+        # the allocated rows; keys / values are views of their first rows (a batch whose finished
+        # rows left keeps its tensors' addresses, so its graphs stay valid)
+        self.full_keys = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
+        self.full_values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+        self.keys, self.values = self.full_keys, self.full_values
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -55,15 +61,28 @@ class SlotLayer(CacheLayerMixin):
         return self.cache.capacity
 
     def resize(self, capacity: int) -> None:
-        """Move the rows into tensors of ``capacity`` slots (the first ``length`` rows matter)."""
+        """Move the rows into tensors of ``capacity`` slots (the first ``length`` slots matter)."""
         if not self.is_initialized:
             return
+        rows = self.keys.shape[0]
         for name in ("keys", "values"):
-            old = getattr(self, name)
+            old = getattr(self, "full_" + name)
             new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
             kept = min(old.shape[2], capacity)
             new[:, :, :kept] = old[:, :, :kept]
-            setattr(self, name, new)
+            setattr(self, "full_" + name, new)
+            setattr(self, name, new[:rows])
+
+    def use_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows ``rows`` (LongTensor [B']), moved to the first B' allocated rows."""
+        if not self.is_initialized:
+            return
+        count = rows.numel()
+        for name in ("keys", "values"):
+            kept = getattr(self, name).index_select(0, rows.to(self.full_keys.device))
+            full = getattr(self, "full_" + name)
+            full[:count] = kept
+            setattr(self, name, full[:count])
 
 
 class SlotCache(Cache):
@@ -78,6 +97,24 @@ class SlotCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+    @property
+    def allocated_rows(self) -> int | None:
+        """Batch rows the tensors were allocated for (None before the first forward)."""
+        layer = self.layers[0]
+        return layer.full_keys.shape[0] if layer.is_initialized else None
+
+    def start(self, batch: int) -> None:
+        """Empty, holding ``batch`` rows (at most the allocated rows)."""
+        self.length = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.full_keys[:batch], layer.full_values[:batch]
+
+    def use_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (LongTensor [B']) as rows 0 .. B'-1."""
+        for layer in self.layers:
+            layer.use_rows(rows)
 
     def grow(self, needed: int) -> bool:
         """Make room for ``needed`` slots (doubling); True when the tensors moved."""

@@ -124,17 +124,60 @@ def test_what_cannot_be_replayed_is_refused_by_name():
                      cuda_graphs=True)
 
 
-def test_a_padded_batch_is_still_verified_together():
+def ragged_batch(rows: int = 4):
+    """Left-padded prompts of different lengths (each repetitive, so lookup drafts) and their mask."""
+    lengths = [30, 22, 40, 26, 34, 18][:rows]
+    prompts = [repetitive_prompt()[:, -n:] for n in lengths]
+    for b, p in enumerate(prompts):
+        p[:, :3] = 3 + b                                  # rows differ
+    width = max(lengths)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1]:], mask[b, width - p.shape[1]:] = p[0], 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "token_recycling"])
+def test_a_padded_batch_matches_generate_on_slots(drafter, monkeypatch):
+    """Batched verification on the batch's SlotCache: every row equal to the model's own batched generate
+    with ragged prompts, rows stopping at EOS at different steps (they leave the batch: the cache's
+    rows move within its tensors) and the cache doubling mid-batch; a second call reuses the cache."""
+    monkeypatch.setattr(graphs, "SLOT_BLOCK", 32)
     model = tiny_lm("llama")
-    ids = torch.cat([torch.zeros(1, 6, dtype=torch.long), prompt(20)], 1)
-    ids = torch.cat([ids, prompt(26, seed=5)])
-    mask = (ids != 0).long()
-    mask[1] = 1
+    ids, mask = ragged_batch()
+    sm = flashmm.wrap(model, drafter, cuda_graphs=True)
+    call = dict(attention_mask=mask, max_new_tokens=90, do_sample=False)
     with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False)
-    sm = flashmm.wrap(model, "prompt_lookup", cuda_graphs=True)
-    assert torch.equal(sm.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False), ref)
-    assert VOCAB == model.config.vocab_size
+        ref = model.generate(ids, **call)
+    assert torch.equal(sm.generate(ids, **call), ref)
+    eos = int(ref[0, ids.shape[1] + 10])                  # row 0 stops by its 11th token, the others later
+    with torch.no_grad():
+        ref = model.generate(ids, eos_token_id=eos, pad_token_id=0, **call)
+    ends = [(row[ids.shape[1]:] == eos).nonzero() for row in ref]
+    assert len({int(e[0]) if len(e) else -1 for e in ends}) > 1
+    assert torch.equal(sm.generate(ids, eos_token_id=eos, pad_token_id=0, **call), ref)
+    cache = sm.target._batch_graphs.cache
+    first = -(-(ids.shape[1] + 32) // 32) * 32
+    assert cache.capacity >= 2 * first and cache.allocated_rows == 4   # it doubled mid-batch
+    with torch.no_grad():
+        ref = model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=20, do_sample=False)
+    assert torch.equal(sm.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=20, do_sample=False), ref)
+    assert sm.target._batch_graphs.cache is cache and VOCAB == model.config.vocab_size
+
+
+def test_slot_cache_rows_leave_in_place():
+    """use_rows moves the kept rows to the front of the same allocation (float64 reference)."""
+    cache = graphs.SlotCache(num_layers=1, capacity=8)
+    layer = cache.layers[0]
+    rows = torch.arange(4 * 2 * 8 * 3, dtype=torch.float64).reshape(4, 2, 8, 3)
+    layer.lazy_initialization(rows, -rows)
+    layer.full_keys.copy_(rows)
+    layer.full_values.copy_(-rows)
+    pointer = layer.full_keys.data_ptr()
+    cache.use_rows(torch.tensor([3, 1]))
+    assert torch.equal(layer.keys, rows[[3, 1]]) and torch.equal(layer.values, -rows[[3, 1]])
+    assert layer.keys.data_ptr() == pointer and layer.keys.shape[0] == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a GPU only")
@@ -155,3 +198,9 @@ def test_cuda_graph_replays_match_generate_on_the_gpu():
         outs.append(sm.generate(ids, max_new_tokens=60, min_new_tokens=60, do_sample=True, top_k=0,
                                 generator=torch.Generator(device="cuda").manual_seed(7)))
     assert torch.equal(outs[0], outs[1])
+    batch, mask = (t.cuda() for t in ragged_batch())
+    with torch.no_grad():
+        ref = model.generate(batch, attention_mask=mask, max_new_tokens=60, do_sample=False)
+    sm = flashmm.wrap(model, "prompt_lookup", cuda_graphs=True)
+    assert torch.equal(sm.generate(batch, attention_mask=mask, max_new_tokens=60, do_sample=False), ref)
+    assert sm.target._batch_graphs.graphs

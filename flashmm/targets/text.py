@@ -79,13 +79,14 @@ class CausalLMTarget(Target):
         self._window = window
         #: verification on a SlotCache with CUDA-graph replays (use_cuda_graphs; flashmm.graphs)
         self.cuda_graphs = False
-        self._graphs: graphs.GraphedForwards | None = None
+        self._graphs: graphs.GraphedForwards | None = None        # single sequences
+        self._batch_graphs: graphs.GraphedForwards | None = None  # padded batches (flashmm.batched)
 
     def use_cuda_graphs(self) -> None:
-        """Verify every single-sequence step on a preallocated SlotCache, each tree shape captured once as a
-        CUDA graph and replayed (flashmm.graphs; on a CPU the same cache runs eagerly). Padded batches are
-        still verified together, eagerly. Raises ValueError for a model whose forwards cannot be replayed
-        with fixed shapes."""
+        """Verify every step on a preallocated SlotCache, each step shape captured once as a CUDA graph and
+        replayed (flashmm.graphs; on a CPU the same cache runs eagerly): single sequences on one cache,
+        padded batches (flashmm.batched) on another. Raises ValueError for a model whose forwards cannot
+        be replayed with fixed shapes."""
         why = ("keeps recurrent states" if self.recurrent else "derives its own positions" if self.derives_positions
                else "has sliding-window layers" if "sliding_attention" in self._mask_types else None)
         if why:
@@ -188,6 +189,18 @@ class CausalLMTarget(Target):
                                                   self.linears)
         self._graphs.cache.length = 0
         self._cache = self._graphs.cache
+
+    def batch_slots(self, batch: int, prompt_len: int) -> graphs.SlotCache:
+        """With CUDA graphs: the SlotCache a padded batch is verified on, reused (graphs and all) while it
+        has the rows and the room."""
+        cached = self._batch_graphs
+        rows = None if cached is None else cached.cache.allocated_rows
+        if cached is None or (rows is not None and rows < batch) or \
+                cached.cache.capacity < prompt_len + graphs.SLOT_BLOCK // 2:
+            cached = self._batch_graphs = graphs.GraphedForwards(
+                self.model, graphs.new_slot_cache(self.model, prompt_len), self.linears)
+        cached.cache.start(batch)
+        return cached.cache
 
     def prompt_attention(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         """The attention mask a single sequence's prefill passes: the caller's, or with CUDA graphs a causal
