@@ -14,7 +14,7 @@ from flashmm import graphs
 from flashmm.drafters.base import Draft, Drafter, root_only
 from flashmm.tree import TokenTree
 
-from mm_models import make_inputs, tiny_vlm
+from mm_models import ALL_KINDS, make_inputs, tiny_vlm
 from text_models import VOCAB, prompt, tiny_lm
 
 
@@ -104,9 +104,11 @@ def test_slot_cache_keep_moves_the_accepted_rows():
             assert torch.equal(layer.keys[b, :, :6], rows[b, :, :6])
 
 
-def test_llava_with_images_matches_generate():
-    model, processor = tiny_vlm("llava")
-    inputs = make_inputs(processor, "llava", images=1)
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_vision_language_models_with_an_image_match_generate(kind):
+    """Every multimodal family (LLaVA's, and Qwen-VL's multimodal RoPE positions) on slots."""
+    model, processor = tiny_vlm(kind)
+    inputs = make_inputs(processor, kind, images=1)
     with torch.no_grad():
         ref = model.generate(**inputs, max_new_tokens=20, do_sample=False)
     sm = flashmm.wrap(model, BranchingOracle(ref), processor=processor, cuda_graphs=True)
