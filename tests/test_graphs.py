@@ -86,6 +86,11 @@ def test_sampling_draws_what_the_ordinary_path_draws():
                                 generator=torch.Generator().manual_seed(7)))
     assert torch.equal(outs[0], outs[1])
     assert len(set(outs[0][0, ids.shape[1]:].tolist())) > 10
+    batch, mask = ragged_batch(3)
+    rows = [flashmm.wrap(model, "prompt_lookup", cuda_graphs=graphed).generate(
+                batch, attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=True, top_k=0,
+                generator=torch.Generator().manual_seed(3)) for graphed in (False, True)]
+    assert torch.equal(rows[0], rows[1])                                  # a batch on slots, sampled
 
 
 def test_slot_cache_keep_moves_the_accepted_rows():
