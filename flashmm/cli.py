@@ -75,6 +75,8 @@ def add_decoding_options(parser: argparse.ArgumentParser, max_new_tokens: int) -
     parser.add_argument("--linear", default="auto", choices=("auto", "onednn", "torch"),
                         help="tree forwards' linear layers: auto = oneDNN for fp32 on x86-64 CPUs, "
                              "the model's own elsewhere")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="verify on a preallocated cache with CUDA-graph replays (GPU; see flashmm.graphs)")
     parser.add_argument("--device", help="e.g. cuda, cpu (default: where the model loads)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="model dtype (as saved)")
 
@@ -310,8 +312,8 @@ def _build_pipeline(args):
     from .pipelines import CaptionPipeline
 
     return CaptionPipeline(args.model, drafter=drafter_arg(args.drafter), device=args.device, dtype=torch_dtype(args),
-                           attention=args.attention, linear=args.linear, allow_untrained=args.allow_untrained,
-                           **spec_kwargs(args))
+                           attention=args.attention, linear=args.linear, cuda_graphs=args.cuda_graphs,
+                           allow_untrained=args.allow_untrained, **spec_kwargs(args))
 
 
 def _caption_all(pipe, todo: list[tuple[int, str]], args, sink, info: ProcessInfo | None = None) -> int:

@@ -237,12 +237,13 @@ class CaptionPipeline:
                   refused unless ``allow_untrained=True`` (``flashmm.resolve.resolve_drafter``).
     processor:    the model's processor (None: AutoProcessor from model_or_dir).
     device, dtype: where / in what dtype to load a model given as a directory.
-    attention, linear, **spec_config: passed to ``flashmm.wrap`` (SpecConfig fields: verifier,
+    attention, linear, cuda_graphs, **spec_config: passed to ``flashmm.wrap`` (SpecConfig fields: verifier,
                   max_draft_tokens, ...).
     """
 
     def __init__(self, model_or_dir, drafter=None, processor=None, *, device=None, dtype=None,
-                 attention: str = "auto", linear: str = "auto", allow_untrained: bool = False, **spec_config):
+                 attention: str = "auto", linear: str = "auto", cuda_graphs: bool = False,
+                 allow_untrained: bool = False, **spec_config):
         if isinstance(model_or_dir, (str, os.PathLike)):
             model = load_model(model_or_dir, device=device, dtype=dtype)
             if processor is None:
@@ -263,7 +264,7 @@ class CaptionPipeline:
         self.spec_model = None
         if self.drafter is not None:
             self.spec_model = wrap(model, self.drafter, processor=processor, attention=attention, linear=linear,
-                                   **spec_config)
+                                   cuda_graphs=cuda_graphs, **spec_config)
         self.video_input = self._has_video_path()
 
     def _has_video_path(self) -> bool:

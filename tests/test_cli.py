@@ -207,12 +207,14 @@ def test_stdout_and_setup_errors(model_dir, media, tmp_path, capsys):
     assert "no media files" in capsys.readouterr().err
 
 
-def test_linear_option_reaches_the_target(model_dir, media):
+def test_linear_and_cuda_graphs_options_reach_the_target(model_dir, media):
     parser = cli.build_parser()
     for backend in ["torch"] + (["onednn"] if onednn_available() else []):
         args = parser.parse_args(["caption", str(media), "--model", model_dir, "--drafter", "prompt_lookup",
                                   "--linear", backend])
         assert cli._build_pipeline(args).spec_model.target.linear_backend == backend
+    args = parser.parse_args(["caption", str(media), "--model", model_dir, "--drafter", "prompt_lookup", "--cuda-graphs"])
+    assert cli._build_pipeline(args).spec_model.target.cuda_graphs
 
 
 # ----------------------------------------------------------------------------------- resume keys
