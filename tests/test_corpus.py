@@ -116,6 +116,21 @@ def test_decode_batch_matches_generate_row_by_row():
     assert out[0][1] and not all(f for _, f in out)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU build of the corpus needs a GPU")
+def test_decode_batch_on_the_gpu_answers_what_generate_answers_there():
+    model = tiny_lm("llama").cuda()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    out = decode_batch(model, prompts, 20, {2}, pad_id=0, sampler=Sampler())
+    for ids, (new, finished) in zip(prompts, out):
+        ref = model.generate(torch.tensor([ids]).cuda(), max_new_tokens=20, do_sample=False, eos_token_id=2,
+                             pad_token_id=0)[0, len(ids):].tolist()
+        assert new == (ref[:ref.index(2)] if finished else ref)
+    sampled = decode_batch(model, prompts, 10, set(), 0, Sampler(temperature=0.7),
+                           torch.Generator(device="cuda").manual_seed(0))
+    assert all(len(new) == 10 for new, _ in sampled)
+
+
 def test_decode_batch_rows_leave_the_batch_when_they_stop():
     model = tiny_lm("llama")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]

