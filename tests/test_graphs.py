@@ -6,6 +6,8 @@ for sampling, flashmm's ordinary path with the same seed.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -119,6 +121,14 @@ def test_vision_language_models_with_an_image_match_generate(kind):
     sm = flashmm.wrap(model, BranchingOracle(ref), processor=processor, cuda_graphs=True)
     assert torch.equal(sm.generate(**inputs, max_new_tokens=20, do_sample=False), ref)
     assert sm.last_stats.accepted_tokens > 0
+
+
+def test_a_cpu_model_is_told_that_nothing_is_captured():
+    with pytest.warns(UserWarning, match="nothing is captured"):
+        flashmm.wrap(tiny_lm("llama"), "prompt_lookup", cuda_graphs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flashmm.wrap(tiny_lm("llama"), "prompt_lookup")
 
 
 def test_what_cannot_be_replayed_is_refused_by_name():
