@@ -188,23 +188,23 @@ class CausalLMTarget(Target):
             return None
 
     def _start_slots(self, prompt_len: int) -> None:
-        if self._graphs is None or self._graphs.cache.capacity < prompt_len + graphs.SLOT_BLOCK // 2:
-            self._graphs = graphs.GraphedForwards(self.model, graphs.new_slot_cache(self.model, prompt_len),
-                                                  self.linears)
-        self._graphs.cache.length = 0
+        self._graphs = self._emptied(self._graphs, 1, prompt_len)
         self._cache = self._graphs.cache
 
     def batch_slots(self, batch: int, prompt_len: int) -> graphs.SlotCache:
-        """With CUDA graphs: the SlotCache a padded batch is verified on, reused (graphs and all) while it
-        has the rows and the room."""
-        cached = self._batch_graphs
+        """With CUDA graphs: the SlotCache a padded batch [batch, prompt_len] is verified on."""
+        self._batch_graphs = self._emptied(self._batch_graphs, batch, prompt_len)
+        return self._batch_graphs.cache
+
+    def _emptied(self, cached: graphs.GraphedForwards | None, batch: int, prompt_len: int) -> graphs.GraphedForwards:
+        """``cached`` emptied for a new call (its cache and graphs reused) while it has the rows and the
+        room for the prompt, else a fresh one."""
         rows = None if cached is None else cached.cache.allocated_rows
         if cached is None or (rows is not None and rows < batch) or \
                 cached.cache.capacity < prompt_len + graphs.SLOT_BLOCK // 2:
-            cached = self._batch_graphs = graphs.GraphedForwards(
-                self.model, graphs.new_slot_cache(self.model, prompt_len), self.linears)
+            cached = graphs.GraphedForwards(self.model, graphs.new_slot_cache(self.model, prompt_len), self.linears)
         cached.cache.start(batch)
-        return cached.cache
+        return cached
 
     def prompt_attention(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         """The attention mask a single sequence's prefill passes: the caller's, or with CUDA graphs a causal
