@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from common import machine, markdown_table, timed, write_results  # noqa: E402
+from batch_speed import new_token_count  # noqa: E402
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
 
 import flashmm  # noqa: E402
@@ -89,22 +90,12 @@ def run_items(items: list[dict], methods: dict, wrapped: dict, max_new: int, war
                                  new_tokens_counted=st.new_tokens, draft_seconds=st.draft_seconds,
                                  verify_seconds=st.verify_seconds)
         plain = outs["plain"]
-        rec["tokens"] = new_tokens(plain, prompt_len, eos)
+        rec["tokens"] = new_token_count(plain, prompt_len, eos)
         for name in outs:
             rec[name]["exact_rows"] = sum(bool(torch.equal(a, b)) for a, b in zip(outs[name], plain))
         records.append(rec)
         print(index, item["task"], {n: round(rec["tokens"] / rec[n]["seconds"], 1) for n in outs}, flush=True)
     return records
-
-
-def new_tokens(out: torch.Tensor, prompt_len: int, eos: set) -> int:
-    """Tokens the rows generated, each up to and including its first EOS (every method is credited
-    with plain's count)."""
-    total = 0
-    for row in out[:, prompt_len:].tolist():
-        ends = [i for i, t in enumerate(row) if t in eos]
-        total += ends[0] + 1 if ends else len(row)
-    return total
 
 
 def summarize(records: list[dict], names: list[str]) -> dict:

@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, write_results  # noqa: E402
+from common import machine, markdown_table, timed, write_results  # noqa: E402
 
 from flashmm.targets import make_target  # noqa: E402
 from flashmm.tree import TokenTree  # noqa: E402
@@ -35,16 +34,6 @@ from flashmm.tree import TokenTree  # noqa: E402
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-
-
-def synced(fn) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 def step_ms(target, prefix_len: int, n: int, repeats: int) -> float:
@@ -59,7 +48,7 @@ def step_ms(target, prefix_len: int, n: int, repeats: int) -> float:
 
     times = []
     for i in range(repeats + 3):
-        ms = synced(one)
+        ms = timed(one)[1] * 1e3
         _roll_back(target, prefix_len)
         if i >= 3:
             times.append(ms)
@@ -103,8 +92,8 @@ def compiled_ms_per_token(model, prefix_len: int) -> float | None:
         model.generate(ids, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     for _ in range(3):
         run(65)   # compile, capture
-    one = statistics.median(synced(lambda: run(1)) for _ in range(3))
-    many = statistics.median(synced(lambda: run(65)) for _ in range(3))
+    one = statistics.median(timed(lambda: run(1))[1] * 1e3 for _ in range(3))
+    many = statistics.median(timed(lambda: run(65))[1] * 1e3 for _ in range(3))
     return (many - one) / 64
 
 

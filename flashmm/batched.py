@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cache as kv
 from .drafters.length import batch_bucket, measured_verify_cost, price_for_batch
-from .graphs import SlotCache
+from .graphs import SlotCache, prompt_mask
 from .targets.base import select_hidden
 from .tree import TokenTree, padded_trees
 
@@ -86,7 +87,7 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     cache, attention = DynamicCache(), None if full else mask
     if getattr(target, "cuda_graphs", False):
         cache = target.batch_slots(*input_ids.shape)
-        attention = slot_prompt_mask(cache, mask, target.model.dtype)
+        attention = prompt_mask(cache, mask, target.model.dtype)
     kwargs, offset = target.batch_prompt(input_ids, mask, dict(model_inputs))
     with target.watching_prompt(input_ids, bool(want_hidden)) as embeds, target.linears():
         out = target.model(input_ids=input_ids, attention_mask=attention, past_key_values=cache,
@@ -97,19 +98,6 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     state = BatchState(cache=cache, valid=mask.bool(), slot_pos=positions, root_pos=mask.long().sum(-1),
                        offset=offset.to(mask.device))
     return out.logits[:, -1], hidden, (embeds[0] if embeds else None), state
-
-
-def slot_prompt_mask(cache: SlotCache, mask: torch.Tensor, dtype) -> torch.Tensor:
-    """The additive mask [B, 1, T, capacity] of a padded prompt [B, T] on a SlotCache (CUDA graphs): causal
-    over the real tokens; a padding position sees only itself (finite rows nothing reads)."""
-    length = mask.shape[1]
-    cache.write_at = torch.arange(length, device=mask.device)
-    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    allowed = (causal[None] & mask.bool()[:, None, :]) | torch.eye(length, dtype=torch.bool, device=mask.device)
-    bias = torch.full((mask.shape[0], 1, length, cache.capacity), torch.finfo(dtype).min, dtype=dtype,
-                      device=mask.device)
-    bias[:, 0, :, :length] = bias[:, 0, :, :length].masked_fill(allowed, 0)
-    return bias
 
 
 def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dtype) -> tuple[dict, torch.Tensor]:
@@ -204,29 +192,14 @@ def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
     for b, path in enumerate(paths):
         index[b, : path.numel()] = path.to(device)
         kept[b, : path.numel()] = True
-    slots = index + prefix
     # accepted chain prefixes (every path 0, 1, ..., a_b) already sit where they are kept: only the
     # rows past the longest go (what lies past a shorter row's path stays, as a hole)
-    in_place = all(path.tolist() == list(range(path.numel())) for path in paths)
-    slotted = isinstance(state.cache, SlotCache)  # preallocated: rows moved in place, never cropped
-    for layer in state.cache.layers:
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0 or (slotted and in_place):
-            continue
-        if in_place:
-            layer.keys = layer.keys[:, :, : prefix + longest]
-            layer.values = layer.values[:, :, : prefix + longest]
-            continue
-        idx = slots.to(layer.keys.device)[:, None, :, None]
-        heads = layer.keys.shape[1]
-        new_k = layer.keys.gather(2, idx.expand(-1, heads, -1, layer.keys.shape[-1]))
-        new_v = layer.values.gather(2, idx.expand(-1, heads, -1, layer.values.shape[-1]))
-        layer.keys[:, :, prefix : prefix + longest] = new_k  # gathered first: sources may overlap
-        layer.values[:, :, prefix : prefix + longest] = new_v
-        if not slotted:
-            layer.keys = layer.keys[:, :, : prefix + longest]
-            layer.values = layer.values[:, :, : prefix + longest]
-    if slotted:
-        state.cache.length = prefix + longest
+    if not all(path.tolist() == list(range(path.numel())) for path in paths):
+        kv.move_rows(kv.layer_tensors(state.cache), prefix, index)
+    if isinstance(state.cache, SlotCache):
+        state.cache.length = prefix + longest  # preallocated: never cropped
+    else:
+        kv.crop(state.cache, prefix + longest)
     offsets = torch.arange(longest, device=device)
     state.valid = torch.cat([state.valid, kept], dim=1)
     state.slot_pos = torch.cat([state.slot_pos, state.root_pos[:, None] + offsets[None]], dim=1)

@@ -54,38 +54,48 @@ def keep_rows(cache: DynamicCache, prefix_len: int, path: torch.Tensor) -> None:
     """Keep rows [0, prefix_len) then rows prefix_len + path[b] of every layer, drop the rest.
 
     path: LongTensor [B, L] of tree node indices (root first), identical length per row.
-    A chain accepted in order (path == arange) is a plain crop. Otherwise the kept rows are
-    gathered into new tensors first, then written in place over rows prefix_len .. (so
-    overlapping source and destination rows are safe and the prefix is never copied).
+    A chain accepted in order (path == arange) is a plain crop; otherwise move_rows first.
     """
-    bsz, length = path.shape
-    if bool((path == torch.arange(length, device=path.device)).all()):
-        crop(cache, prefix_len + length)
-        return
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        idx = (path.to(layer.keys.device) + prefix_len)[:, None, :, None]  # [B,1,L,1]
-        heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
-        kept_k = layer.keys.gather(2, idx.expand(bsz, heads, length, dim))
-        kept_v = layer.values.gather(2, idx.expand(bsz, heads, length, layer.values.shape[-1]))
-        layer.keys[:, :, prefix_len : prefix_len + length] = kept_k
-        layer.values[:, :, prefix_len : prefix_len + length] = kept_v
+    length = path.shape[1]
+    if not bool((path == torch.arange(length, device=path.device)).all()):
+        move_rows(layer_tensors(cache), prefix_len, path)
     crop(cache, prefix_len + length)
 
 
 def keep_rows_kernel(cache: DynamicCache, prefix_len: int, path: torch.Tensor) -> None:
-    """keep_rows with one Triton launch for all layers (flashmm.kernels.kv_keep: in place, loads
-    every source row before storing); falls back to keep_rows when layers differ in layout."""
-    from .kernels import kv_keep  # noqa: PLC0415 (triton loads on first use)
-
-    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    try:
-        kv_keep(tensors, prefix_len, path)
-    except ValueError:
-        keep_rows(cache, prefix_len, path)
-        return
+    """keep_rows with one Triton launch for all layers (flashmm.kernels.kv_keep)."""
+    move_rows(layer_tensors(cache), prefix_len, path, kernel=True)
     crop(cache, prefix_len + path.shape[1])
+
+
+def layer_tensors(cache) -> list[torch.Tensor]:
+    """The keys and values [B, H, S, D] of every layer that holds rows."""
+    return [t for layer in cache.layers
+            if getattr(layer, "is_initialized", True) and getattr(layer, "keys", None) is not None
+            and layer.keys.numel() for t in (layer.keys, layer.values)]
+
+
+def move_rows(tensors: list[torch.Tensor], prefix_len: int, path: torch.Tensor, kernel: bool = False) -> None:
+    """In every tensor [B, H, S, D], rows prefix_len + path[b] (path LongTensor [B, L]) written over rows
+    prefix_len .. prefix_len+L-1. They are gathered before any is written, so sources and destinations
+    may overlap; the prefix is never copied. kernel: one Triton launch for all tensors
+    (flashmm.kernels.kv_keep, in place, every source row loaded before storing), falling back to
+    gather/assign where triton or the tensors' layout does not allow it."""
+    if not tensors:
+        return
+    if kernel:
+        try:
+            from .kernels import kv_keep  # noqa: PLC0415 (triton loads on first use)
+
+            kv_keep(tensors, prefix_len, path.to(tensors[0].device))
+            return
+        except (ImportError, ValueError):
+            pass
+    length = path.shape[1]
+    for t in tensors:
+        index = (path.to(t.device) + prefix_len)[:, None, :, None]
+        kept = t.gather(2, index.expand(t.shape[0], t.shape[1], length, t.shape[3]))
+        t[:, :, prefix_len : prefix_len + length] = kept
 
 
 def crop(cache: DynamicCache, length: int) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import cache as kv
+
 #: slots a fresh cache gets beyond the prompt, rounded up to a multiple of this
 SLOT_BLOCK = 512
 
@@ -133,27 +135,9 @@ class SlotCache(Cache):
         root first) moved to slots prefix_len .. prefix_len+L-1; what lies past them is masked later."""
         length = path.shape[1]
         if not bool((path == torch.arange(length, device=path.device)).all()):
-            layers = [layer for layer in self.layers if layer.is_initialized]
-            tensors = [t for layer in layers for t in (layer.keys, layer.values)]
-            if not _kv_keep_kernel(tensors, prefix_len, path):
-                index = (path.to(tensors[0].device) + prefix_len)[:, None, :, None]
-                for t in tensors:
-                    kept = t.gather(2, index.expand(t.shape[0], t.shape[1], length, t.shape[3]))
-                    t[:, :, prefix_len : prefix_len + length] = kept  # gathered first: rows may overlap
+            tensors = kv.layer_tensors(self)
+            kv.move_rows(tensors, prefix_len, path, kernel=bool(tensors) and tensors[0].device.type == "cuda")
         self.length = prefix_len + length
-
-
-def _kv_keep_kernel(tensors: list, prefix_len: int, path: torch.Tensor) -> bool:
-    """flashmm.kernels.kv_keep (one launch for every layer) on CUDA; False where it does not run."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return False
-    try:
-        from .kernels import kv_keep  # noqa: PLC0415 (triton loads on first use)
-
-        kv_keep(tensors, prefix_len, path.to(tensors[0].device))
-        return True
-    except (ImportError, ValueError):
-        return False
 
 
 def new_slot_cache(model: torch.nn.Module, prompt_len: int) -> SlotCache:
@@ -168,6 +152,19 @@ def prefix_mask(cache: SlotCache, rows: int, batch: int, dtype, device) -> torch
     mask = torch.full((batch, 1, rows, cache.capacity), torch.finfo(dtype).min, dtype=dtype, device=device)
     mask[..., : cache.length] = 0
     return mask
+
+
+def prompt_mask(cache: SlotCache, mask: torch.Tensor, dtype) -> torch.Tensor:
+    """The additive mask [B, 1, T, capacity] of a (padded) prompt [B, T] going into an empty SlotCache,
+    which it then fills from slot 0 (``write_at`` set): causal over the real tokens (``mask`` [B, T],
+    1 = real); a padding position sees only itself (finite rows nothing reads)."""
+    length = mask.shape[1]
+    cache.write_at = torch.arange(length, device=mask.device)
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    allowed = (causal[None] & mask.bool()[:, None, :]) | torch.eye(length, dtype=torch.bool, device=mask.device)
+    bias = prefix_mask(cache, length, mask.shape[0], dtype, mask.device)
+    bias[:, 0, :, :length] = bias[:, 0, :, :length].masked_fill(allowed, 0)
+    return bias
 
 
 class GraphedForwards:

@@ -13,40 +13,10 @@ import torch
 
 import flashmm
 from flashmm import graphs
-from flashmm.drafters.base import Draft, Drafter, root_only
-from flashmm.tree import TokenTree
 
 from mm_models import ALL_KINDS, make_inputs, tiny_vlm
+from oracle import OracleTree
 from text_models import VOCAB, prompt, tiny_lm
-
-
-class BranchingOracle(Drafter):
-    """Drafts 3-wide trees around a known continuation whose correct child is the middle one (so kept
-    paths are not a prefix of node order); every third step a wrong level cuts the path short."""
-
-    def __init__(self, reference: torch.Tensor, depth: int = 3):
-        self.reference, self.depth, self.steps, self.vocab = reference[0].tolist(), depth, 0, None
-
-    def bind(self, target):
-        self.vocab = target.vocab_size
-
-    def begin(self, start):
-        pass
-
-    def propose(self, committed, max_tokens, sampling, generator) -> Draft:
-        truth = self.reference[committed.shape[1]: committed.shape[1] + self.depth]
-        self.steps += 1
-        if not truth:
-            return root_only(committed)
-        parents, tokens, node = [-1], [int(committed[0, -1])], 0
-        for d, token in enumerate(truth):
-            if d == 1 and self.steps % 3 == 0:
-                token = (token + 3) % self.vocab
-            for child in ((token + 1) % self.vocab, token, (token + 2) % self.vocab):
-                parents.append(node)
-                tokens.append(child)
-            node = len(tokens) - 2
-        return Draft(tokens=committed.new_tensor([tokens]), tree=TokenTree.from_parents(parents))
 
 
 def repetitive_prompt() -> torch.Tensor:
@@ -63,7 +33,7 @@ def test_greedy_matches_generate_across_cache_growth_and_calls(drafter, monkeypa
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=200, do_sample=False)
         ref_short = model.generate(ids[:, :30], max_new_tokens=25, do_sample=False)
-    made = BranchingOracle(ref) if drafter == "oracle" else drafter
+    made = OracleTree(ref) if drafter == "oracle" else drafter
     sm = flashmm.wrap(model, made, cuda_graphs=True)
     out = sm.generate(ids, max_new_tokens=200, do_sample=False)
     assert torch.equal(out, ref)
@@ -118,7 +88,7 @@ def test_vision_language_models_with_an_image_match_generate(kind):
     inputs = make_inputs(processor, kind, images=1)
     with torch.no_grad():
         ref = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-    sm = flashmm.wrap(model, BranchingOracle(ref), processor=processor, cuda_graphs=True)
+    sm = flashmm.wrap(model, OracleTree(ref), processor=processor, cuda_graphs=True)
     assert torch.equal(sm.generate(**inputs, max_new_tokens=20, do_sample=False), ref)
     assert sm.last_stats.accepted_tokens > 0
 
@@ -205,7 +175,7 @@ def test_cuda_graph_replays_match_generate_on_the_gpu():
     model, ids = tiny_lm("llama").cuda(), repetitive_prompt().cuda()
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=150, do_sample=False)
-    for drafter in ("prompt_lookup", BranchingOracle(ref)):
+    for drafter in ("prompt_lookup", OracleTree(ref)):
         sm = flashmm.wrap(model, drafter, cuda_graphs=True)
         assert torch.equal(sm.generate(ids, max_new_tokens=150, do_sample=False), ref)
         assert sm.target._graphs.graphs                                  # replayed, not run eagerly

@@ -213,13 +213,9 @@ class CausalLMTarget(Target):
             return attention_mask
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("cuda_graphs: a single sequence's prompt carries no padding")
-        batch, length = input_ids.shape
-        cache = self._cache
-        cache.write_at = torch.arange(length, device=self.device)
-        mask = graphs.prefix_mask(cache, length, batch, self.model.dtype, self.device)
-        causal = torch.ones(length, length, dtype=torch.bool, device=self.device).tril()
-        mask[..., :length] = mask[..., :length].masked_fill(causal, 0)
-        return mask
+        if attention_mask is None:
+            attention_mask = torch.ones(input_ids.shape, dtype=torch.long, device=self.device)
+        return graphs.prompt_mask(self._cache, attention_mask.to(self.device), self.model.dtype)
 
     def prompt_written(self, input_ids: torch.Tensor) -> None:
         """After a single sequence's prefill forward: with CUDA graphs, the prompt holds the first slots."""
