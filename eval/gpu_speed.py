@@ -35,6 +35,7 @@ from batch_speed import new_token_count  # noqa: E402
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
 
 import flashmm  # noqa: E402
+from flashmm.cache import cache_argument  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,7 @@ def static_generate(model, max_cache_len: int, **call):
 
     def run(inputs: dict, n: int):
         cache.reset()
-        return model.generate(**inputs, past_key_values=cache, max_new_tokens=n, do_sample=False, **call)
+        return model.generate(**inputs, **{cache_argument(model, "prepare_inputs_for_generation"): cache}, max_new_tokens=n, do_sample=False, **call)
     return run
 
 

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, timed, write_results  # noqa: E402
 
+from flashmm.cache import cache_argument  # noqa: E402
 from flashmm.targets import make_target  # noqa: E402
 from flashmm.tree import TokenTree  # noqa: E402
 
@@ -89,7 +90,7 @@ def compiled_ms_per_token(model, prefix_len: int) -> float | None:
 
     def run(n):
         cache.reset()
-        model.generate(ids, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        model.generate(ids, **{cache_argument(model, "prepare_inputs_for_generation"): cache}, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     for _ in range(3):
         run(65)   # compile, capture
     one = statistics.median(timed(lambda: run(1))[1] * 1e3 for _ in range(3))

@@ -90,7 +90,7 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
         attention = prompt_mask(cache, mask, target.model.dtype)
     kwargs, offset = target.batch_prompt(input_ids, mask, dict(model_inputs))
     with target.watching_prompt(input_ids, bool(want_hidden)) as embeds, target.linears():
-        out = target.model(input_ids=input_ids, attention_mask=attention, past_key_values=cache,
+        out = target.model(input_ids=input_ids, attention_mask=attention, **{target.cache_argument: cache},
                            use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=1, **kwargs)
     if isinstance(cache, SlotCache):
         cache.length = input_ids.shape[1]
@@ -138,7 +138,7 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
                                           root_positions=state.root_pos)
     with target.linears(), (nullcontext() if switch is None else switch):
         out = target.model(input_ids=tokens, position_ids=target.batch_position_ids(positions + state.offset[:, None]),
-                           past_key_values=state.cache, use_cache=True, output_hidden_states=bool(want_hidden),
+                           **{target.cache_argument: state.cache}, use_cache=True, output_hidden_states=bool(want_hidden),
                            **mask_args)
     return out.logits, select_hidden(out.hidden_states, want_hidden)
 

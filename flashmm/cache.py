@@ -6,8 +6,42 @@ the cache is always "prefix rows then tree rows" and keeping a path is a gather.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import DynamicCache
+
+# The names a forward has taken its cache under, newest first: transformers 5.24 renamed
+# past_key_values (and Mamba's cache_params) to cache, keeping the old names as deprecated aliases.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
+
+
+def cache_argument(module: torch.nn.Module, method: str = "forward") -> str:
+    """The keyword under which ``module``'s ``method`` (the forward of a model, decoder layer or
+    attention, or prepare_inputs_for_generation) takes its cache."""
+    return _cache_argument(type(module), method)
+
+
+@functools.cache
+def _cache_argument(kind: type, method: str) -> str:
+    params = inspect.signature(getattr(kind, method)).parameters
+    # a signature that names none (only **kwargs) takes what the installed transformers' own generate passes
+    return next((name for name in CACHE_ARGUMENTS if name in params), _generate_cache_argument())
+
+
+@functools.cache
+def _generate_cache_argument() -> str:
+    from transformers.generation.utils import GenerationMixin  # noqa: PLC0415
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out):
+    """The cache a forward returned (``out.cache`` from transformers 5.24, ``out.past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def new_cache(model: torch.nn.Module | None = None) -> DynamicCache:
@@ -33,11 +67,9 @@ def next_logits(model: torch.nn.Module, cache: DynamicCache, ids: torch.Tensor) 
     """Run ids [1, n] after ``cache`` and return the logits [1, V] after the last one. A recurrent
     cache that already holds tokens is fed one token per forward (some mixers, e.g. transformers'
     Mamba-1, restart their scan on a multi-token forward) and keeps a snapshot after each."""
-    if not hasattr(cache, "rewind"):
-        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    from .targets.recurrent import cache_argument  # noqa: PLC0415
-
     argument = {cache_argument(model): cache}
+    if not hasattr(cache, "rewind"):
+        return model(input_ids=ids, use_cache=True, logits_to_keep=1, **argument).logits[:, -1]
     chunks = [ids] if cache.length == 0 else ids.split(1, dim=1)
     for chunk in chunks:
         logits = model(input_ids=chunk, use_cache=True, logits_to_keep=1, **argument).logits[:, -1]

@@ -34,7 +34,7 @@ _MODE_ERRORS = {
     GenerationMode.CONSTRAINED_BEAM_SEARCH: "constrained beam search (constraints / force_words_ids)",
 }
 # Keys flashmm sets itself on every forward; a user value would be silently replaced.
-_OWN_KEYS = ("past_key_values", "cache_position", "position_ids", "inputs_embeds", "logits_to_keep")
+_OWN_KEYS = ("cache", "past_key_values", "cache_params", "cache_position", "position_ids", "inputs_embeds", "logits_to_keep")
 
 
 @dataclass
@@ -148,7 +148,6 @@ def prepare(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     if bool((mask.sum(1) == 0).any()):
         raise ValueError("a row of attention_mask is all zeros (empty prompt)")
 
-    batch = input_ids.shape[0]
     expand = config.num_return_sequences or 1
     extra = {k: v for k, v in model_kwargs.items()
              if k not in ("attention_mask", "use_cache") and v is not None}

@@ -180,8 +180,8 @@ class GraphedForwards:
 
     def forward(self, ids, positions, mask, want_hidden):
         with self.linears():
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache,
-                             use_cache=True, output_hidden_states=bool(want_hidden))
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                             output_hidden_states=bool(want_hidden), **{kv.cache_argument(self.model): self.cache})
         from .targets.base import select_hidden  # noqa: PLC0415 (targets import this module)
 
         return out.logits, select_hidden(out.hidden_states, want_hidden)

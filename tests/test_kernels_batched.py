@@ -23,6 +23,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import flashmm  # noqa: E402
 import flashmm.kernels.attention as attention_kernels  # noqa: E402
+from flashmm.cache import cache_argument  # noqa: E402
 from flashmm.batched import BatchState, tree_masks  # noqa: E402
 from flashmm.drafters import DraftModel, PromptLookup  # noqa: E402
 from flashmm.kernels.attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
@@ -138,7 +139,7 @@ def test_padded_row_trees_through_both_backends_equal_the_additive_mask():
     for path in ("unwindowed", "mask", "triton", "torch"):
         cache = DynamicCache()
         with torch.no_grad():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **{cache_argument(model): cache}, use_cache=True)
             state = BatchState(cache=cache, valid=valid.to(DEVICE), slot_pos=slot_pos.to(DEVICE),
                                root_pos=valid.long().sum(1).to(DEVICE), offset=torch.zeros(bsz, dtype=torch.long))
             positions = state.root_pos[:, None] + padded_trees(trees, DEVICE)[1]
@@ -147,12 +148,12 @@ def test_padded_row_trees_through_both_backends_equal_the_additive_mask():
                                          window=8 if path == "mask" else None)
                 masks, _ = tree_masks(layers, state, trees, width, model.dtype)
                 logits[path] = model(input_ids=tokens, attention_mask=masks, position_ids=positions,
-                                     past_key_values=cache, use_cache=True).logits
+                                     **{cache_argument(model): cache}, use_cache=True).logits
                 continue
             kwargs = tree_attention_kwargs(trees, slots, bsz, DEVICE, backend=path, prefix_valid=state.valid,
                                            prefix_positions=state.slot_pos, root_positions=state.root_pos)
             with TreeAttentionSwitch(model):
-                logits[path] = model(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True,
+                logits[path] = model(input_ids=tokens, position_ids=positions, **{cache_argument(model): cache}, use_cache=True,
                                      **kwargs).logits
     assert (logits["unwindowed"] - logits["mask"]).abs().max() > 1e-3     # the window matters here
     for path in ("triton", "torch"):

@@ -19,6 +19,7 @@ from transformers import (  # noqa: E402
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
 )
 
+from flashmm.cache import cache_argument  # noqa: E402
 from flashmm.kernels.hf_attention import (  # noqa: E402
     ATTENTION_NAME, TreeAttentionSwitch, resolve_backend, tree_attention_kwargs,
 )
@@ -65,7 +66,7 @@ def reference_mask(model, tree: TokenTree, prefix: int, bsz: int, pad: torch.Ten
 
 def prefill(model, ids, attention_mask=None):
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=attention_mask, **{cache_argument(model): cache}, use_cache=True)
     return cache, out.logits
 
 
@@ -79,11 +80,11 @@ def test_tree_forward_matches_additive_mask(name):
     positions = TREE.positions(prefix).to(DEVICE)[None].expand(bsz, -1)
     with torch.no_grad():
         cache, plain_prefill = prefill(model, ids)
-        expected = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
+        expected = model(input_ids=tokens, **{cache_argument(model): cache}, use_cache=True, position_ids=positions,
                          attention_mask=reference_mask(model, TREE, prefix, bsz, None)).logits
         if getattr(model.config, "sliding_window", None):   # the window must matter here
             cache, _ = prefill(model, ids)
-            unwindowed = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
+            unwindowed = model(input_ids=tokens, **{cache_argument(model): cache}, use_cache=True, position_ids=positions,
                                attention_mask=reference_mask(model, TREE, prefix, bsz, None, window=False)).logits
             assert (unwindowed - expected).abs().max() > 1e-3
         switch = TreeAttentionSwitch(model)
@@ -94,7 +95,7 @@ def test_tree_forward_matches_additive_mask(name):
             kwargs = tree_attention_kwargs(TREE, prefix, bsz, DEVICE, backend=backend)
             with switch:
                 assert model.config._attn_implementation == ATTENTION_NAME
-                got = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
+                got = model(input_ids=tokens, **{cache_argument(model): cache}, use_cache=True, position_ids=positions,
                             **kwargs).logits
             assert model.config._attn_implementation == "sdpa"
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -112,12 +113,12 @@ def test_left_padded_batch():
     positions = (prefix - pad)[:, None] + TREE.depth.to(DEVICE)[None]
     with torch.no_grad():
         cache, _ = prefill(model, ids, attention_mask)
-        expected = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
+        expected = model(input_ids=tokens, **{cache_argument(model): cache}, use_cache=True, position_ids=positions,
                          attention_mask=reference_mask(model, TREE, prefix, bsz, pad)).logits
         cache, _ = prefill(model, ids, attention_mask)
         kwargs = tree_attention_kwargs(TREE, prefix, bsz, DEVICE, backend="triton", padding_mask=attention_mask)
         with TreeAttentionSwitch(model):
-            got = model(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions,
+            got = model(input_ids=tokens, **{cache_argument(model): cache}, use_cache=True, position_ids=positions,
                         **kwargs).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
@@ -129,11 +130,11 @@ def test_chain_through_kernel_equals_plain_causal_forward():
     ids = torch.randint(0, VOCAB, (1, 20), generator=gen).to(DEVICE)
     with torch.no_grad():
         cache, _ = prefill(model, ids[:, :12])
-        expected = model(input_ids=ids[:, 12:], past_key_values=cache, use_cache=True).logits
+        expected = model(input_ids=ids[:, 12:], **{cache_argument(model): cache}, use_cache=True).logits
         cache, _ = prefill(model, ids[:, :12])
         chain = TokenTree.chain(7)
         with TreeAttentionSwitch(model):
-            got = model(input_ids=ids[:, 12:], past_key_values=cache, use_cache=True,
+            got = model(input_ids=ids[:, 12:], **{cache_argument(model): cache}, use_cache=True,
                         position_ids=chain.positions(12).to(DEVICE)[None],
                         **tree_attention_kwargs(chain, 12, 1, DEVICE, backend="triton")).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -146,7 +147,7 @@ def test_errors_name_the_fix():
     kwargs = tree_attention_kwargs(TREE, 3, 1, DEVICE, backend="torch")   # wrong prefix length
     with pytest.raises(ValueError, match="prefix_len"), torch.no_grad(), switch:
         model(input_ids=torch.zeros(1, TREE.num_nodes, dtype=torch.long, device=DEVICE),
-              past_key_values=cache, **kwargs)
+              **{cache_argument(model): cache}, **kwargs)
     assert model.config._attn_implementation == "sdpa"                   # given back on the error too
     kwargs.pop("spec_tree")                                               # mask without its args
     with pytest.raises(RuntimeError, match="attention='torch'"), torch.no_grad(), switch:

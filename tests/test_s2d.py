@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashmm
+from flashmm.cache import output_cache
 from flashmm.config import SamplingParams
 from flashmm.drafters import S2D, load
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm
@@ -75,7 +76,7 @@ def test_every_exit_of_a_step_is_the_truncated_model_and_the_cache_keeps_only_co
         with torch.no_grad():
             s2d.propose(torch.tensor([ids]), 6, greedy, None)
         assert [layer.keys.shape[-2] for layer in s2d._cache.layers] == [committed_len] * 3
-        fresh = draft.lm(input_ids=draft.target_to_draft[torch.tensor([ids])], use_cache=True).past_key_values
+        fresh = output_cache(draft.lm(input_ids=draft.target_to_draft[torch.tensor([ids])], use_cache=True))
         for mine, theirs in zip(s2d._cache.layers, fresh.layers):
             assert torch.allclose(mine.keys, theirs.keys, atol=1e-5)
             assert torch.allclose(mine.values, theirs.values, atol=1e-5)

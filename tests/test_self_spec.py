@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashmm
+from flashmm.cache import cache_argument
 from flashmm.config import SamplingParams
 from flashmm.drafters.kangaroo import Kangaroo, KangarooAdapter
 from flashmm.drafters.layerskip import LayerSkip, chain_tau, choose_exit_layer
@@ -32,8 +33,8 @@ def test_layer_runner_equals_model_forward_on_a_tree_after_a_cached_prefix(arch)
     nodes = torch.tensor([[5, 9, 17, 33, 40, 41]])
     # reference: the model's own forward of the prefix, then of the tree with a 4D mask
     ref_cache = flashmm.cache.new_cache()
-    model(input_ids=ids, past_key_values=ref_cache, use_cache=True)
-    reference = model(input_ids=nodes, past_key_values=ref_cache, use_cache=True,
+    model(input_ids=ids, **{cache_argument(model): ref_cache}, use_cache=True)
+    reference = model(input_ids=nodes, **{cache_argument(model): ref_cache}, use_cache=True,
                       attention_mask=tree.attention_bias(12, torch.float32),
                       position_ids=tree.positions(12)[None]).logits
     runner = LayerRunner(model)
@@ -277,8 +278,8 @@ def test_propd_scores_only_the_surviving_subtree_exactly():
     verified, scored = score_draft(target, draft, False, spec, SamplingParams(), stats)
     # reference: the whole tree through the model, and its early exit after layer 2
     full_cache = flashmm.cache.new_cache()
-    model(input_ids=ids[:, :-1], past_key_values=full_cache, use_cache=True)
-    ref = model(input_ids=tokens, past_key_values=full_cache, use_cache=True, output_hidden_states=True,
+    model(input_ids=ids[:, :-1], **{cache_argument(model): full_cache}, use_cache=True)
+    ref = model(input_ids=tokens, **{cache_argument(model): full_cache}, use_cache=True, output_hidden_states=True,
                 attention_mask=tree.attention_bias(9, torch.float32), position_ids=tree.positions(9)[None])
     early_top = LayerRunner(model).logits(ref.hidden_states[2])[0].topk(3).indices
     parents = tree.parents.tolist()

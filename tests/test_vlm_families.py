@@ -15,6 +15,7 @@ import functools
 
 import pytest
 import torch
+import transformers
 
 import flashmm
 from flashmm.drafters.flash import FlashDrafter
@@ -41,15 +42,27 @@ def vlm(kind):
 
 
 @functools.lru_cache(maxsize=None)
-def case_inputs(kind, case):
-    """(inputs, reference [1, T + MAX_NEW]): the model's own greedy generate."""
+def own_generate(kind, case):
+    """(inputs, reference [1, T + MAX_NEW] or the exception the model's own greedy generate raised)."""
     model = vlm(kind)
     if kind in ROPE_KINDS:
         inputs = rope_inputs(kind, model, **CASES[case])
     else:
         inputs = placeholder_inputs(kind, model, **CASES[case])
-    with torch.no_grad():
-        reference = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    try:
+        with torch.no_grad():
+            return inputs, model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    except Exception as error:  # noqa: BLE001 (a family the installed transformers cannot run)
+        return inputs, error
+
+
+def case_inputs(kind, case):
+    """(inputs, reference): skips where the installed transformers cannot run the model's own generate
+    (transformers 5.24's Llama4ForConditionalGeneration.forward reads a field its text model's output lacks)."""
+    inputs, reference = own_generate(kind, case)
+    if isinstance(reference, Exception):
+        pytest.skip(f"transformers {transformers.__version__}: {kind}'s own generate fails "
+                    f"({type(reference).__name__}: {reference}); nothing to compare with")
     return inputs, reference
 
 
@@ -85,6 +98,10 @@ class RecordingFlash(FlashDrafter):
 @pytest.mark.parametrize("kind", KINDS + ROPE_KINDS)
 def test_generic_adapter_serves_the_family(kind):
     model = vlm(kind)
+    if isinstance(own_generate(kind, "image")[1], Exception):  # then flashmm must refuse, not decode
+        with pytest.raises(UnsupportedModel, match="fails"):
+            make_target(model)
+        return
     assert type(make_target(model)) is (RopeIndexVLMTarget if kind in ROPE_KINDS else PlaceholderVLMTarget)
     _, reference = case_inputs(kind, "image")
     new = reference[0, -MAX_NEW:].tolist()

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .. import cache as kv
 from .base import register
 from .draft_model import DraftModel
 from .length import AdaptiveDraftLength
@@ -62,11 +63,13 @@ class ReducedVocabLM(nn.Module):
         """The draft LM's own (reduced) head: what timing a draft step needs (budget="auto")."""
         return self.lm.get_output_embeddings()
 
-    def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True,
+    def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = True,
                 logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
-        out = self.lm(input_ids=self.target_to_draft[input_ids], past_key_values=past_key_values,
-                      use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
-        return CausalLMOutputWithPast(logits=self.to_target(out.logits), past_key_values=out.past_key_values)
+        """The draft LM's forward on target token ids, its logits scattered back to the target vocabulary;
+        ``cache`` (transformers' DynamicCache) is extended in place."""
+        out = self.lm(input_ids=self.target_to_draft[input_ids], use_cache=use_cache, logits_to_keep=logits_to_keep,
+                      **{kv.cache_argument(self.lm): cache}, **kwargs)
+        return CausalLMOutputWithPast(logits=self.to_target(out.logits))
 
     def to_target(self, small: torch.Tensor) -> torch.Tensor:
         """Draft-row logits [..., Vd] as target-vocabulary logits [..., V], -inf outside the subset."""

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from ..targets.layers import LayerRunner, crop_layers, layer_len
+from .. import cache as kv
+from ..targets.layers import crop_layers, layer_len
 from .base import SequenceStart, StepResult, register
 from .saved import CONFIG_FILE, read_info
 from .self_spec import SelfDrafter
@@ -52,7 +53,8 @@ class KangarooAdapter(torch.nn.Module):
         """hidden [B, T, d] (layer-l states) → [B, T, d] for the LM head. rotary: the target's
         (cos, sin) of the positions; attention_mask additive [B, 1, T, P + T] or None (T == 1)."""
         attended, _ = self.self_attn(hidden_states=self.input_norm(hidden), attention_mask=attention_mask,
-                                     position_embeddings=rotary, past_key_values=cache, use_cache=cache is not None)
+                                     position_embeddings=rotary, use_cache=cache is not None,
+                                     **{kv.cache_argument(self.self_attn): cache})
         return self.post_norm(hidden + attended)
 
 

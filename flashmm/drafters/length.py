@@ -112,7 +112,8 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     # flashmm's own full-length cache, as the targets and drafters use (a model's default cache may
     # evict sliding-window rows, and then cannot be cropped back to the prefix)
     cache = kv.new_cache()
-    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    argument = {kv.cache_argument(model): cache}
+    model(input_ids=prefix, use_cache=True, **argument)
     seconds = []
     routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
     for n in grid:
@@ -123,7 +124,7 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
             _synchronize(param.device)
             start = time.perf_counter()
             with routing:
-                model(input_ids=feed, past_key_values=cache, use_cache=True, logits_to_keep=n)
+                model(input_ids=feed, use_cache=True, logits_to_keep=n, **argument)
             _synchronize(param.device)
             if attempt:
                 best = min(best, time.perf_counter() - start)

@@ -94,8 +94,8 @@ class Pard(DraftModel):
         rows = self.model.target_to_draft[torch.tensor(ids[common:], device=device)]
         rows = torch.cat([rows, rows.new_zeros(count - 1)])
         is_mask = torch.arange(len(rows), device=device) >= len(ids) - common
-        out = self.pard.lm(inputs_embeds=self.pard.embed(rows, is_mask)[None], past_key_values=self._cache,
-                           use_cache=True, logits_to_keep=count)
+        out = self.pard.lm(inputs_embeds=self.pard.embed(rows, is_mask)[None], use_cache=True, logits_to_keep=count,
+                           **{kv.cache_argument(self.pard.lm): self._cache})
         kv.crop(self._cache, len(ids))
         return self.model.to_target(out.logits[0, -count:])
 

@@ -98,8 +98,8 @@ class S2D(FastDraft):
             mask = torch.zeros(n, past + n, dtype=hidden.dtype, device=hidden.device)
             mask = mask.masked_fill(blocked, torch.finfo(hidden.dtype).min)[None, None]
         rope = body.rotary_emb(hidden, position_ids=positions)
-        return body.layers[j](hidden, attention_mask=mask, position_ids=positions, past_key_values=self._cache,
-                              use_cache=True, position_embeddings=rope)
+        return body.layers[j](hidden, attention_mask=mask, position_ids=positions, use_cache=True,
+                              position_embeddings=rope, **{kv.cache_argument(body.layers[j]): self._cache})
 
     def _exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [H] after some layer → logits [1, V] in the target's ids (-inf outside the draft's rows)."""

@@ -31,6 +31,7 @@ import inspect
 
 import torch
 
+from ..cache import cache_argument
 from ..tree import TokenTree
 from . import register_adapter
 from .base import TargetOutput
@@ -105,8 +106,9 @@ def generate_position_offset(model: torch.nn.Module) -> int:
     ids = torch.tensor([[1, 2]], device=model.get_output_embeddings().weight.device)
     positions = torch.arange(2, device=ids.device)[None]
     try:
+        cache = {cache_argument(model, "prepare_inputs_for_generation"): DynamicCache()}
         prepared = model.prepare_inputs_for_generation(ids, position_ids=positions, attention_mask=torch.ones_like(ids),
-                                                       past_key_values=DynamicCache(), use_cache=True)
+                                                       use_cache=True, **cache)
     except Exception:  # noqa: BLE001 (a model that cannot say: generate's own positions, checked by self_check)
         return 0
     shifted = prepared.get("position_ids")

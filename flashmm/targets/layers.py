@@ -21,6 +21,7 @@ from collections.abc import Collection
 import torch
 from transformers import DynamicCache
 
+from .. import cache as kv
 from ..tree import TokenTree
 
 #: model_type of the families whose layers LayerRunner composes (pre-norm attention + MLP, one final norm)
@@ -90,8 +91,9 @@ class LayerRunner:
                 if isinstance(mask, dict):
                     mask = mask[getattr(layer, "attention_type", "full_attention")]
                 attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), attention_mask=mask,
-                                              position_ids=position_ids, past_key_values=cache, use_cache=cache is not None,
-                                              position_embeddings=rotary)
+                                              position_ids=position_ids, use_cache=cache is not None,
+                                              position_embeddings=rotary,
+                                              **{kv.cache_argument(layer.self_attn): cache})
                 hidden = hidden + attended
             if index not in skip_mlp:
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

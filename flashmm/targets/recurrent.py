@@ -28,7 +28,6 @@ Everything goes through transformers' cache API (``LinearAttentionCacheLayerMixi
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +48,6 @@ def recurrent_layer_kinds(text_config) -> list[str]:
 
 def is_recurrent(model: torch.nn.Module) -> bool:
     return bool(recurrent_layer_kinds(model.config.get_text_config(decoder=True)))
-
-
-def cache_argument(model: torch.nn.Module) -> str:
-    """The forward argument that takes the cache: ``past_key_values``, or ``cache_params`` (Mamba, Mamba-2)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
 
 
 class RecurrentCache(DynamicCache):

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..cache import CACHE_ARGUMENTS
 from ..tree import TokenTree
 from .recurrent import StateOutsideCache, continues_state, recurrent_layer_kinds
 
@@ -86,8 +87,9 @@ def refusal(model: torch.nn.Module) -> str:
         return ("its config has is_decoder=False, so it attends bidirectionally (an encoder with a language-model "
                 "head) and does not decode autoregressively; load it with is_decoder=True to use it as a decoder")
     forward = inspect.signature(model.forward).parameters
-    if "past_key_values" not in forward and not any(p.kind == p.VAR_KEYWORD for p in forward.values()):
-        return "its forward takes no past_key_values (no KV cache to verify drafts against)"
+    if not any(name in forward for name in CACHE_ARGUMENTS) and not any(p.kind == p.VAR_KEYWORD
+                                                                         for p in forward.values()):
+        return "its forward takes no cache (no KV cache to verify drafts against)"
     return ""
 
 

@@ -52,7 +52,7 @@ class CausalLMTarget(Target):
         # recurrent / hybrid: states kept by flashmm.targets.recurrent (stepwise: set by the self-check)
         self.recurrent = recurrent.is_recurrent(model)
         self.stepwise = False
-        self.cache_argument = recurrent.cache_argument(model) if self.recurrent else "past_key_values"
+        self.cache_argument = kv.cache_argument(model)
         self._verification = None
         if self.recurrent:
             self.backend = "torch"
@@ -246,7 +246,7 @@ class CausalLMTarget(Target):
         self._tree_prefix_len = prefix_len
         switch = self.kernel_attention(tree)
         use_kernel = switch is not None
-        args = dict(input_ids=tokens, past_key_values=self._cache, use_cache=True,
+        args = dict(input_ids=tokens, use_cache=True, **{self.cache_argument: self._cache},
                     output_hidden_states=bool(want_hidden),
                     **self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel))
         positions = positions_given(self._position_modules, tree.positions(prefix_len).to(self.device)) \

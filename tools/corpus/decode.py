@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from flashmm.cache import cache_argument
+
 
 @dataclass
 class Sampler:
@@ -67,7 +69,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids:
     finished = [False] * len(prompts)
     alive = torch.arange(len(prompts))  # original row of each batch row
     with torch.inference_mode():
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **{cache_argument(model): cache},
                        use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         next_pos = positions[:, -1] + 1  # [B]
         for step in range(max_new_tokens):
@@ -86,6 +88,6 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids:
                 mask, token, next_pos, alive = mask[keep], token[keep], next_pos[keep], alive[keep.cpu()]
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                           past_key_values=cache, use_cache=True).logits[:, -1]
+                           **{cache_argument(model): cache}, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
     return list(zip(results, finished))

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from flashmm import cache as kv
+from flashmm.cache import cache_argument
 from flashmm.train.corpus import read_info, token_pairs
 from flashmm.verify.judge import JudgeHead
 from tools.corpus.build import load_target
@@ -64,12 +65,12 @@ def label_item(model, prompt: list[int], answer: list[int], args, rng: random.Ra
     positions and the cache; each substitution then runs on that cache cropped back to its position
     (latest position first, so the cache is only ever cut), one token per forward."""
     cache = kv.new_cache()
-    out = model(torch.tensor([prompt + answer]), past_key_values=cache, use_cache=True)
+    out = model(torch.tensor([prompt + answer]), **{cache_argument(model): cache}, use_cache=True)
     probs = out.logits[0, len(prompt) - 1 : -1].softmax(-1)                       # [L, V]
     found = []
     for t, x in reversed(pick_positions(probs, answer, args.per_item, args.min_p, args.window + args.rejoin, rng)):
         kv.crop(cache, len(prompt) + t)
-        step = model(torch.tensor([[x]]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+        step = model(torch.tensor([[x]]), **{cache_argument(model): cache}, use_cache=True, output_hidden_states=True)
         state = step.hidden_states[-1][0, -1].float()                              # the final-normed state at x
         continuation = []
         for _ in range(args.horizon):
@@ -77,7 +78,7 @@ def label_item(model, prompt: list[int], answer: list[int], args, rng: random.Ra
             if token in end_ids:
                 break
             continuation.append(token)
-            step = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            step = model(torch.tensor([[token]]), **{cache_argument(model): cache}, use_cache=True)
         found.append((t, x, state, rejoins(answer[t + 1 :], continuation, args.window, args.rejoin)))
     return found[::-1]
 
