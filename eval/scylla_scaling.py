@@ -2,7 +2,7 @@
 
 Scylla reports that a draft model's acceptance rate grows log-linearly in its pretraining tokens
 and its size: alpha = a + b*ln(N_params) + c*ln(D_tokens). This script checks that on our scale
-and uses the fit to ask whether the shipped FastDraft (assets/text_drafters/smollm2/fastdraft: a
+and uses the fit to ask whether the FastDraft from noise (assets/text_drafters/smollm2/fastdraft_scratch: a
 2-layer, 384-wide Llama over an 8192-token reduced vocabulary) has the right size.
 
   1. Hold out a fixed, seeded 5% of the corpus records (assets/corpus/smollm2); never trained on.
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 SIZES = {"h128_l1": (128, 1), "h256_l2": (256, 2), "h384_l2": (384, 2), "h512_l3": (512, 3)}
-SHIPPED = "h384_l2"  # the shape of assets/text_drafters/smollm2/fastdraft
+SHIPPED = "h384_l2"  # the shape of assets/text_drafters/smollm2/fastdraft_scratch (FastDraft from noise)
 # (shape, fraction of the training split's tokens; nested subsets): 3 shapes x 3 corpus sizes, ~30 minutes
 # on one loaded thread. The committed results add "h512_l3:1/6" (~11 more minutes) for a 4th size.
 GRID = "h128_l1,h256_l2,h384_l2:1/12,1/6,1/3"
@@ -326,19 +326,20 @@ def step_seconds(models: dict, context: list[int], repeats: int) -> dict:
     from transformers import DynamicCache  # noqa: PLC0415
 
     from eval.common import median, timed_with_cpu  # noqa: PLC0415
+    from flashmm.cache import cache_argument  # noqa: PLC0415
 
     ids = torch.tensor([context])
     caches = {}
     for name, model in models.items():
         model.eval()
         caches[name] = DynamicCache()
-        model(input_ids=ids[:, :-1], past_key_values=caches[name], use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, :-1], **{cache_argument(model): caches[name]}, use_cache=True, logits_to_keep=1)
     last = ids[:, -1:]
     times = {name: [] for name in models}
     for round_ in range(repeats + 3):
         for name, model in models.items():
-            _, _, cpu = timed_with_cpu(lambda: model(input_ids=last, past_key_values=caches[name], use_cache=True,
-                                                     logits_to_keep=1))
+            argument = {cache_argument(model): caches[name]}
+            _, _, cpu = timed_with_cpu(lambda: model(input_ids=last, use_cache=True, logits_to_keep=1, **argument))
             caches[name].crop(-1)  # drop the timed token again
             if round_ >= 3:  # warm-up rounds
                 times[name].append(cpu)
@@ -352,7 +353,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="eval/results/scylla_scaling")
     ap.add_argument("--vocab-from", default="/tmp/draft_work/vocab.pt",
                     help="the FastDraft build's reduced vocabulary (built with choose_vocab when missing)")
-    ap.add_argument("--shipped", default="assets/text_drafters/smollm2/fastdraft")
+    ap.add_argument("--shipped", default="assets/text_drafters/smollm2/fastdraft_scratch")
     ap.add_argument("--grid", default=GRID, help='runs as "shapes:fractions;..." (default: %(default)s)')
     ap.add_argument("--held-out", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)

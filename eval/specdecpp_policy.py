@@ -69,13 +69,16 @@ def greedy_replay(drafter, prompt: list[int], answer: list[int], max_tokens: int
 
 
 @torch.no_grad()
-def cpu_seconds(model, nodes: int, prefix_len: int = 128, repeats: int = 5) -> float:
+def cpu_seconds(model, nodes: int, prefix_len: int = 128, repeats: int = 5, linear: str = "torch") -> float:
     """Median thread CPU seconds of ``model``'s cached forward of ``nodes`` new tokens after a
     ``prefix_len``-token prefix, at 1 torch thread: CPU time, not wall time, so that other processes
-    on a loaded machine do not inflate it (they still share caches and memory bandwidth)."""
+    on a loaded machine do not inflate it (they still share caches and memory bandwidth). ``linear``:
+    "onednn" multiplies through oneDNN, as flashmm runs the target and its draft LM on such a CPU."""
     import time  # noqa: PLC0415
+    from contextlib import nullcontext  # noqa: PLC0415
 
     from flashmm import cache as kv  # noqa: PLC0415
+    from flashmm.onednn import OneDNNLinears  # noqa: PLC0415
 
     cache = kv.new_cache(model)
     kv.next_logits(model, cache, torch.randint(3, 1000, (1, prefix_len)))
@@ -84,7 +87,8 @@ def cpu_seconds(model, nodes: int, prefix_len: int = 128, repeats: int = 5) -> f
     for attempt in range(repeats + 1):  # the first run warms up
         kv.crop(cache, prefix_len)
         start = time.thread_time()
-        kv.next_logits(model, cache, feed)
+        with OneDNNLinears(model) if linear == "onednn" else nullcontext():
+            kv.next_logits(model, cache, feed)
         if attempt:
             times.append(time.thread_time() - start)
     return sorted(times)[len(times) // 2]
@@ -92,10 +96,13 @@ def cpu_seconds(model, nodes: int, prefix_len: int = 128, repeats: int = 5) -> f
 
 def cpu_cost_model(target, draft_lm, grid=(1, 2, 3, 4, 6, 9, 13, 17)) -> tuple[VerifyCost, float]:
     """(the target's verify cost over ``grid`` nodes, a draft forward in target one-token steps), from
-    thread CPU time at 1 thread (see cpu_seconds)."""
+    thread CPU time at 1 thread (see cpu_seconds), both multiplying as flashmm's ``linear="auto"`` has them."""
+    from flashmm.onednn import resolve_linear_backend  # noqa: PLC0415
+
     torch.set_num_threads(1)
-    cost = VerifyCost(tuple(grid), tuple(cpu_seconds(target, n) for n in grid))
-    return cost, cpu_seconds(draft_lm, 1) / cost.seconds[0]
+    linear = resolve_linear_backend("auto", target)
+    cost = VerifyCost(tuple(grid), tuple(cpu_seconds(target, n, linear=linear) for n in grid))
+    return cost, cpu_seconds(draft_lm, 1, linear=linear) / cost.seconds[0]
 
 
 def summarize(counts: list[dict], verify_cost, draft_cost: float) -> dict:

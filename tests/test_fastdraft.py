@@ -10,6 +10,7 @@ import torch
 import flashmm
 from flashmm.drafters import FastDraft, load
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
+from flashmm.onednn import onednn_available
 from flashmm.train import draft_lm as T
 
 from stats_utils import chi_square_pvalue
@@ -102,6 +103,39 @@ def test_folder_round_trip_and_trained_name_refused(tmp_path):
         load(tmp_path)
 
 
+def test_pruned_target_draft_with_every_layer_is_the_target():
+    """init_from_target copies embeddings, layers and norm: kept whole, the draft computes the target's
+    logits on its vocabulary rows (the reference: the target's own forward)."""
+    target = tiny_lm("llama", seed=1, tie_word_embeddings=True)
+    rows = torch.tensor([0, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31])
+    layers = list(range(target.config.num_hidden_layers))
+    lm = build_lm(T.pruned_target_config(target.config, len(rows), len(layers)))
+    T.init_from_target(lm, target, rows, layers)
+    draft = ReducedVocabLM(lm, rows, VOCAB)
+    ids = torch.tensor([[2, 3, 5, 7, 11, 13]])  # ids inside the draft vocabulary: read as themselves
+    with torch.no_grad():
+        want = target(ids).logits[..., rows]
+        got = draft(ids).logits[..., rows]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert lm.config.rope_parameters == target.config.rope_parameters
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch without oneDNN")
+def test_draft_lm_multiplies_as_the_target_does():
+    """The draft LM's linears go through oneDNN exactly when the target's forwards do (fp32 CPU), and
+    greedy output stays the target's own."""
+    target = tiny_lm("llama", seed=0)
+    rows = list(range(VOCAB))
+    draft, _ = distilled_twin(target, rows)
+    ids = prompt(8, seed=3)
+    want = target.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    for linear in ("onednn", "torch"):
+        sm = flashmm.wrap(target, FastDraft(draft, max_draft_tokens=4, adaptive=False), linear=linear)
+        assert torch.equal(sm.generate(ids, max_new_tokens=16, eos_token_id=[]), want)
+        assert sm.drafter.linear == linear
+    assert not any("forward" in layer.__dict__ for layer in draft.modules())  # routing undone after each call
+
+
 # ---------------------------------------------------------------- exact as a drafter
 
 def distilled_twin(target, rows: list[int]) -> ReducedVocabLM:
@@ -167,12 +201,13 @@ def test_fastdraft_folder_takes_every_drafting_scheme(models, tmp_path):  # noqa
 SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2"
 
 
-@pytest.mark.parametrize("method", ["fastdraft", "distillspec", "adaspec", "pard"])
-def test_shipped_draft_is_exact_on_smollm2(smollm2, method):
-    if not (SHIPPED / method / "drafter.json").exists():
-        pytest.skip(f"{method} is not built (python -m tools.drafters.build_draft_lm)")
+@pytest.mark.parametrize("folder", ["fastdraft", "fastdraft_scratch", "distillspec", "adaspec", "pard"])
+def test_shipped_draft_is_exact_on_smollm2(smollm2, folder):
+    if not (SHIPPED / folder / "drafter.json").exists():
+        pytest.skip(f"{folder} is not built (python -m tools.drafters.build_draft_lm)")
     model, tokenizer = smollm2
-    drafter = load(SHIPPED / method, budget="constants")  # exactness only: skip timing the target
+    drafter = load(SHIPPED / folder, budget="constants")  # exactness only: skip timing the target
+    method = folder.removesuffix("_scratch")  # fastdraft_scratch: FastDraft trained from noise
     assert drafter.info["method"] == method and drafter.info["target"]["vocab_size"] == model.config.vocab_size
     ids = chat_prompt(tokenizer, "List three primary colours.")
     sm = flashmm.wrap(model, drafter)

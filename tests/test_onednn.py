@@ -71,29 +71,33 @@ def test_resolve_linear_backend():
 @needs_onednn
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
-    """Every linear of the prefill and of every tree forward goes through oneDNN; greedy output
-    equals generate's; the layers are the model's own again afterwards; linear="torch" routes nothing."""
+    """Every linear of the prefill and of every tree forward goes through oneDNN, and a draft LM's
+    too; greedy output equals generate's; the layers are the model's own again afterwards;
+    linear="torch" routes nothing."""
     calls = []
 
     original = onednn._onednn_linear
 
     def counting(layer, weight, x):
-        calls.append(x.shape[-2])
+        calls.append((layer, x.shape[-2]))
         return original(layer, weight, x)
 
     monkeypatch.setattr(onednn, "_onednn_linear", counting)
     model = tiny_lm(arch)
-    layers = sum(type(m) is torch.nn.Linear for m in model.modules())
+    own = {m for m in model.modules() if type(m) is torch.nn.Linear}
     ids = prompt(40, seed=3)
     reference = model.generate(ids, do_sample=False, max_new_tokens=24)
-    for drafter in (DraftModel(tiny_lm(arch, seed=5), max_draft_tokens=4, tree_width=2, adaptive=False),
-                    PromptLookup()):
+    draft = tiny_lm(arch, seed=5)
+    for drafter in (DraftModel(draft, max_draft_tokens=4, tree_width=2, adaptive=False), PromptLookup()):
         sm = flashmm.wrap(model, drafter, linear="onednn")
         calls.clear()  # (wrap's self-check runs one tree forward: flashmm.targets.support)
         assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)
-        assert len(calls) == layers * (1 + sm.last_stats.verify_steps)  # the prefill, then each tree
-        assert calls[:layers] == [40] * (layers - 1) + [1]  # the prompt's 40 rows first (the head: the last)
-        assert not any("forward" in m.__dict__ for m in model.modules())
+        target_rows = [rows for layer, rows in calls if layer in own]
+        assert len(target_rows) == len(own) * (1 + sm.last_stats.verify_steps)  # the prefill, then each tree
+        assert target_rows[:len(own)] == [40] * (len(own) - 1) + [1]  # the prompt's 40 rows first (the head: the last)
+        drafted = [layer for layer, _ in calls if layer not in own]
+        assert bool(drafted) == isinstance(drafter, DraftModel)  # the draft LM multiplies as the target does
+        assert not any("forward" in m.__dict__ for m in [*model.modules(), *draft.modules()])
     calls.clear()
     sm = flashmm.wrap(model, PromptLookup(), linear="torch")
     assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..config import SamplingParams
+from ..onednn import OneDNNLinears
 from ..tree import TokenTree
 
 if TYPE_CHECKING:
@@ -192,8 +193,10 @@ class Drafter:
 
     def fork(self) -> "Drafter":
         """A drafter for one more sequence decoded at the same time (a batch row): shares this
-        one's weights (its modules and tensors), copies its per-sequence state."""
-        memo = {id(v): v for v in vars(self).values() if isinstance(v, (torch.nn.Module, torch.Tensor))}
+        one's weights (its modules and tensors, and their oneDNN routing: packed copies of them),
+        copies its per-sequence state."""
+        shared = (torch.nn.Module, torch.Tensor, OneDNNLinears)
+        memo = {id(v): v for v in vars(self).values() if isinstance(v, shared)}
         return copy.deepcopy(self, memo)
 
 

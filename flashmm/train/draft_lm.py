@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..cache import cache_argument, output_cache
+
 DIVERGENCES = ("fkl", "rkl", "tvd", "jsd")
 OBJECTIVES = ("ce",) + DIVERGENCES
 
@@ -83,6 +85,37 @@ def draft_lm_config(target_config, vocab: int, hidden: int, layers: int, heads: 
                 rope_theta=getattr(text, "rope_theta", None) or 10000.0, rms_norm_eps=1e-5,
                 bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id,
                 tie_word_embeddings=True)
+
+
+#: the target config entries a pruned draft keeps (the rest describe the full model or its checkpoint)
+PRUNED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "hidden_act",
+               "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+               "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def pruned_target_config(target_config, vocab: int, layers: int) -> dict:
+    """A Llama decoder config with the target's own widths, heads, RoPE and norms, ``layers`` deep over a
+    ``vocab``-row reduced vocabulary (tied head): the shape ``init_from_target`` fills from the target."""
+    text = target_config.get_text_config()
+    config = {k: v for k, v in text.to_dict().items() if k in PRUNED_KEYS}
+    return dict(config, vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=True, model_type="llama",
+                head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
+@torch.no_grad()
+def init_from_target(lm, target, draft_to_target: torch.Tensor, layers: list[int]) -> None:
+    """Fill a ``pruned_target_config`` draft ``lm`` from a Llama-style ``target``: its embedding rows of
+    the draft vocabulary (also the tied head), the decoder layers listed in ``layers`` (in that order) and
+    its final norm. The draft starts from the target's token representations instead of noise; on
+    SmolLM2 (layers 0 and 1) greedy agreement on 60 held-out corpus answers was 0.34 after one epoch of
+    pretraining, against 0.26 for the 384-wide draft trained from noise for 2.5 epochs on the whole
+    corpus, those answers included (tools.drafters.build_draft_lm --init-layers)."""
+    body = target.get_decoder()
+    lm.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight[draft_to_target])
+    for i, src in enumerate(layers):
+        lm.model.layers[i].load_state_dict(body.layers[src].state_dict())
+    lm.model.norm.load_state_dict(body.norm.state_dict())
+    lm.tie_weights()
 
 
 # ---------------------------------------------------------------- divergences
@@ -332,9 +365,9 @@ def on_policy_sequences(draft, prompts: list[list[int]], max_new_tokens: int, te
         done = [False] * len(group)
         cache, feed, positions = None, ids, (mask.cumsum(1) - 1).clamp(min=0)
         for _ in range(max_new_tokens):
-            out_step = draft(input_ids=feed, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
-            cache = out_step.past_key_values
+            out_step = draft(input_ids=feed, attention_mask=mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1, **{cache_argument(draft): cache})
+            cache = output_cache(out_step)
             logits = out_step.logits[:, -1].float()
             if temperature > 0:
                 token = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator)[:, 0]

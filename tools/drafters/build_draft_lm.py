@@ -55,6 +55,10 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--init-layers", default="",
+                    help="start from the target instead of noise: its width, these decoder layers (e.g. 0,1), "
+                         "its embedding rows of the draft vocabulary and its final norm (--hidden, --layers, "
+                         "--heads, --intermediate then do not apply)")
     ap.add_argument("--pretrain-epochs", type=float, default=2.0)
     ap.add_argument("--align-epochs", type=float, default=1.0)
     ap.add_argument("--distill-epochs", type=float, default=1.0)
@@ -110,16 +114,26 @@ class Build:
             log(f"vocab: {len(chosen)} ids cover {T.vocab_coverage(sequences, chosen):.4f} of answer tokens")
         return torch.load(path, weights_only=True)
 
-    def new_draft(self) -> ReducedVocabLM:
+    def init_layers(self) -> list[int]:
+        return [int(i) for i in self.args.init_layers.split(",") if i.strip()]
+
+    def new_draft(self, initialise: bool = True) -> ReducedVocabLM:
         a = self.args
         model, _ = self.target
         vocab = self.vocab()  # fewer than --vocab ids when the corpus has fewer distinct tokens
-        config = T.draft_lm_config(model.config, len(vocab), a.hidden, a.layers, a.heads, a.intermediate)
+        layers = self.init_layers()
+        if layers:
+            config = T.pruned_target_config(model.config, len(vocab), len(layers))
+        else:
+            config = T.draft_lm_config(model.config, len(vocab), a.hidden, a.layers, a.heads, a.intermediate)
         torch.manual_seed(a.seed)
-        return ReducedVocabLM(build_lm(config), vocab, model.config.vocab_size)
+        lm = build_lm(config)
+        if layers and initialise:
+            T.init_from_target(lm, model, vocab, layers)
+        return ReducedVocabLM(lm, vocab, model.config.vocab_size)
 
     def draft_after(self, stage: str) -> ReducedVocabLM:
-        draft = self.new_draft()
+        draft = self.new_draft(initialise=False)
         draft.lm.load_state_dict(torch.load(self.work / stage / "final.pt", weights_only=True))
         return draft
 
@@ -148,9 +162,16 @@ class Build:
                 "training": {**summary, "corpus": a.corpus, "corpus_seed": self.corpus_info.get("seed")},
                 "notes": notes,
                 "command": f"python -m tools.drafters.build_draft_lm --corpus {a.corpus} --work {a.work} "
-                           f"--out {a.out} --seed {a.seed}", **more}
+                           f"--out {a.out} --seed {a.seed}{self.changed_options()}", **more}
         path = save_reduced_lm(Path(a.out) / method, draft, info, drafter=drafter, extra=extra)
         log(f"exported {method} → {path}")
+
+    def changed_options(self) -> str:
+        """The command-line options that differ from their defaults, as the export's rebuild command needs."""
+        defaults = vars(parse_args([]))
+        skip = ("corpus", "work", "out", "seed", "stages", "threads", "max_minutes")
+        return "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(self.args).items()
+                       if k not in skip and v != defaults[k])
 
     # ------------------------------------------------------------ stages
     def stage_pretrain(self):
@@ -163,7 +184,9 @@ class Build:
         examples = T.examples_from_sequences(corpus_sequences(self.records, "greedy", self.end_ids()[0]),
                                              self.rows(), answers_only=True)
         summary = self.train("align", draft, examples, "ce", self.args.align_epochs)
-        self.export("fastdraft", draft, summary, "FastDraft: pretrained on every corpus token, aligned on the "
+        start = (f"SmolLM2's own embedding rows (the draft vocabulary, tied head), decoder layers "
+                 f"{' and '.join(map(str, self.init_layers()))} and final norm, " if self.init_layers() else "")
+        self.export("fastdraft", draft, summary, f"FastDraft: {start}pretrained on every corpus token, aligned on the "
                     "target's greedy answers (cross-entropy)")
 
     def greedy_features(self):

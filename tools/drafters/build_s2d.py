@@ -37,7 +37,7 @@ def log(msg: str) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
-    ap.add_argument("--init", default="assets/text_drafters/smollm2/fastdraft")
+    ap.add_argument("--init", default="assets/text_drafters/smollm2/fastdraft_scratch")
     ap.add_argument("--work", default="/tmp/s2d_work")
     ap.add_argument("--out", default="assets/text_drafters/smollm2/s2d")
     ap.add_argument("--layers", type=int, default=4)

@@ -42,14 +42,14 @@ def parse_args(argv=None):
     ap.add_argument("--draft", default="assets/text_drafters/smollm2/fastdraft")
     ap.add_argument("--work", default="/tmp/specdecpp_work")
     ap.add_argument("--out", default="assets/text_drafters/smollm2/specdecpp")
-    ap.add_argument("--train-sequences", type=int, default=500)
+    ap.add_argument("--train-sequences", type=int, default=2000)
     ap.add_argument("--heldout-first", type=int, default=3000)
     ap.add_argument("--heldout-sequences", type=int, default=100)
     ap.add_argument("--calibrate-sequences", type=int, default=20)
-    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.8, 0.9, 0.95])
     ap.add_argument("--max-draft-tokens", type=int, default=8)
     ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -118,9 +118,9 @@ def main(argv=None) -> None:
                                         "verify_relative": {n: verify_cost.relative(n) for n in (2, 4, 9)}},
                          "seconds": time.time() - started},
             "notes": "SpecDec++: stop drafting before the token that makes P(at least one rejection) exceed threshold",
-            "command": "python -m tools.drafters.build_specdecpp --corpus assets/corpus/smollm2 --draft "
-                       "assets/text_drafters/smollm2/fastdraft --work /tmp/specdecpp_work --out "
-                       "assets/text_drafters/smollm2/specdecpp"}
+            "command": f"python -m tools.drafters.build_specdecpp --corpus {args.corpus} --draft {args.draft} "
+                       f"--work /tmp/specdecpp_work --out {args.out} --train-sequences {args.train_sequences} "
+                       f"--thresholds {' '.join(map(str, args.thresholds))} --epochs {args.epochs}"}
     save_specdecpp(args.out, head, args.draft, info)
     log(f"wrote {args.out} (threshold {best}); {time.time() - started:.0f}s")
 
