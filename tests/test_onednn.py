@@ -6,10 +6,11 @@ import torch
 
 import flashmm
 import flashmm.onednn as onednn
-from flashmm.drafters import DraftModel, PromptLookup
+from flashmm.drafters import DraftModel, Eagle3Drafter, PromptLookup
 from flashmm.onednn import OneDNNLinears, resolve_linear_backend
 
-from text_models import prompt, tiny_lm
+from test_eagle3 import head_for
+from text_models import VOCAB, prompt, tiny_lm
 
 needs_onednn = pytest.mark.skipif(not onednn.onednn_available(), reason="torch built without oneDNN")
 
@@ -105,6 +106,26 @@ def test_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
 
 
 @needs_onednn
+@needs_onednn
+def test_an_eagle3_head_multiplies_as_the_target_does(monkeypatch):
+    """On a target whose forwards run on oneDNN every linear of the EAGLE-3 head does too (on
+    "torch" none does), its layers are their own again between drafts, and greedy output is generate's."""
+    calls = []
+    original = onednn._onednn_linear
+    monkeypatch.setattr(onednn, "_onednn_linear", lambda layer, weight, x: calls.append(layer) or original(layer, weight, x))
+    model = tiny_lm("llama")
+    net = head_for(model, list(range(3, VOCAB)), seed=1)
+    head_layers = {m for m in net.modules() if type(m) is torch.nn.Linear}
+    ids = prompt(12, seed=0)
+    reference = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    for linear in ("onednn", "torch"):
+        sm = flashmm.wrap(model, Eagle3Drafter(net, depth=3, top_k=3, adaptive=False), linear=linear)
+        calls.clear()
+        assert torch.equal(sm.generate(ids, max_new_tokens=16, eos_token_id=[]), reference)
+        assert set(calls) & head_layers == (head_layers if linear == "onednn" else set())
+        assert not any("forward" in m.__dict__ for m in net.modules())
+
+
 def test_falls_back_to_f_linear_for_autograd_and_other_dtypes():
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)
