@@ -6,10 +6,13 @@ import torch
 
 import flashmm
 import flashmm.onednn as onednn
-from flashmm.drafters import DraftModel, Eagle3Drafter, PromptLookup
+from flashmm.drafters import MTP, DraftModel, Eagle3Drafter, Hydra, Medusa, PromptLookup
+from flashmm.drafters.hydra import HydraHeads
+from flashmm.drafters.mtp import MTPModules
 from flashmm.onednn import OneDNNLinears, resolve_linear_backend
 
 from test_eagle3 import head_for
+from test_heads import random_medusa
 from text_models import VOCAB, prompt, tiny_lm
 
 needs_onednn = pytest.mark.skipif(not onednn.onednn_available(), reason="torch built without oneDNN")
@@ -124,6 +127,35 @@ def test_an_eagle3_head_multiplies_as_the_target_does(monkeypatch):
         assert torch.equal(sm.generate(ids, max_new_tokens=16, eos_token_id=[]), reference)
         assert set(calls) & head_layers == (head_layers if linear == "onednn" else set())
         assert not any("forward" in m.__dict__ for m in net.modules())
+
+
+@needs_onednn
+@pytest.mark.parametrize("family", ["medusa", "hydra", "mtp"])
+def test_heads_multiply_as_the_target_does(family, monkeypatch):
+    """Medusa / Hydra / MTP: the LM-head rows they predict (and their own linears) multiply through
+    oneDNN while they draft on a oneDNN target, not on "torch"; greedy output is generate's."""
+    calls = []
+    original = onednn._onednn_linear
+    monkeypatch.setattr(onednn, "_onednn_linear", lambda layer, weight, x: calls.append(layer) or original(layer, weight, x))
+    model = tiny_lm("llama")
+    d = model.config.hidden_size
+    own = {m for m in model.modules() if type(m) is torch.nn.Linear}
+    ids = prompt(12, seed=0)
+    reference = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    for linear in ("onednn", "torch"):
+        torch.manual_seed(0)
+        drafter = {"medusa": lambda: Medusa(random_medusa(model), tree_nodes=6, adaptive=False),
+                   "hydra": lambda: Hydra(HydraHeads(d, 3), tree_nodes=6, adaptive=False),
+                   "mtp": lambda: MTP(MTPModules(d, 3, num_attention_heads=model.config.num_attention_heads,
+                                                 num_key_value_heads=model.config.num_key_value_heads,
+                                                 intermediate_size=model.config.intermediate_size),
+                                      adaptive=False)}[family]()
+        sm = flashmm.wrap(model, drafter, linear=linear)
+        calls.clear()
+        assert torch.equal(sm.generate(ids, max_new_tokens=16, eos_token_id=[]), reference)
+        drafted = [layer for layer in calls if layer not in own]
+        assert (drafter._lm_head in drafted) == (linear == "onednn")
+        assert not any("forward" in m.__dict__ for m in [drafter._lm_head, *drafter.heads.modules()])
 
 
 def test_falls_back_to_f_linear_for_autograd_and_other_dtypes():

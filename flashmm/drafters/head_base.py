@@ -20,6 +20,7 @@ stored: they are the target's, taken at ``bind``.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,9 +28,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..config import SamplingParams
+from ..onednn import OneDNNLinears
 from ..shapes import dyspec_tree
 from ..tree import TokenTree
-from .base import Drafter, SequenceStart, StepResult
+from .base import Draft, Drafter, SequenceStart, StepResult
 from .length import AdaptiveDraftLength, price_with_target
 from .saved import CONFIG_FILE
 
@@ -116,6 +119,8 @@ class HeadDrafter(Drafter):
         self.tree_nodes = tree_nodes
         self.info = info or {}
         self._weight = self._bias = self._embed = None
+        self._lm_head: nn.Linear | None = None      # bind: the target's LM head rows the heads predict
+        self._linears = nullcontext()                # bind: OneDNNLinears when the target multiplies through oneDNN
         self._feature = None                         # [d]: target feature at the root's parent
         self._prompt_embeds = None                   # [T, d]: what the target consumed for the prompt
         self.adaptive, self.length = adaptive, AdaptiveDraftLength()
@@ -146,6 +151,14 @@ class HeadDrafter(Drafter):
         self._weight = weight.detach()[rows]                                   # [Vd, d]
         bias = getattr(head, "bias", None)
         self._bias = None if bias is None else bias.detach()[rows]
+        self._lm_head = nn.Linear(self._weight.shape[1], self._weight.shape[0], bias=self._bias is not None,
+                                  device="meta")
+        self._lm_head.weight = nn.Parameter(self._weight, requires_grad=False)
+        if self._bias is not None:
+            self._lm_head.bias = nn.Parameter(self._bias, requires_grad=False)
+        # the heads multiply as the target does (through oneDNN, packed, when its forwards do)
+        on_onednn = getattr(target, "linear_backend", "torch") == "onednn"
+        self._linears = OneDNNLinears(nn.ModuleList([self.heads, self._lm_head])) if on_onednn else nullcontext()
         self._embed = target.input_embeddings()
         self._target_weights = sum(p.numel() for p in target.model.parameters())
         self._sizes = {}
@@ -172,11 +185,21 @@ class HeadDrafter(Drafter):
             self.evidence = [0.995 * e for e in self.evidence]
         self._predicted = 0.0
 
+    @torch.no_grad()
+    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        with self._linears:
+            return self._propose(committed, max_tokens, sampling, generator)
+
+    def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                 generator: torch.Generator | None) -> Draft:
+        """The family's draft (Medusa, Hydra, MTP define it); ``propose`` runs it inside the routing."""
+        raise NotImplementedError(f"{type(self).__name__} defines no _propose")
+
     # ------------------------------------------------------------------ helpers for subclasses
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """states [..., d] → logits [..., Vd] through the target's LM head rows."""
-        out = states.to(self._weight.dtype) @ self._weight.T
-        return out if self._bias is None else out + self._bias
+        return self._lm_head(states.to(self._weight.dtype))
 
     def target_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary rows → target token ids."""

@@ -115,9 +115,8 @@ class Hydra(HeadDrafter):
         self._fed += states.shape[0]
         self._feature = out[0, -1]
 
-    @torch.no_grad()
-    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Draft:
+    def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                 generator: torch.Generator | None) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("Hydra drafts one sequence at a time (batches fork it per row)")
         tree = self.planned_tree(max_tokens)

@@ -52,9 +52,8 @@ class Medusa(HeadDrafter):
     name = "medusa"
     heads_class = MedusaHeads
 
-    @torch.no_grad()
-    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Draft:
+    def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                 generator: torch.Generator | None) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("Medusa drafts one sequence at a time (batches fork it per row)")
         tree = self.planned_tree(max_tokens)

@@ -206,9 +206,8 @@ class MTP(HeadDrafter):
             self._states[k + 1] = out[0] if self._states[k + 1] is None else torch.cat([self._states[k + 1], out[0]])
             self._fed[k] = stop
 
-    @torch.no_grad()
-    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Draft:
+    def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                 generator: torch.Generator | None) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("MTP drafts one sequence at a time (batches fork it per row)")
         root = committed.shape[1] - 1
