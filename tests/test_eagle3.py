@@ -2,6 +2,7 @@
 test equal to what drafting computes, the grown tree equal to a brute-force reference that runs the
 head on every node's path alone, greedy identity with model.generate, sampled output with the
 target's distribution (a biased twin must fail), and the shipped SmolLM2 head."""
+import math
 from pathlib import Path
 
 import pytest
@@ -387,3 +388,27 @@ def test_flash_k1_eagle2_tree_equals_brute_force_and_is_exact():
                    top_k=3, depth=3, budget=14)
     assert draft.tree.parents.tolist() == [-1] + ref.parents
     assert draft.tokens[0, 1:].tolist() == ref.rows and max(_depths(ref.parents)) == 3
+
+
+def test_growth_stops_at_a_depth_whose_nodes_hold_too_little_probability():
+    """level_mass: growth stops before expanding a depth whose chosen nodes hold less cumulative
+    probability than it; the tree equals the one grown to the depth before (reference: no limit)."""
+    vocab = 12
+
+    def expand(chosen, nodes):
+        masses.append(sum(math.exp(nodes[i].score) for i in chosen))
+        logits = [torch.arange(vocab, dtype=torch.float).roll(nodes[i].row) * 0.7 for i in chosen]
+        return torch.stack(logits).log_softmax(-1)
+
+    root = (torch.arange(vocab, dtype=torch.float) * 0.9).log_softmax(-1)
+    masses: list[float] = []
+    grow(root, expand, top_k=3, depth=6, budget=40)
+    unlimited = list(masses)  # the chosen nodes' mass before expanding levels 2 .. 6
+    assert len(unlimited) == 5 and all(a > b for a, b in zip(unlimited, unlimited[1:]))
+    masses.clear()
+    limited = grow(root, expand, top_k=3, depth=6, budget=40, level_mass=(unlimited[2] + unlimited[3]) / 2)
+    assert len(masses) == 3  # levels 2, 3, 4 expanded; level 5's nodes hold too little
+    masses.clear()
+    reference = grow(root, expand, top_k=3, depth=4, budget=40)
+    assert (limited.parents, limited.rows, limited.scores, limited.levels) == \
+        (reference.parents, reference.rows, reference.scores, reference.levels)

@@ -83,9 +83,12 @@ def _best(indices: list[int], nodes: list[Node], count: int) -> list[int]:
 
 
 def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, budget: int,
-         score: Score | None = None, stop_below: float | None = None) -> GrownTree:
-    """EAGLE-2 growth from root log probabilities [V'] (see the module docstring); ``score`` and
-    ``stop_below`` (a probability) are SpecDec++'s."""
+         score: Score | None = None, stop_below: float | None = None, level_mass: float = 0.0) -> GrownTree:
+    """EAGLE-2 growth from root log probabilities [V'] (see the module docstring). ``stop_below``
+    (a probability): nodes whose cumulative probability falls below it are neither expanded nor
+    kept (SpecDec++'s stop, or a node too unlikely to repay its verification); ``level_mass``: no
+    further depth is expanded once the nodes it would expand hold less total probability than this
+    (their children can hold no more)."""
     if top_k < 1 or depth < 1 or budget < 1:
         raise ValueError(f"top_k, depth and budget must be >= 1, got {top_k}, {depth}, {budget}")
     floor = -math.inf if stop_below is None else math.log(max(stop_below, 1e-30))
@@ -96,6 +99,8 @@ def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, bud
         if not frontier:
             break
         chosen = _best(frontier, nodes, top_k)
+        if level_mass > 0 and sum(math.exp(nodes[i].score) for i in chosen) < level_mass:
+            break
         logps = expand(chosen, nodes)                                  # [len(chosen), V']
         expanded, levels = expanded + len(chosen), levels + 1
         frontier = [i for i in _children(nodes, chosen, logps, top_k, level, score) if nodes[i].score >= floor]

@@ -267,12 +267,24 @@ class Eagle3Drafter(Drafter):
             depth = torch.tensor([0 if i < 0 else nodes[i].depth for i in chosen], device=states.device)
             return self.acceptance(states, self.acceptance.summary(logps), depth)
 
-        stop = dict(score=score, stop_below=1.0 - self.threshold) if specdec else {}
+        stop = dict(score=score, stop_below=1.0 - self.threshold) if specdec else \
+            self._worth_growing(budget) if self.adaptive else {}
         if self.tree == "chain":
             return grow(root_logp, expand, top_k=1, depth=min(self.depth, budget), budget=budget, **stop)
         if self.tree == "sequoia":
             return grow_static(root_logp, expand, self.sequoia_paths(budget))
         return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, budget=budget, **stop)
+
+    def _worth_growing(self, budget: int) -> dict:
+        """grow's limits in adaptive drafting, from the same prices as ``_paying``: a node whose
+        calibrated probability is below the verify cost one more node adds (in one-token forwards)
+        cannot repay it, and a depth whose expanded nodes hold less calibrated probability than one
+        head pass costs cannot repay the pass (on SmolLM2, 6-deep trees were grown for ~3.6 kept nodes)."""
+        calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
+        n = max(budget, 2)
+        per_node = max(self.length.cost(n) - self.length.cost(1), 0.0) / (n - 1)
+        per_pass = sum(p.numel() for p in self.net.parameters()) / max(self._target_weights, 1)
+        return dict(stop_below=per_node / calibration, level_mass=per_pass / calibration)
 
     def sequoia_paths(self, budget: int) -> list[tuple[int, ...]]:
         """The rank paths of the Sequoia tree for at most ``budget`` drafted nodes: the node count
