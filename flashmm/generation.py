@@ -34,7 +34,8 @@ _MODE_ERRORS = {
     GenerationMode.CONSTRAINED_BEAM_SEARCH: "constrained beam search (constraints / force_words_ids)",
 }
 # Keys flashmm sets itself on every forward; a user value would be silently replaced.
-_OWN_KEYS = ("cache", "past_key_values", "cache_params", "cache_position", "position_ids", "inputs_embeds", "logits_to_keep")
+_OWN_KEYS = ("cache", "past_key_values", "cache_params", "cache_position", "position_ids", "inputs_embeds",
+             "logits_to_keep")
 
 
 @dataclass

@@ -22,6 +22,7 @@ one ``generate`` builds; ``linear="torch"`` keeps the model's own layers everywh
 """
 from __future__ import annotations
 
+import contextlib
 import platform
 import weakref
 from functools import partial
@@ -134,3 +135,11 @@ class OneDNNLinears:
     def __exit__(self, *exc) -> None:
         for layer, _ in self.routes:
             layer.__dict__.pop("forward", None)
+
+
+def routed_like(target, module: torch.nn.Module):
+    """What a drafter's ``module`` runs in while drafting for ``target``: OneDNNLinears when the target's
+    forwards multiply through oneDNN (only the module's fp32 CPU linears are routed), else nothing."""
+    if getattr(target, "linear_backend", "torch") == "onednn":
+        return OneDNNLinears(module)
+    return contextlib.nullcontext()

@@ -25,13 +25,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import SamplingParams
-from ..onednn import OneDNNLinears
+from ..onednn import routed_like
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import GrownTree, TreeUnits, grow, grow_static
 from .length import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
 from .eagle3_net import Eagle3Config, Eagle3Net
-from .draft_model import draft_linear
 from .head_base import committed_embeds
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
@@ -92,7 +91,8 @@ class Eagle3Drafter(Drafter):
         self._linears = nullcontext()           # bind: OneDNNLinears when the target multiplies through oneDNN
         self.adaptive, self.length = adaptive, AdaptiveDraftLength()
         self.evidence = [0.0, 0.0]              # forgetting sums of accepted and predicted tokens
-        self._predicted, self._pause, self._backoff, self._target_weights = 0.0, 0, 0, 0
+        self._predicted, self._pause, self._backoff = 0.0, 0, 0
+        self._pass_cost = 0.0                   # bind: one head pass, in target forwards (the weights it reads)
         self._reset()
 
     # ------------------------------------------------------------------ folders
@@ -135,13 +135,13 @@ class Eagle3Drafter(Drafter):
         if self.budget == "auto":
             self.cost_source = price_with_target(target, self.cost_models())
         self._embed = target.input_embeddings()
-        self._target_weights = sum(p.numel() for p in target.model.parameters())
+        target_weights = sum(p.numel() for p in target.model.parameters())
+        self._pass_cost = sum(p.numel() for p in self.net.parameters()) / max(target_weights, 1)
         device = self._embed.weight.device
         self.net = self.net.to(device)
         # the head multiplies as the target does (SmolLM2's head, 2 cores: an EAGLE-2 tree of 16 nodes
         # takes 17.7 ms to draft with packed oneDNN weights, 39.9 ms through torch's linear)
-        on_onednn = draft_linear(self.net, getattr(target, "linear_backend", "torch")) == "onednn"
-        self._linears = OneDNNLinears(self.net) if on_onednn else nullcontext()
+        self._linears = routed_like(target, self.net)
         if self.acceptance is not None:
             self.acceptance = self.acceptance.to(device)
 
@@ -210,7 +210,7 @@ class Eagle3Drafter(Drafter):
             if rate > best_rate:
                 best_n, best_rate, predicted = n, rate, total
         passes = 1 + grown.levels                       # the root's output, then one per expanded depth
-        spent = passes * sum(p.numel() for p in self.net.parameters()) / max(self._target_weights, 1)
+        spent = passes * self._pass_cost
         paid = best_n and (1.0 + calibration * predicted) / (self.length.cost(best_n) + spent) > 1.0
         self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
         self._pause = self._backoff
@@ -283,8 +283,7 @@ class Eagle3Drafter(Drafter):
         calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
         n = max(budget, 2)
         per_node = max(self.length.cost(n) - self.length.cost(1), 0.0) / (n - 1)
-        per_pass = sum(p.numel() for p in self.net.parameters()) / max(self._target_weights, 1)
-        return dict(stop_below=per_node / calibration, level_mass=per_pass / calibration)
+        return dict(stop_below=per_node / calibration, level_mass=self._pass_cost / calibration)
 
     def sequoia_paths(self, budget: int) -> list[tuple[int, ...]]:
         """The rank paths of the Sequoia tree for at most ``budget`` drafted nodes: the node count

@@ -186,9 +186,6 @@ class Eagle3Net(nn.Module):
         present keys/values)."""
         return self.midlayer(embeds.to(self.fc.weight.dtype), self.fuse(features), positions, mask, past)
 
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Outputs [.., d] → float32 logits [.., V'] over the draft vocabulary rows."""
         return self.lm_head(self.norm(out)).float()

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import SamplingParams
-from ..onednn import OneDNNLinears
+from ..onednn import routed_like
 from ..shapes import dyspec_tree
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult
@@ -118,8 +118,8 @@ class HeadDrafter(Drafter):
         self.accuracy = accuracy or default_accuracy(heads.num_heads, top_s)
         self.tree_nodes = tree_nodes
         self.info = info or {}
-        self._weight = self._bias = self._embed = None
-        self._lm_head: nn.Linear | None = None      # bind: the target's LM head rows the heads predict
+        self._embed = None
+        self._lm_head: nn.Linear | None = None      # bind: the target's LM head rows the heads predict [Vd, d]
         self._linears = nullcontext()                # bind: OneDNNLinears when the target multiplies through oneDNN
         self._feature = None                         # [d]: target feature at the root's parent
         self._prompt_embeds = None                   # [T, d]: what the target consumed for the prompt
@@ -148,17 +148,13 @@ class HeadDrafter(Drafter):
         device = weight.device
         self.heads = self.heads.to(device)
         rows = slice(None) if self.vocab is None else self.vocab.to(device)
-        self._weight = weight.detach()[rows]                                   # [Vd, d]
-        bias = getattr(head, "bias", None)
-        self._bias = None if bias is None else bias.detach()[rows]
-        self._lm_head = nn.Linear(self._weight.shape[1], self._weight.shape[0], bias=self._bias is not None,
-                                  device="meta")
-        self._lm_head.weight = nn.Parameter(self._weight, requires_grad=False)
-        if self._bias is not None:
-            self._lm_head.bias = nn.Parameter(self._bias, requires_grad=False)
+        kept, bias = weight.detach()[rows], getattr(head, "bias", None)                       # [Vd, d]
+        self._lm_head = nn.Linear(kept.shape[1], kept.shape[0], bias=bias is not None, device="meta")
+        self._lm_head.weight = nn.Parameter(kept, requires_grad=False)
+        if bias is not None:
+            self._lm_head.bias = nn.Parameter(bias.detach()[rows], requires_grad=False)
         # the heads multiply as the target does (through oneDNN, packed, when its forwards do)
-        on_onednn = getattr(target, "linear_backend", "torch") == "onednn"
-        self._linears = OneDNNLinears(nn.ModuleList([self.heads, self._lm_head])) if on_onednn else nullcontext()
+        self._linears = routed_like(target, nn.ModuleList([self.heads, self._lm_head]))
         self._embed = target.input_embeddings()
         self._target_weights = sum(p.numel() for p in target.model.parameters())
         self._sizes = {}
@@ -166,7 +162,7 @@ class HeadDrafter(Drafter):
             self.vocab = self.vocab.to(device)
 
     def begin(self, start: SequenceStart) -> None:
-        if self._weight is None:
+        if self._lm_head is None:
             raise RuntimeError(f"{type(self).__name__}.begin before bind(target)")
         if start.hidden_states is None:
             raise RuntimeError(f"{type(self).__name__} needs the target's hidden states (needs_hidden_states)")
@@ -199,7 +195,7 @@ class HeadDrafter(Drafter):
     # ------------------------------------------------------------------ helpers for subclasses
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """states [..., d] → logits [..., Vd] through the target's LM head rows."""
-        return self._lm_head(states.to(self._weight.dtype))
+        return self._lm_head(states.to(self._lm_head.weight.dtype))
 
     def target_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary rows → target token ids."""
@@ -237,7 +233,7 @@ class HeadDrafter(Drafter):
         """The heads' cost for ``tree`` in target decoding steps: the weights they read over the target's."""
         heads = sum(p.numel() for p in self.heads.parameters())
         passes = tree.max_depth if self.sequential else 1
-        return (heads + passes * self._weight.numel()) / max(self._target_weights, 1)
+        return (heads + passes * self._lm_head.weight.numel()) / max(self._target_weights, 1)
 
     def _sized(self, n: int) -> tuple[TokenTree, float, float]:
         """(tree_for(n), its expected accepted tokens, its draft cost): fixed per size, computed once."""

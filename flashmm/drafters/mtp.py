@@ -211,7 +211,7 @@ class MTP(HeadDrafter):
         if committed.shape[0] != 1:
             raise NotImplementedError("MTP drafts one sequence at a time (batches fork it per row)")
         root = committed.shape[1] - 1
-        if self._weight is None or min(self.heads.num_heads, max_tokens, root) < 1:
+        if self._lm_head is None or min(self.heads.num_heads, max_tokens, root) < 1:
             return root_only(committed)
         tree = self.planned_tree(max_tokens if self.tree_nodes else min(self.heads.num_heads, max_tokens, root))
         if tree is None or tree.num_nodes < 2 or tree.max_depth > root:
