@@ -412,3 +412,57 @@ def test_growth_stops_at_a_depth_whose_nodes_hold_too_little_probability():
     reference = grow(root, expand, top_k=3, depth=4, budget=40)
     assert (limited.parents, limited.rows, limited.scores, limited.levels) == \
         (reference.parents, reference.rows, reference.scores, reference.levels)
+
+
+def test_padded_batches_train_as_their_sequences_do():
+    """padded_loss on one sequence is sequence_loss (labels: the next greedy token = the target's
+    argmax); on a ragged batch its summed loss is the sum of its rows' (padding reaches no counted
+    unit); PaddedExamples.from_target holds the target's own features at the layers."""
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(VOCAB)), seed=5).double()
+    embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach().double())
+    rows = E.target_rows(net)
+    examples = [E.Example(ex.ids, ex.features.double(), ex.topk_ids, ex.topk_logits, ex.logsumexp, ex.prompt_len)
+                for ex in greedy_examples(target, 3, 10, 4)]
+    examples[1] = E.Example(examples[1].ids[:13], examples[1].features[:13], examples[1].topk_ids[:13],
+                            examples[1].topk_logits[:13], examples[1].logsumexp[:13], 6)
+    store = E.PaddedExamples.from_target(target.double(), [(ex.ids.tolist(), ex.prompt_len) for ex in examples],
+                                         LAYERS, batch_tokens=20)
+    target.float()
+    for i, ex in enumerate(examples):
+        assert torch.allclose(store.feats[store.offsets[i]:store.offsets[i + 1]].double(), ex.features, atol=1e-2)
+    for style in ("plain", "griffin"):
+        opts = E.TrainOptions(style=style, ttt_steps=3)
+        summed, counted = 0.0, {}
+        for i, ex in enumerate(examples):
+            one = (ex.ids[None], ex.features[None], torch.tensor([len(ex.ids)]), torch.tensor([ex.prompt_len]))
+            loss, counts = E.padded_loss(net, embed, *one, rows, opts)
+            ref_loss, ref_counts = E.sequence_loss(net, embed, ex, rows, opts)
+            assert torch.allclose(loss, ref_loss, atol=1e-10) and counts == ref_counts, (style, i)
+            summed += float(E.padded_loss(net, embed, *one, rows, opts, reduce="sum")[0])
+            for step, (right, total) in counts.items():
+                counted[step] = [counted.get(step, [0, 0])[0] + right, counted.get(step, [0, 0])[1] + total]
+        ids, _, lengths, prompt_lens = store.batch([0, 1, 2])
+        feats = torch.zeros(3, ids.shape[1], examples[0].features.shape[1], dtype=torch.float64)
+        for i, ex in enumerate(examples):
+            feats[i, :len(ex.ids)] = ex.features
+        loss, counts = E.padded_loss(net, embed, ids, feats, lengths, prompt_lens, rows, opts, reduce="sum")
+        assert math.isclose(float(loss), summed, rel_tol=1e-6) and counts == counted, style  # fp32 logits
+    with pytest.raises(ValueError, match="HASS"):
+        E.padded_loss(net, embed, *store.batch([0]), rows, E.TrainOptions(style="hass"))
+
+
+def test_training_on_padded_batches_lowers_the_loss():
+    target = tiny_lm("llama", seed=0)
+    net = head_for(target, list(range(VOCAB)), seed=0)
+    embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach())
+    examples = greedy_examples(target, 6, 18, 8)
+    store = E.PaddedExamples.from_target(target, [(ex.ids.tolist(), ex.prompt_len) for ex in examples], LAYERS,
+                                         members=[0, 1, 2, 3, 4])
+    assert sorted(i for b in store.batches(2, seed=0) for i in b) == [0, 1, 2, 3, 4]
+    rows = E.target_rows(net)
+    opts = E.TrainOptions(ttt_steps=3, steps=40, lr=3e-3, warmup=5, batch=2, checkpoint_every=1000)
+    before = sum(float(E.sequence_loss(net, embed, store.example(i), rows, opts)[0]) for i in range(5))
+    E.train(net, embed, store, opts, work_dir=_tmp("padded"), log=lambda m: None)
+    after = sum(float(E.sequence_loss(net, embed, store.example(i), rows, opts)[0]) for i in range(5))
+    assert after < 0.6 * before, (before, after)

@@ -3,8 +3,21 @@
     python -m tools.drafters.build_eagle3 --shards 50 --steps 6000 --ttt-steps 3 --lr 0.002 --styles plain \\
         --ship plain --seed 0 --threads 2 [--features /tmp/head_work/features --work /tmp/eagle3_work]
 
-(the shipped head: 50 shards = the whole greedy corpus, ~35 min of feature extraction and ~30 min of
-training on 2 quiet cores, both resumable; ``--styles plain,hass,griffin`` trains one head per style.)
+(``eagle3_3k``: 50 shards = the whole CPU-built greedy corpus, ~35 min of feature extraction and ~30 min
+of training on 2 quiet cores, both resumable; ``--styles plain,hass,griffin`` trains one head per style.)
+
+On a GPU (the shipped ``eagle3``, trained on one H200 in ~7 min):
+
+    python -m tools.drafters.build_eagle3 --corpus assets/corpus/smollm2 assets/corpus/smollm2_gpu \
+        --batch 48 --device cuda --warmup 200 --steps 5000 --ttt-steps 5 --lr 0.001 --styles plain \
+        --ship plain --seed 0 --threads 16 --stages train,eval,ship
+
+``--batch`` > 1 computes the target's features of every greedy sequence of every ``--corpus`` on
+``--device`` and holds them there in fp16 (no disk cache; ~35 GB for 27,200 sequences), holds out
+every 16th sequence as below (the first corpus comes first, so its held-out answers are the CPU
+build's), and trains on padded batches of similar lengths (flashmm.train.eagle3.PaddedExamples,
+padded_loss: the loss sequence_loss computes, batched; "plain" and "griffin"). The eval stage then
+runs on the CPU.
 
 The features are ``flashmm.train.corpus.features(model, "assets/corpus/smollm2", layers=(2, 15, 27, 30),
 top_k=32, cache_dir=<features>, which="greedy", batch_size=8, shard_size=64, target_name="smollm2")``
@@ -65,8 +78,8 @@ def load_examples(folder: Path, shards: int, layers: tuple[int, ...]) -> tuple[l
     return train, held
 
 
-def new_head(model, tokenizer, corpus: str, vocab: int, layers, train, seed: int) -> Eagle3Net:
-    sequences = corpus_sequences(corpus)
+def new_head(model, tokenizer, corpora: list[str], vocab: int, layers, train, seed: int) -> Eagle3Net:
+    sequences = [s for corpus in corpora for s in corpus_sequences(corpus)]
     chosen = T.choose_vocab(sequences, vocab, always=tuple(sorted(stop_ids(model, tokenizer))))
     cfg = Eagle3Config.for_target(model.config, vocab, layers)
     torch.manual_seed(seed)
@@ -76,10 +89,27 @@ def new_head(model, tokenizer, corpus: str, vocab: int, layers, train, seed: int
     return net
 
 
+def device_examples(model, corpora: list[str], layers, device: str, limit: int = 0) -> tuple[E.PaddedExamples, list]:
+    """Every greedy sequence of ``corpora`` (in order) with the target's features computed on
+    ``device`` and held there (no disk cache); every 16th sequence held out, as load_examples does.
+    Returns (training store, held-out Examples on the CPU)."""
+    eos = model.generation_config.eos_token_id
+    end = eos[0] if isinstance(eos, list) else eos
+    sequences = [s for corpus in corpora for s in corpus_sequences(corpus, "greedy", end)]
+    sequences = sequences[:limit] if limit else sequences
+    model.to(device)
+    members = [i for i in range(len(sequences)) if i % 16 != 15]
+    store = E.PaddedExamples.from_target(model, sequences, layers, members=members, log=log)
+    held = [store.example(i) for i in range(len(sequences)) if i % 16 == 15]
+    model.cpu()
+    return store, held
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--features", default="/tmp/head_work/features")
-    ap.add_argument("--corpus", default="assets/corpus/smollm2")
+    ap.add_argument("--corpus", nargs="+", default=["assets/corpus/smollm2"],
+                    help="corpus folders (their greedy answers in order; --batch > 1 reads every one)")
     ap.add_argument("--work", default="/tmp/eagle3_work")
     ap.add_argument("--out", default="assets/text_drafters/smollm2/eagle3")
     ap.add_argument("--stages", default="features,train,eval,ship")
@@ -94,26 +124,42 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-tokens", type=int, default=128, help="answer tokens replayed per held-out sequence")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences per step; > 1: the target's features are computed on --device and held in "
+                         "memory (no --features cache) and the head trains on padded batches there")
+    ap.add_argument("--device", default="cpu", help="where --batch > 1 computes features and trains (cuda: TF32 "
+                    "matmuls while training; the features are fp32)")
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--limit", type=int, default=0, help="smoke run: the first N sequences only (--batch > 1)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     layers = (2, 15, 27)
     model, tokenizer = load_target("smollm2")
-    if "features" in args.stages.split(","):
-        features(model, args.corpus, layers=CACHED_LAYERS, top_k=32, cache_dir=args.features, which="greedy",
-                 batch_size=8, shard_size=64, target_name="smollm2", log=log)
-    train, held = load_examples(feature_folder(Path(args.features)), args.shards, layers)
-    log(f"{len(train)} training / {len(held)} held-out sequences")
-    work = Path(args.work)
-    styles = args.styles.split(",")
     embed = E.FrozenEmbedding(model.get_input_embeddings().weight.detach().float())
+    work = Path(args.work)
+    if args.batch > 1:
+        train, held = device_examples(model, args.corpus, layers, args.device, args.limit)
+        rms_examples = [train.example(i) for i in train.members[:8]]
+        train_embed = E.FrozenEmbedding(embed.weight.to(args.device))
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        if "features" in args.stages.split(","):
+            features(model, args.corpus[0], layers=CACHED_LAYERS, top_k=32, cache_dir=args.features, which="greedy",
+                     batch_size=8, shard_size=64, target_name="smollm2", log=log)
+        train, held = load_examples(feature_folder(Path(args.features)), args.shards, layers)
+        rms_examples, train_embed = train, embed
+    log(f"{len(train.members) if args.batch > 1 else len(train)} training / {len(held)} held-out sequences")
+    styles = args.styles.split(",")
     heads = {}
     for style in styles:
-        net = new_head(model, tokenizer, args.corpus, args.vocab, layers, train, args.seed)
+        net = new_head(model, tokenizer, args.corpus, args.vocab, layers, rms_examples, args.seed)
         opts = E.TrainOptions(style=style, ttt_steps=args.ttt_steps, lr=args.lr, steps=args.steps, seed=args.seed,
-                              warmup=min(50, args.steps // 10), checkpoint_every=20)
+                              warmup=min(args.warmup, args.steps // 10), batch=args.batch,
+                              checkpoint_every=20 if args.batch == 1 else 100)
         if "train" in args.stages.split(",") or (work / style / "summary.json").exists():
-            summary = E.train(net, embed, train, opts, work / style, log=lambda m, s=style: log(f"[{s}] {m}"))
-            heads[style] = (net, summary)
+            net.to(args.device if args.batch > 1 else "cpu")
+            summary = E.train(net, train_embed, train, opts, work / style, log=lambda m, s=style: log(f"[{s}] {m}"))
+            heads[style] = (net.cpu(), summary)
     if "eval" in args.stages.split(","):
         results = {}
         for style, (net, summary) in heads.items():
@@ -142,12 +188,19 @@ def main(argv=None) -> None:
                                                "num_hidden_layers": model.config.num_hidden_layers,
                                                "architectures": ["LlamaForCausalLM"]},
                 "training": {"style": args.ship, **summary["options"], "history": summary["history"][-3:],
-                             "shards": args.shards, "train_sequences": len(train), "threads": args.threads,
-                             "features": "flashmm.train.corpus.features(layers=(2, 15, 27, 30), top_k=32, greedy)"},
+                             "corpus": args.corpus, "device": args.device,
+                             "train_sequences": len(train.members) if args.batch > 1 else len(train),
+                             "threads": args.threads,
+                             **({"shards": args.shards, "features": "flashmm.train.corpus.features(layers=(2, 15, 27, "
+                                 "30), top_k=32, greedy)"} if args.batch == 1 else
+                                {"features": "the target's output_hidden_states (2, 15, 27), fp32 on --device, "
+                                 "fp16 in memory"})},
                 "replay_tau": evals,
-                "command": f"python -m tools.drafters.build_eagle3 --shards {args.shards} --steps {args.steps} "
-                           f"--ttt-steps {args.ttt_steps} --lr {args.lr} --styles {args.styles} --ship {args.ship} "
-                           f"--seed {args.seed} --threads {args.threads}",
+                "command": f"python -m tools.drafters.build_eagle3 --corpus {' '.join(args.corpus)} "
+                           + (f"--shards {args.shards} " if args.batch == 1 else
+                              f"--batch {args.batch} --device {args.device} --warmup {args.warmup} ")
+                           + f"--steps {args.steps} --ttt-steps {args.ttt_steps} --lr {args.lr} --styles {args.styles} "
+                           f"--ship {args.ship} --seed {args.seed} --threads {args.threads}",
                 "notes": "EAGLE-3 head (fc over layers 2/15/27 + one Llama layer + reduced 8192-token vocabulary), "
                          "training-time test; EAGLE-2 dynamic trees by default"}
         save_head(args.out, net.half().float(), info, dict(tree="dynamic", depth=6, top_k=8))
