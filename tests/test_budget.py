@@ -146,7 +146,7 @@ def test_a_batch_is_timed_with_every_row_and_priced_per_row(tmp_path, monkeypatc
         cost = measure_verify_cost(model, grid=(1, 3), prefix_len=8, repeats=1, directory=tmp_path, batch=4)
     finally:
         hook.remove()
-    assert shapes == [(4, 8), (4, 1), (4, 1), (4, 3), (4, 3)]     # the prefix, then warm-up + 1 per size
+    assert shapes == [(4, 8), (4, 1), (4, 3), (4, 1), (4, 3)]     # the prefix, a warm-up round, a timed round
     assert cost.seconds == (0.25, 0.25)
     single = measure_verify_cost(model, grid=(1, 3), prefix_len=8, repeats=1, directory=tmp_path)
     assert single.seconds == (1.0, 1.0) and len(list(tmp_path.glob("verify_cost_*.json"))) == 2
@@ -216,3 +216,21 @@ def test_a_cost_no_node_pays_for_gives_no_sequoia_paths():
     steep = VerifyCost((1, 2, 4), (1.0, 50.0, 100.0))
     assert sequoia_rank_paths([0.6, 0.3, 0.1], budget=4, depth=3, verify_cost=steep) == []
     assert len(sequoia_rank_paths([0.6, 0.3, 0.1], budget=4, depth=3, verify_cost=None)) == 4
+
+
+def test_a_size_timed_below_a_smaller_one_reads_as_the_smaller_ones_cost(tmp_path, monkeypatch):
+    """Rounds over every size, the fastest round per size, then non-decreasing: a fake clock on which
+    the one-token forward is slow (3 s) in the first timed round and 2-token / 4-token forwards take
+    1 s / 4 s gives (2, 2, 4) — the 2-token time cannot read below the one-token one."""
+    from flashmm.drafters import length as length_module
+
+    model = tiny_lm("llama", seed=0)
+    durations = iter([0] + [0, 0, 0] + [3, 1, 4] + [2, 1, 5])  # the prefix, a warm-up round, two timed rounds
+    now = [0.0]
+
+    def advance(*_):        # each forward takes the next duration on the fake clock
+        now[0] += next(durations)
+    model.register_forward_pre_hook(advance)
+    monkeypatch.setattr(length_module.time, "perf_counter", lambda: now[0])
+    cost = measure_verify_cost(model, grid=(1, 2, 4), prefix_len=8, repeats=2, directory=tmp_path)
+    assert cost.seconds == (2.0, 2.0, 4.0)

@@ -77,16 +77,18 @@ def _cost_key(model: torch.nn.Module, grid: Sequence[int], prefix_len: int, line
     param = next(model.parameters())
     config = model.config.to_json_string(use_diff=False) if hasattr(model, "config") else type(model).__name__
     ident = [type(model).__name__, config, str(param.device), str(param.dtype),
-             torch.get_num_threads(), list(grid), prefix_len, torch.__version__, linear]
+             torch.get_num_threads(), list(grid), prefix_len, torch.__version__, linear, "rounds"]
     ident = json.dumps(ident + ([batch] if batch != 1 else []))
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 
 
 @torch.no_grad()
 def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GRID, prefix_len: int = 128,
-                        repeats: int = 3, directory: Path | None = None, linear: str = "torch",
+                        repeats: int = 5, directory: Path | None = None, linear: str = "torch",
                         batch: int = 1) -> VerifyCost:
-    """Time ``model``'s forward of N new tokens after a ``prefix_len``-token cache for N in grid.
+    """Time ``model``'s forward of N new tokens after a ``prefix_len``-token cache for N in grid:
+    the fastest of ``repeats`` rounds over every size (after one warm-up round), made
+    non-decreasing in N.
 
     batch: rows forwarded together (each N new tokens after its own prefix); the seconds returned
     are per row, a batch forward's time / batch, so ``seconds[0]`` is one row's share of a plain
@@ -114,12 +116,13 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     cache = kv.new_cache()
     argument = {kv.cache_argument(model): cache}
     model(input_ids=prefix, use_cache=True, **argument)
-    seconds = []
     routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
-    for n in grid:
-        feed = torch.randint(vocab, (batch, n), generator=gen).to(param.device)
-        best = float("inf")
-        for attempt in range(repeats + 1):            # the first run warms up, never counted
+    feeds = [torch.randint(vocab, (batch, n), generator=gen).to(param.device) for n in grid]
+    best = [float("inf")] * len(grid)
+    # round 0 warms every size up and is never counted; each later round times every size once, so
+    # a slow spell of a shared machine lands on all sizes alike instead of on one size's repeats
+    for attempt in range(repeats + 1):
+        for i, (n, feed) in enumerate(zip(grid, feeds)):
             kv.crop(cache, prefix_len)
             _synchronize(param.device)
             start = time.perf_counter()
@@ -127,8 +130,10 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
                 model(input_ids=feed, use_cache=True, logits_to_keep=n, **argument)
             _synchronize(param.device)
             if attempt:
-                best = min(best, time.perf_counter() - start)
-        seconds.append(best / batch)
+                best[i] = min(best[i], time.perf_counter() - start)
+    # more tokens never cost less: a size timed below a smaller one was noise (a one-token step
+    # timed slow once made 3 nodes read 0.59 of a step, and trees of 16 looked free)
+    seconds = [max(best[:i + 1]) / batch for i in range(len(best))]
     cost = VerifyCost(tuple(int(n) for n in grid), tuple(seconds))
     directory.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
