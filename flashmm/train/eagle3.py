@@ -213,7 +213,7 @@ class PaddedExamples:
     @classmethod
     @torch.no_grad()
     def from_target(cls, model, sequences: list[tuple[list[int], int]], layers: tuple[int, ...],
-                    batch_tokens: int = 32768, members: list[int] | None = None, log=None) -> "PaddedExamples":
+                    batch_tokens: int = 32768, members: list[int] | None = None, log=None) -> PaddedExamples:
         """The target's output_hidden_states at ``layers`` (concatenated) over every (ids, prompt
         length), computed on the target's device in right-padded batches of similar lengths."""
         dev = next(model.parameters()).device

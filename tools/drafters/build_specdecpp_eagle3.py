@@ -84,7 +84,7 @@ def replay(drafter, embed, examples, budget: int, tokens: int, verify_cost, targ
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--features", default="/tmp/head_work/features")
-    ap.add_argument("--eagle3", default="assets/text_drafters/smollm2/eagle3")
+    ap.add_argument("--eagle3", default="assets/text_drafters/smollm2/eagle3_3k")
     ap.add_argument("--work", default="/tmp/specdecpp_eagle3_work")
     ap.add_argument("--out", default="assets/text_drafters/smollm2/specdecpp_eagle3")
     ap.add_argument("--shards", type=int, default=50)
