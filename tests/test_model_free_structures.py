@@ -95,6 +95,31 @@ def test_rest_from_corpus_files(tmp_path):
         Rest.from_corpus([tmp_path / "c.txt"])
 
 
+def test_a_compact_datastore_builds_its_suffix_array_once(tmp_path, monkeypatch):
+    """save(compact=True) keeps the tokens alone (int32); the first load builds the suffix array the
+    full file holds and caches it, a later load reads the cache and builds nothing."""
+    from flashmm.drafters import rest as rest_module  # noqa: PLC0415
+
+    monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 6, size=int(rng.integers(1, 9))).tolist() for _ in range(40)]
+    flat = [t for doc in docs for t in doc + [-1]]
+    full = Rest(rest_module.Datastore(np.array(flat)))
+    full.save(tmp_path / "full.safetensors")
+    full.save(tmp_path / "compact.safetensors", compact=True)
+    assert (tmp_path / "compact.safetensors").stat().st_size < 0.3 * (tmp_path / "full.safetensors").stat().st_size
+    first = Rest(datastore=tmp_path / "compact.safetensors").datastore
+    assert first.tokens.tolist() == flat and np.array_equal(first.array, full.datastore.array)
+    assert len(list((tmp_path / "cache").glob("suffix_array_*.npy"))) == 1
+
+    def refuse(tokens):
+        raise AssertionError("the cached suffix array should have been read")
+    monkeypatch.setattr(rest_module, "suffix_array", refuse)
+    again = Rest(datastore=tmp_path / "compact.safetensors").datastore
+    assert np.array_equal(again.array, full.datastore.array)
+    assert again.occurrences([1, 2]).tolist() == full.datastore.occurrences([1, 2]).tolist()
+
+
 def test_token_recycling_matrix_persists_and_round_trips(tmp_path):
     target = tiny_lm("llama", seed=0)
     drafter = TokenRecycling()
