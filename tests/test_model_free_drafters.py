@@ -40,6 +40,7 @@ DRAFTERS = {
     "lookahead_always_window": lambda m: Lookahead(always_window=True, seed_from_context=False),
     "suffix_unmerged": lambda m: SuffixDecoding(merge=False),
     "suffix_datastore": lambda m: SuffixDecoding(datastore=own_datastore(m)),
+    "suffix_datastore_below": lambda m: SuffixDecoding(datastore=own_datastore(m), corpus_below=4),
     "rest_unmerged": lambda m: Rest(own_datastore(m), merge=False),
 }
 
@@ -187,3 +188,35 @@ def test_aux_rows_never_change_output_and_are_scored_exactly(target, batched):
             torch.testing.assert_close(aux_logits[0, a], expected, atol=2e-4, rtol=1e-4)
             checked += 1
     assert checked >= 10
+
+
+def test_the_corpus_is_consulted_only_while_the_context_match_is_short(monkeypatch):
+    """corpus_below=k: no corpus lookup at a step whose prompt / output match reaches k tokens, a
+    lookup at every other step; the output stays generate's."""
+    from flashmm.drafters import suffix as suffix_module  # noqa: PLC0415
+
+    target = tiny_lm("llama", seed=0)
+    drafter = SuffixDecoding(datastore=own_datastore(target), corpus_below=4)
+    steps = []                     # per propose: [the context tries' match lengths, corpus asked]
+    match, lookup, propose = suffix_module.SuffixTrie.longest_match, drafter.corpus.hypotheses, drafter.propose
+
+    def spy_match(trie, *args):
+        node, p = match(trie, *args)
+        steps[-1][0].append(p)
+        return node, p
+
+    def spy_lookup(ids):
+        steps[-1][1] = True
+        return lookup(ids)
+
+    def spy_propose(*args):
+        steps.append([[], False])
+        return propose(*args)
+    monkeypatch.setattr(suffix_module.SuffixTrie, "longest_match", spy_match)
+    drafter.corpus.hypotheses, drafter.propose = spy_lookup, spy_propose
+    ids = repetitive(12, 1)
+    out = flashmm.wrap(target, drafter).generate(ids, max_new_tokens=MAX_NEW, eos_token_id=[])
+    assert torch.equal(out, target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None))
+    longest = [max(p, default=0) for p, _ in steps]
+    assert any(p >= 4 for p in longest) and any(p < 4 for p in longest)
+    assert [asked for _, asked in steps] == [p < 4 for p in longest]

@@ -104,15 +104,17 @@ class SuffixDecoding(Drafter):
     token (the match-length-dependent budget); merge=False verifies each trie's tree as its own
     branch instead of merging them (graph-structured drafting off). datastore: a REST datastore
     (rest.Datastore or its safetensors file) whose retrieved continuations join the tree as a
-    third source.
+    third source, consulted only while the context's own match (prompt and outputs) is shorter
+    than ``corpus_below`` tokens (0: always): where the prompt already holds the continuation
+    (extraction, summarization) the corpus only adds nodes to verify.
     """
 
     name = "suffix"
 
     def __init__(self, max_match: int = 12, max_depth: int = 24, budget_per_match: float = 2.0,
                  max_draft_tokens: int = 24, max_global_tokens: int = 200_000, merge: bool = True,
-                 datastore=None, cost: AdaptiveDraftLength | None = None):
-        self.max_match, self.max_depth = max_match, max_depth
+                 datastore=None, corpus_below: int = 0, cost: AdaptiveDraftLength | None = None):
+        self.max_match, self.max_depth, self.corpus_below = max_match, max_depth, corpus_below
         self.budget_per_match, self.max_draft_tokens, self.merge = budget_per_match, max_draft_tokens, merge
         self.outputs = SuffixTrie(max_depth, max_global_tokens)  # shared by forks
         # a REST datastore (Datastore or its file) as a third source: text the target wrote before
@@ -173,7 +175,7 @@ class SuffixDecoding(Drafter):
             longest = max(longest, p)
             for path, score in source.grow(node, min(limit, int(self.budget_per_match * p))):
                 trie.add(path, score, group)
-        if self.corpus is not None:
+        if self.corpus is not None and not (self.corpus_below and longest >= self.corpus_below):
             found, p = self.corpus.hypotheses(ids[-self.max_match:])
             longest = max(longest, p)
             for follow, scores in found:
