@@ -15,6 +15,7 @@ from flashmm.drafters.dynamic_tree import grow
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.shapes import sequoia_tree
 from flashmm.train import eagle3 as E
+from flashmm.train import eagle3_batched as B
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import PROMPT, SAMPLING, exact_joint, histogram, models  # noqa: F401 (fixture)
@@ -426,7 +427,7 @@ def test_padded_batches_train_as_their_sequences_do():
                 for ex in greedy_examples(target, 3, 10, 4)]
     examples[1] = E.Example(examples[1].ids[:13], examples[1].features[:13], examples[1].topk_ids[:13],
                             examples[1].topk_logits[:13], examples[1].logsumexp[:13], 6)
-    store = E.PaddedExamples.from_target(target.double(), [(ex.ids.tolist(), ex.prompt_len) for ex in examples],
+    store = B.PaddedExamples.from_target(target.double(), [(ex.ids.tolist(), ex.prompt_len) for ex in examples],
                                          LAYERS, batch_tokens=20)
     target.float()
     for i, ex in enumerate(examples):
@@ -436,20 +437,20 @@ def test_padded_batches_train_as_their_sequences_do():
         summed, counted = 0.0, {}
         for i, ex in enumerate(examples):
             one = (ex.ids[None], ex.features[None], torch.tensor([len(ex.ids)]), torch.tensor([ex.prompt_len]))
-            loss, counts = E.padded_loss(net, embed, *one, rows, opts)
+            loss, counts = B.padded_loss(net, embed, *one, rows, opts)
             ref_loss, ref_counts = E.sequence_loss(net, embed, ex, rows, opts)
             assert torch.allclose(loss, ref_loss, atol=1e-10) and counts == ref_counts, (style, i)
-            summed += float(E.padded_loss(net, embed, *one, rows, opts, reduce="sum")[0])
+            summed += float(B.padded_loss(net, embed, *one, rows, opts, reduce="sum")[0])
             for step, (right, total) in counts.items():
                 counted[step] = [counted.get(step, [0, 0])[0] + right, counted.get(step, [0, 0])[1] + total]
         ids, _, lengths, prompt_lens = store.batch([0, 1, 2])
         feats = torch.zeros(3, ids.shape[1], examples[0].features.shape[1], dtype=torch.float64)
         for i, ex in enumerate(examples):
             feats[i, :len(ex.ids)] = ex.features
-        loss, counts = E.padded_loss(net, embed, ids, feats, lengths, prompt_lens, rows, opts, reduce="sum")
+        loss, counts = B.padded_loss(net, embed, ids, feats, lengths, prompt_lens, rows, opts, reduce="sum")
         assert math.isclose(float(loss), summed, rel_tol=1e-6) and counts == counted, style  # fp32 logits
     with pytest.raises(ValueError, match="HASS"):
-        E.padded_loss(net, embed, *store.batch([0]), rows, E.TrainOptions(style="hass"))
+        B.padded_loss(net, embed, *store.batch([0]), rows, E.TrainOptions(style="hass"))
 
 
 def test_training_on_padded_batches_lowers_the_loss():
@@ -457,7 +458,7 @@ def test_training_on_padded_batches_lowers_the_loss():
     net = head_for(target, list(range(VOCAB)), seed=0)
     embed = E.FrozenEmbedding(target.get_input_embeddings().weight.detach())
     examples = greedy_examples(target, 6, 18, 8)
-    store = E.PaddedExamples.from_target(target, [(ex.ids.tolist(), ex.prompt_len) for ex in examples], LAYERS,
+    store = B.PaddedExamples.from_target(target, [(ex.ids.tolist(), ex.prompt_len) for ex in examples], LAYERS,
                                          members=[0, 1, 2, 3, 4])
     assert sorted(i for b in store.batches(2, seed=0) for i in b) == [0, 1, 2, 3, 4]
     rows = E.target_rows(net)

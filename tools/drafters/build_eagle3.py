@@ -15,7 +15,7 @@ On a GPU (the shipped ``eagle3``, trained on one H200 in ~7 min):
 ``--batch`` > 1 computes the target's features of every greedy sequence of every ``--corpus`` on
 ``--device`` and holds them there in fp16 (no disk cache; ~35 GB for 27,200 sequences), holds out
 every 16th sequence as below (the first corpus comes first, so its held-out answers are the CPU
-build's), and trains on padded batches of similar lengths (flashmm.train.eagle3.PaddedExamples,
+build's), and trains on padded batches of similar lengths (flashmm.train.eagle3_batched.PaddedExamples,
 padded_loss: the loss sequence_loss computes, batched; "plain" and "griffin"). The eval stage then
 runs on the CPU.
 
@@ -43,6 +43,7 @@ from flashmm.drafters.eagle3 import Eagle3Drafter, save_head
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.train import draft_lm as T
 from flashmm.train import eagle3 as E
+from flashmm.train import eagle3_batched as B
 from flashmm.train.corpus import CorpusFeatures, corpus_sequences, features
 from tools.corpus.build import load_target, stop_ids
 
@@ -63,6 +64,11 @@ def feature_folder(root: Path) -> Path:
     return matches[0]
 
 
+def held_out(index: int) -> bool:
+    """Every 16th corpus sequence is held out of training (τ and accuracy are measured on them)."""
+    return index % 16 == 15
+
+
 def load_examples(folder: Path, shards: int, layers: tuple[int, ...]) -> tuple[list, list]:
     """(training examples, held-out examples) of the first ``shards`` shards."""
     meta = json.loads((folder / "meta.json").read_text())
@@ -74,7 +80,7 @@ def load_examples(folder: Path, shards: int, layers: tuple[int, ...]) -> tuple[l
             raise FileNotFoundError(f"feature shard {shard} is not written yet; use fewer --shards")
         for j, seq in enumerate(cf.shard(shard)):
             index = shard * meta["shard_size"] + j
-            (held if index % 16 == 15 else train).append(E.example_from(seq, columns))
+            (held if held_out(index) else train).append(E.example_from(seq, columns))
     return train, held
 
 
@@ -89,18 +95,18 @@ def new_head(model, tokenizer, corpora: list[str], vocab: int, layers, train, se
     return net
 
 
-def device_examples(model, corpora: list[str], layers, device: str, limit: int = 0) -> tuple[E.PaddedExamples, list]:
+def device_examples(model, corpora: list[str], layers, device: str, limit: int = 0) -> tuple[B.PaddedExamples, list]:
     """Every greedy sequence of ``corpora`` (in order) with the target's features computed on
-    ``device`` and held there (no disk cache); every 16th sequence held out, as load_examples does.
+    ``device`` and held there (no disk cache); ``held_out`` ones apart, as load_examples does.
     Returns (training store, held-out Examples on the CPU)."""
     eos = model.generation_config.eos_token_id
     end = eos[0] if isinstance(eos, list) else eos
     sequences = [s for corpus in corpora for s in corpus_sequences(corpus, "greedy", end)]
     sequences = sequences[:limit] if limit else sequences
     model.to(device)
-    members = [i for i in range(len(sequences)) if i % 16 != 15]
-    store = E.PaddedExamples.from_target(model, sequences, layers, members=members, log=log)
-    held = [store.example(i) for i in range(len(sequences)) if i % 16 == 15]
+    members = [i for i in range(len(sequences)) if not held_out(i)]
+    store = B.PaddedExamples.from_target(model, sequences, layers, members=members, log=log)
+    held = [store.example(i) for i in range(len(sequences)) if held_out(i)]
     model.cpu()
     return store, held
 
@@ -141,7 +147,7 @@ def main(argv=None) -> None:
         train, held = device_examples(model, args.corpus, layers, args.device, args.limit)
         rms_examples = [train.example(i) for i in train.members[:8]]
         train_embed = E.FrozenEmbedding(embed.weight.to(args.device))
-        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = args.device.startswith("cuda")
     else:
         if "features" in args.stages.split(","):
             features(model, args.corpus[0], layers=CACHED_LAYERS, top_k=32, cache_dir=args.features, which="greedy",

@@ -42,8 +42,7 @@ def main(argv=None) -> None:
             "seconds": round(time.time() - start, 1), "target": "HuggingFaceTB/SmolLM2-135M-Instruct",
             "command": f"python -m tools.drafters.build_rest --corpus {' '.join(args.corpus)}"
                        + " --compact" * args.compact + f" --out {args.out}"}
-    (out.with_suffix(".json") if out.name != "datastore.safetensors" else out.parent / "datastore.json").write_text(
-        json.dumps(info, indent=1) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(info, indent=1) + "\n")
     print(info)
 
 
