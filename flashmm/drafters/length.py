@@ -15,7 +15,6 @@ the other backend, or the constants, misprice every small draft.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 import time
@@ -29,7 +28,9 @@ import torch
 from .. import cache as kv
 from ..onednn import OneDNNLinears, packs, routable_layers
 
-DEFAULT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# every size up to 8 and the neighbours of 12 and 18: a CPU's sgemm works in blocks of rows (6 on
+# AVX2), so the time is a staircase, not a line, and a grid that skips steps misprices them
+DEFAULT_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 16, 18, 19, 24, 32, 48, 64)
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,16 @@ class VerifyCost:
             raise ValueError(f"nodes must ascend from 1 without repeats, got {self.nodes}")
         if len(self.seconds) != len(self.nodes) or min(self.seconds) <= 0:
             raise ValueError("seconds must be positive, one per node count")
+        # relative(n) for every n on the grid's span, read by the drafters' sizing loops each step
+        object.__setattr__(self, "_table", [self._relative(n) for n in range(self.nodes[-1] + 1)])
 
     def seconds_at(self, n: int) -> float:
         """Seconds for n nodes: linear between grid points, the last slope beyond the grid, never
-        below a smaller count's (a dip is timing noise, or a kernel quirk a draft cannot rely on:
-        more nodes never make a forward cheaper to plan for)."""
-        nodes, secs = self.nodes, list(itertools.accumulate(self.seconds, max))
+        below the one-token forward. A dip after a smaller size is planned on: the forward of a
+        draft of n nodes has exactly n rows, so a kernel that runs 3-6 rows faster than 2 (oneDNN's
+        sgemm on the 2-core EPYC: 39 ms for 4 rows, 47 for 2, 38 for 1) makes 4-node drafts
+        nearly free, and pricing them at the 2-row time made the drafters pick 12-node trees."""
+        nodes, secs = self.nodes, [max(s, self.seconds[0]) for s in self.seconds]
         if n <= nodes[0]:
             return secs[0]
         for i in range(1, len(nodes)):
@@ -65,6 +70,9 @@ class VerifyCost:
 
     def relative(self, n: int) -> float:
         """Cost of verifying n nodes in one-token forwards (t(n) / t(1))."""
+        return self._table[n] if 0 <= n < len(self._table) else self._relative(n)
+
+    def _relative(self, n: int) -> float:
         return self.seconds_at(n) / self.seconds[0]
 
 
@@ -77,7 +85,7 @@ def _cost_key(model: torch.nn.Module, grid: Sequence[int], prefix_len: int, line
     param = next(model.parameters())
     config = model.config.to_json_string(use_diff=False) if hasattr(model, "config") else type(model).__name__
     ident = [type(model).__name__, config, str(param.device), str(param.dtype),
-             torch.get_num_threads(), list(grid), prefix_len, torch.__version__, linear, "rounds"]
+             torch.get_num_threads(), list(grid), prefix_len, torch.__version__, linear, "rounds-staircase"]
     ident = json.dumps(ident + ([batch] if batch != 1 else []))
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 
@@ -87,8 +95,8 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
                         repeats: int = 5, directory: Path | None = None, linear: str = "torch",
                         batch: int = 1) -> VerifyCost:
     """Time ``model``'s forward of N new tokens after a ``prefix_len``-token cache for N in grid:
-    the fastest of ``repeats`` rounds over every size (after one warm-up round), made
-    non-decreasing in N.
+    the fastest of ``repeats`` rounds over every size (after one warm-up round), never below the
+    one-token forward's.
 
     batch: rows forwarded together (each N new tokens after its own prefix); the seconds returned
     are per row, a batch forward's time / batch, so ``seconds[0]`` is one row's share of a plain
@@ -131,9 +139,10 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
             _synchronize(param.device)
             if attempt:
                 best[i] = min(best[i], time.perf_counter() - start)
-    # more tokens never cost less: a size timed below a smaller one was noise (a one-token step
-    # timed slow once made 3 nodes read 0.59 of a step, and trees of 16 looked free)
-    seconds = [max(best[:i + 1]) / batch for i in range(len(best))]
+    # no forward is cheaper than the one-token one (a one-token step timed slow once made 3 nodes
+    # read 0.59 of a step, and trees of 16 looked free); a larger size timed below a smaller one
+    # (2 rows dearer than 4) is the kernel's staircase, and drafts are priced on it as it is
+    seconds = [max(b, best[0]) / batch for b in best]
     cost = VerifyCost(tuple(int(n) for n in grid), tuple(seconds))
     directory.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
