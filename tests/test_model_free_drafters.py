@@ -198,22 +198,22 @@ def test_the_corpus_is_consulted_only_while_the_context_match_is_short(monkeypat
     target = tiny_lm("llama", seed=0)
     drafter = SuffixDecoding(datastore=own_datastore(target), corpus_below=4)
     steps = []                     # per propose: [the context tries' match lengths, corpus asked]
-    match, lookup, propose = suffix_module.SuffixTrie.longest_match, drafter.corpus.hypotheses, drafter.propose
+    match, lookup, propose = suffix_module.SuffixTrie.longest_match, drafter.corpus.grow, drafter.propose
 
     def spy_match(trie, *args):
         node, p = match(trie, *args)
         steps[-1][0].append(p)
         return node, p
 
-    def spy_lookup(ids):
+    def spy_lookup(ids, limit):
         steps[-1][1] = True
-        return lookup(ids)
+        return lookup(ids, limit)
 
     def spy_propose(*args):
         steps.append([[], False])
         return propose(*args)
     monkeypatch.setattr(suffix_module.SuffixTrie, "longest_match", spy_match)
-    drafter.corpus.hypotheses, drafter.propose = spy_lookup, spy_propose
+    drafter.corpus.grow, drafter.propose = spy_lookup, spy_propose
     ids = repetitive(12, 1)
     out = flashmm.wrap(target, drafter).generate(ids, max_new_tokens=MAX_NEW, eos_token_id=[])
     assert torch.equal(out, target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None))

@@ -2,9 +2,12 @@
 
 The datastore is a token corpus (documents joined by a separator, -1) and its suffix array.
 Each step the longest suffix of the context (at most ``max_match`` tokens, at least
-``min_match``) found in the corpus selects its occurrences; the ``max_depth`` tokens following
-each (up to ``max_occurrences`` of them) are merged into a trie whose node scores are the
-fraction of occurrences passing through the node; TreeBudget drafts the part that pays.
+``min_match``) found in the corpus selects its occurrences: a range of the suffix array, in
+which the continuations are sorted, so every token sequence following the match is a
+contiguous sub-range and its count a run length. The speculation tree grows best-first from
+those counts (a node's score: the fraction of occurrences passing through it) without listing
+the continuations, up to ``max_draft_tokens`` nodes of depth ``max_depth``; TreeBudget drafts
+the part that pays.
 
     drafter = Rest.from_corpus(["answers.jsonl.xz", "notes.txt"], tokenizer)
     drafter.save("datastore.safetensors");  Rest(datastore="datastore.safetensors")
@@ -12,6 +15,7 @@ fraction of occurrences passing through the node; TreeBudget drafts the part tha
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import lzma
 import os
@@ -58,6 +62,7 @@ class Datastore:
         self.tokens = np.asarray(tokens, dtype=np.int64)
         self.array = suffix_array(self.tokens) if array is None else np.asarray(array, dtype=np.int64)
         self._list = self.tokens.tolist()
+        self._padded = self.tokens  # the tokens and separators past the end (grown by ``grow``)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -81,6 +86,60 @@ class Datastore:
         lo = self._bound(pattern, upper=False)
         hi = self._bound(pattern, upper=True)
         return self.array[lo:hi]
+
+    def longest_match(self, context: list[int], max_match: int, min_match: int = 1) -> tuple[int, int, int]:
+        """(lo, hi, p): the suffix-array range of the longest suffix of context (min_match <= p <=
+        max_match) that occurs, or (0, 0, 0). A suffix that occurs has every shorter one occur,
+        so p is found by bisection: O(log max_match) range lookups."""
+        best = (0, 0, 0)
+        low, high = min_match, min(max_match, len(context))
+        while low <= high:
+            p = (low + high) // 2
+            pattern = context[len(context) - p:]
+            lo = self._bound(pattern, upper=False)
+            hi = self._bound(pattern, upper=True)
+            if hi > lo:
+                best, low = (lo, hi, p), p + 1
+            else:
+                high = p - 1
+        return best
+
+    def grow(self, lo: int, hi: int, p: int, max_nodes: int, max_depth: int,
+             max_occurrences: int | None = None) -> list[tuple[list[int], float]]:
+        """Best-first speculation after the match of length p whose suffix-array range is
+        [lo, hi): up to max_nodes (path, score) pairs, each path extending one returned before,
+        score = the fraction of the occurrences continuing with the path (a separator ends a
+        continuation). The range is sorted by continuation, so each child is a run of equal tokens
+        at its depth. Past ``max_occurrences`` occurrences an evenly spaced sample of the range
+        stands for it (the range is sorted, so the sample keeps each run's share)."""
+        if len(self._padded) < len(self.tokens) + max_depth:
+            self._padded = np.concatenate([self.tokens, np.full(max_depth, SEPARATOR, dtype=np.int64)])
+        step = 1 if max_occurrences is None else max(1, -(-(hi - lo) // max_occurrences))
+        starts = self.array[lo:hi:step] + p
+        out: list[tuple[list[int], float]] = []
+        heap = [(-1.0, 0, 0, len(starts), 0, [])]  # (-score, tick, sample lo, sample hi, depth, path)
+        tick = 1
+        while heap and len(out) < max_nodes:
+            neg, _, a, b, depth, path = heapq.heappop(heap)
+            if path:
+                out.append((path, -neg))
+            if depth >= max_depth:
+                continue
+            following = self._padded[starts[a:b] + depth]
+            edges = np.flatnonzero(following[1:] != following[:-1]) + 1
+            first = np.concatenate([[0], edges])
+            counts = np.diff(np.concatenate([first, [b - a]]))
+            room = max_nodes - len(out)
+            keep = np.argsort(-counts, kind="stable")[:room] if len(counts) > room else range(len(counts))
+            for k in keep:
+                token = int(following[first[k]])
+                if token == SEPARATOR:
+                    continue
+                start = a + int(first[k])
+                heapq.heappush(heap, (neg * int(counts[k]) / (b - a), tick, start, start + int(counts[k]),
+                                      depth + 1, path + [token]))
+                tick += 1
+        return out
 
     def continuations(self, starts: np.ndarray, length: int) -> list[list[int]]:
         """The (up to) ``length`` tokens after each start, cut at a document separator."""
@@ -204,13 +263,14 @@ class Rest(Drafter):
 
     datastore: a Datastore, a safetensors file written by ``save``, or token corpus files (a path
     or glob, see open_datastore). merge=False keeps each
-    retrieved continuation its own branch (graph-structured drafting off).
+    retrieved continuation its own branch (graph-structured drafting off). max_occurrences: past
+    this many occurrences of the match, an evenly spaced sample of them is counted.
     """
 
     name = "rest"
 
     def __init__(self, datastore: Datastore | str | os.PathLike | None = None, max_match: int = 16,
-                 min_match: int = 2, max_depth: int = 10, max_occurrences: int = 256, max_draft_tokens: int = 24,
+                 min_match: int = 2, max_depth: int = 10, max_occurrences: int = 4096, max_draft_tokens: int = 24,
                  merge: bool = True, cost: AdaptiveDraftLength | None = None):
         if datastore is not None and not isinstance(datastore, Datastore):
             datastore = open_datastore(datastore)
@@ -269,18 +329,14 @@ class Rest(Drafter):
                 return self.datastore.continuations(starts[: self.max_occurrences] + p, self.max_depth), p
         return [], 0
 
-    def hypotheses(self, context: list[int]) -> tuple[list[tuple[list[int], list[float]]], int]:
-        """([(continuation, per-token scores)], matched length): each score is the fraction of the
-        retrieved occurrences whose continuation starts with the path up to that token."""
-        follows, p = self.retrieve(context)
-        counts: dict[tuple, int] = {}
-        for follow in follows:
-            for d in range(1, len(follow) + 1):
-                key = tuple(follow[:d])
-                counts[key] = counts.get(key, 0) + 1
-        weight = 1.0 / max(len(follows), 1)
-        return [(follow, [counts[tuple(follow[:d])] * weight for d in range(1, len(follow) + 1)])
-                for follow in follows], p
+    def grow(self, context: list[int], max_nodes: int) -> tuple[list[tuple[list[int], float]], int]:
+        """([(path, score)] best first, matched length): the speculation tree after the longest
+        matched suffix of context (Datastore.grow), or ([], 0) when no suffix of at least
+        min_match tokens occurs."""
+        lo, hi, p = self.datastore.longest_match(context, self.max_match, self.min_match)
+        if p == 0:
+            return [], 0
+        return self.datastore.grow(lo, hi, p, max_nodes, self.max_depth, self.max_occurrences), p
 
     def begin(self, start) -> None:
         self.sizer.new_sequence()
@@ -288,12 +344,19 @@ class Rest(Drafter):
     def propose(self, committed, max_tokens, sampling, generator):
         if committed.shape[0] != 1:
             raise NotImplementedError("Rest drafts one sequence at a time")
-        found, p = self.hypotheses(committed[0, -self.max_match:].tolist())
+        limit = min(max_tokens, self.max_draft_tokens)
+        found, p = self.grow(committed[0, -self.max_match:].tolist(), limit)
         trie = DraftTrie(merge=self.merge)
-        for g, (follow, scores) in enumerate(found):
-            trie.add(follow, scores, group=g)
-        keep = self.sizer.choose(trie, min(max_tokens, self.max_draft_tokens), bucket=match_bucket(p),
-                                 position=committed.shape[1])
+        if self.merge:
+            for path, score in found:
+                trie.add(path, score)
+        else:  # each retrieved continuation (a leaf's path) its own branch, shared prefixes repeated
+            score = {tuple(path): value for path, value in found}
+            inner = {tuple(path[:-1]) for path, _ in found}
+            leaves = [path for path, _ in found if tuple(path) not in inner]
+            for g, path in enumerate(leaves):
+                trie.add(path, [score[tuple(path[:d])] for d in range(1, len(path) + 1)], group=g)
+        keep = self.sizer.choose(trie, limit, bucket=match_bucket(p), position=committed.shape[1])
         if not keep:
             return root_only(committed)
         return trie.to_draft(committed[:, -1:], keep)

@@ -176,10 +176,10 @@ class SuffixDecoding(Drafter):
             for path, score in source.grow(node, min(limit, int(self.budget_per_match * p))):
                 trie.add(path, score, group)
         if self.corpus is not None and not (self.corpus_below and longest >= self.corpus_below):
-            found, p = self.corpus.hypotheses(ids[-self.max_match:])
+            found, p = self.corpus.grow(ids[-self.max_match:], limit)
             longest = max(longest, p)
-            for follow, scores in found:
-                trie.add(follow, scores, 2)
+            for path, score in found:
+                trie.add(path, score, 2)
         keep = self.sizer.choose(trie, limit, bucket=match_bucket(longest), position=committed.shape[1])
         if not keep:
             return root_only(committed)
