@@ -78,6 +78,42 @@ def test_suffix_array_and_retrieval_match_brute_force():
     assert sorted(follows) == sorted(expected)
 
 
+def test_datastore_tree_growth_matches_brute_force_counts():
+    """Datastore.longest_match / grow against a scan of the corpus: the longest occurring context
+    suffix, and every continuation prefix (up to max_depth, cut at separators) with score = its
+    share of the occurrences, best first; a sampled range counts every k-th occurrence."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 4, 600)
+    tokens[rng.integers(0, 600, 20)] = -1
+    store = Datastore(tokens)
+    for trial in range(20):
+        context = rng.integers(0, 4, 12).tolist()
+        lo, hi, p = store.longest_match(context, max_match=8, min_match=1)
+        occurs = [n for n in range(1, 9) if any(tokens[i:i + n].tolist() == context[-n:] for i in range(600))]
+        assert p == max(occurs, default=0)
+        if p == 0:
+            continue
+        hits = sorted(int(i) for i in store.array[lo:hi])
+        assert hits == [i for i in range(600) if tokens[i:i + p].tolist() == context[-p:]]
+        counts = Counter()
+        for i in hits:
+            follow = tokens[i + p:i + p + 3].tolist()
+            follow = follow[:follow.index(-1)] if -1 in follow else follow
+            counts.update(tuple(follow[:d]) for d in range(1, len(follow) + 1))
+        grown = store.grow(lo, hi, p, max_nodes=10_000, max_depth=3)
+        assert {tuple(path): score for path, score in grown} == pytest.approx(
+            {path: c / len(hits) for path, c in counts.items()})
+        assert [score for _, score in grown] == sorted((score for _, score in grown), reverse=True)
+        top = store.grow(lo, hi, p, max_nodes=4, max_depth=3)
+        assert [score for _, score in top] == pytest.approx(
+            [c / len(hits) for c in sorted(counts.values(), reverse=True)[:4]])  # the 4 most frequent
+        sampled = store.grow(lo, hi, p, max_nodes=10_000, max_depth=1, max_occurrences=max(1, len(hits) // 2))
+        every = store.array[lo:hi:-(-len(hits) // max(1, len(hits) // 2))] + p
+        firsts = Counter(int(tokens[i]) for i in every if i < 600 and tokens[i] != -1)
+        assert {path: score for path, score in ((tuple(a), b) for a, b in sampled)} == pytest.approx(
+            {(t,): c / len(every) for t, c in firsts.items()})
+
+
 def test_rest_from_corpus_files(tmp_path):
     """Token files and flashmm corpus records (answers' ids) become documents; save/load round trip."""
     np.save(tmp_path / "a.npy", np.array([5, 6, 7, -1, 8, 9]))
@@ -217,6 +253,22 @@ def test_plain_steps_teach_the_budget_through_shadows():
     assert not budget.shadows and len(budget.choose(trie, 8, position=len(text))) == 4
     budget.new_sequence()
     assert not budget.shadows
+
+
+def test_budget_learns_acceptance_per_depth():
+    """Frequency scores need not fall with depth as acceptance does: a chain scored 1.0 throughout
+    whose first token is always accepted and whose second never is ends up drafted one node deep
+    (one calibration for all depths would have kept all four at c = 1/4), and the depth-1
+    calibration approaches 1, the deeper ones 0."""
+    budget = TreeBudget()
+    trie = DraftTrie()
+    trie.add([1, 2, 3, 4], 1.0)
+    for _ in range(60):
+        budget.choose(trie, 8)
+        budget.update(1)
+    assert len(budget.choose(trie, 8)) == 1
+    assert budget.calibration(0, 1) > 0.9 and budget.calibration(0, 2) < 0.1
+    assert budget.calibration(0) == pytest.approx(budget.evidence[(0, None)][0] / budget.evidence[(0, None)][1], rel=0.1)
 
 
 def test_budget_calibration_learns_and_recovers():

@@ -8,9 +8,9 @@ own tree) and keeps the groups separate branches (the unmerged baseline, for mea
 merging saves).
 
 ``TreeBudget`` then keeps the best-scored nodes: a node's score estimates the probability that
-it is accepted, so a tree of n nodes is expected to emit 1 + c·Σ scores tokens (c: a calibration
-learned online from what was accepted), and costs about 1 + step_cost + token_cost·n one-token
-forwards (AdaptiveDraftLength's cost model). The size with the best ratio is drafted, or nothing
+it is accepted, so a tree of n nodes is expected to emit 1 + Σ c(depth)·score tokens (c: a
+calibration per depth band learned online from what was accepted: frequency scores do not fall
+with depth the way acceptance does), and costs what AdaptiveDraftLength's cost model says. The size with the best ratio is drafted, or nothing
 (a plain step) when no size beats plain decoding, so a drafter that does not pay stops drafting.
 """
 from __future__ import annotations
@@ -64,16 +64,18 @@ class DraftTrie:
             score = scores if isinstance(scores, float) else scores[j]
             node = self.add_node(node, int(token), score, group)
 
-    def ranked(self) -> list[int]:
-        """Non-root nodes, best first, every node after its parent (scores made non-increasing
-        along paths, ties broken by depth then insertion order)."""
+    def ranked(self, weight=None) -> list[int]:
+        """Non-root nodes, best first, every node after its parent (values made non-increasing
+        along paths, ties broken by depth then insertion order). A node's value is its score,
+        times ``weight(depth)`` when given; ``self.capped`` keeps the values."""
         capped = list(self.scores)
         depth = [0] * len(self.tokens)
         for i in range(1, len(self.tokens)):  # parents precede children
-            capped[i] = min(capped[i], capped[self.parents[i]])
             depth[i] = depth[self.parents[i]] + 1
+            value = capped[i] if weight is None else capped[i] * weight(depth[i])
+            capped[i] = min(value, capped[self.parents[i]])
         order = sorted(range(1, len(self.tokens)), key=lambda i: (-capped[i], depth[i], i))
-        self.capped = capped
+        self.capped, self.depth = capped, depth
         return order
 
     def path(self, node: int) -> tuple[int, ...]:
@@ -108,12 +110,15 @@ class TreeBudget:
     """Chooses how many of a trie's ranked nodes to verify, from their acceptance estimates.
 
     calibration: accepted tokens per unit of predicted score, estimated per ``bucket`` (a
-    drafter's own notion of how reliable a step's hypotheses are, e.g. its match length) with
-    exponential forgetting (``decay`` per observed draft) and a prior of ``prior_weight`` steps
-    at 1.
+    drafter's own notion of how reliable a step's hypotheses are, e.g. its match length) and per
+    depth band of the node (1, 2-3, 4-7, 8+), with exponential forgetting (``decay`` per observed
+    draft); a bucket's prior is ``prior_weight`` steps at 1, a band's ``prior_weight`` steps at
+    its bucket's calibration. A tree accepts one node at each depth up to its accepted length, so
+    each band learns from the accepted length alone.
 
     A step that does not draft still teaches the calibration: ``choose`` keeps the tree it would
-    have drafted (the best size, although it did not pay) as a *shadow*, and once the committed
+    have drafted from (all max_nodes best nodes: a shadow costs nothing to verify, and so every
+    depth keeps learning) as a *shadow*, and once the committed
     text has grown far enough (``update(..., committed)``; ``choose(..., position)`` says where
     the root stood) the shadow's accepted length is read off the text: its deepest path that the
     committed tokens follow. Under greedy decoding that is exactly what verification would have
@@ -126,50 +131,63 @@ class TreeBudget:
     decay: float = 0.95
     idle_decay: float = 0.995
     prior_weight: float = 2.0
-    last_predicted: float = 0.0
     last_nodes: int = 0
-    last_bucket: object = 0
 
     def __post_init__(self):
         if self.cost is None:
             self.cost = AdaptiveDraftLength()
-        self.evidence: dict = {}  # bucket -> [accepted, predicted]
-        self.shadows: list[tuple[int, list[tuple[int, ...]], float, object]] = []  # (position, paths, predicted, bucket)
+        self.evidence: dict = {}  # (bucket, depth band) -> [accepted, predicted]
+        self.last: tuple = (0, {})  # (bucket, {depth band: predicted}) of the tree drafted last
+        self.shadows: list[tuple[int, list[tuple[int, ...]], tuple]] = []  # (position, paths, (bucket, predicted))
 
-    def calibration(self, bucket=0) -> float:
-        accepted, predicted = self.evidence.get(bucket, (0.0, 0.0))
-        return (accepted + self.prior_weight) / (predicted + self.prior_weight)
+    def calibration(self, bucket=0, depth: int | None = None) -> float:
+        """The bucket's calibration (depth None: all depths together, a prior of ``prior_weight``
+        at 1), or a depth band's, whose prior of ``prior_weight`` is the bucket's calibration (so
+        a band with little evidence follows its bucket)."""
+        accepted, predicted = self.evidence.get((bucket, None), (0.0, 0.0))
+        overall = (accepted + self.prior_weight) / (predicted + self.prior_weight)
+        if depth is None:
+            return overall
+        accepted, predicted = self.evidence.get((bucket, depth_band(depth)), (0.0, 0.0))
+        return (accepted + self.prior_weight * overall) / (predicted + self.prior_weight)
 
     def choose(self, trie: DraftTrie, max_nodes: int, extra_rows: int = 0, bucket=0,
                position: int | None = None) -> list[int]:
         """The nodes to draft (best first; empty = a plain step). extra_rows: rows the forward
         carries besides the chosen nodes whenever it drafts (aux rows), counted in its cost.
         position: the committed length at the root (enables learning from plain steps)."""
-        self.last_predicted, self.last_nodes, self.last_bucket = 0.0, 0, bucket
+        self.last_nodes, self.last = 0, (bucket, {})
         if len(trie) <= 1 or max_nodes <= 0:
             return []
-        order = trie.ranked()[:max_nodes]
-        c = self.calibration(bucket)
+        scale = {band: self.calibration(bucket, band) for band in (1, 2, 4, 8)}
+        order = trie.ranked(lambda d: scale[depth_band(d)])[:max_nodes]
+
+        def predicted(nodes) -> dict[int, float]:  # the uncalibrated scores of nodes, per depth band
+            total: dict[int, float] = {}
+            for i in nodes:
+                band = depth_band(trie.depth[i])
+                total[band] = total.get(band, 0.0) + trie.capped[i] / scale[band]
+            return total
+
         best_n, best_rate, expected = 0, 0.0, 1.0
         for n, node in enumerate(order, start=1):
-            expected += c * trie.capped[node]
+            expected += trie.capped[node]
             rate = expected / self.cost.cost(n + extra_rows)
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        keep = order[:best_n]
-        predicted = sum(trie.capped[i] for i in keep)
-        if best_rate <= 1.0:                   # drafting does not pay: a plain step, and a shadow
+        if best_rate <= 1.0:   # drafting does not pay: a plain step, whose whole tree is a shadow
             if position is not None:
-                self.shadows.append((position, [trie.path(i) for i in keep], predicted, bucket))
+                self.shadows.append((position, [trie.path(i) for i in order], (bucket, predicted(order))))
             return []
-        self.last_predicted, self.last_nodes = predicted, best_n
+        keep = order[:best_n]
+        self.last_nodes, self.last = best_n, (bucket, predicted(keep))
         return keep
 
     def update(self, accepted_len: int, committed: torch.Tensor | None = None) -> None:
         """After a step: the drafted tokens that were accepted (0 after a plain step), and the
         committed tokens [1, T] (resolves the shadows of earlier plain steps)."""
         if self.last_nodes:
-            self._learn(self.last_bucket, accepted_len, self.last_predicted)
+            self._learn(self.last, accepted_len)
         elif committed is None or not self.shadows:
             for pair in self.evidence.values():
                 pair[0] *= self.idle_decay
@@ -183,13 +201,22 @@ class TreeBudget:
                 if accepted is None:
                     waiting.append(shadow)
                 else:
-                    self._learn(shadow[3], accepted, shadow[2])
+                    self._learn(shadow[2], accepted)
             self.shadows = waiting
 
-    def _learn(self, bucket, accepted: float, predicted: float) -> None:
-        pair = self.evidence.setdefault(bucket, [0.0, 0.0])
-        pair[0] = self.decay * pair[0] + accepted
-        pair[1] = self.decay * pair[1] + predicted
+    def _learn(self, tree: tuple, accepted_len: int) -> None:
+        """tree: (bucket, {depth band: predicted}); one node accepted at each depth <= accepted_len."""
+        bucket, predicted = tree
+        for band, value in [*predicted.items(), (None, sum(predicted.values()))]:
+            if band is None:
+                accepted = accepted_len
+            elif band < 8:
+                accepted = max(0, min(accepted_len, 2 * band - 1) - band + 1)
+            else:
+                accepted = max(0, accepted_len - 7)
+            pair = self.evidence.setdefault((bucket, band), [0.0, 0.0])
+            pair[0] = self.decay * pair[0] + accepted
+            pair[1] = self.decay * pair[1] + value
 
     def new_sequence(self) -> None:
         """A new sequence begins: shadows point into the old one's text and are dropped."""
@@ -198,6 +225,11 @@ class TreeBudget:
     def reset(self) -> None:
         self.evidence.clear()
         self.shadows.clear()
+
+
+def depth_band(depth: int) -> int:
+    """Depths sharing a calibration: 1, 2-3, 4-7, 8+ (named by their first depth)."""
+    return min(1 << (max(depth, 1).bit_length() - 1), 8)
 
 
 def shadow_accepted(paths: list[tuple[int, ...]], text: list[int]) -> int | None:
