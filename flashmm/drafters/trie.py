@@ -117,11 +117,10 @@ class TreeBudget:
     each band learns from the accepted length alone.
 
     A step that does not draft still teaches the calibration: ``choose`` keeps the tree it would
-    have drafted from (all max_nodes best nodes: a shadow costs nothing to verify, and so every
-    depth keeps learning) as a *shadow*, and once the committed
-    text has grown far enough (``update(..., committed)``; ``choose(..., position)`` says where
-    the root stood) the shadow's accepted length is read off the text: its deepest path that the
-    committed tokens follow. Under greedy decoding that is exactly what verification would have
+    have drafted from (all max_nodes best nodes: a shadow costs nothing to verify, so every depth
+    keeps learning) as a *shadow*, and once the committed text has grown far enough
+    (``update(..., committed)``; ``choose(..., position)`` says where the root stood) the shadow's
+    accepted length is read off the text: its deepest path that the committed tokens follow. Under greedy decoding that is exactly what verification would have
     accepted (under sampling, a slight underestimate), so a drafter that stopped drafting resumes
     as soon as its hypotheses start matching, at no cost. Without ``position`` / ``committed`` a
     plain step only lets the evidence fade (``idle_decay``), so the drafter retries now and then.
