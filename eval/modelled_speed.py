@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -62,7 +63,7 @@ def main(argv=None):
         for q in questions:
             ids = prompt_ids(tokenizer, q["turns"][0])
             with torch.no_grad():
-                nodes = verified_nodes(lambda: sm.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False))
+                nodes = verified_nodes(partial(sm.generate, ids, max_new_tokens=args.max_new_tokens, do_sample=False))
             stats = sm.last_stats
             seconds = sum(cost.seconds_at(n) for n in nodes) + stats.draft_seconds
             for key in (q["category"], "overall"):
