@@ -63,7 +63,7 @@ from mm_prefill import begin_flops, prefill_study  # noqa: E402,F401 (begin_flop
 
 PHOTO_FILES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
 TASK_ORDER = ("image", "video", "vqa", "photo")
-METHODS = ("flash", "flash_no_lookup", "flash_per_span", "flash_k1", "flash_none", "prompt_lookup",
+METHODS = ("flash", "flash_no_lookup", "flash_suffix_lookup", "flash_per_span", "flash_k1", "flash_none", "prompt_lookup",
            "token_recycling", "suffix", "lookahead", "rest", "plain_onednn", "flash_torch_linear", "flash_auto",
            "flash_sequoia")
 #: the SmolLM2 REST datastore (the reference LMM's language model is SmolLM2: same token ids)
@@ -388,6 +388,10 @@ def main(argv=None):
         raise SystemExit(f"--methods: unknown {sorted(wanted - set(METHODS))}; choose from {METHODS}")
     if "flash_no_lookup" in wanted and flash.lookup_tokens:
         drafters["flash_no_lookup"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "lookup_tokens": 0})
+    if "flash_suffix_lookup" in wanted and flash.lookup_tokens:
+        drafters["flash_suffix_lookup"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "lookup": "suffix"})
+        notes.append("flash_suffix_lookup = FLASH whose lookup path is SuffixDecoding's best continuation "
+                     "(lookup='suffix': prompt + output and earlier outputs) instead of the latest n-gram match.")
         notes.append("flash_no_lookup = the FLASH drafter without its n-gram lookup branch (lookup_tokens=0).")
     if "flash_per_span" in wanted and flash.pool_spans > 1:
         drafters["flash_per_span"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "pool_spans": 1})

@@ -462,10 +462,10 @@ def test_lookup_chain_merges_into_the_flash_tree(chain, budget):
     assert set(flash_only) == set(others[:len(flash_only)])                     # highest priority kept
 
 
-@pytest.mark.parametrize("k", [1, 5])
-def test_lookup_branch_greedy_exact_and_drafts_past_the_sar_depth(text_target, k):
+@pytest.mark.parametrize("k, lookup", [(1, "ngram"), (5, "ngram"), (5, "suffix")])
+def test_lookup_branch_greedy_exact_and_drafts_past_the_sar_depth(text_target, k, lookup):
     ids = torch.cat([prompt(6, seed=3)] * 3, dim=1)                            # a repeated phrase
-    drafter = drafter_for(text_target, k, lookup_tokens=8)
+    drafter = drafter_for(text_target, k, lookup_tokens=8, lookup=lookup)
     drafts = []
     original = drafter.propose
     drafter.propose = lambda *a, **kw: drafts.append(original(*a, **kw)) or drafts[-1]

@@ -53,6 +53,21 @@ def test_suffix_trie_counts_every_substring():
         assert score == pytest.approx(expected)
 
 
+def test_suffix_lookup_follows_the_most_frequent_continuation_of_the_longest_match():
+    """SuffixLookup (FLASH's lookup="suffix"): the longest matched context suffix in the current text
+    or earlier outputs, then the most frequent child at every step; the current text wins a tie."""
+    from flashmm.drafters.suffix import SuffixLookup  # noqa: PLC0415
+
+    outputs = SuffixTrie()
+    earlier = SuffixLookup(outputs, [])
+    earlier.sync(torch.tensor([[7, 8, 9, 1, 7, 8, 9, 2, 7, 8, 9, 2, 5]]))    # an earlier output
+    lookup = SuffixLookup(outputs, [4, 7, 8, 3, 6, 7, 8])
+    assert lookup.continuation(4) == ([3, 6, 7, 8], 2)                        # "7 8": the prompt wins the tie
+    lookup.sync(torch.tensor([[4, 7, 8, 3, 6, 7, 8, 9]]))
+    assert lookup.continuation(4) == ([2, 7, 8, 9], 3)                        # "7 8 9": earlier outputs, 2 > 1
+    assert SuffixLookup(SuffixTrie(), [1, 2]).continuation(3) == ([], 0)
+
+
 def test_suffix_array_and_retrieval_match_brute_force():
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 5, 400)

@@ -74,7 +74,9 @@ def histogram(sm) -> torch.Tensor:
     lambda t, d: PromptLookup(),                                                   # deterministic, q None
     lambda t, d: FlashDrafter.from_target(t, num_queries=2, tokens_per_step=2, seed=0, top_k=2, max_nodes=3,
                                           lookup_tokens=3),                        # FLASH tree + lookup path
-], ids=["draft_chain", "draft_tree", "draft_padded_vocab", "prompt_lookup", "flash_lookup"])
+    lambda t, d: FlashDrafter.from_target(t, num_queries=2, tokens_per_step=2, seed=0, top_k=2, max_nodes=3,
+                                          lookup_tokens=3, lookup="suffix"),       # ... from the suffix tries
+], ids=["draft_chain", "draft_tree", "draft_padded_vocab", "prompt_lookup", "flash_lookup", "flash_suffix_lookup"])
 def test_lossless(models, make):
     target, draft = models
     sm = flashmm.wrap(target, make(target, draft))

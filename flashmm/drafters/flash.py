@@ -52,6 +52,7 @@ from .dynamic_tree import TreeUnits, grow
 from .length import measured_verify_cost, paying_prefix, sequoia_rank_paths
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
 from .prompt_lookup import NgramIndex
+from .suffix import SuffixLookup, SuffixTrie
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
 
@@ -80,6 +81,9 @@ class FlashDrafter(Drafter):
     lookup_tokens: up to this many tokens of an n-gram match (last 3 or 2 committed tokens seen
                   earlier in prompt + output) added as one more tree path (0: off). Its new nodes
                   count against the engine's budget; the FLASH nodes of lowest priority make room.
+    lookup:       where that path comes from: "ngram" (the latest match, as prompt lookup) or
+                  "suffix" (suffix.SuffixLookup: the most frequent continuation of the longest
+                  match in prompt + output or in earlier outputs, kept across calls).
     pool_spans:   consecutive visual spans compressed together (a video given frame by frame as
                   images: C units for every ``pool_spans`` frames instead of C per frame; see
                   ``build_units``). 1: each span alone.
@@ -92,7 +96,8 @@ class FlashDrafter(Drafter):
                  tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
                  max_nodes: int | None = None, min_path_prob: float = 0.0,
                  draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0, pool_spans: int = 1,
-                 accept: Sequence[float] | None = None, budget: str = "fixed", calibration: float = 1.0):
+                 accept: Sequence[float] | None = None, budget: str = "fixed", calibration: float = 1.0,
+                 lookup: str = "ngram"):
         if isinstance(net, (str, os.PathLike)):
             net = FlashDrafter.from_pretrained(net).net
         if net is not None and not isinstance(net, FlashNet):
@@ -114,6 +119,8 @@ class FlashDrafter(Drafter):
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {lookup_tokens}")
+        if lookup not in ("ngram", "suffix"):
+            raise ValueError(f"lookup must be 'ngram' or 'suffix', got {lookup!r}")
         if pool_spans < 1:
             raise ValueError(f"pool_spans must be >= 1, got {pool_spans}")
         if budget not in ("fixed", "auto"):
@@ -136,7 +143,8 @@ class FlashDrafter(Drafter):
         self.compression, self.tree, self.depth, self.top_k = compression, tree, depth, top_k
         self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
         self.draft_vocab = draft_vocab
-        self.lookup_tokens, self.pool_spans = lookup_tokens, pool_spans
+        self.lookup_tokens, self.pool_spans, self.lookup = lookup_tokens, pool_spans, lookup
+        self._outputs = SuffixTrie()           # lookup="suffix": earlier outputs, kept across calls
         self.accept, self.budget, self.calibration = accept, budget, float(calibration)
         self.verify_cost, self.cost_source = None, "fixed budget"   # set at bind with budget="auto"
         self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # budget -> rank paths
@@ -162,7 +170,7 @@ class FlashDrafter(Drafter):
         return dict(compression=self.compression, tree=self.tree, depth=self.depth, top_k=self.top_k,
                     max_nodes=self.max_nodes, min_path_prob=self.min_path_prob, draft_vocab=self.draft_vocab,
                     lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans, accept=self.accept,
-                    budget=self.budget, calibration=self.calibration)
+                    budget=self.budget, calibration=self.calibration, lookup=self.lookup)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write flash_config.json (sizes + drafting options) and flash_model.safetensors."""
@@ -243,6 +251,8 @@ class FlashDrafter(Drafter):
         if start.input_ids.shape[0] != 1:
             raise NotImplementedError("FlashDrafter drafts one sequence at a time")
         self._reset_sequence()
+        if self.lookup == "suffix":
+            self._lookup = SuffixLookup(self._outputs, start.input_ids[0].tolist())
         feats = start.hidden_states[0]                                          # [T, d]
         embeds = start.input_embeds[0] if start.input_embeds is not None else self._embed(start.input_ids[0])
         length = feats.shape[0]

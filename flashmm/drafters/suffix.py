@@ -96,6 +96,40 @@ class SuffixTrie:
         return out
 
 
+class SuffixLookup:
+    """Prompt lookup's interface (``sync``, ``continuation``) over SuffixDecoding's two tries: the
+    most frequent continuation of the longest matched suffix of the context, in the current prompt +
+    output or in earlier outputs (``outputs``: a SuffixTrie kept by the caller across sequences).
+    FLASH's lookup branch drafts with it when ``lookup="suffix"``."""
+
+    def __init__(self, outputs: SuffixTrie, prompt: list[int], max_match: int = 12):
+        self.outputs, self.max_match = outputs, max_match
+        self.local = SuffixTrie(outputs.max_depth, max_tokens=len(prompt) + 1_000_000)
+        self._local_doc = self.local.extend(self.local.new_document(), prompt)
+        self._output_doc = outputs.new_document()
+        self.ids = list(prompt)
+
+    def sync(self, committed) -> None:
+        """Add the committed tokens [1, T] not seen yet (the prompt was given at construction)."""
+        new = committed[0, len(self.ids):].tolist()
+        if new:
+            self._local_doc = self.local.extend(self._local_doc, new)
+            self._output_doc = self.outputs.extend(self._output_doc, new)
+            self.ids += new
+
+    def continuation(self, max_tokens: int) -> tuple[list[int], int]:
+        """(up to max_tokens tokens following the longest match, each the most frequent child; match
+        length), or ([], 0). The current text wins a tie with earlier outputs."""
+        (node, p), trie = max((self.local.longest_match(self.ids, self.max_match), self.local),
+                              (self.outputs.longest_match(self.ids, self.max_match), self.outputs),
+                              key=lambda found: found[0][1])
+        path = []
+        while p and len(path) < max_tokens and trie.children[node]:
+            token, node = max(trie.children[node].items(), key=lambda child: trie.count[child[1]])
+            path.append(token)
+        return path, p
+
+
 @register
 class SuffixDecoding(Drafter):
     """SuffixDecoding over earlier outputs (kept across calls) and the current prompt + output.
