@@ -79,18 +79,11 @@ def test_suffix_array_and_retrieval_match_brute_force():
         pattern = rng.integers(0, 5, int(rng.integers(1, 5))).tolist()
         brute = [i for i in range(len(tokens)) if tokens[i : i + len(pattern)].tolist() == pattern]
         assert sorted(store.occurrences(pattern).tolist()) == brute
-    rest = Rest(store, max_match=6, min_match=1, max_depth=4, max_occurrences=10_000)
     context = rng.integers(0, 5, 20).tolist()
-    follows, p = rest.retrieve(context)
+    lo, hi, p = store.longest_match(context, max_match=6)
     hits = [i for i in range(len(tokens)) if tokens[i : i + p].tolist() == context[-p:]]
     assert hits and not any(tokens[i : i + p + 1].tolist() == context[-p - 1 :] for i in range(len(tokens)))
-    expected = []
-    for i in hits:
-        follow = tokens[i + p : i + p + 4].tolist()
-        follow = follow[: follow.index(-1)] if -1 in follow else follow
-        if follow:
-            expected.append(follow)
-    assert sorted(follows) == sorted(expected)
+    assert sorted(store.array[lo:hi].tolist()) == hits
 
 
 def test_datastore_tree_growth_matches_brute_force_counts():

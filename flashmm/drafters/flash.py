@@ -53,6 +53,7 @@ from .length import measured_verify_cost, paying_prefix, sequoia_rank_paths
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
 from .prompt_lookup import NgramIndex
 from .suffix import SuffixLookup, SuffixTrie
+from .trie import fit_chain
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
 
@@ -144,7 +145,7 @@ class FlashDrafter(Drafter):
         self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
         self.draft_vocab = draft_vocab
         self.lookup_tokens, self.pool_spans, self.lookup = lookup_tokens, pool_spans, lookup
-        self._outputs = SuffixTrie()           # lookup="suffix": earlier outputs, kept across calls
+        self._outputs = SuffixTrie() if lookup == "suffix" else None   # earlier outputs, kept across calls
         self.accept, self.budget, self.calibration = accept, budget, float(calibration)
         self.verify_cost, self.cost_source = None, "fixed budget"   # set at bind with budget="auto"
         self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # budget -> rank paths
@@ -240,7 +241,6 @@ class FlashDrafter(Drafter):
         self._prompt_embeds = None             # [T, d]
         self._pending = None                   # [P, d] features f_t for t >= _next_pos without a unit
         self._next_pos = 0
-        self._lookup = NgramIndex(3, 2)        # the lookup branch's n-grams, grown by new tokens only
 
     @torch.no_grad()
     def begin(self, start: SequenceStart) -> None:
@@ -251,8 +251,9 @@ class FlashDrafter(Drafter):
         if start.input_ids.shape[0] != 1:
             raise NotImplementedError("FlashDrafter drafts one sequence at a time")
         self._reset_sequence()
-        if self.lookup == "suffix":
-            self._lookup = SuffixLookup(self._outputs, start.input_ids[0].tolist())
+        # the lookup branch's source, grown by new tokens only
+        self._lookup = SuffixLookup(self._outputs, start.input_ids[0].tolist()) if self.lookup == "suffix" \
+            else NgramIndex(3, 2)
         feats = start.hidden_states[0]                                          # [T, d]
         embeds = start.input_embeds[0] if start.input_embeds is not None else self._embed(start.input_ids[0])
         length = feats.shape[0]
@@ -410,7 +411,7 @@ class FlashDrafter(Drafter):
             if self.budget == "auto" and self.verify_cost is not None:
                 paths = paths[:self._paying_prefix(scores)]
         chain = chain[:max_tokens]
-        paths, shared = self._fit_chain(list(paths), chain, ids, max_tokens)
+        paths, shared = fit_chain(list(paths), chain, ids, max_tokens)
         if not paths and not chain:
             return root_only(committed)
         ordered = sorted(set(paths), key=lambda p: (len(p), p))               # from_choices' node order
@@ -425,29 +426,6 @@ class FlashDrafter(Drafter):
                 parent = len(parents) - 1
             tree = TokenTree.from_parents(parents)
         return Draft(tokens=committed.new_tensor([tokens]), tree=tree, q_probs=None)
-
-    @staticmethod
-    def _fit_chain(paths: list[tuple[int, ...]], chain: list[int], ids: list[list[int]],
-                   max_tokens: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-        """(FLASH paths kept, rank paths of the chain's leading tokens that are FLASH nodes).
-
-        The chain (no longer than ``max_tokens``) follows FLASH nodes while they hold its tokens;
-        room for its new nodes is made by dropping the FLASH nodes chosen last. ``paths`` is in
-        priority order with children after parents, so the last one off the chain is a leaf (a
-        node the chain runs through has only on-chain ancestors) and what is left stays
-        prefix-closed."""
-        have, shared = set(paths), []
-        for level, token in enumerate(chain[:len(ids)]):
-            if token not in ids[level]:
-                break
-            path = (shared[-1] if shared else ()) + (ids[level].index(token),)
-            if path not in have:
-                break
-            shared.append(path)
-        on_chain = set(shared)
-        while len(paths) + len(chain) - len(shared) > max_tokens:
-            paths.remove(next(p for p in reversed(paths) if p not in on_chain))
-        return paths, shared
 
     def _eagle2(self, committed: torch.Tensor, root_feature: torch.Tensor, max_tokens: int) -> Draft:
         """EAGLE-2 tree (dynamic_tree.grow) for a K = 1 head: every expanded node runs the head on its

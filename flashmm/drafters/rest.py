@@ -81,10 +81,13 @@ class Datastore:
                 hi = mid
         return lo
 
+    def _range(self, pattern: list[int]) -> tuple[int, int]:
+        """[lo, hi): the suffix-array range of the suffixes that begin with pattern."""
+        return self._bound(pattern, upper=False), self._bound(pattern, upper=True)
+
     def occurrences(self, pattern: list[int]) -> np.ndarray:
         """Start positions (int64, suffix-array order) of every occurrence of pattern."""
-        lo = self._bound(pattern, upper=False)
-        hi = self._bound(pattern, upper=True)
+        lo, hi = self._range(pattern)
         return self.array[lo:hi]
 
     def longest_match(self, context: list[int], max_match: int, min_match: int = 1) -> tuple[int, int, int]:
@@ -95,9 +98,7 @@ class Datastore:
         low, high = min_match, min(max_match, len(context))
         while low <= high:
             p = (low + high) // 2
-            pattern = context[len(context) - p:]
-            lo = self._bound(pattern, upper=False)
-            hi = self._bound(pattern, upper=True)
+            lo, hi = self._range(context[len(context) - p:])
             if hi > lo:
                 best, low = (lo, hi, p), p + 1
             else:
@@ -139,17 +140,6 @@ class Datastore:
                 heapq.heappush(heap, (neg * int(counts[k]) / (b - a), tick, start, start + int(counts[k]),
                                       depth + 1, path + [token]))
                 tick += 1
-        return out
-
-    def continuations(self, starts: np.ndarray, length: int) -> list[list[int]]:
-        """The (up to) ``length`` tokens after each start, cut at a document separator."""
-        out = []
-        for s in starts.tolist():
-            follow = self._list[s : s + length]
-            if SEPARATOR in follow:
-                follow = follow[: follow.index(SEPARATOR)]
-            if follow:
-                out.append(follow)
         return out
 
     def save(self, path, compact: bool = False) -> None:
@@ -320,14 +310,6 @@ class Rest(Drafter):
                              f"{target.vocab_size} tokens: a datastore built with another tokenizer")
         if self.budget == "auto":
             self.cost_source = price_with_target(target, self.cost_models())
-
-    def retrieve(self, context: list[int]) -> tuple[list[list[int]], int]:
-        """(continuations of the longest matched context suffix, its length), or ([], 0)."""
-        for p in range(min(self.max_match, len(context)), self.min_match - 1, -1):
-            starts = self.datastore.occurrences(context[len(context) - p:])
-            if len(starts):
-                return self.datastore.continuations(starts[: self.max_occurrences] + p, self.max_depth), p
-        return [], 0
 
     def grow(self, context: list[int], max_nodes: int) -> tuple[list[tuple[list[int], float]], int]:
         """([(path, score)] best first, matched length): the speculation tree after the longest

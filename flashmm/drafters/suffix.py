@@ -97,10 +97,10 @@ class SuffixTrie:
 
 
 class SuffixLookup:
-    """Prompt lookup's interface (``sync``, ``continuation``) over SuffixDecoding's two tries: the
-    most frequent continuation of the longest matched suffix of the context, in the current prompt +
-    output or in earlier outputs (``outputs``: a SuffixTrie kept by the caller across sequences).
-    FLASH's lookup branch drafts with it when ``lookup="suffix"``."""
+    """One sequence's view of the two tries: a trie of its own prompt + output, and ``outputs`` (a
+    SuffixTrie of earlier outputs kept by the caller across sequences), both grown by ``sync`` with
+    the committed tokens. SuffixDecoding grows its trees from ``matches``; FLASH's lookup branch
+    (``lookup="suffix"``) drafts ``continuation``, prompt lookup's interface."""
 
     def __init__(self, outputs: SuffixTrie, prompt: list[int], max_match: int = 12):
         self.outputs, self.max_match = outputs, max_match
@@ -117,12 +117,15 @@ class SuffixLookup:
             self._output_doc = self.outputs.extend(self._output_doc, new)
             self.ids += new
 
+    def matches(self) -> list[tuple[SuffixTrie, int, int]]:
+        """(trie, node, p) of the longest matched suffix of the text in each trie: its own, then
+        earlier outputs (p = 0: none)."""
+        return [(trie, *trie.longest_match(self.ids, self.max_match)) for trie in (self.local, self.outputs)]
+
     def continuation(self, max_tokens: int) -> tuple[list[int], int]:
         """(up to max_tokens tokens following the longest match, each the most frequent child; match
         length), or ([], 0). The current text wins a tie with earlier outputs."""
-        (node, p), trie = max((self.local.longest_match(self.ids, self.max_match), self.local),
-                              (self.outputs.longest_match(self.ids, self.max_match), self.outputs),
-                              key=lambda found: found[0][1])
+        trie, node, p = max(self.matches(), key=lambda match: match[2])
         path = []
         while p and len(path) < max_tokens and trie.children[node]:
             token, node = max(trie.children[node].items(), key=lambda child: trie.count[child[1]])
@@ -154,19 +157,15 @@ class SuffixDecoding(Drafter):
         # a REST datastore (Datastore or its file) as a third source: text the target wrote before
         self.corpus = None if datastore is None else Rest(datastore, max_match=max_match, max_depth=max_depth // 2)
         self.sizer = TreeBudget(cost=cost)
-        self.local: SuffixTrie | None = None
-        self._local_doc: list[int] = []
-        self._output_doc: list[int] = []
-        self._seen = 0  # committed tokens already added to the tries
-        self._prompt_len = 0
+        self.context: SuffixLookup | None = None  # the current sequence's tries (begin)
 
     def fork(self) -> "SuffixDecoding":
-        shared = self.outputs, self.corpus
-        self.outputs = self.corpus = None
+        shared, context = (self.outputs, self.corpus), self.context
+        self.outputs = self.corpus = self.context = None  # a row's context is made by its begin
         try:
             row = super().fork()
         finally:
-            self.outputs, self.corpus = shared
+            (self.outputs, self.corpus), self.context = shared, context
         row.outputs, row.corpus = shared
         return row
 
@@ -181,29 +180,17 @@ class SuffixDecoding(Drafter):
 
     def begin(self, start) -> None:
         self.sizer.new_sequence()
-        ids = start.input_ids[0].tolist()
-        self.local = SuffixTrie(self.max_depth, max_tokens=len(ids) + 1_000_000)
-        self._local_doc = self.local.extend(self.local.new_document(), ids)
-        self._output_doc = self.outputs.new_document()
-        self._seen = self._prompt_len = len(ids)
-
-    def _catch_up(self, committed: list[int]) -> None:
-        new = committed[self._seen:]
-        if new:
-            self._local_doc = self.local.extend(self._local_doc, new)
-            self._output_doc = self.outputs.extend(self._output_doc, new)
-            self._seen = len(committed)
+        self.context = SuffixLookup(self.outputs, start.input_ids[0].tolist(), self.max_match)
 
     def propose(self, committed, max_tokens, sampling, generator):
         if committed.shape[0] != 1:
             raise NotImplementedError("SuffixDecoding drafts one sequence at a time")
-        ids = committed[0].tolist()
-        self._catch_up(ids)
+        self.context.sync(committed)
+        ids = self.context.ids
         trie = DraftTrie(merge=self.merge)
         limit = min(max_tokens, self.max_draft_tokens)
         longest = 0
-        for group, source in enumerate((self.local, self.outputs)):
-            node, p = source.longest_match(ids, self.max_match)
+        for group, (source, node, p) in enumerate(self.context.matches()):
             if p == 0:
                 continue
             longest = max(longest, p)

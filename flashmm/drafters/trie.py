@@ -10,11 +10,15 @@ merging saves).
 ``TreeBudget`` then keeps the best-scored nodes: a node's score estimates the probability that
 it is accepted, so a tree of n nodes is expected to emit 1 + Σ c(depth)·score tokens (c: a
 calibration per depth band learned online from what was accepted: frequency scores do not fall
-with depth the way acceptance does), and costs what AdaptiveDraftLength's cost model says. The size with the best ratio is drafted, or nothing
-(a plain step) when no size beats plain decoding, so a drafter that does not pay stops drafting.
+with depth the way acceptance does), and costs what AdaptiveDraftLength's cost model says. The
+size with the best ratio is drafted, or nothing (a plain step) when no size beats plain decoding,
+so a drafter that does not pay stops drafting.
+
+``fit_chain`` merges one chain hypothesis (FLASH's lookup branch) into a head's rank paths.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -120,9 +124,10 @@ class TreeBudget:
     have drafted from (all max_nodes best nodes: a shadow costs nothing to verify, so every depth
     keeps learning) as a *shadow*, and once the committed text has grown far enough
     (``update(..., committed)``; ``choose(..., position)`` says where the root stood) the shadow's
-    accepted length is read off the text: its deepest path that the committed tokens follow. Under greedy decoding that is exactly what verification would have
-    accepted (under sampling, a slight underestimate), so a drafter that stopped drafting resumes
-    as soon as its hypotheses start matching, at no cost. Without ``position`` / ``committed`` a
+    accepted length is read off the text: its deepest path that the committed tokens follow.
+    Under greedy decoding that is exactly what verification would have accepted (under sampling,
+    a slight underestimate), so a drafter that stopped drafting resumes as soon as its hypotheses
+    start matching, at no cost. Without ``position`` / ``committed`` a
     plain step only lets the evidence fade (``idle_decay``), so the drafter retries now and then.
     """
 
@@ -158,7 +163,7 @@ class TreeBudget:
         self.last_nodes, self.last = 0, (bucket, {})
         if len(trie) <= 1 or max_nodes <= 0:
             return []
-        scale = {band: self.calibration(bucket, band) for band in (1, 2, 4, 8)}
+        scale = {band: self.calibration(bucket, band) for band in DEPTH_BANDS}
         order = trie.ranked(lambda d: scale[depth_band(d)])[:max_nodes]
 
         def predicted(nodes) -> dict[int, float]:  # the uncalibrated scores of nodes, per depth band
@@ -206,13 +211,10 @@ class TreeBudget:
     def _learn(self, tree: tuple, accepted_len: int) -> None:
         """tree: (bucket, {depth band: predicted}); one node accepted at each depth <= accepted_len."""
         bucket, predicted = tree
+        accepted_in = Counter(depth_band(d) for d in range(1, accepted_len + 1))
+        accepted_in[None] = accepted_len                    # the bucket's all-depths evidence
         for band, value in [*predicted.items(), (None, sum(predicted.values()))]:
-            if band is None:
-                accepted = accepted_len
-            elif band < 8:
-                accepted = max(0, min(accepted_len, 2 * band - 1) - band + 1)
-            else:
-                accepted = max(0, accepted_len - 7)
+            accepted = accepted_in[band]
             pair = self.evidence.setdefault((bucket, band), [0.0, 0.0])
             pair[0] = self.decay * pair[0] + accepted
             pair[1] = self.decay * pair[1] + value
@@ -226,9 +228,12 @@ class TreeBudget:
         self.shadows.clear()
 
 
+DEPTH_BANDS = (1, 2, 4, 8)
+
+
 def depth_band(depth: int) -> int:
-    """Depths sharing a calibration: 1, 2-3, 4-7, 8+ (named by their first depth)."""
-    return min(1 << (max(depth, 1).bit_length() - 1), 8)
+    """Depths sharing a calibration: 1, 2-3, 4-7, 8+ (named by their first depth: DEPTH_BANDS)."""
+    return min(1 << (max(depth, 1).bit_length() - 1), DEPTH_BANDS[-1])
 
 
 def shadow_accepted(paths: list[tuple[int, ...]], text: list[int]) -> int | None:
@@ -243,3 +248,27 @@ def shadow_accepted(paths: list[tuple[int, ...]], text: list[int]) -> int | None
         elif list(path[:len(text)]) == text:
             return None
     return best
+
+
+def fit_chain(paths: list[tuple[int, ...]], chain: list[int], ids: list[list[int]],
+              max_tokens: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(paths kept, rank paths of the chain's leading tokens that are nodes of ``paths``): a chain
+    hypothesis merged into a head's tree of rank paths (``ids[level][rank]``: the token of that rank
+    at that depth).
+
+    The chain (no longer than ``max_tokens``) follows the head's nodes while they hold its tokens;
+    room for its new nodes is made by dropping the head's nodes chosen last. ``paths`` is in
+    priority order with children after parents, so the last one off the chain is a leaf (a node the
+    chain runs through has only on-chain ancestors) and what is left stays prefix-closed."""
+    have, shared = set(paths), []
+    for level, token in enumerate(chain[:len(ids)]):
+        if token not in ids[level]:
+            break
+        path = (shared[-1] if shared else ()) + (ids[level].index(token),)
+        if path not in have:
+            break
+        shared.append(path)
+    on_chain = set(shared)
+    while len(paths) + len(chain) - len(shared) > max_tokens:
+        paths.remove(next(p for p in reversed(paths) if p not in on_chain))
+    return paths, shared
