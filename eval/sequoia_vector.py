@@ -11,6 +11,8 @@ position, draft depth) pairs where the target's token is the head's r-th choice
 outputs). τ: exact offline replay of greedy speculative decoding on those answers
 (flashmm.train.eagle3.replay_tau) for the EAGLE-2 dynamic tree and the Sequoia tree built from the
 vector, at the same node budget, adaptive drafting off (it measures the trees, not the pricing).
+``--context-vocab`` replays the dynamic trees with the committed text's tokens added to the head's
+vocabulary (Eagle3Drafter(context_vocab=True)), beside the head's own.
 ``--save`` writes the vector into the folder's drafter.json ("drafting": {"accept": ...}); the
 drafter uses it when loaded with tree="sequoia" (or when --tree sequoia is saved as its default).
 """
@@ -43,9 +45,11 @@ def dev_examples(model, tokenizer, questions, max_new_tokens: int, layers, cache
     return [E.example_from(seq, list(range(len(layers)))) for seq in cached]
 
 
-def replay(drafter, embed, examples, budget: int) -> float:
+def replay(drafter, embed, examples, budget: int, unembed=None) -> float:
     emitted = steps = 0
     drafter._embed = embed  # replay runs without a target: the head reads the target's embeddings
+    if drafter.context_vocab:
+        drafter.use_target_head(unembed)
     for ex in examples:
         e, s = E.replay_tau(drafter, ex, budget)
         emitted, steps = emitted + e, steps + s
@@ -62,6 +66,7 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 60])
     ap.add_argument("--cache", default="/tmp/sequoia_features")
+    ap.add_argument("--context-vocab", action="store_true", help="also replay dynamic trees with context_vocab=True")
     ap.add_argument("--save", action="store_true", help="write the vector into the drafter's drafter.json")
     ap.add_argument("--tree", default=None, help="with --save: also make this the folder's default tree")
     ap.add_argument("--out", default="eval/results/sequoia_vector_smollm2")
@@ -74,12 +79,15 @@ def main(argv=None):
     examples = dev_examples(model, tokenizer, questions, args.max_new_tokens, layers, args.cache)
     embed = E.FrozenEmbedding(model.get_input_embeddings().weight.detach().float())
     accept, pairs = E.positional_acceptance(head.net, embed, examples, args.depth, args.ranks)
-    rows = []
+    rows, unembed = [], model.get_output_embeddings().weight.detach()
     for budget in args.budgets:
         dynamic = Eagle3Drafter(head.net, tree="dynamic", depth=args.depth, top_k=8, adaptive=False)
         sequoia = Eagle3Drafter(head.net, tree="sequoia", depth=args.depth, adaptive=False, accept=accept)
         rows.append([budget, f"{replay(dynamic, embed, examples, budget):.3f}",
                      f"{replay(sequoia, embed, examples, budget):.3f}", len(sequoia.sequoia_paths(budget))])
+        if args.context_vocab:
+            wide = Eagle3Drafter(head.net, tree="dynamic", depth=args.depth, top_k=8, adaptive=False, context_vocab=True)
+            rows[-1].append(f"{replay(wide, embed, examples, budget, unembed):.3f}")
     cmd = "python eval/sequoia_vector.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = "\n".join([
         f"# Sequoia positional acceptance of `{args.drafter}` on {len(examples)} dev answers", "",
@@ -87,7 +95,8 @@ def main(argv=None):
         f"accept[r] over {pairs} (position, depth ≤ {args.depth}) pairs: "
         + ", ".join(f"{a:.4f}" for a in accept), "",
         "Greedy replay τ on the same answers (adaptive drafting off):", "",
-        markdown_table(["budget (drafted nodes)", "EAGLE-2 dynamic tree τ", "Sequoia tree τ", "Sequoia nodes"], rows)])
+        markdown_table(["budget (drafted nodes)", "EAGLE-2 dynamic tree τ", "Sequoia tree τ", "Sequoia nodes"]
+                       + (["EAGLE-2 dynamic tree τ, context vocabulary"] if args.context_vocab else []), rows)])
     write_results(args.out, dict(machine=machine(), command=cmd, accept=accept, pairs=pairs,
                                  replay=rows), md + "\n")
     print(md)

@@ -283,16 +283,18 @@ def test_budget_keeps_the_best_paying_prefix_and_stays_exact():
     from flashmm.drafters.dynamic_tree import GrownTree
     grown = GrownTree(parents=[0, 0, 1, 2, 3], rows=[5, 6, 7, 8, 9], scores=[-0.1, -0.2, -0.3, -3.0, -0.4],
                       expanded=3)
+    token = net.draft_to_target[torch.arange(10)].tolist()          # of each head row
+    parent_token = {token[r]: (token[grown.rows[p - 1]] if p else None) for r, p in zip(grown.rows, grown.parents)}
+    score = {token[r]: s for r, s in zip(grown.rows, grown.scores)}
     drafter.evidence, drafter._backoff = [0.0, 0.0], 0
-    kept = drafter._paying(grown)
-    scores = sorted(grown.scores, reverse=True)[:len(kept.rows)]
-    assert sorted(kept.scores, reverse=True) == scores and 8 not in kept.rows  # the -3.0 node is not worth it
-    assert all(p < i + 1 for i, p in enumerate(kept.parents))  # parents before children, indices remapped
-    assert [kept.rows[p - 1] if p else None for p in kept.parents] == \
-           [grown.rows[grown.parents[grown.rows.index(r)] - 1] if grown.parents[grown.rows.index(r)] else None
-            for r in kept.rows]
+    draft = drafter._draft(ids, grown, [], 0, budget=8)
+    kept, parents = draft.tokens[0].tolist(), draft.tree.parents.tolist()
+    assert sorted((score[t] for t in kept[1:]), reverse=True) == sorted(grown.scores, reverse=True)[:len(kept) - 1]
+    assert token[8] not in kept                                     # the -3.0 node is not worth it
+    assert all(p < i for i, p in enumerate(parents) if i)            # parents before children
+    assert [kept[p] if p else None for p in parents[1:]] == [parent_token[t] for t in kept[1:]]
     drafter.evidence = [0.0, 1000.0]  # nothing ever accepted of a thousand predicted: no draft, and a pause
-    assert drafter._paying(grown) is None and drafter._pause >= 1
+    assert drafter._draft(ids, grown, [], 0, budget=8).tokens.shape == (1, 1) and drafter._pause >= 1
 
 
 # ---------------------------------------------------------------- sampling

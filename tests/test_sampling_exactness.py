@@ -48,20 +48,20 @@ def padded(draft, rows: int):
     return twin
 
 
-def exact_joint(target) -> torch.Tensor:
+def exact_joint(target, prompt: torch.Tensor = PROMPT) -> torch.Tensor:
     params = SamplingParams(**SAMPLING)
     with torch.no_grad():
-        first = warp_logits(target(PROMPT).logits[0, -1].double(), params).softmax(-1)
-        ext = torch.cat([PROMPT.expand(V, -1), torch.arange(V)[:, None]], dim=1)
+        first = warp_logits(target(prompt).logits[0, -1].double(), params).softmax(-1)
+        ext = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], dim=1)
         second = warp_logits(target(ext).logits[:, -1].double(), params).softmax(-1)
     return first[:, None] * second  # [V, V]
 
 
-def histogram(sm) -> torch.Tensor:
+def histogram(sm, prompt: torch.Tensor = PROMPT) -> torch.Tensor:
     counts = torch.zeros(V, V)
     g = torch.Generator().manual_seed(1234)
     for _ in range(TRIALS):
-        out = sm.generate(PROMPT, max_new_tokens=2, generator=g, **SAMPLING)
+        out = sm.generate(prompt, max_new_tokens=2, generator=g, **SAMPLING)
         a, b = out[0, -2:].tolist()
         counts[a, b] += 1
     return counts

@@ -9,9 +9,25 @@ the token after the root. Then:
 - ``tree="dynamic"``: an EAGLE-2 tree (dynamic_tree.grow), each expanded node run on its own
   path with tree attention over the committed cache and its ancestors' draft units.
 
+Lookup branch (``lookup="suffix"`` or ``"ngram"``): a one-layer head reads far context poorly, so
+where the answer copies its prompt (summarization: the head's first choice is the target's token
+30% of the time on the dev questions, 74% on its held-out training text) a lookup hypothesis (the
+continuation of the longest suffix match, or prompt lookup's n-gram match) is merged into the tree
+as one more branch, shared nodes verified once. Its nodes are priced by what the chains of the same
+match length were accepted before (trie.ChainCalibration), beside the head's nodes, and drafted
+when they pay, also while the head itself is paused.
+
+Context vocabulary (``context_vocab``): the reduced vocabulary holds the 8192 tokens most frequent
+in the training corpus, and 9.7% of the target's tokens in its dev answers fall outside it (2.5% in
+held-out corpus answers; translation 23%, summarization 18%), each one ending every path that
+reaches it. 70% of them already occur in the prompt or earlier in the answer. When the head's LM
+head is the target's own (rows of it, frozen in training: init_from_target), the tokens of the
+committed text are added to the head's vocabulary for the sequence, scored by the same rows of the
+target's LM head the trained rows came from.
+
 Children are the head's top tokens (deterministic), so drafts carry ``q_probs = None`` and are
 verified exactly, greedy or sampled. Tokens outside the head's reduced vocabulary (t2d) are never
-drafted. Loaded from a folder by ``flashmm.drafters.load(dir)`` (drafter.json + model.safetensors).
+drafted by the head, except those context_vocab adds. Loaded from a folder by ``flashmm.drafters.load(dir)`` (drafter.json + model.safetensors).
 """
 from __future__ import annotations
 
@@ -26,12 +42,14 @@ from safetensors.torch import load_file, save_file
 
 from ..config import SamplingParams
 from ..onednn import routed_like
-from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import GrownTree, TreeUnits, grow, grow_static
-from .length import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
 from .eagle3_net import Eagle3Config, Eagle3Net
 from .head_base import committed_embeds
+from .length import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
+from .prompt_lookup import NgramIndex
+from .suffix import SuffixLookup, SuffixTrie
+from .trie import ChainCalibration, DraftTrie, match_bucket
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
 
@@ -53,14 +71,21 @@ class Eagle3Drafter(Drafter):
     acceptance: a SpecDec++ RankAcceptanceHead trained for this head (a specdecpp folder loads it):
     when decoding greedily, nodes are scored by its predicted acceptance, and none below
     1 - ``threshold`` is drafted, so growth stops at the first depth without one
-    (flashmm.drafters.specdecpp). Sampling keeps the draft-probability scores."""
+    (flashmm.drafters.specdecpp). Sampling keeps the draft-probability scores.
+    lookup: None, "suffix" (SuffixLookup over the prompt + output and earlier outputs) or "ngram"
+    (prompt lookup): a chain of up to ``lookup_tokens`` tokens merged into the tree as a branch
+    (see the module docstring); with adaptive drafting its nodes are priced beside the head's,
+    without it the whole chain is drafted within the budget.
+    context_vocab: add the committed text's tokens to the head's vocabulary for the sequence (see
+    the module docstring); needs a head whose LM head rows are the target's."""
 
     name = "eagle3"
     needs_hidden_states = True
 
     def __init__(self, net: Eagle3Net, *, tree: str = "dynamic", depth: int = 6, top_k: int = 8,
                  max_nodes: int | None = None, info: dict | None = None, adaptive: bool = True,
-                 accept: Sequence[float] | None = None, acceptance=None, threshold: float = 0.7):
+                 accept: Sequence[float] | None = None, acceptance=None, threshold: float = 0.7,
+                 lookup: str | None = None, lookup_tokens: int = 8, context_vocab: bool = False):
         if not isinstance(net, Eagle3Net):
             raise TypeError(f"net must be an Eagle3Net (flashmm.drafters.load(dir) reads a trained one), "
                             f"got {type(net).__name__}")
@@ -80,6 +105,15 @@ class Eagle3Drafter(Drafter):
                                  f"{net.cfg.hidden_size}")
             if not 0.0 < threshold < 1.0:
                 raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+        if lookup not in (None, "suffix", "ngram"):
+            raise ValueError(f"lookup must be None, 'suffix' or 'ngram', got {lookup!r}")
+        if lookup is not None and lookup_tokens < 1:
+            raise ValueError(f"a lookup branch needs lookup_tokens >= 1, got {lookup_tokens}")
+        self.lookup, self.lookup_tokens = lookup, lookup_tokens
+        self.context_vocab = context_vocab
+        self._unembed = None                    # bind, with context_vocab: the target's LM head [V, d]
+        self.chains = ChainCalibration()        # the lookup branch's acceptance, kept across calls
+        self._outputs = SuffixTrie()            # earlier outputs (lookup="suffix"), kept across calls
         self.acceptance, self.threshold = (None if acceptance is None else acceptance.eval()), threshold
         self.net = net.eval()
         self.tree, self.depth, self.top_k, self.max_nodes = tree, depth, top_k, max_nodes
@@ -114,6 +148,10 @@ class Eagle3Drafter(Drafter):
     def save(self, path, info: dict) -> Path:
         """Write drafter.json (``info`` must name method and target) and model.safetensors (fp16 weights)."""
         drafting = dict(tree=self.tree, depth=self.depth, top_k=self.top_k)
+        if self.lookup is not None:
+            drafting.update(lookup=self.lookup, lookup_tokens=self.lookup_tokens)
+        if self.context_vocab:
+            drafting["context_vocab"] = True
         if self.accept is not None:
             drafting["accept"] = self.accept
         return save_head(path, self.net, info, drafting)
@@ -135,6 +173,8 @@ class Eagle3Drafter(Drafter):
         if self.budget == "auto":
             self.cost_source = price_with_target(target, self.cost_models())
         self._embed = target.input_embeddings()
+        if self.context_vocab:
+            self.use_target_head(target.output_embeddings().weight)
         target_weights = sum(p.numel() for p in target.model.parameters())
         self._pass_cost = sum(p.numel() for p in self.net.parameters()) / max(target_weights, 1)
         device = self._embed.weight.device
@@ -145,12 +185,27 @@ class Eagle3Drafter(Drafter):
         if self.acceptance is not None:
             self.acceptance = self.acceptance.to(device)
 
+    def use_target_head(self, weight: torch.Tensor) -> None:
+        """context_vocab's source: the target's LM head weight [V, d], which must hold the head's
+        trained rows (its lm_head at the draft vocabulary, to fp16 rounding)."""
+        rows = weight[self.net.draft_to_target.to(weight.device)].float()
+        trained = self.net.lm_head.weight.float().to(weight.device)
+        if weight.shape[0] != self.net.cfg.vocab_size or not torch.allclose(trained, rows, rtol=1e-2, atol=1e-3):
+            raise ValueError("context_vocab needs a head whose LM head is the target's (trained with it frozen: "
+                             "flashmm.train.eagle3.init_from_target); this head's rows differ from the target's")
+        self._unembed = weight.detach()
+
     def _reset(self) -> None:
         self._past = None                       # (keys, values) [1, Hkv, U, hd] of committed units
         self._pending = None                    # [P, 3D] target features not yet in a unit
         self._next = 0                          # first position without a unit
         self._root_out = None
         self._prompt_embeds = None              # [T, d] what the target consumed for the prompt
+        self._lookup = None                     # the lookup branch's source over this sequence
+        self._chain = None                      # (root position, chain, bucket) of the last step's hypothesis
+        self._head_nodes: list[bool] = []       # per drafted node (root first): drafted by the head
+        self._row_ids = self.net.draft_to_target  # target id of each head logit (context_vocab: more rows)
+        self._extra_weight = None               # [E, d] the target's LM head at the context's extra ids
 
     def begin(self, start: SequenceStart) -> None:
         if self._embed is None:
@@ -162,13 +217,23 @@ class Eagle3Drafter(Drafter):
         self._reset()
         self._pending = start.hidden_states[0]
         self._prompt_embeds = None if start.input_embeds is None else start.input_embeds[0]
+        if self.context_vocab:
+            if self._unembed is None:
+                raise RuntimeError("Eagle3Drafter(context_vocab=True) needs the target's LM head: bind(target)")
+            self._extend_vocab(start.input_ids[0])
+        if self.lookup == "suffix":
+            self._lookup = SuffixLookup(self._outputs, start.input_ids[0].tolist())
+        elif self.lookup == "ngram":
+            self._lookup = NgramIndex(3, 2)
 
     def observe(self, step: StepResult) -> None:
         if step.hidden_states is None:
             raise RuntimeError("Eagle3Drafter needs the target's features at the accepted nodes")
         self._pending = torch.cat([self._pending, step.hidden_states[0]], dim=0)
         if self._predicted:
-            self.evidence = [0.95 * self.evidence[0] + step.accepted_len, 0.95 * self.evidence[1] + self._predicted]
+            by_head = sum(self._head_nodes[i] for i in step.path[0, 1:].tolist()) if self._head_nodes \
+                else step.accepted_len
+            self.evidence = [0.95 * self.evidence[0] + by_head, 0.95 * self.evidence[1] + self._predicted]
         else:
             self.evidence = [0.995 * e for e in self.evidence]
         self._predicted = 0.0
@@ -183,44 +248,73 @@ class Eagle3Drafter(Drafter):
 
     def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams) -> Draft:
         self._sync(committed)
+        self._head_nodes = []
         budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        chain, bucket = self._lookup_chain(committed, budget)
         if budget <= 0 or self._pause > 0:
             self._pause = max(0, self._pause - 1)
-            return root_only(committed)
-        grown = self.grow(committed, budget, specdec=self.acceptance is not None and not sampling.do_sample)
-        if self.adaptive and grown.rows:
-            grown = self._paying(grown)
-        if grown is None or not grown.rows:     # nothing pays, or SpecDec++ stopped before depth 1
-            return root_only(committed)
-        ids = self.net.draft_to_target[torch.tensor(grown.rows, device=self.net.d2t.device)]
-        tokens = torch.cat([committed[0, -1:], ids.to(committed.device)])[None]
-        return Draft(tokens=tokens, tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)
+            grown = None
+        else:
+            grown = self.grow(committed, budget, specdec=self.acceptance is not None and not sampling.do_sample)
+        return self._draft(committed, grown, chain, bucket, budget)
 
-    # ------------------------------------------------------------------ internals
-    def _paying(self, grown: GrownTree) -> GrownTree | None:
-        """The best-paying prefix of ``grown`` by node score (None: no draft), pausing drafting when
-        even that does not repay the head's passes (see the class docstring)."""
-        order = sorted(range(len(grown.rows)), key=lambda j: (-grown.scores[j], j))  # parents first
+    def _lookup_chain(self, committed: torch.Tensor, budget: int) -> tuple[list[int], int]:
+        """(the lookup branch's chain at this root, its match bucket); the last step's chain is
+        first read against the tokens committed since (ChainCalibration.learn)."""
+        if self._lookup is None:
+            return [], 0
+        root = committed.shape[1] - 1
+        if self._chain is not None:
+            position, chain, bucket = self._chain
+            self.chains.learn(chain, bucket, committed[0, position + 1:].tolist())
+        self._lookup.sync(committed)
+        chain, match = self._lookup.continuation(min(self.lookup_tokens, budget))
+        self._chain = (root, chain, match_bucket(match)) if chain else None
+        return chain, match_bucket(match)
+
+    def _draft(self, committed: torch.Tensor, grown: GrownTree | None, chain: list[int], bucket: int,
+               budget: int) -> Draft:
+        """The head's tree (None: paused) with the lookup chain merged in, shared nodes once: with
+        adaptive drafting its best-paying nodes (head nodes valued at their calibrated probability,
+        chain nodes at ChainCalibration's), else all of them within ``budget``."""
+        trie, head = DraftTrie(), [False]
         calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
-        probs = [math.exp(grown.scores[j]) for j in order]
-        best_n, best_rate, predicted, total = 0, 1.0, 0.0, 0.0
-        for n, p in enumerate(probs, start=1):
-            total += p
-            rate = (1.0 + calibration * total) / self.length.cost(n)
-            if rate > best_rate:
-                best_n, best_rate, predicted = n, rate, total
-        passes = 1 + grown.levels                       # the root's output, then one per expanded depth
-        spent = passes * self._pass_cost
-        paid = best_n and (1.0 + calibration * predicted) / (self.length.cost(best_n) + spent) > 1.0
-        self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
-        self._pause = self._backoff
-        if not best_n:
-            return None
-        keep = sorted(order[:best_n])                   # tree order: parents before children
-        index = {j + 1: i + 1 for i, j in enumerate(keep)}
-        self._predicted = predicted
-        return GrownTree(parents=[index.get(grown.parents[j], 0) for j in keep], rows=[grown.rows[j] for j in keep],
-                         scores=[grown.scores[j] for j in keep], expanded=grown.expanded, levels=grown.levels)
+        if grown is not None and grown.rows:
+            node_of = [0]
+            ids = self._row_ids[torch.tensor(grown.rows, device=self._row_ids.device)].tolist()
+            for parent, token, score in zip(grown.parents, ids, grown.scores):
+                node_of.append(trie.add_node(node_of[parent], token, calibration * math.exp(score)))
+                head.append(True)
+        node = 0
+        for token, p in zip(chain, self.chains.probabilities(bucket, len(chain))):
+            node = trie.add_node(node, token, p)
+            head += [False] * (len(trie) - len(head))
+        order = trie.ranked()[:budget]
+        keep = self._best_paying(trie, order, head, calibration, grown) if self.adaptive else order
+        if not keep:                            # paused, nothing pays, or SpecDec++ stopped before depth 1
+            return root_only(committed)
+        draft = trie.to_draft(committed[:, -1:], keep)
+        self._head_nodes = [head[i] for i in trie.order]
+        return draft
+
+    def _best_paying(self, trie: DraftTrie, order: list[int], head: list[bool], calibration: float,
+                     grown: GrownTree | None) -> list[int]:
+        """The prefix of ``order`` (nodes best first, parents before children) with the most tokens
+        per unit of verify time (empty: a plain step). The head keeps its own account (see the class
+        docstring): when its kept nodes do not repay its passes, it pauses."""
+        best_n, best_rate, expected = 0, 1.0, 1.0
+        for n, i in enumerate(order, start=1):
+            expected += trie.capped[i]
+            if expected / self.length.cost(n) > best_rate:
+                best_n, best_rate = n, expected / self.length.cost(n)
+        keep = order[:best_n]
+        if grown is not None and grown.rows:
+            mine = [trie.capped[i] for i in keep if head[i]]
+            spent = (1 + grown.levels) * self._pass_cost   # the root's output, then one pass per expanded depth
+            paid = bool(mine) and (1.0 + sum(mine)) / (self.length.cost(len(mine)) + spent) > 1.0
+            self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
+            self._pause, self._predicted = self._backoff, sum(mine) / calibration
+        return keep
 
     def _sync(self, committed: torch.Tensor) -> None:
         """Add units next .. root-1 to the committed cache; keep the last one's output."""
@@ -238,13 +332,31 @@ class Eagle3Drafter(Drafter):
         mask[:, :, past_len:] = torch.tril(mask[:, :, past_len:])
         out, self._past = self.net(embeds, self._pending[None, :count], positions, mask, self._past)
         self._pending = self._pending[count:]
+        if self.context_vocab:
+            self._extend_vocab(committed[0, self._next + 1: root + 1])
         self._next = root
         self._root_out = out[0, -1]
+
+    def _extend_vocab(self, ids: torch.Tensor) -> None:
+        """context_vocab: rows for the ids of ``ids`` outside the head's vocabulary and not added yet."""
+        ids = torch.unique(ids.to(self._row_ids.device))
+        new = ids[~self.net.t2d[ids] & ~torch.isin(ids, self._row_ids[self.net.cfg.draft_vocab_size:])]
+        if new.numel():
+            self._row_ids = torch.cat([self._row_ids, new])
+            rows = self._unembed[new.to(self._unembed.device)].to(self.net.lm_head.weight.dtype)
+            self._extra_weight = rows if self._extra_weight is None else torch.cat([self._extra_weight, rows])
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's logits [.., V' (+ E context ids)] at outputs ``out`` [.., d]."""
+        if self._extra_weight is None:
+            return self.net.logits(out)
+        normed = self.net.norm(out)
+        return torch.cat([self.net.lm_head(normed), normed @ self._extra_weight.T], dim=-1).float()
 
     def grow(self, committed: torch.Tensor, budget: int, specdec: bool = False) -> GrownTree:
         """The draft tree after the synced root (chain: top_k = 1, depth = min(depth, budget)); with
         ``specdec`` scored and stopped by the acceptance head."""
-        root_logp = self.net.logits(self._root_out).log_softmax(-1)
+        root_logp = self._logits(self._root_out).log_softmax(-1)
         units = TreeUnits()
         root_pos = committed.shape[1] - 1                  # the root unit's position is root_pos - 1
 
@@ -252,7 +364,7 @@ class Eagle3Drafter(Drafter):
             feats = torch.stack([self._root_out if nodes[i].parent < 0 else units.outputs[nodes[i].parent]
                                  for i in chosen])[None]                                      # [1, m, d]
             rows = torch.tensor([nodes[i].row for i in chosen], device=feats.device)
-            embeds = self._embed(self.net.draft_to_target[rows].to(committed.device))[None]
+            embeds = self._embed(self._row_ids[rows].to(committed.device))[None]
             positions = torch.tensor([root_pos - 1 + nodes[i].depth for i in chosen], device=feats.device)[None]
             past_len = self._past[0].shape[2]
             mask = units.mask(chosen, nodes, past_len, feats.device)
@@ -260,7 +372,7 @@ class Eagle3Drafter(Drafter):
                                                          torch.cat([self._past[1], units.values], 2))
             out, (keys, values) = self.net(embeds, feats, positions, mask, past)
             units.add(chosen, keys[:, :, -len(chosen):], values[:, :, -len(chosen):], out[0])
-            return self.net.logits(out[0]).log_softmax(-1)
+            return self._logits(out[0]).log_softmax(-1)
 
         def score(chosen, nodes, logps):
             states = torch.stack([self._root_out if i < 0 else units.outputs[i] for i in chosen])
@@ -276,7 +388,7 @@ class Eagle3Drafter(Drafter):
         return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, budget=budget, **stop)
 
     def _worth_growing(self, budget: int) -> dict:
-        """grow's limits in adaptive drafting, from the same prices as ``_paying``: a node whose
+        """grow's limits in adaptive drafting, from the same prices as ``_best_paying``: a node whose
         calibrated probability is below the verify cost one more node adds (in one-token forwards)
         cannot repay it, and a depth whose expanded nodes hold less calibrated probability than one
         head pass costs cannot repay the pass (on SmolLM2, 6-deep trees were grown for ~3.6 kept nodes)."""

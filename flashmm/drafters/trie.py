@@ -272,3 +272,41 @@ def fit_chain(paths: list[tuple[int, ...]], chain: list[int], ids: list[list[int
     while len(paths) + len(chain) - len(shared) > max_tokens:
         paths.remove(next(p for p in reversed(paths) if p not in on_chain))
     return paths, shared
+
+
+class ChainCalibration:
+    """How far a lookup drafter's chain hypothesis (a head drafter's lookup branch) is accepted,
+    learned from the text that follows it: P(the chain's first d tokens are the next d tokens),
+    per ``bucket`` (its match length, match_bucket) and depth d, with exponential forgetting
+    (``decay`` per observation) and a prior of ``prior_weight`` observations at ``prior``.
+
+    ``learn`` reads the chain against the tokens committed after its root (drafted or not, as
+    TreeBudget's shadows): depth d is observed once the text is d tokens long or has already left
+    the chain, so an unverified chain teaches as much as a verified one (exactly under greedy
+    decoding, a slight underestimate under sampling), and a chain that was priced out resumes as
+    soon as it starts matching."""
+
+    def __init__(self, decay: float = 0.95, prior: float = 0.5, prior_weight: float = 2.0):
+        self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
+        self.evidence: dict[tuple[int, int], list[float]] = {}   # (bucket, depth) -> [matched, observed]
+
+    def probabilities(self, bucket: int, length: int) -> list[float]:
+        """[P(first d tokens match)] for d = 1 .. length, non-increasing."""
+        out, last = [], 1.0
+        for depth in range(1, length + 1):
+            matched, observed = self.evidence.get((bucket, depth), (0.0, 0.0))
+            last = min(last, (matched + self.prior_weight * self.prior) / (observed + self.prior_weight))
+            out.append(last)
+        return out
+
+    def learn(self, chain: list[int], bucket: int, text: list[int]) -> None:
+        """chain: the hypothesis drafted (or priced out) at a root; text: the tokens committed
+        after that root."""
+        matched = 0
+        while matched < min(len(chain), len(text)) and chain[matched] == text[matched]:
+            matched += 1
+        seen = len(chain) if matched < len(text) else min(len(chain), len(text))
+        for depth in range(1, seen + 1):
+            pair = self.evidence.setdefault((bucket, depth), [0.0, 0.0])
+            pair[0] = self.decay * pair[0] + (depth <= matched)
+            pair[1] = self.decay * pair[1] + 1.0
