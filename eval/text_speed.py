@@ -116,8 +116,11 @@ def reduced_assistant(reduced):
 
 def make_methods(model, tokenizer, specs: list[str], hf_lookup: bool, plain_onednn: bool, sampling: dict,
                  hf_assistant: str | None = None):
+    # model.generate takes no generator (it samples from torch's global one): only flashmm's calls get it
+    hf_sampling = {k: v for k, v in sampling.items() if k != "generator"}
+
     def plain(ids, n):
-        return model.generate(ids, max_new_tokens=n, **sampling)
+        return model.generate(ids, max_new_tokens=n, **hf_sampling)
 
     methods = {"plain": plain}
     if plain_onednn and resolve_linear_backend("auto", model) == "onednn":
@@ -130,9 +133,9 @@ def make_methods(model, tokenizer, specs: list[str], hf_lookup: bool, plain_oned
         stats[f"flashmm:{label}"] = sm
     if hf_lookup:
         methods["hf:prompt_lookup"] = lambda ids, n: model.generate(
-            ids, max_new_tokens=n, prompt_lookup_num_tokens=10, **sampling)
+            ids, max_new_tokens=n, prompt_lookup_num_tokens=10, **hf_sampling)
     if hf_assistant:
-        methods["hf:assisted"] = hf_assisted(model, tokenizer, hf_assistant, sampling)
+        methods["hf:assisted"] = hf_assisted(model, tokenizer, hf_assistant, hf_sampling)
     return methods, stats
 
 
@@ -171,10 +174,6 @@ def main(argv=None):
                         generator=torch.Generator().manual_seed(args.seed))
     methods, wrapped = make_methods(model, tokenizer, args.drafters, args.hf_lookup, args.plain_onednn, sampling,
                                     args.hf_assistant)
-    if not greedy:  # model.generate takes no generator: only flashmm's calls get it
-        plain_sampling = {k: v for k, v in sampling.items() if k != "generator"}
-        methods = {name: (lambda ids, n: model.generate(ids, max_new_tokens=n, **plain_sampling))
-                   if name.startswith(("plain", "hf:")) else fn for name, fn in methods.items()}
     names = list(methods)
 
     # warm-up (allocators, first-call overheads) on a short prompt, not measured
