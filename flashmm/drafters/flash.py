@@ -51,8 +51,7 @@ from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import TreeUnits, grow
 from .length import measured_verify_cost, paying_prefix, sequoia_rank_paths
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
-from .prompt_lookup import NgramIndex
-from .suffix import SuffixLookup, SuffixTrie
+from .suffix import SuffixTrie, lookup_source
 from .trie import fit_chain
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
@@ -252,8 +251,7 @@ class FlashDrafter(Drafter):
             raise NotImplementedError("FlashDrafter drafts one sequence at a time")
         self._reset_sequence()
         # the lookup branch's source, grown by new tokens only
-        self._lookup = SuffixLookup(self._outputs, start.input_ids[0].tolist()) if self.lookup == "suffix" \
-            else NgramIndex(3, 2)
+        self._lookup = lookup_source(self.lookup, self._outputs, start.input_ids[0].tolist())
         feats = start.hidden_states[0]                                          # [T, d]
         embeds = start.input_embeds[0] if start.input_embeds is not None else self._embed(start.input_ids[0])
         length = feats.shape[0]

@@ -15,6 +15,7 @@ import heapq
 
 from .base import Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength, price_with_target
+from .prompt_lookup import NgramIndex
 from .rest import Rest
 from .trie import DraftTrie, TreeBudget, match_bucket
 
@@ -99,8 +100,8 @@ class SuffixTrie:
 class SuffixLookup:
     """One sequence's view of the two tries: a trie of its own prompt + output, and ``outputs`` (a
     SuffixTrie of earlier outputs kept by the caller across sequences), both grown by ``sync`` with
-    the committed tokens. SuffixDecoding grows its trees from ``matches``; FLASH's lookup branch
-    (``lookup="suffix"``) drafts ``continuation``, prompt lookup's interface."""
+    the committed tokens. SuffixDecoding grows its trees from ``matches``; the lookup branches of
+    FLASH and EAGLE-3 (``lookup="suffix"``) draft ``continuation``, prompt lookup's interface."""
 
     def __init__(self, outputs: SuffixTrie, prompt: list[int], max_match: int = 12):
         self.outputs, self.max_match = outputs, max_match
@@ -131,6 +132,13 @@ class SuffixLookup:
             token, node = max(trie.children[node].items(), key=lambda child: trie.count[child[1]])
             path.append(token)
         return path, p
+
+
+def lookup_source(kind: str, outputs: SuffixTrie | None, prompt: list[int]):
+    """A head drafter's lookup branch over one sequence (``sync`` / ``continuation``): "suffix" a
+    SuffixLookup over ``prompt`` and ``outputs`` (earlier outputs, kept by the caller), "ngram"
+    prompt lookup's latest match of the last 3 or 2 tokens."""
+    return SuffixLookup(outputs, prompt) if kind == "suffix" else NgramIndex(3, 2)
 
 
 @register
