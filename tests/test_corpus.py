@@ -194,3 +194,19 @@ def test_features_equal_a_direct_forward_and_are_cached(tmp_path):
     hook.remove()
     with pytest.raises(ValueError, match="output_hidden_states"):
         features(model, records, layers=(5,), cache_dir=tmp_path)
+
+
+def test_task_cues_are_validated_and_cut_candidates_end_at_a_sentence(tmp_path):
+    from tools.corpus.build import cut_at_sentence, load_cues  # noqa: PLC0415
+
+    good = tmp_path / "cues.json"
+    good.write_text(json.dumps([{"task": "summarization", "cue": "Summarize: "}]))
+    assert load_cues(good) == [{"task": "summarization", "cue": "Summarize: "}]
+    for bad in ([], [{"task": "x"}], [{"task": "x", "cue": ""}], {"task": "x", "cue": "y"}):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="--cues"):
+            load_cues(tmp_path / "bad.json")
+    assert cut_at_sentence("Summarize: The mayor spoke. Then the \"crowd left!\" And the cou") == \
+        "Summarize: The mayor spoke. Then the \"crowd left!\""
+    assert cut_at_sentence("Version 2.5 shipped today.\nIt adds") == "Version 2.5 shipped today."
+    assert cut_at_sentence("no sentence end here") is None

@@ -6,7 +6,11 @@ Stages (each shard is written atomically under --work; a rerun with the same arg
 finished shards, so a killed build resumes where it stopped):
   prompts  Magpie-style: the chat template is rendered up to the user header (the target's default
            system turn, then ``<|im_start|>user\\n`` for SmolLM2) and the target samples the user turn
-           until its end-of-turn token. Candidates are filtered (tools/corpus/filters.py: unfinished,
+           until its end-of-turn token. With --cues FILE the user turn starts with a task cue (a JSON
+           list of {"task", "cue"}; candidate i of a shard gets cue i mod their number), e.g.
+           "Summarize the following article.\\n\\n", and the target writes the rest (the article): task
+           prompts whose answers copy from a long prompt, which the uncued corpus lacks. A cued
+           candidate cut by --prompt-max-tokens ends at its last full sentence instead of being dropped. Candidates are filtered (tools/corpus/filters.py: unfinished,
            length, degenerate, garbage, Spec-Bench 8-gram overlap, exact and near duplicates) until
            --prompts are kept.            work/prompts/shard_XXXX.json, work/prompts.json
   greedy   the target's greedy answer to every prompt.   work/greedy/shard_XXXX.json
@@ -21,8 +25,10 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -62,6 +68,23 @@ def pre_query(tokenizer) -> str:
     if SENTINEL not in text:
         raise ValueError("the target's chat template does not place the user turn verbatim; cannot cut it")
     return text[:text.index(SENTINEL)]
+
+
+def load_cues(path) -> list[dict]:
+    """--cues FILE: a non-empty JSON list of {"task": name, "cue": the user turn's opening text}."""
+    cues = json.loads(Path(path).read_text())
+    if not isinstance(cues, list) or not cues or not all(
+            isinstance(c, dict) and isinstance(c.get("task"), str) and isinstance(c.get("cue"), str) and c["cue"]
+            for c in cues):
+        raise ValueError(f"{path}: --cues must be a non-empty JSON list of {{\"task\": str, \"cue\": non-empty str}}")
+    return cues
+
+
+def cut_at_sentence(text: str) -> str | None:
+    """An unfinished candidate up to its last sentence end (". ", "! ", "? " or a newline after one); None
+    when it has none."""
+    ends = [m.end() for m in re.finditer(r"[.!?][\"')\]]?(?=\s)", text + " ")]
+    return text[:ends[-1]].rstrip() if ends else None
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -131,10 +154,12 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
         return json.loads(done_file.read_text())
     bench_paths = args.benchmark
     bench = BenchmarkIndex.from_jsonl(bench_paths, tokenizer if args.token_ngrams else None)
-    head = tokenizer.encode(pre_query(tokenizer), add_special_tokens=False)
+    cues = load_cues(args.cues) if args.cues else [{"task": "any", "cue": ""}]
+    heads = [tokenizer.encode(pre_query(tokenizer) + c["cue"], add_special_tokens=False) for c in cues]
     sampler = Sampler(temperature=1.0, top_k=args.prompt_top_k, top_p=args.prompt_top_p)
     kept: list[str] = []
-    filt = PromptFilter(bench)
+    tasks: list[str] = []
+    filt = PromptFilter(bench, high=args.max_prompt_chars)
     generated = examined = tokens = 0
     seconds = cpu_seconds = 0.0
 
@@ -142,9 +167,10 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
 
     def make(k: int) -> None:
         gen = torch.Generator(device=args.device).manual_seed(shard_seed(args.seed, "prompts", k))
-        out, n, dt, cpu = run_batches(model, [head] * args.prompt_shard, args.prompt_batch, args.prompt_max_tokens,
-                                      stops, args.pad_id, sampler, gen, f"prompts shard {k}")
-        rows = [{"text": tokenizer.decode(ids, skip_special_tokens=False), "finished": done} for ids, done in out]
+        out, n, dt, cpu = run_batches(model, [heads[i % len(cues)] for i in range(args.prompt_shard)], args.prompt_batch,
+                                      args.prompt_max_tokens, stops, args.pad_id, sampler, gen, f"prompts shard {k}")
+        rows = [{"text": cues[i % len(cues)]["cue"] + tokenizer.decode(ids, skip_special_tokens=False), "finished": done,
+                 "task": cues[i % len(cues)]["task"]} for i, (ids, done) in enumerate(out)]
         write_json(path_of(k), {"rows": rows, "tokens": n, "seconds": dt, "cpu_seconds": cpu,
                                 "threads": torch.get_num_threads()})
 
@@ -160,14 +186,17 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
         seconds += data["seconds"]
         cpu_seconds += data.get("cpu_seconds", float("nan"))
         for row in data["rows"]:
-            text = row["text"].strip()
+            text, finished = row["text"].strip(), row["finished"]
+            if args.cues and not finished and cut_at_sentence(text) is not None:
+                text, finished = cut_at_sentence(text), True
             if len(kept) < args.prompts:  # the last shard's surplus candidates are not examined
                 examined += 1
-                if filt.keep(text, row["finished"]):
+                if filt.keep(text, finished):
                     kept.append(text)
+                    tasks.append(row.get("task", "any"))
         log(f"prompts shard {shard}: kept {len(kept)}/{args.prompts} so far; rejected {dict(filt.rejected)}")
         shard += 1
-    result = {"prompts": kept, "generated": generated, "examined": examined, "shards": shard, "rejected": dict(filt.rejected),
+    result = {"prompts": kept, "tasks": tasks, "cues": cues if args.cues else None, "generated": generated, "examined": examined, "shards": shard, "rejected": dict(filt.rejected),
               "tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds, "pre_query": pre_query(tokenizer),
               "benchmark_files": [str(p) for p in bench_paths],
               "benchmark_unit": "lowercase [a-z0-9]+ word 8-grams" + (" and target-token 8-grams" if args.token_ngrams else "")}
@@ -243,6 +272,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-top-k", type=int, default=200)
     p.add_argument("--prompt-top-p", type=float, default=0.95)
     p.add_argument("--prompt-max-tokens", type=int, default=160)
+    p.add_argument("--max-prompt-chars", type=int, default=1000, help="longest prompt kept (characters)")
+    p.add_argument("--cues", default=None, help="JSON list of {task, cue}: user turns start with a task cue "
+                   "(tools/corpus/cues.json)")
     p.add_argument("--answer-max-tokens", type=int, default=256)
     p.add_argument("--prompt-shard", type=int, default=256, help="candidate prompts per shard")
     p.add_argument("--answer-shard", type=int, default=192, help="prompts per answer shard")
@@ -285,6 +317,8 @@ def main(argv=None) -> None:
     if settings_file.exists() and args.stage != "bench":
         before = json.loads(settings_file.read_text())
         before.setdefault("device", "cpu")  # builds from before --device ran on the CPU
+        before.setdefault("max_prompt_chars", 1000)  # and from before --cues
+        before.setdefault("cues", None)
         changed = {k for k in settings if k not in ("threads", "out", "workers", "worker") and before.get(k) != settings[k]}
         if changed:
             raise SystemExit(f"{work} holds a build with other settings ({sorted(changed)}); use another --work "
@@ -327,7 +361,8 @@ def main(argv=None) -> None:
         "target": args.target, "seed": args.seed, "settings": settings,
         "command": "python -m tools.corpus.build " + " ".join(sys.argv[1:]) if argv is None else None,
         "prompts": {k: prompts.get(k) for k in ("generated", "examined", "shards", "rejected", "tokens", "seconds", "cpu_seconds", "pre_query",
-                                             "benchmark_files", "benchmark_unit")} | {"kept": len(prompts["prompts"])},
+                                             "benchmark_files", "benchmark_unit", "cues")} | {"kept": len(prompts["prompts"])}
+        | ({"tasks": dict(Counter(prompts["tasks"]))} if prompts.get("cues") else {}),
         "greedy": stage_info(greedy), "sampled": stage_info(sampled) | {"temperature": args.temperature},
         "answer_tokens_total": greedy["answer_tokens"] + sampled["answer_tokens"],
         "generation_seconds_total": prompts["seconds"] + greedy["seconds"] + sampled["seconds"],
