@@ -347,6 +347,22 @@ def test_shipped_head_is_exact_on_smollm2(smollm2):
     assert sm.last_stats.tau > 1.3          # trained: it drafts what SmolLM2 writes
 
 
+def test_fine_tuning_starts_from_the_shipped_head_with_the_targets_exact_rows(smollm2):
+    """build_eagle3 --init: the saved head's trained weights, its LM head and final norm reset to
+    the target's own fp32 rows (the saved ones are fp16-rounded) and frozen, as for a new head."""
+    if not (SHIPPED / "drafter.json").exists():
+        pytest.skip("eagle3 is not built (python -m tools.drafters.build_eagle3)")
+    from tools.drafters.build_eagle3 import start_from  # noqa: PLC0415
+
+    model, _ = smollm2
+    net, saved = start_from(SHIPPED, model), load(SHIPPED).net
+    assert torch.equal(net.lm_head.weight, model.get_output_embeddings().weight[net.draft_to_target].float())
+    assert torch.equal(net.norm.weight, model.get_decoder().norm.weight.float())
+    assert not net.lm_head.weight.requires_grad and not net.norm.weight.requires_grad
+    assert net.fc.weight.requires_grad and torch.equal(net.fc.weight, saved.fc.weight.float())
+    assert torch.equal(net.draft_to_target, saved.draft_to_target)
+
+
 # ---------------------------------------------------------------- FLASH's K = 1 head grows the same trees
 
 def test_flash_k1_eagle2_tree_equals_brute_force_and_is_exact():

@@ -12,6 +12,21 @@ On a GPU (the shipped ``eagle3``, trained on one H200 in ~7 min):
         --batch 48 --device cuda --warmup 200 --steps 5000 --ttt-steps 5 --lr 0.001 --styles plain \
         --ship plain --seed 0 --threads 16 --stages train,eval,ship
 
+Fine-tuning the shipped head on the task-cued corpus (tools/corpus/cues.json) mixed with the
+first answers of the two uncued ones, on 2 CPU cores (features ~0.6 s a sequence, cached; training
+resumable; ``--take`` caps each corpus's greedy sequences, ``--init`` starts from a head folder,
+keeping its vocabulary and drafting options; each corpus's features are cached apart and its
+held-out sequences are those its first training held out):
+
+    python -m tools.drafters.build_eagle3 --corpus assets/corpus/smollm2_tasks assets/corpus/smollm2_tasks_s1 \
+        assets/corpus/smollm2 assets/corpus/smollm2_gpu --take 0 0 320 320 \
+        --init assets/text_drafters/smollm2/eagle3 --steps 2000 --ttt-steps 5 --lr 0.0002 --warmup 50 \
+        --styles plain --ship plain --seed 0 --threads 2 --features /tmp/head_work/features \
+        --work /tmp/eagle3_ft --out assets/text_drafters/smollm2/eagle3_tasks
+
+(~25 min of features and 11 min of training on 2 cores; not shipped: it gains on the held-out task answers
+and reads the same on the Spec-Bench dev answers, eval/results/held_out_tau_smollm2_eagle3_tasks.md.)
+
 ``--batch`` > 1 computes the target's features of every greedy sequence of every ``--corpus`` on
 ``--device`` and holds them there in fp16 (no disk cache; ~35 GB for 27,200 sequences), holds out
 every 16th sequence as below (the first corpus comes first, so its held-out answers are the CPU
@@ -39,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from flashmm.drafters import load
 from flashmm.drafters.eagle3 import Eagle3Drafter, save_head
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.train import draft_lm as T
@@ -82,6 +98,31 @@ def load_examples(folder: Path, shards: int, layers: tuple[int, ...]) -> tuple[l
             index = shard * meta["shard_size"] + j
             (held if held_out(index) else train).append(E.example_from(seq, columns))
     return train, held
+
+
+def cached_examples(model, corpora: list[str], take: list[int], root: str, layers) -> tuple[list, list]:
+    """(training, held-out) examples of the first ``take[i]`` greedy sequences of each corpus (0: all),
+    in order; each corpus's features cached apart under ``root`` (computed where missing), and held
+    out by their index in that corpus, as the head's first training held them out."""
+    eos = model.generation_config.eos_token_id
+    end = eos[0] if isinstance(eos, list) else eos
+    train, held = [], []
+    for corpus, n in zip(corpora, take):
+        seqs = corpus_sequences(corpus, "greedy", end)
+        seqs = seqs[:n] if n else seqs
+        cf = features(model, seqs, layers=CACHED_LAYERS, top_k=32, cache_dir=root, which="greedy", batch_size=8,
+                      shard_size=64, target_name="smollm2", log=lambda m, c=corpus: log(f"{c}: {m}"))
+        t, h = load_examples(cf.folder, -(-len(seqs) // 64), layers)
+        train, held = train + t, held + h
+    return train, held
+
+
+def start_from(path: str, model) -> Eagle3Net:
+    """--init: the head saved in ``path`` in fp32, its LM head and final norm reset to the target's
+    own rows (exact, not fp16-rounded) and frozen, as init_from_target leaves a new head."""
+    net = load(path).net.float()
+    E.init_from_target(net, model)
+    return net
 
 
 def new_head(model, tokenizer, corpora: list[str], vocab: int, layers, train, seed: int) -> Eagle3Net:
@@ -136,6 +177,11 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu", help="where --batch > 1 computes features and trains (cuda: TF32 "
                     "matmuls while training; the features are fp32)")
     ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--take", type=int, nargs="+", default=None,
+                    help="with --batch 1: the first N greedy sequences of each --corpus (0: all), each corpus's "
+                         "features cached apart; without it, the first corpus alone (--shards of it)")
+    ap.add_argument("--init", default=None, help="fine-tune the head in this folder (its vocabulary, weights and "
+                    "drafting options) instead of a new head")
     ap.add_argument("--limit", type=int, default=0, help="smoke run: the first N sequences only (--batch > 1)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -149,16 +195,22 @@ def main(argv=None) -> None:
         train_embed = E.FrozenEmbedding(embed.weight.to(args.device))
         torch.backends.cuda.matmul.allow_tf32 = args.device.startswith("cuda")
     else:
-        if "features" in args.stages.split(","):
-            features(model, args.corpus[0], layers=CACHED_LAYERS, top_k=32, cache_dir=args.features, which="greedy",
-                     batch_size=8, shard_size=64, target_name="smollm2", log=log)
-        train, held = load_examples(feature_folder(Path(args.features)), args.shards, layers)
+        if args.take is not None:
+            if len(args.take) != len(args.corpus):
+                ap.error("--take needs one count per --corpus")
+            train, held = cached_examples(model, args.corpus, args.take, args.features, layers)
+        else:
+            if "features" in args.stages.split(","):
+                features(model, args.corpus[0], layers=CACHED_LAYERS, top_k=32, cache_dir=args.features,
+                         which="greedy", batch_size=8, shard_size=64, target_name="smollm2", log=log)
+            train, held = load_examples(feature_folder(Path(args.features)), args.shards, layers)
         rms_examples, train_embed = train, embed
     log(f"{len(train.members) if args.batch > 1 else len(train)} training / {len(held)} held-out sequences")
     styles = args.styles.split(",")
     heads = {}
     for style in styles:
-        net = new_head(model, tokenizer, args.corpus, args.vocab, layers, rms_examples, args.seed)
+        net = start_from(args.init, model) if args.init else \
+            new_head(model, tokenizer, args.corpus, args.vocab, layers, rms_examples, args.seed)
         opts = E.TrainOptions(style=style, ttt_steps=args.ttt_steps, lr=args.lr, steps=args.steps, seed=args.seed,
                               warmup=min(args.warmup, args.steps // 10), batch=args.batch,
                               checkpoint_every=20 if args.batch == 1 else 100)
@@ -195,6 +247,7 @@ def main(argv=None) -> None:
                                                "architectures": ["LlamaForCausalLM"]},
                 "training": {"style": args.ship, **summary["options"], "history": summary["history"][-3:],
                              "corpus": args.corpus, "device": args.device,
+                             **({"take": args.take} if args.take else {}), **({"init": args.init} if args.init else {}),
                              "train_sequences": len(train.members) if args.batch > 1 else len(train),
                              "threads": args.threads,
                              **({"shards": args.shards, "features": "flashmm.train.corpus.features(layers=(2, 15, 27, "
@@ -203,13 +256,17 @@ def main(argv=None) -> None:
                                  "fp16 in memory"})},
                 "replay_tau": evals,
                 "command": f"python -m tools.drafters.build_eagle3 --corpus {' '.join(args.corpus)} "
-                           + (f"--shards {args.shards} " if args.batch == 1 else
+                           + (f"--take {' '.join(map(str, args.take))} " if args.take else "")
+                           + (f"--init {args.init} " if args.init else "")
+                           + (("" if args.take else f"--shards {args.shards} ") + f"--warmup {args.warmup} " if args.batch == 1 else
                               f"--batch {args.batch} --device {args.device} --warmup {args.warmup} ")
                            + f"--steps {args.steps} --ttt-steps {args.ttt_steps} --lr {args.lr} --styles {args.styles} "
                            f"--ship {args.ship} --seed {args.seed} --threads {args.threads}",
                 "notes": "EAGLE-3 head (fc over layers 2/15/27 + one Llama layer + reduced 8192-token vocabulary), "
                          "training-time test; EAGLE-2 dynamic trees by default"}
-        save_head(args.out, net.half().float(), info, dict(tree="dynamic", depth=6, top_k=8))
+        drafting = json.loads((Path(args.init) / "drafter.json").read_text())["drafting"] if args.init else \
+            dict(tree="dynamic", depth=6, top_k=8)
+        save_head(args.out, net.half().float(), info, drafting)
         log(f"shipped {args.ship} → {args.out}")
 
 
