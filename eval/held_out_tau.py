@@ -34,11 +34,7 @@ def replay(net, embed, examples, tree: str, budget: int, tokens: int) -> tuple[i
     """(tokens emitted, verification steps) over ``examples``."""
     drafter = Eagle3Drafter(net, tree=tree, depth=6, top_k=8, adaptive=False)
     drafter._embed = embed
-    emitted = steps = 0
-    for ex in examples:
-        e, s = E.replay_tau(drafter, ex, budget, tokens)
-        emitted, steps = emitted + e, steps + s
-    return emitted, steps
+    return E.replay_examples(drafter, examples, budget, tokens)
 
 
 def main(argv=None) -> None:

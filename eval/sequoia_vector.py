@@ -23,7 +23,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, write_results  # noqa: E402
@@ -46,13 +45,10 @@ def dev_examples(model, tokenizer, questions, max_new_tokens: int, layers, cache
 
 
 def replay(drafter, embed, examples, budget: int, unembed=None) -> float:
-    emitted = steps = 0
     drafter._embed = embed  # replay runs without a target: the head reads the target's embeddings
     if drafter.context_vocab:
         drafter.use_target_head(unembed)
-    for ex in examples:
-        e, s = E.replay_tau(drafter, ex, budget)
-        emitted, steps = emitted + e, steps + s
+    emitted, steps = E.replay_examples(drafter, examples, budget)
     return emitted / max(1, steps)
 
 

@@ -372,3 +372,12 @@ def replay_tau(drafter, ex: Example, budget: int, max_new: int | None = None) ->
                                    path=torch.tensor([path]), hidden_states=feats[None, n: n + accepted + 1]))
         n = new_n
     return emitted, steps
+
+
+def replay_examples(drafter, examples, budget: int, max_new: int | None = None) -> tuple[int, int]:
+    """replay_tau summed over ``examples``: (tokens emitted, verification steps)."""
+    emitted = steps = 0
+    for ex in examples:
+        e, s = replay_tau(drafter, ex, budget, max_new)
+        emitted, steps = emitted + e, steps + s
+    return emitted, steps

@@ -187,8 +187,8 @@ def prompts_stage(args, model, tokenizer, work: Path, stops) -> dict:
         cpu_seconds += data.get("cpu_seconds", float("nan"))
         for row in data["rows"]:
             text, finished = row["text"].strip(), row["finished"]
-            if args.cues and not finished and cut_at_sentence(text) is not None:
-                text, finished = cut_at_sentence(text), True
+            if args.cues and not finished and (cut := cut_at_sentence(text)) is not None:
+                text, finished = cut, True
             if len(kept) < args.prompts:  # the last shard's surplus candidates are not examined
                 examined += 1
                 if filt.keep(text, finished):

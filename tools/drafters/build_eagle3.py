@@ -229,10 +229,7 @@ def main(argv=None) -> None:
             for name, drafter, budget in [("chain6", Eagle3Drafter(net, tree="chain", depth=6, adaptive=False), 6),
                                           ("eagle2_60", Eagle3Drafter(net, tree="dynamic", depth=6, top_k=8, adaptive=False), 60)]:
                 drafter._embed = embed
-                emitted = steps = 0
-                for ex in held[: args.eval_sequences]:
-                    e, s = E.replay_tau(drafter, ex, budget, args.eval_tokens)
-                    emitted, steps = emitted + e, steps + s
+                emitted, steps = E.replay_examples(drafter, held[: args.eval_sequences], budget, args.eval_tokens)
                 row[name] = round(emitted / max(1, steps), 3)
                 log(f"[{style}] {name}: tau {row[name]}")
             cached.write_text(json.dumps(row, indent=1))

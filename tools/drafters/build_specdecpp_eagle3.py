@@ -70,10 +70,7 @@ def replay(drafter, embed, examples, budget: int, tokens: int, verify_cost, targ
     drafter._embed = embed
     drafter.length.verify_cost, drafter._target_weights = verify_cost, target_weights
     timed = Timed(drafter)
-    emitted = steps = 0
-    for ex in examples:
-        e, s = E.replay_tau(timed, ex, budget, tokens)
-        emitted, steps = emitted + e, steps + s
+    emitted, steps = E.replay_examples(timed, examples, budget, tokens)
     t1 = verify_cost.seconds[0]
     verify = sum(verify_cost.relative(n) for n in timed.nodes)
     return {"tau": round(emitted / steps, 3), "steps": steps, "nodes_per_step": round(sum(timed.nodes) / steps, 2),
