@@ -51,13 +51,15 @@ def main(argv=None):
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--categories", nargs="+", default=None)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-draft-tokens", type=int, default=16,
+                    help="the engine's budget of drafted tokens a step (SpecConfig.max_draft_tokens)")
     args = ap.parse_args(argv)
 
     model, tokenizer = load_gguf_lm(args.model)
     questions = load_questions(DEFAULT_QUESTIONS, args.per_category, args.categories)
     for spec in args.drafters:
         label, drafter = parse_drafter(spec, tokenizer)
-        sm = flashmm.wrap(model, drafter)
+        sm = flashmm.wrap(model, drafter, max_draft_tokens=args.max_draft_tokens)
         cost = sm.target.verify_cost()
         totals = defaultdict(lambda: [0.0, 0, 0])  # modelled seconds, tokens after the first, steps
         for q in questions:

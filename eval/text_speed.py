@@ -115,7 +115,7 @@ def reduced_assistant(reduced):
 
 
 def make_methods(model, tokenizer, specs: list[str], hf_lookup: bool, plain_onednn: bool, sampling: dict,
-                 hf_assistant: str | None = None):
+                 hf_assistant: str | None = None, max_draft_tokens: int = 16):
     # model.generate takes no generator (it samples from torch's global one): only flashmm's calls get it
     hf_sampling = {k: v for k, v in sampling.items() if k != "generator"}
 
@@ -128,7 +128,7 @@ def make_methods(model, tokenizer, specs: list[str], hf_lookup: bool, plain_oned
     stats = {}
     for spec in specs:
         label, drafter = parse_drafter(spec, tokenizer)
-        sm = flashmm.wrap(model, drafter)
+        sm = flashmm.wrap(model, drafter, max_draft_tokens=max_draft_tokens)
         methods[f"flashmm:{label}"] = (lambda sm: lambda ids, n: sm.generate(ids, max_new_tokens=n, **sampling))(sm)
         stats[f"flashmm:{label}"] = sm
     if hf_lookup:
@@ -155,6 +155,8 @@ def main(argv=None):
     ap.add_argument("--plain-onednn", action="store_true", help="add plain generate on oneDNN linears")
     ap.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default greedy)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-draft-tokens", type=int, default=16,
+                    help="the engine's budget of drafted tokens a step (SpecConfig.max_draft_tokens)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="eval/results/text_speed")
     ap.add_argument("--resume", action="store_true",
@@ -173,7 +175,7 @@ def main(argv=None):
         sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
                         generator=torch.Generator().manual_seed(args.seed))
     methods, wrapped = make_methods(model, tokenizer, args.drafters, args.hf_lookup, args.plain_onednn, sampling,
-                                    args.hf_assistant)
+                                    args.hf_assistant, args.max_draft_tokens)
     names = list(methods)
 
     # warm-up (allocators, first-call overheads) on a short prompt, not measured
@@ -235,7 +237,8 @@ def report(args, argv, records: list[dict], names: list[str], greedy: bool, plan
     info = machine()
     mode = "greedy" if greedy else f"sampled at T={args.temperature}"
     done = "" if len(records) == planned else f" ({len(records)} of {planned} questions done so far)"
-    md = (f"# Text speed: {args.model}, {mode}, {args.max_new_tokens} new tokens{done}\n\n"
+    md = (f"# Text speed: {args.model}, {mode}, {args.max_new_tokens} new tokens, at most "
+          f"{args.max_draft_tokens} drafted a step{done}\n\n"
           f"Machine: {info}\n\nCommand: `python eval/text_speed.py {' '.join(argv or sys.argv[1:])}`\n\n"
           "speedup = (tokens/s of the method) / (tokens/s of plain `model.generate`), same run, interleaved "
           "(wall clock); CPU-time speedup = the same ratio on this process's CPU seconds, which other load "

@@ -55,3 +55,17 @@ def test_sampled_runs_time_every_baseline_as_named(monkeypatch):
     assert not entered
     out = methods["plain_onednn"](prompt(5), 3)
     assert entered and out.shape == (1, 8)
+
+
+def test_the_draft_budget_reaches_every_wrapped_drafter():
+    """--max-draft-tokens sets the engine's budget of every flashmm method (a drafter's own cap,
+    such as EAGLE-3's max_nodes, is then min'd with it); the output stays plain greedy's."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from text_models import prompt, tiny_lm  # noqa: PLC0415
+
+    model = tiny_lm("llama", seed=0)
+    methods, wrapped = text_speed().make_methods(model, None, ["prompt_lookup"], False, False,
+                                                 dict(do_sample=False), None, 40)
+    assert wrapped["flashmm:prompt_lookup"].spec.max_draft_tokens == 40
+    ids = prompt(12)
+    assert methods["flashmm:prompt_lookup"](ids, 10).tolist() == methods["plain"](ids, 10).tolist()
