@@ -102,7 +102,7 @@ def test_lookup_chain_merges_into_the_heads_tree_and_drafts_alone_while_the_head
     ids = net.draft_to_target.tolist()
     a, b, c = ids[10], ids[11], ids[12]
     grown = GrownTree(parents=[0, 0, 1], rows=[10, 11, 12], scores=[-0.1, -0.5, -0.2], expanded=3, levels=2)
-    drafter.chains.evidence = {(match_bucket(3), d): [100.0, 100.0] for d in (1, 2, 3)}   # chains always match
+    drafter.branch.chains.evidence = {(match_bucket(3), d): [100.0, 100.0] for d in (1, 2, 3)}   # chains always match
     committed = torch.tensor([[5, 6, 7]])
     draft = drafter._draft(committed, grown, [a, c, 99], match_bucket(3), budget=8)
     tokens, parents = draft.tokens[0].tolist(), draft.tree.parents.tolist()
@@ -126,7 +126,7 @@ def test_lookup_and_context_vocabulary_stay_greedy_exact(lookup):
         ids = prompt(6, seed=seed).repeat(1, 4)              # repeats: the lookup finds chains
         assert torch.equal(sm.generate(ids, max_new_tokens=24, eos_token_id=[]),
                            target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None))
-    assert drafter.chains.evidence                       # chains were read against the text
+    assert drafter.branch.chains.evidence                       # chains were read against the text
     assert any(False in head[1:] for _, _, head in drafter.drafts)     # and drafted
 
 

@@ -12,6 +12,7 @@ import flashmm
 from flashmm.drafters import Hydra, Medusa, MTP, load
 from flashmm.drafters.base import SequenceStart
 from flashmm.drafters.head_base import save_heads, static_tree
+from flashmm.drafters.suffix import LookupBranch
 from flashmm.drafters.hydra import HydraHeads
 from flashmm.drafters.medusa import MedusaHeads
 from flashmm.drafters.mtp import MTPModules
@@ -22,6 +23,7 @@ from flashmm.train import heads as H
 from flashmm.train.corpus import features
 
 from stats_utils import chi_square_pvalue
+from test_eagle3_branches import LOOKUP_PROMPT
 from test_sampling_exactness import exact_joint, histogram, models  # noqa: F401 (fixture)
 from text_models import chat_prompt, prompt, tiny_lm
 
@@ -211,6 +213,63 @@ def test_medusa_sampling_is_exact_and_typical_lossy_is_not(models):  # noqa: F81
     assert "lossy" in lossy.spec.verifier
     p = chi_square_pvalue(histogram(lossy), exact_joint(target))
     assert p < 1e-3, "Medusa with typical acceptance should be distinguishable from the target"
+
+
+def chain_counting(drafter):
+    """drafter, counting in drafter.with_chain the drafts holding a node the lookup chain added."""
+    drafter.with_chain, propose = 0, drafter.propose
+
+    def counted(*args):
+        draft = propose(*args)
+        drafter.with_chain += drafter._head_nodes is not None and False in drafter._head_nodes[1:]
+        return draft
+    drafter.propose = counted
+    return drafter
+
+
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+@pytest.mark.parametrize("kind", ["medusa_tree", "hydra_tree", "mtp_chain"])
+def test_lookup_branch_stays_greedy_exact(corpus, trained, kind, lookup):
+    """A prompt lookup / suffix chain merged into the heads' tree: greedy output is generate's, and
+    the chains are drafted (repeated prompts give them matches) and read against the text."""
+    target, data, _ = corpus
+    drafter = chain_counting(DRAFTERS[kind](trained))
+    drafter.branch = LookupBranch(lookup, 6)
+    sm = flashmm.wrap(target, drafter)
+    for seed in (0, 1):
+        ids = prompt(6, seed=seed).repeat(1, 4)
+        out = sm.generate(ids, max_new_tokens=24, eos_token_id=[])
+        assert torch.equal(out, target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None))
+    assert drafter.with_chain and drafter.branch.chains.evidence
+
+
+def test_lookup_branch_alone_while_the_heads_do_not_pay(corpus):
+    """Heads whose table says they are never right draft nothing; the chain still drafts when it pays."""
+    target, data, _ = corpus
+    hopeless = chain_counting(Medusa(random_medusa(target), tree_nodes=6, accuracy=[[0.01] * 4] * 3,
+                                     lookup="ngram", lookup_tokens=4))
+    hopeless.budget = "constants"
+    sm = flashmm.wrap(target, hopeless)
+    hopeless.branch.chains.evidence = {(b, d): [100.0, 100.0] for b in range(5) for d in range(1, 5)}  # chains match
+    ids = prompt(6, seed=2).repeat(1, 4)
+    out = sm.generate(ids, max_new_tokens=16, eos_token_id=[])
+    assert torch.equal(out, target.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None))
+    assert hopeless.with_chain and sm.last_stats.drafted_tokens > 0
+    assert hopeless._predicted == 0.0   # the heads themselves were not drafting
+
+
+def test_medusa_with_lookup_samples_the_target_distribution(models):  # noqa: F811 (fixture)
+    """Every root the target can sample follows a 3 earlier, so the chain drafts from the first step;
+    the same drafts verified by typical acceptance (lossy) are caught by the same test."""
+    target, _ = models
+    joint = exact_joint(target, LOOKUP_PROMPT)
+    drafter = chain_counting(Medusa(random_medusa(target), tree_nodes=4, adaptive=False, lookup="ngram"))
+    p = chi_square_pvalue(histogram(flashmm.wrap(target, drafter), LOOKUP_PROMPT), joint)
+    assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
+    assert drafter.with_chain
+    lossy = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4, adaptive=False, lookup="ngram"),
+                         verifier="typical_lossy", typical_epsilon=0.05, typical_delta=0.05)
+    assert chi_square_pvalue(histogram(lossy, LOOKUP_PROMPT), joint) < 1e-3
 
 
 def test_folder_round_trip(tmp_path, corpus, trained):

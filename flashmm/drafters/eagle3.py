@@ -48,8 +48,8 @@ from .dynamic_tree import GrownTree, TreeUnits, grow, grow_static
 from .eagle3_net import Eagle3Config, Eagle3Net
 from .head_base import committed_embeds
 from .length import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
-from .suffix import SuffixTrie, lookup_source
-from .trie import ChainCalibration, DraftTrie, match_bucket
+from .suffix import LookupBranch
+from .trie import DraftTrie, best_paying_prefix
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
 
@@ -105,15 +105,10 @@ class Eagle3Drafter(Drafter):
                                  f"{net.cfg.hidden_size}")
             if not 0.0 < threshold < 1.0:
                 raise ValueError(f"threshold must be in (0, 1), got {threshold}")
-        if lookup not in (None, "suffix", "ngram"):
-            raise ValueError(f"lookup must be None, 'suffix' or 'ngram', got {lookup!r}")
-        if lookup is not None and lookup_tokens < 1:
-            raise ValueError(f"a lookup branch needs lookup_tokens >= 1, got {lookup_tokens}")
         self.lookup, self.lookup_tokens = lookup, lookup_tokens
+        self.branch = None if lookup is None else LookupBranch(lookup, lookup_tokens)  # kept across calls
         self.context_vocab = context_vocab
         self._unembed = None                    # bind, with context_vocab: the target's LM head [V, d]
-        self.chains = ChainCalibration()        # the lookup branch's acceptance, kept across calls
-        self._outputs = SuffixTrie() if lookup == "suffix" else None   # earlier outputs, kept across calls
         self.acceptance, self.threshold = (None if acceptance is None else acceptance.eval()), threshold
         self.net = net.eval()
         self.tree, self.depth, self.top_k, self.max_nodes = tree, depth, top_k, max_nodes
@@ -202,8 +197,6 @@ class Eagle3Drafter(Drafter):
         self._next = 0                          # first position without a unit
         self._root_out = None
         self._prompt_embeds = None              # [T, d] what the target consumed for the prompt
-        self._lookup = None                     # the lookup branch's source over this sequence
-        self._chain = None                      # (root position, chain, bucket) of the last step's hypothesis
         self._head_nodes: list[bool] = []       # per drafted node (root first): drafted by the head
         self._row_ids = self.net.draft_to_target  # target id of each head logit (context_vocab: more rows)
         self._extra_weight = None               # [E, d] the target's LM head at the context's extra ids
@@ -222,8 +215,8 @@ class Eagle3Drafter(Drafter):
             if self._unembed is None:
                 raise RuntimeError("Eagle3Drafter(context_vocab=True) needs the target's LM head: bind(target)")
             self._extend_vocab(start.input_ids[0])
-        if self.lookup is not None:
-            self._lookup = lookup_source(self.lookup, self._outputs, start.input_ids[0].tolist())
+        if self.branch is not None:
+            self.branch.begin(start.input_ids[0].tolist())
 
     def observe(self, step: StepResult) -> None:
         if step.hidden_states is None:
@@ -249,27 +242,13 @@ class Eagle3Drafter(Drafter):
         self._sync(committed)
         self._head_nodes = []
         budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
-        chain, bucket = self._lookup_chain(committed, budget)
+        chain, bucket = self.branch.chain(committed, budget) if self.branch is not None else ([], 0)
         if budget <= 0 or self._pause > 0:
             self._pause = max(0, self._pause - 1)
             grown = None
         else:
             grown = self.grow(committed, budget, specdec=self.acceptance is not None and not sampling.do_sample)
         return self._draft(committed, grown, chain, bucket, budget)
-
-    def _lookup_chain(self, committed: torch.Tensor, budget: int) -> tuple[list[int], int]:
-        """(the lookup branch's chain at this root, its match bucket); the last step's chain is
-        first read against the tokens committed since (ChainCalibration.learn)."""
-        if self._lookup is None:
-            return [], 0
-        root = committed.shape[1] - 1
-        if self._chain is not None:
-            position, chain, bucket = self._chain
-            self.chains.learn(chain, bucket, committed[0, position + 1:].tolist())
-        self._lookup.sync(committed)
-        chain, match = self._lookup.continuation(min(self.lookup_tokens, budget))
-        self._chain = (root, chain, match_bucket(match)) if chain else None
-        return chain, match_bucket(match)
 
     def _draft(self, committed: torch.Tensor, grown: GrownTree | None, chain: list[int], bucket: int,
                budget: int) -> Draft:
@@ -284,10 +263,8 @@ class Eagle3Drafter(Drafter):
             for parent, token, score in zip(grown.parents, ids, grown.scores):
                 node_of.append(trie.add_node(node_of[parent], token, calibration * math.exp(score)))
                 head.append(True)
-        node = 0
-        for token, p in zip(chain, self.chains.probabilities(bucket, len(chain))):
-            node = trie.add_node(node, token, p)
-            head += [False] * (len(trie) - len(head))
+        if chain:
+            self.branch.add_to(trie, chain, bucket, head)
         order = trie.ranked()[:budget]
         keep = self._best_paying(trie, order, head, calibration, grown) if self.adaptive else order
         if not keep:                            # paused, nothing pays, or SpecDec++ stopped before depth 1
@@ -301,12 +278,7 @@ class Eagle3Drafter(Drafter):
         """The prefix of ``order`` (nodes best first, parents before children) with the most tokens
         per unit of verify time (empty: a plain step). The head keeps its own account (see the class
         docstring): when its kept nodes do not repay its passes, it pauses."""
-        best_n, best_rate, expected = 0, 1.0, 1.0
-        for n, i in enumerate(order, start=1):
-            expected += trie.capped[i]
-            if expected / self.length.cost(n) > best_rate:
-                best_n, best_rate = n, expected / self.length.cost(n)
-        keep = order[:best_n]
+        keep = order[:best_paying_prefix([trie.capped[i] for i in order], self.length.cost)]
         if grown is not None and grown.rows:
             mine = [trie.capped[i] for i in keep if head[i]]
             spent = (1 + grown.levels) * self._pass_cost   # the root's output, then one pass per expanded depth

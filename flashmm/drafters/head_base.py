@@ -32,9 +32,11 @@ from ..config import SamplingParams
 from ..onednn import routed_like
 from ..shapes import dyspec_tree
 from ..tree import TokenTree
-from .base import Draft, Drafter, SequenceStart, StepResult
+from .base import Draft, Drafter, SequenceStart, StepResult, root_only
 from .length import AdaptiveDraftLength, price_with_target
 from .saved import CONFIG_FILE
+from .suffix import LookupBranch
+from .trie import DraftTrie, best_paying_prefix
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -100,6 +102,13 @@ class HeadDrafter(Drafter):
                  cost is AdaptiveDraftLength's verify cost plus the heads' own (the weights they read
                  over the target's: the heads, and the LM head rows once per sequential pass). No tree
                  that pays → a plain step: heads that do not pay for themselves stop drafting.
+    lookup:      None, "suffix" or "ngram": a chain of up to ``lookup_tokens`` tokens continuing the
+                 longest suffix match or prompt lookup's match (suffix.LookupBranch), merged into the
+                 heads' tree as one more branch (shared nodes verified once). Heads read one feature
+                 and copy poorly from a long prompt; the chain does. Nodes are valued at their
+                 calibrated path products (the heads') and ChainCalibration's (the chain's); with
+                 ``adaptive`` the best-paying prefix of both is drafted, the chain alone while the
+                 heads do not pay, else the best ``max_tokens`` of both.
     """
 
     needs_hidden_states = True
@@ -108,7 +117,8 @@ class HeadDrafter(Drafter):
     sequential = False
 
     def __init__(self, heads: nn.Module, vocab: torch.Tensor | None = None, accuracy=None,
-                 tree_nodes: int = 0, top_s: int = 4, info: dict | None = None, adaptive: bool = True):
+                 tree_nodes: int = 0, top_s: int = 4, info: dict | None = None, adaptive: bool = True,
+                 lookup: str | None = None, lookup_tokens: int = 8):
         if tree_nodes < 0:
             raise ValueError(f"tree_nodes must be >= 0 (0 = a chain), got {tree_nodes}")
         if tree_nodes and self.chain_only:
@@ -128,6 +138,9 @@ class HeadDrafter(Drafter):
         self._predicted = 0.0                        # predicted accepted tokens of the last draft
         self._target_weights = 0
         self._sizes: dict = {}                       # n -> (tree, expected accepted, draft cost)
+        self.lookup, self.lookup_tokens = lookup, lookup_tokens
+        self.branch = None if lookup is None else LookupBranch(lookup, lookup_tokens)  # kept across calls
+        self._head_nodes = None                      # with a lookup branch: per node of the last draft, by the heads
 
     # ------------------------------------------------------------------ binding and state
     def cost_models(self) -> list:
@@ -170,13 +183,18 @@ class HeadDrafter(Drafter):
             raise NotImplementedError(f"{type(self).__name__} drafts one sequence at a time (batches fork it per row)")
         self._feature = start.hidden_states[0, -1]
         self._prompt_embeds = None if start.input_embeds is None else start.input_embeds[0]
+        self._head_nodes = None
+        if self.branch is not None:
+            self.branch.begin(start.input_ids[0].tolist())
 
     def observe(self, step: StepResult) -> None:
         if step.hidden_states is None:
             raise RuntimeError(f"{type(self).__name__} needs the target's hidden states at accepted nodes")
         self._feature = step.hidden_states[0, -1]
-        if self._predicted:  # decay 0.95 per drafted step
-            self.evidence = [0.95 * self.evidence[0] + step.accepted_len, 0.95 * self.evidence[1] + self._predicted]
+        if self._predicted:  # decay 0.95 per drafted step; the heads' calibration counts their own nodes
+            accepted = step.accepted_len if self._head_nodes is None else \
+                sum(self._head_nodes[i] for i in step.path[0, 1:].tolist())
+            self.evidence = [0.95 * self.evidence[0] + accepted, 0.95 * self.evidence[1] + self._predicted]
         else:  # slowly back to the prior, so a drafter that stopped tries again
             self.evidence = [0.995 * e for e in self.evidence]
         self._predicted = 0.0
@@ -185,7 +203,35 @@ class HeadDrafter(Drafter):
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Draft:
         with self._linears:
-            return self._propose(committed, max_tokens, sampling, generator)
+            draft = self._propose(committed, max_tokens, sampling, generator)
+        return draft if self.branch is None else self._with_chain(committed, draft, max_tokens)
+
+    def _with_chain(self, committed: torch.Tensor, draft: Draft, max_tokens: int) -> Draft:
+        """``draft`` (the heads' tree, or the root alone) with the lookup branch's chain merged in
+        (see the class docstring)."""
+        chain, bucket = self.branch.chain(committed, max_tokens)
+        self._head_nodes = None
+        if not chain:
+            return draft
+        trie, by_heads, reach = DraftTrie(), [False], {}
+        if draft.tree.num_nodes > 1:
+            calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
+            tokens, parents, node_of = draft.tokens[0].tolist(), draft.tree.parents.tolist(), [0]
+            for i, p in enumerate(self.path_products(draft.tree)[1:], start=1):
+                node_of.append(trie.add_node(node_of[parents[i]], tokens[i], calibration * p))
+                reach[node_of[-1]] = p
+                by_heads.append(True)
+        self.branch.add_to(trie, chain, bucket, by_heads)
+        order = trie.ranked()[:max_tokens]
+        keep = order[:best_paying_prefix([trie.capped[i] for i in order], self.length.cost)] if self.adaptive \
+            else order
+        if self._predicted:  # the heads are judged by the nodes of theirs that were kept
+            self._predicted = sum(reach[i] for i in keep if by_heads[i])
+        if not keep:
+            return root_only(committed)
+        merged = trie.to_draft(committed[:, -1:], keep)
+        self._head_nodes = [by_heads[i] for i in trie.order]
+        return merged
 
     def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
                  generator: torch.Generator | None) -> Draft:
@@ -220,14 +266,18 @@ class HeadDrafter(Drafter):
             return chain_tree(min(depth, max_tokens))
         return _cached_tree(json.dumps(self.accuracy), min(self.tree_nodes, max_tokens))
 
-    def expected_accepted(self, tree: TokenTree) -> float:
-        """Sum over drafted nodes of the accuracy table's product along the node's path."""
+    def path_products(self, tree: TokenTree) -> list[float]:
+        """Per node (root first, 1.0): the accuracy table's product along the node's path."""
         depth, ranks, parents = tree.depth.tolist(), tree.ranks.tolist(), tree.parents.tolist()
         reach = [1.0] * tree.num_nodes
         for i in range(1, tree.num_nodes):
             row = self.accuracy[depth[i] - 1]
             reach[i] = reach[parents[i]] * (row[ranks[i]] if ranks[i] < len(row) else 0.0)
-        return sum(reach[1:])
+        return reach
+
+    def expected_accepted(self, tree: TokenTree) -> float:
+        """Sum over drafted nodes of the accuracy table's product along the node's path."""
+        return sum(self.path_products(tree)[1:])
 
     def draft_cost(self, tree: TokenTree) -> float:
         """The heads' cost for ``tree`` in target decoding steps: the weights they read over the target's."""

@@ -17,7 +17,7 @@ from .base import Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength, price_with_target
 from .prompt_lookup import NgramIndex
 from .rest import Rest
-from .trie import DraftTrie, TreeBudget, match_bucket
+from .trie import ChainCalibration, DraftTrie, TreeBudget, match_bucket
 
 
 class SuffixTrie:
@@ -139,6 +139,50 @@ def lookup_source(kind: str, outputs: SuffixTrie | None, prompt: list[int]):
     SuffixLookup over ``prompt`` and ``outputs`` (earlier outputs, kept by the caller), "ngram"
     prompt lookup's latest match of the last 3 or 2 tokens."""
     return SuffixLookup(outputs, prompt) if kind == "suffix" else NgramIndex(3, 2)
+
+
+class LookupBranch:
+    """A head drafter's lookup branch (EAGLE-3, Medusa, Hydra, MTP): at each root, the chain of up
+    to ``tokens`` tokens continuing the longest suffix match ("suffix": the prompt + output and
+    earlier outputs) or prompt lookup's n-gram match ("ngram"), with ``chains`` (ChainCalibration)
+    pricing it by what chains of the same match length were accepted before. Each chain is read
+    against the text committed after its root at the next step, drafted or not. ``outputs`` and
+    ``chains`` are kept across sequences; ``begin`` starts a sequence."""
+
+    def __init__(self, kind: str, tokens: int):
+        if kind not in ("suffix", "ngram"):
+            raise ValueError(f"lookup must be None, 'suffix' or 'ngram', got {kind!r}")
+        if tokens < 1:
+            raise ValueError(f"a lookup branch needs lookup_tokens >= 1, got {tokens}")
+        self.kind, self.tokens = kind, tokens
+        self.chains = ChainCalibration()
+        self.outputs = SuffixTrie() if kind == "suffix" else None
+        self._source = None
+        self._last = None                       # (root position, chain, bucket) of the last step's chain
+
+    def begin(self, prompt: list[int]) -> None:
+        self._source, self._last = lookup_source(self.kind, self.outputs, prompt), None
+
+    def chain(self, committed, budget: int) -> tuple[list[int], int]:
+        """(the chain at this root, at most ``budget`` tokens; its match bucket), after the last
+        step's chain is read against the tokens committed since."""
+        if self._last is not None:
+            position, chain, bucket = self._last
+            self.chains.learn(chain, bucket, committed[0, position + 1:].tolist())
+        self._source.sync(committed)
+        chain, match = self._source.continuation(min(self.tokens, budget))
+        bucket = match_bucket(match)
+        self._last = (committed.shape[1] - 1, chain, bucket) if chain else None
+        return chain, bucket
+
+    def add_to(self, trie: DraftTrie, chain: list[int], bucket: int, kinds: list[bool]) -> None:
+        """Merge ``chain`` under the root of ``trie``, each node valued at its ChainCalibration
+        probability; ``kinds`` (one flag per trie node: drafted by the head) grows by False for
+        each new node."""
+        node = 0
+        for token, p in zip(chain, self.chains.probabilities(bucket, len(chain))):
+            node = trie.add_node(node, token, p)
+        kinds += [False] * (len(trie) - len(kinds))
 
 
 @register

@@ -104,6 +104,18 @@ class DraftTrie:
         return Draft(tokens=tokens, tree=TokenTree.from_parents(parents), q_probs=None)
 
 
+def best_paying_prefix(values: list[float], cost) -> int:
+    """How many of ``values`` (the expected accepted tokens of ranked nodes, best first) to verify:
+    the n maximising (1 + their sum) / cost(n), ``cost`` in one-token forwards; 0 (a plain step)
+    when no n beats one token per forward."""
+    best_n, best_rate, expected = 0, 1.0, 1.0
+    for n, value in enumerate(values, start=1):
+        expected += value
+        if expected / cost(n) > best_rate:
+            best_n, best_rate = n, expected / cost(n)
+    return best_n
+
+
 def match_bucket(length: int) -> int:
     """Matches of similar length share an acceptance calibration: 1, 2, 3-4, 5-8, 9+ tokens."""
     return 0 if length <= 0 else min(length.bit_length(), 4)

