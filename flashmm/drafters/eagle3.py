@@ -105,7 +105,6 @@ class Eagle3Drafter(Drafter):
                                  f"{net.cfg.hidden_size}")
             if not 0.0 < threshold < 1.0:
                 raise ValueError(f"threshold must be in (0, 1), got {threshold}")
-        self.lookup, self.lookup_tokens = lookup, lookup_tokens
         self.branch = None if lookup is None else LookupBranch(lookup, lookup_tokens)  # kept across calls
         self.context_vocab = context_vocab
         self._unembed = None                    # bind, with context_vocab: the target's LM head [V, d]
@@ -143,8 +142,8 @@ class Eagle3Drafter(Drafter):
     def save(self, path, info: dict) -> Path:
         """Write drafter.json (``info`` must name method and target) and model.safetensors (fp16 weights)."""
         drafting = dict(tree=self.tree, depth=self.depth, top_k=self.top_k)
-        if self.lookup is not None:
-            drafting.update(lookup=self.lookup, lookup_tokens=self.lookup_tokens)
+        if self.branch is not None:
+            drafting.update(lookup=self.branch.kind, lookup_tokens=self.branch.tokens)
         if self.context_vocab:
             drafting["context_vocab"] = True
         if self.accept is not None:

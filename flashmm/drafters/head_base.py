@@ -138,7 +138,6 @@ class HeadDrafter(Drafter):
         self._predicted = 0.0                        # predicted accepted tokens of the last draft
         self._target_weights = 0
         self._sizes: dict = {}                       # n -> (tree, expected accepted, draft cost)
-        self.lookup, self.lookup_tokens = lookup, lookup_tokens
         self.branch = None if lookup is None else LookupBranch(lookup, lookup_tokens)  # kept across calls
         self._head_nodes = None                      # with a lookup branch: per node of the last draft, by the heads
 
