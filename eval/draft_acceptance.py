@@ -23,6 +23,7 @@ import torch
 
 from eval.common import machine, markdown_table, write_results
 from flashmm.drafters import load
+from flashmm.paths import work_dir
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl"
 
@@ -48,6 +49,7 @@ def questions(path: Path, per_category: int) -> list[dict]:
 def target_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, cache: Path) -> list[dict]:
     """The target's greedy answers (cached in ``cache``: they do not depend on the drafters)."""
     done = json.loads(cache.read_text()) if cache.exists() else {}
+    cache.parent.mkdir(parents=True, exist_ok=True)
     for row in rows:
         key = str(row["question_id"])
         if key not in done:
@@ -178,7 +180,7 @@ def main(argv=None) -> None:
     ap.add_argument("--per-category", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--answers-cache", type=Path, default=Path("/tmp/smollm2_dev_answers.json"))
+    ap.add_argument("--answers-cache", type=Path, default=work_dir("smollm2_dev_answers.json"))
     ap.add_argument("--out", default="eval/results/draft_acceptance_smollm2")
     args = ap.parse_args(argv)
     from flashmm.weights import load_gguf_lm  # noqa: PLC0415

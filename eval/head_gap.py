@@ -27,6 +27,7 @@ from sequoia_vector import dev_examples  # noqa: E402
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
 
 from flashmm.drafters.eagle3 import Eagle3Drafter  # noqa: E402
+from flashmm.paths import work_dir  # noqa: E402
 from flashmm.train import eagle3 as E  # noqa: E402
 from flashmm.train.corpus import corpus_sequences, features  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
@@ -86,7 +87,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--held-out", type=int, default=60, help="held-out corpus answers")
     ap.add_argument("--corpus", nargs="+", default=["assets/corpus/smollm2", "assets/corpus/smollm2_gpu"])
-    ap.add_argument("--cache", default="/tmp/sequoia_features")
+    ap.add_argument("--cache", default=str(work_dir("sequoia_features")))
     ap.add_argument("--out", default="eval/results/head_gap_smollm2_eagle3")
     args = ap.parse_args(argv)
 

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashmm.drafters.eagle3 import Eagle3Drafter  # noqa: E402
+from flashmm.paths import work_dir  # noqa: E402
 from flashmm.train import eagle3 as E  # noqa: E402
 from tools.corpus.build import load_target  # noqa: E402
 from tools.drafters.build_eagle3 import cached_examples, start_from  # noqa: E402
@@ -42,7 +43,7 @@ def main(argv=None) -> None:
     ap.add_argument("--drafters", nargs="+", required=True)
     ap.add_argument("--corpus", nargs="+", required=True)
     ap.add_argument("--take", type=int, nargs="+", required=True)
-    ap.add_argument("--features", default="/tmp/head_work/features")
+    ap.add_argument("--features", default=str(work_dir("head_work", "features")))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)

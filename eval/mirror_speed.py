@@ -22,6 +22,7 @@ from eval.common import machine, markdown_table, write_results
 from flashmm import wrap
 from flashmm.drafters import load
 from flashmm.drafters.mirror import Mirror
+from flashmm.paths import work_dir
 
 
 def main(argv=None) -> None:
@@ -31,7 +32,7 @@ def main(argv=None) -> None:
                     help="JSON options for the draft (the same for both loops)")
     ap.add_argument("--questions-count", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--answers-cache", type=Path, default=Path("/tmp/smollm2_dev_answers.json"))
+    ap.add_argument("--answers-cache", type=Path, default=work_dir("smollm2_dev_answers.json"))
     ap.add_argument("--two-threads", action="store_true",
                     help="also time the sequential loop at 2 torch threads (very slow on an oversubscribed machine)")
     ap.add_argument("--out", default="eval/results/mirror_speed_smollm2")

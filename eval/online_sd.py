@@ -27,6 +27,7 @@ from eval.common import machine, markdown_table, write_results
 from eval.draft_acceptance import DEFAULT_QUESTIONS, target_answers
 from flashmm.drafters import load
 from flashmm.drafters.online import OnlineSD
+from flashmm.paths import work_dir
 
 DRAFT_DIR = "assets/text_drafters/smollm2/fastdraft"
 
@@ -98,8 +99,8 @@ def main() -> None:
     parser.add_argument("--steps-per-update", type=int, default=2)
     parser.add_argument("--capacity", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--cache", type=Path, default=Path("/tmp/online_sd/plain_answers.json"))
-    parser.add_argument("--work", type=Path, default=Path("/tmp/online_sd"), help="resumable state of the runs")
+    parser.add_argument("--cache", type=Path, default=work_dir("online_sd", "plain_answers.json"))
+    parser.add_argument("--work", type=Path, default=work_dir("online_sd"), help="resumable state of the runs")
     parser.add_argument("--max-minutes", type=float, default=18.0, help="stop (resumable) after this long")
     parser.add_argument("--runs", nargs="+", default=["frozen", "online"], choices=["frozen", "online"],
                         help="which runs to advance (two processes can advance one each); the table needs both")

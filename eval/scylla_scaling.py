@@ -347,11 +347,13 @@ def step_seconds(models: dict, context: list[int], repeats: int) -> dict:
 
 
 def main(argv=None) -> None:
+    from flashmm.paths import work_dir  # noqa: PLC0415
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
-    ap.add_argument("--work", default="/tmp/scylla_work")
+    ap.add_argument("--work", default=str(work_dir("scylla_work")))
     ap.add_argument("--out", default="eval/results/scylla_scaling")
-    ap.add_argument("--vocab-from", default="/tmp/draft_work/vocab.pt",
+    ap.add_argument("--vocab-from", default=str(work_dir("draft_work", "vocab.pt")),
                     help="the FastDraft build's reduced vocabulary (built with choose_vocab when missing)")
     ap.add_argument("--shipped", default="assets/text_drafters/smollm2/fastdraft_scratch")
     ap.add_argument("--grid", default=GRID, help='runs as "shapes:fractions;..." (default: %(default)s)')

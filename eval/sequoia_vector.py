@@ -29,6 +29,7 @@ from common import machine, markdown_table, write_results  # noqa: E402
 from text_speed import DEFAULT_QUESTIONS, load_questions, prompt_ids  # noqa: E402
 
 from flashmm.drafters.eagle3 import CONFIG_FILE, Eagle3Drafter  # noqa: E402
+from flashmm.paths import work_dir  # noqa: E402
 from flashmm.train import eagle3 as E  # noqa: E402
 from flashmm.train.corpus import features  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
@@ -61,7 +62,7 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 60])
-    ap.add_argument("--cache", default="/tmp/sequoia_features")
+    ap.add_argument("--cache", default=str(work_dir("sequoia_features")))
     ap.add_argument("--context-vocab", action="store_true", help="also replay dynamic trees with context_vocab=True")
     ap.add_argument("--save", action="store_true", help="write the vector into the drafter's drafter.json")
     ap.add_argument("--tree", default=None, help="with --save: also make this the folder's default tree")

@@ -21,6 +21,7 @@ import torch
 from eval.common import machine, markdown_table, write_results
 from flashmm.drafters import load
 from flashmm.drafters.length import measure_verify_cost
+from flashmm.paths import work_dir
 from flashmm.train import eagle3 as E
 from flashmm.train.corpus import CorpusFeatures
 from flashmm.weights import load_gguf_lm
@@ -29,7 +30,7 @@ from tools.drafters.build_specdecpp_eagle3 import replay
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--features", default="/tmp/sequoia_features")
+    ap.add_argument("--features", default=str(work_dir("sequoia_features")))
     ap.add_argument("--eagle3", default="assets/text_drafters/smollm2/eagle3_3k")
     ap.add_argument("--specdecpp", default="assets/text_drafters/smollm2/specdecpp_eagle3")
     ap.add_argument("--budget", type=int, default=16, help="the engine's default max_draft_tokens")

@@ -28,6 +28,7 @@ from flashmm.config import SamplingParams
 from flashmm.drafters import load
 from flashmm.drafters.base import SequenceStart, StepResult
 from flashmm.drafters.length import VerifyCost
+from flashmm.paths import work_dir
 
 GREEDY = SamplingParams()
 
@@ -149,7 +150,7 @@ def main(argv=None) -> None:
     ap.add_argument("--caps", type=int, nargs="+", default=[8])
     ap.add_argument("--fixed", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--data", choices=["dev", "corpus"], default="dev")
-    ap.add_argument("--answers-cache", type=Path, default=Path("/tmp/smollm2_dev_answers.json"),
+    ap.add_argument("--answers-cache", type=Path, default=work_dir("smollm2_dev_answers.json"),
                     help="the target's greedy dev answers (written by eval/draft_acceptance.py)")
     ap.add_argument("--questions", type=Path,
                     default=Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl")

@@ -183,7 +183,7 @@ def train(net: Eagle3Net, embed: torch.nn.Module, examples, opts: TrainOptions, 
     start, history = 0, []
     ckpt = work / "checkpoint.pt"
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=True)  # tensors and plain containers: never unpickles code
         net.load_state_dict(state["net"])
         optim.load_state_dict(state["optim"])
         start, history = state["step"], state["history"]

@@ -407,7 +407,7 @@ def train_heads(heads, data: HeadData, lm_rows: torch.Tensor, embeddings: torch.
     state = {"step": 0, "losses": [], "seconds": 0.0}
     ckpt = Path(work_dir) / "checkpoint.pt" if work_dir is not None else None
     if ckpt is not None and ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=True)  # tensors and plain containers: never unpickles code
         heads.load_state_dict(saved["heads"])
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])

@@ -7,7 +7,8 @@ target's frozen LM head) against the target's top-k probabilities at sampled ans
 ``feature_weight`` · SmoothL1(adapter output, final-normed state) at every position. The adapter
 starts from the target's layer-l attention and final norm. One sequence per forward, gradients
 accumulated over ``batch`` sequences, AdamW with a cosine schedule; a checkpoint (adapter,
-optimizer, position) is written every ``checkpoint_every`` sequences so a killed run resumes.
+optimizer, position, the state of the positions' sampler) is written every ``checkpoint_every``
+sequences so a killed run resumes where it stopped, drawing what an unbroken run draws.
 """
 from __future__ import annotations
 
@@ -94,21 +95,23 @@ def train_adapter(model, features: CorpusFeatures, train_indices: list[int], wor
         order += epoch
     order = order[: int(settings.epochs * len(train_indices))]
     total_steps = max(1, len(order) // settings.batch)
-    done, seen_loss = 0, []
+    done, seen_loss, sample_state = 0, [], None
     checkpoint = work / "checkpoint.pt"
     if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=True)  # tensors and plain containers: never unpickles code
         if state["settings"] != asdict(settings) or state["train"] != len(train_indices):
             raise ValueError(f"{checkpoint} was written with other settings; use another --work folder")
         adapter.load_state_dict(state["adapter"])
         optimizer.load_state_dict(state["optimizer"])
-        done = state["done"]
+        done, sample_state = state["done"], state.get("sample_rng")
         log(f"resumed at sequence {done}/{len(order)}")
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s / total_steps, 1.0))))
     for _ in range(done // settings.batch):
         schedule.step()
     start, sample_rng = time.time(), random.Random(settings.seed + done)
+    if sample_state is not None:  # the positions drawn after a resume are those an unbroken run draws
+        sample_rng.setstate(sample_state)
     adapter.train()
     while done < len(order):
         group = order[done : done + settings.batch]
@@ -125,7 +128,8 @@ def train_adapter(model, features: CorpusFeatures, train_indices: list[int], wor
             work.mkdir(parents=True, exist_ok=True)
             tmp = checkpoint.with_suffix(".tmp")
             torch.save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "done": done,
-                        "settings": asdict(settings), "train": len(train_indices)}, tmp)
+                        "settings": asdict(settings), "train": len(train_indices),
+                        "sample_rng": sample_rng.getstate()}, tmp)
             tmp.replace(checkpoint)
             log(f"{done}/{len(order)} sequences, loss {sum(seen_loss) / len(seen_loss):.3f}, "
                 f"{time.time() - start:.0f}s")

@@ -30,6 +30,7 @@ import torch
 
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
 from flashmm.drafters.pard import PardLM
+from flashmm.paths import work_dir
 from flashmm.train import draft_lm as T
 from flashmm.train import pard as PARD
 from flashmm.train.corpus import corpus_sequences, features, read_corpus, read_info
@@ -46,7 +47,7 @@ def log(msg: str) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
-    ap.add_argument("--work", default="/tmp/draft_work")
+    ap.add_argument("--work", default=str(work_dir("draft_work")))
     ap.add_argument("--out", default="assets/text_drafters/smollm2")
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--seed", type=int, default=0)

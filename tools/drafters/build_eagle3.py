@@ -57,6 +57,7 @@ import torch
 from flashmm.drafters import load
 from flashmm.drafters.eagle3 import Eagle3Drafter, save_head
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
+from flashmm.paths import work_dir
 from flashmm.train import draft_lm as T
 from flashmm.train import eagle3 as E
 from flashmm.train import eagle3_batched as B
@@ -154,10 +155,10 @@ def device_examples(model, corpora: list[str], layers, device: str, limit: int =
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--features", default="/tmp/head_work/features")
+    ap.add_argument("--features", default=str(work_dir("head_work", "features")))
     ap.add_argument("--corpus", nargs="+", default=["assets/corpus/smollm2"],
                     help="corpus folders (their greedy answers in order; --batch > 1 reads every one)")
-    ap.add_argument("--work", default="/tmp/eagle3_work")
+    ap.add_argument("--work", default=str(work_dir("eagle3_work")))
     ap.add_argument("--out", default="assets/text_drafters/smollm2/eagle3")
     ap.add_argument("--stages", default="features,train,eval,ship")
     ap.add_argument("--styles", default="plain,hass,griffin")

@@ -37,6 +37,7 @@ from flashmm.drafters.head_base import save_heads
 from flashmm.drafters.hydra import Hydra
 from flashmm.drafters.medusa import Medusa
 from flashmm.drafters.mtp import MTP
+from flashmm.paths import work_dir
 from flashmm.train import head_replay as R
 from flashmm.train import heads as H
 from flashmm.train.corpus import CorpusFeatures, features, read_corpus
@@ -61,10 +62,10 @@ def parse_args(argv=None):
     ap.add_argument("--name", default=None, help="output folder name (default: the method)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
-    ap.add_argument("--features-cache", default="/tmp/head_work/features")
+    ap.add_argument("--features-cache", default=str(work_dir("head_work", "features")))
     ap.add_argument("--shards", type=int, default=None, help="read only the first N feature shards (no forward)")
     ap.add_argument("--holdout-every", type=int, default=20)
-    ap.add_argument("--work", default="/tmp/heads_work")
+    ap.add_argument("--work", default=str(work_dir("heads_work")))
     ap.add_argument("--out", default="assets/text_drafters/smollm2")
     ap.add_argument("--vocab-from", default="assets/text_drafters/smollm2/fastdraft")
     ap.add_argument("--num-heads", type=int, default=None)

@@ -33,6 +33,7 @@ import torch
 
 from flashmm import cache as kv
 from flashmm.cache import cache_argument
+from flashmm.paths import work_dir
 from flashmm.train.corpus import read_info, token_pairs
 from flashmm.verify.judge import JudgeHead
 from tools.corpus.build import load_target
@@ -96,6 +97,20 @@ def label_chunk(model, items, args, rng: random.Random, end_ids: set[int]) -> di
             "records": records}
 
 
+def labelled_chunks(work: Path, count: int, seed: int, label) -> list[dict]:
+    """Chunks 0..count-1 as label_chunk returns them, each cached as work/chunk_<c>_seed<seed>.pt:
+    a missing chunk is labelled (``label(c)``) and saved, a cached one read back with
+    weights_only=True (tensors and plain containers; a file holding pickled code is refused)."""
+    chunks = []
+    for c in range(count):
+        path = work / f"chunk_{c:03d}_seed{seed}.pt"
+        if not path.exists():
+            torch.save(label(c), path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+        chunks.append(torch.load(path, weights_only=True))
+    return chunks
+
+
 def train_judge(features, labels, items, args) -> tuple[JudgeHead, dict]:
     """Logistic regression (class-balanced, L2), split by item; threshold for --precision on held out."""
     unique = sorted(set(items))
@@ -148,7 +163,7 @@ def train_judge(features, labels, items, args) -> tuple[JudgeHead, dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
-    ap.add_argument("--work", default="/tmp/judge_work")
+    ap.add_argument("--work", default=str(work_dir("judge_work")))
     ap.add_argument("--out", default="assets/judges/smollm2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--items", type=int, default=300, help="corpus answers used")
@@ -172,19 +187,17 @@ def main(argv=None):
         model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])}
     pairs = token_pairs(args.corpus, "greedy")
     chosen = sorted(random.Random(args.seed).sample(range(len(pairs)), min(args.items, len(pairs))))
-    chunks = []
     starts = list(range(0, len(chosen), args.chunk))[: args.chunks]
-    for c, start in enumerate(starts):
-        path = work / f"chunk_{c:03d}_seed{args.seed}.pt"
-        if not path.exists():
-            began = time.time()
-            items = [(i, pairs[i]) for i in chosen[start : start + args.chunk]]
-            data = label_chunk(model, items, args, random.Random(args.seed * 1000 + c), end_ids)
-            torch.save(data, path.with_suffix(".tmp"))
-            path.with_suffix(".tmp").replace(path)
-            print(f"chunk {c}: {len(data['labels'])} examples, {data['labels'].mean():.2f} positive, "
-                  f"{time.time() - began:.0f} s", flush=True)
-        chunks.append(torch.load(path))
+
+    def label(c: int) -> dict:
+        began = time.time()
+        items = [(i, pairs[i]) for i in chosen[starts[c] : starts[c] + args.chunk]]
+        data = label_chunk(model, items, args, random.Random(args.seed * 1000 + c), end_ids)
+        print(f"chunk {c}: {len(data['labels'])} examples, {data['labels'].mean():.2f} positive, "
+              f"{time.time() - began:.0f} s", flush=True)
+        return data
+
+    chunks = labelled_chunks(work, len(starts), args.seed, label)
     features = torch.cat([c["features"] for c in chunks])
     labels = torch.cat([c["labels"] for c in chunks])
     items = [r["item"] for c in chunks for r in c["records"]]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from flashmm.drafters.kangaroo import Kangaroo
+from flashmm.paths import work_dir
 from flashmm.train.corpus import CorpusFeatures
 from flashmm.train.kangaroo import AdapterTraining, agreement, train_adapter
 from tools.corpus.build import load_target
@@ -28,9 +29,9 @@ from tools.corpus.build import load_target
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--features", default="/tmp/head_work/features")
+    ap.add_argument("--features", default=str(work_dir("head_work", "features")))
     ap.add_argument("--train-shards", type=int, default=10)
-    ap.add_argument("--work", default="/tmp/kangaroo_work")
+    ap.add_argument("--work", default=str(work_dir("kangaroo_work")))
     ap.add_argument("--out", default="assets/text_drafters/smollm2/kangaroo")
     ap.add_argument("--exit-layer", type=int, default=2)
     ap.add_argument("--epochs", type=float, default=2.0)

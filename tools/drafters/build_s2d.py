@@ -25,6 +25,7 @@ import torch
 
 from flashmm.drafters.fastdraft import ReducedVocabLM, load_reduced_lm
 from flashmm.drafters.s2d import save_s2d
+from flashmm.paths import work_dir
 from flashmm.train import draft_lm as T
 from flashmm.train.corpus import corpus_sequences, read_corpus, read_info
 from flashmm.train.sorted import SortedLoss, choose_thresholds, deepen, exit_confidences
@@ -38,7 +39,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
     ap.add_argument("--init", default="assets/text_drafters/smollm2/fastdraft_scratch")
-    ap.add_argument("--work", default="/tmp/s2d_work")
+    ap.add_argument("--work", default=str(work_dir("s2d_work")))
     ap.add_argument("--out", default="assets/text_drafters/smollm2/s2d")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--exits", default="1,2,4")

@@ -28,6 +28,7 @@ import torch
 from eval.specdecpp_policy import cpu_cost_model, greedy_replay, summarize
 from flashmm.drafters import load
 from flashmm.drafters.specdecpp import AcceptanceHead, SpecDecPP, save_specdecpp
+from flashmm.paths import work_dir
 from flashmm.train.acceptance import acceptance_examples, head_metrics, train_head
 from flashmm.train.corpus import corpus_sequences, read_corpus
 
@@ -40,7 +41,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
     ap.add_argument("--draft", default="assets/text_drafters/smollm2/fastdraft")
-    ap.add_argument("--work", default="/tmp/specdecpp_work")
+    ap.add_argument("--work", default=str(work_dir("specdecpp_work")))
     ap.add_argument("--out", default="assets/text_drafters/smollm2/specdecpp")
     ap.add_argument("--train-sequences", type=int, default=2000)
     ap.add_argument("--heldout-first", type=int, default=3000)

@@ -34,6 +34,7 @@ import torch
 from flashmm.drafters import load
 from flashmm.drafters.length import measure_verify_cost
 from flashmm.drafters.specdecpp import RankAcceptanceHead, save_specdecpp
+from flashmm.paths import work_dir
 from flashmm.train import eagle3 as E
 from flashmm.train.acceptance import rank_examples, rank_loss, rank_metrics, train_head
 from tools.corpus.build import load_target
@@ -80,9 +81,9 @@ def replay(drafter, embed, examples, budget: int, tokens: int, verify_cost, targ
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--features", default="/tmp/head_work/features")
+    ap.add_argument("--features", default=str(work_dir("head_work", "features")))
     ap.add_argument("--eagle3", default="assets/text_drafters/smollm2/eagle3_3k")
-    ap.add_argument("--work", default="/tmp/specdecpp_eagle3_work")
+    ap.add_argument("--work", default=str(work_dir("specdecpp_eagle3_work")))
     ap.add_argument("--out", default="assets/text_drafters/smollm2/specdecpp_eagle3")
     ap.add_argument("--shards", type=int, default=50)
     ap.add_argument("--eval-sequences", type=int, default=48)

@@ -13,6 +13,7 @@ import argparse
 import json
 
 from flashmm.drafters import load as load_drafter
+from flashmm.paths import work_dir
 from flashmm.train import heads as H
 from tools.corpus.build import load_target
 from tools.drafters.build_heads import LAYERS, corpus_features, log
@@ -24,7 +25,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tree-nodes", type=int, nargs="+", default=[None], help="drafting option values (default: the folder's)")
     ap.add_argument("--fixed", action="store_true", help="adaptive=False: draft the whole tree every step")
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
-    ap.add_argument("--features-cache", default="/tmp/head_work/features")
+    ap.add_argument("--features-cache", default=str(work_dir("head_work", "features")))
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--holdout-every", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -31,12 +31,13 @@ import hashlib
 import json
 import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from flashmm.paths import work_dir
 
 from .build import sha256
 from .scenes import COLOURS, SHAPES, make_scene, make_video
@@ -299,7 +300,7 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
     model, processor = model_and_processor or load_reference_llava()
     log(f"loaded the reference LMM in {time.time() - start:.0f}s")
     records = training_records(cfg.seed, cfg.images, cfg.videos, cfg.vqa)
-    work = work or os.path.join(tempfile.gettempdir(), "flashmm-flash-build")
+    work = work or str(work_dir("flash_build"))  # per user: never a shared folder under /tmp
     cache_dir = os.path.join(work, "features")
     cached = len(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else 0
     t0 = time.time()
@@ -360,7 +361,8 @@ def _visual_tokens(feature) -> int:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="drafter folder to write")
-    parser.add_argument("--work", default=None, help="feature cache folder (default: a temp-dir folder)")
+    parser.add_argument("--work", default=str(work_dir("flash_build")),
+                        help="feature cache folder (default: %(default)s)")
     defaults = FlashBuildConfig()
     for field in dataclasses.fields(FlashBuildConfig):
         default = getattr(defaults, field.name)
