@@ -10,11 +10,11 @@ from transformers import GenerationConfig
 
 from .config import SpecConfig
 from .drafters.base import Drafter
-from .drafters.saved import resolve_name_or_dir
 from .engine import Decoding, GenerationStats, generate_one
 from .verify_prune import check_prunable
 from .generation import finish, prepare
 from .media_rows import holds_media_tensors, item_media
+from .resolve import resolve_drafter
 from .batched import generate_batch
 from .targets import make_target
 
@@ -25,16 +25,22 @@ class SpeculativeModel:
     """A model plus a drafter; ``generate`` returns what the model's own ``generate`` returns.
 
     Greedy output is token-identical to ``model.generate`` (fp32); sampled output has the same
-    distribution (every verifier but ``typical_lossy`` is lossless).
+    distribution (every verifier but ``typical_lossy`` is lossless). ``drafter`` and
+    ``allow_untrained`` as in ``wrap``.
     """
 
-    def __init__(self, model: torch.nn.Module, drafter: Drafter, processor=None, attention: str = "auto",
-                 linear: str = "auto", cuda_graphs: bool = False, **config):
+    def __init__(self, model: torch.nn.Module, drafter: Drafter | str | os.PathLike, processor=None,
+                 attention: str = "auto", linear: str = "auto", cuda_graphs: bool = False,
+                 allow_untrained: bool = False, **config):
         unknown = set(config) - _SPEC_FIELDS
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; SpecConfig fields are {sorted(_SPEC_FIELDS)}")
         if attention not in ("auto", "triton", "torch"):
             raise ValueError(f"attention must be 'auto', 'triton' or 'torch', got {attention!r}")
+        if drafter is None:
+            raise TypeError("drafter must be a flashmm Drafter, a registered name or a drafter folder, got None")
+        # the one rule for randomly initialised drafters, shared with CaptionPipeline and the CLI
+        drafter = resolve_drafter(drafter, device=getattr(model, "device", None), allow_untrained=allow_untrained)
         self.model = model
         self.processor = processor
         self.spec = SpecConfig(**config)
@@ -148,10 +154,17 @@ class SpeculativeModel:
         return [items[b // expand] for b in range(plan.batch_size)]
 
 
-def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attention: str = "auto",
-         linear: str = "auto", cuda_graphs: bool = False, **config) -> SpeculativeModel:
+def wrap(model: torch.nn.Module, drafter: Drafter | str | os.PathLike, processor=None, attention: str = "auto",
+         linear: str = "auto", cuda_graphs: bool = False, allow_untrained: bool = False,
+         **config) -> SpeculativeModel:
     """Wrap ``model`` for speculative decoding with ``drafter``: an instance, a registered name, or the
-    folder of a trained drafter (``flashmm.drafters.load``).
+    folder of a trained drafter (``flashmm.drafters.load``) or of a saved FLASH drafter.
+
+    A randomly initialised drafter raises ``flashmm.resolve.UntrainedDrafterError`` unless
+    ``allow_untrained=True`` (as ``CaptionPipeline`` and ``--allow-untrained`` on the command line):
+    the name "flash" (it builds a fresh FLASH head), a FlashDrafter without a network, a FLASH folder
+    that records no training. Training-free drafters (prompt_lookup, suffix, lookahead, layerskip, ...)
+    and trained folders are never refused.
 
     config: SpecConfig fields (verifier, max_draft_tokens, ...). ``attention`` picks the tree
     attention path: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". ``linear``
@@ -162,9 +175,5 @@ def wrap(model: torch.nn.Module, drafter: Drafter | str, processor=None, attenti
     bound by kernel launches; the caches and their graphs are kept between calls), single sequences
     and padded batches alike.
     """
-    if isinstance(drafter, (str, os.PathLike)):
-        drafter = resolve_name_or_dir(os.fspath(drafter))
-    if not isinstance(drafter, Drafter):
-        raise TypeError(f"drafter must be a flashmm Drafter or a registered name, got {type(drafter).__name__}")
     return SpeculativeModel(model, drafter, processor=processor, attention=attention, linear=linear,
-                            cuda_graphs=cuda_graphs, **config)
+                            cuda_graphs=cuda_graphs, allow_untrained=allow_untrained, **config)

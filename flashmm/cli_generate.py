@@ -93,7 +93,8 @@ def run_generate(args) -> int:
         spec_model = None
         if drafter is not None:
             spec_model = wrap(model, drafter, processor=processor, attention=args.attention, linear=args.linear,
-                              cuda_graphs=args.cuda_graphs, **spec_kwargs(args))
+                              cuda_graphs=args.cuda_graphs, allow_untrained=args.allow_untrained,
+                              **spec_kwargs(args))
     except (OSError, ValueError, TypeError, ImportError) as err:
         return error("generate", f"cannot set up the model / drafter: {type(err).__name__}: {err}")
     inputs = {k: v.to(model.device) for k, v in prompt_inputs(tokenizer, processor, args.prompt, args.raw).items()}

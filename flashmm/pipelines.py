@@ -264,7 +264,7 @@ class CaptionPipeline:
         self.spec_model = None
         if self.drafter is not None:
             self.spec_model = wrap(model, self.drafter, processor=processor, attention=attention, linear=linear,
-                                   cuda_graphs=cuda_graphs, **spec_config)
+                                   cuda_graphs=cuda_graphs, allow_untrained=allow_untrained, **spec_config)
         self.video_input = self._has_video_path()
 
     def _has_video_path(self) -> bool:

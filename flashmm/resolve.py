@@ -61,11 +61,17 @@ def _untrained(what: str) -> UntrainedDrafterError:
 
 
 def resolve_drafter(drafter, device=None, allow_untrained: bool = False) -> Drafter | None:
-    """A Drafter instance, None, a registered name, or a directory holding a saved FlashDrafter.
+    """A Drafter instance, None, a registered name, a trained drafter's directory (drafter.json) or a
+    directory holding a saved FlashDrafter: what ``flashmm.wrap``, ``CaptionPipeline`` and the CLI
+    are given, resolved by this one function.
 
     A randomly initialised drafter raises UntrainedDrafterError unless ``allow_untrained``: the
     name "flash" (a fresh FLASH head is built for the model), a FlashDrafter without a network,
-    and a saved FLASH directory without a training record (see ``training_record``).
+    and a saved FLASH directory without a training record (see ``training_record``). The only
+    registered name that builds random trainable weights is "flash": the trained drafters (medusa,
+    eagle3, fastdraft, ...) are refused by name (they need their folder, ``make_by_name``) and the
+    rest are training-free (prompt_lookup, suffix, lookahead, rest, token_recycling) or draft with
+    the target's own weights (layerskip, swift).
     """
     if isinstance(drafter, FlashDrafter) and drafter.net is None and not allow_untrained:
         raise _untrained("this FlashDrafter has no network: an untrained one would be built for the model")
@@ -90,5 +96,5 @@ def resolve_drafter(drafter, device=None, allow_untrained: bool = False) -> Draf
         if name == FlashDrafter.name and not allow_untrained:
             raise _untrained(f"the drafter name {name!r} builds a new FLASH head for the model, untrained")
         return make_by_name(name)
-    raise ValueError(f"drafter {name!r} is neither a directory nor a registered drafter name "
+    raise ValueError(f"unknown drafter {name!r}: neither a directory nor a registered drafter name "
                      f"{drafter_names()}")

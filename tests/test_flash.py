@@ -349,7 +349,7 @@ def test_from_target_sizes_from_text_config():
 
 def test_untrained_default_is_built_at_bind(text_target):
     with pytest.warns(UserWarning, match="untrained"):
-        sm = flashmm.wrap(text_target, "flash")
+        sm = flashmm.wrap(text_target, "flash", allow_untrained=True)
     ids = prompt(6, 1)
     assert torch.equal(sm.generate(ids, max_new_tokens=6), text_target.generate(ids, max_new_tokens=6, do_sample=False))
 
