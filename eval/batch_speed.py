@@ -8,8 +8,9 @@ Per batch the methods run back to back in a rotating order: plain batched ``gene
 plain_onednn (the same with oneDNN linear layers, flashmm.onednn), flashmm with each drafter
 verifying all rows together, and flashmm decoding the rows one after another
 (``batching="rows"``). Reported per batch size: total tokens/s (every method is credited with
-plain's token count: rows up to their EOS), speedups, τ, and the share of rows identical to
-plain's output.
+plain's token count: rows up to their EOS), ×plain and ×plain_onednn (over each baseline's
+tokens/s: oneDNN routing and speculation together / speculation alone), τ, and the share of rows
+identical to plain's output.
 """
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, on_onednn, summarize_batches, timed_with_cpu, write_results  # noqa: E402
+from common import (baseline_legend, machine, markdown_table, on_onednn, onednn_baseline_missing,  # noqa: E402
+                    speedup_lines, summarize_batches, timed_with_cpu, write_results)
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
 
 import flashmm  # noqa: E402
 from flashmm.drafters.length import batch_bucket  # noqa: E402
-from flashmm.onednn import resolve_linear_backend  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 
@@ -73,7 +74,8 @@ def main(argv=None):
         return model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False)
 
     methods, wrapped = {"plain": plain}, {}
-    if resolve_linear_backend("auto", model) == "onednn":
+    missing = onednn_baseline_missing(model)
+    if missing is None:
         methods["plain_onednn"] = on_onednn(model, plain)
     for name in args.drafters:
         for mode in ("auto", "rows"):
@@ -112,12 +114,14 @@ def main(argv=None):
             print(size, {n: round(rec["tokens"] / rec[n]["seconds"], 1) for n in names}, flush=True)
 
     summary = summarize_batches(records, names, args.batch_sizes)
-    header = ["batch", "plain tok/s"] + [h for n in names[1:] for h in (f"{n} speedup", f"{n} τ", f"{n} exact")]
+    header = ["batch", "plain tok/s"] + [h for n in names[1:] for h in (f"{n} ×plain", f"{n} ×plain_onednn",
+                                                                       f"{n} τ", f"{n} exact")]
     rows = []
     for size, s in summary.items():
         row = [size, s["plain"]["tok_per_s"]]
         for name in names[1:]:
-            row += [s[name]["speedup"], s[name].get("tau", "-"), f"{s[name]['exact_rate']:.0%}"]
+            row += [s[name]["speedup"], s[name]["over_plain_onednn"], s[name].get("tau", "-"),
+                    f"{s[name]['exact_rate']:.0%}"]
         rows.append(row)
     batched = [n for n in names if n.startswith("flashmm:") and not n.endswith(":rows")]
     extra = [[size] + [s[n]["tok_per_s"] / s[n + ":rows"]["tok_per_s"] for n in batched]
@@ -125,12 +129,15 @@ def main(argv=None):
     info = machine()
     md = (f"# Batched text speed: {args.model}, greedy, {args.max_new_tokens} new tokens\n\n"
           f"Machine: {info}\n\nCommand: `python eval/batch_speed.py {' '.join(argv or sys.argv[1:])}`\n\n"
-          "speedup = total tokens/s of the method / that of the model's own batched `generate` on the same "
-          "batches, interleaved (wall clock); τ = tokens per row per verification forward; exact = rows "
+          + baseline_legend(missing) + "\n\n"
+          "×plain, ×plain_onednn = total tokens/s of the method / that of the baseline's batched `generate` on "
+          "the same batches, interleaved (wall clock); τ = tokens per row per verification forward; exact = rows "
           "identical to plain's.\n\n" + markdown_table(header, rows) + "\n\nBatched over row-by-row "
           "(flashmm verifying all rows together / flashmm decoding them one after another):\n\n"
           + markdown_table(["batch"] + batched, extra) + "\n")
     print(md)
+    for size, s in summary.items():
+        print(speedup_lines(s, names, f"batch {size}, "))
     write_results(args.out, {"machine": info, "args": vars(args), "summary": summary, "records": records}, md)
 
 

@@ -7,11 +7,13 @@ The multimodal counterpart of eval/batch_speed.py. Items are the benchmark's pro
 (tools.reference.flash_build: image captioning and VQA, seeds < 1000, formatted as CaptionPipeline
 formats them; ``--videos`` adds 8-frame clips), collated into left-padded batches
 (flashmm.collate). Per batch the methods run back to back in a rotating order, greedy: the model's
-own batched ``generate``; flashmm with each drafter verifying all rows together (one target forward
-per step); and the same drafter decoding the items one after another (one ``generate`` per item,
-what CaptionPipeline(batch_size=1) does). Reported per batch size: total tokens/s (every method is
-credited with plain's token count: rows up to their EOS), speedups, τ, and the share of rows
-identical to plain's batched output; τ (batched methods) = tokens per row per verification forward.
+own batched ``generate`` (plain) and the same with every linear layer on oneDNN (plain_onednn, as
+flashmm routes its own forwards on CPU); flashmm with each drafter verifying all rows together (one
+target forward per step); and the same drafter decoding the items one after another (one
+``generate`` per item, what CaptionPipeline(batch_size=1) does). Reported per batch size: total
+tokens/s (every method is credited with plain's token count: rows up to their EOS), ×plain and
+×plain_onednn (oneDNN routing and speculation together / speculation alone), τ, and the share of
+rows identical to plain's batched output; τ (batched methods) = tokens per row per verification forward.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import machine, markdown_table, summarize_batches, timed_with_cpu, write_results  # noqa: E402
+from common import (baseline_legend, machine, markdown_table, on_onednn, onednn_baseline_missing,  # noqa: E402
+                    speedup_lines, summarize_batches, timed_with_cpu, write_results)
 
 import flashmm  # noqa: E402
 from flashmm.collate import collate  # noqa: E402
@@ -72,6 +75,9 @@ def main(argv=None):
         return model.generate(**collate(rows, pad), max_new_tokens=n, do_sample=False)
 
     methods, wrapped = {"plain": plain}, {}
+    missing = onednn_baseline_missing(model)
+    if missing is None:
+        methods["plain_onednn"] = on_onednn(model, plain)
     for name in args.drafters:
         drafter = FlashDrafter.from_pretrained(default_assets_dir() / "flash_drafter") if name == "flash" else name
         sm = flashmm.wrap(model, drafter, processor=processor)
@@ -110,25 +116,30 @@ def main(argv=None):
             print(size, {nm: round(rec["tokens"] / rec[nm]["seconds"], 1) for nm in names}, flush=True)
 
     summary = summarize_batches(records, names, args.batch_sizes)
-    header = ["batch", "plain tok/s"] + [h for nm in names[1:] for h in (f"{nm} tok/s", f"{nm} speedup", f"{nm} τ", f"{nm} exact")]
+    header = ["batch", "plain tok/s"] + [h for nm in names[1:] for h in (f"{nm} tok/s", f"{nm} ×plain",
+                                                                         f"{nm} ×plain_onednn", f"{nm} τ", f"{nm} exact")]
     table = []
     for size, s in summary.items():
         row = [size, s["plain"]["tok_per_s"]]
         for name in names[1:]:
-            row += [s[name]["tok_per_s"], s[name]["speedup"], s[name].get("tau", "-"), f"{s[name]['exact_rate']:.0%}"]
+            row += [s[name]["tok_per_s"], s[name]["speedup"], s[name]["over_plain_onednn"], s[name].get("tau", "-"),
+                    f"{s[name]['exact_rate']:.0%}"]
         table.append(row)
-    batched = [nm for nm in names if nm != "plain" and not nm.endswith(":rows")]
+    batched = [nm for nm in wrapped if not nm.endswith(":rows")]
     extra = [[size] + [s[nm]["tok_per_s"] / s[nm + ":rows"]["tok_per_s"] for nm in batched]
              for size, s in summary.items()]
     info = machine()
     md = (f"# Batched multimodal speed: reference LMM, greedy, {n} new tokens\n\n"
           f"Machine: {info}\n\nCommand: `python eval/batch_speed_mm.py {' '.join(argv or sys.argv[1:])}`\n\n"
-          "speedup = total tokens/s of the method / that of the model's own batched `generate` on the same "
-          "batches, interleaved (wall clock); `:rows` = one `generate` per item; exact = rows identical to "
-          "plain's batched output.\n\n" + markdown_table(header, table) + "\n\nBatched over row by row "
+          + baseline_legend(missing) + "\n\n"
+          "×plain, ×plain_onednn = total tokens/s of the method / that of the baseline's batched `generate` on "
+          "the same batches, interleaved (wall clock); `:rows` = one `generate` per item; exact = rows identical "
+          "to plain's batched output.\n\n" + markdown_table(header, table) + "\n\nBatched over row by row "
           "(flashmm verifying all rows together / one generate per item):\n\n"
           + markdown_table(["batch"] + batched, extra) + "\n")
     print(md)
+    for size, s in summary.items():
+        print(speedup_lines(s, names, f"batch {size}, "))
     write_results(args.out, {"machine": info, "args": vars(args), "summary": summary, "records": records}, md)
 
 

@@ -2,14 +2,17 @@
 
     python eval/cascade_drafts.py --max-new-tokens 128 --out eval/results/cascade_smollm2
 
-Methods (greedy, one question at a time, in a rotating order against plain ``model.generate``):
+Methods (greedy, one question at a time, in a rotating order against two baselines: plain
+``model.generate``, and plain_onednn, the same with every linear layer on oneDNN as flashmm routes
+its own forwards on CPU):
 FastDraft alone and inside a VerticalCascade (prompt lookup guesses verified by the draft LM), both
 with their adaptive length (the cascade also with ``reprice=True``) and at a fixed depth
 (``--depth``: every step drafts that many tokens, so the draft forwards per step compare like for
 like: the vertical chain is FastDraft's own chain);
 a HorizontalCascade (FastDraft for the first positions, prompt lookup for the rest); prompt lookup
 alone. Draft-LM forwards are counted with a forward hook on the draft LM (independent of what the
-drafters count). Timings on a shared machine are noise: they are reported "under load".
+drafters count). Timings on a shared machine are noise: they are reported "under load", as CPU-time
+×plain and ×plain_onednn (oneDNN routing and speculation together / speculation alone).
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import machine, markdown_table, timed_with_cpu, write_results  # noqa: E402
+from common import (BASELINES, baseline_legend, machine, markdown_table, on_onednn,  # noqa: E402
+                    onednn_baseline_missing, over, speedup_lines, timed_with_cpu, write_results)
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
 
 import flashmm  # noqa: E402
@@ -78,7 +82,8 @@ def main(argv=None):
     for name, (drafter, lm) in methods(args.depth).items():
         wrapped[name] = flashmm.wrap(model, drafter)   # binds: measures verify / draft costs (cached)
         counters[name] = Counter(lm)
-    names = ["plain", *wrapped]
+    missing = onednn_baseline_missing(model)
+    names = ["plain", *(["plain_onednn"] if missing is None else []), *wrapped]
     warm = tokenizer("Hello", return_tensors="pt").input_ids
     for sm in wrapped.values():
         sm.generate(warm, max_new_tokens=4)
@@ -90,8 +95,9 @@ def main(argv=None):
         ids = tokenizer(text, return_tensors="pt").input_ids
         rec, outs = {"id": q["question_id"], "category": q["category"]}, {}
         for name in names[qi % len(names):] + names[: qi % len(names)]:
-            if name == "plain":
+            if name in BASELINES:
                 fn = lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # noqa: E731
+                fn = on_onednn(model, fn) if name == "plain_onednn" else fn
             else:
                 fn = (lambda sm: lambda: sm.generate(ids, max_new_tokens=args.max_new_tokens))(wrapped[name])
                 counters[name].calls = 0
@@ -99,7 +105,7 @@ def main(argv=None):
             before = None if counted is None else dict(vars(counted))
             outs[name], seconds, cpu = timed_with_cpu(fn)
             rec[name] = {"seconds": seconds, "cpu_seconds": cpu, "new_tokens": outs[name].shape[1] - ids.shape[1]}
-            if name != "plain":
+            if name in wrapped:
                 st = wrapped[name].last_stats
                 rec[name].update(verify_steps=st.verify_steps, drafted=st.drafted_tokens,
                                  accepted=st.accepted_tokens, draft_forwards=counters[name].calls)
@@ -110,36 +116,61 @@ def main(argv=None):
             rec[name]["exact"] = bool(torch.equal(outs[name], outs["plain"]))
         records.append(rec)
         print(f"{qi + 1}/{len(questions)} {q['category']}", flush=True)
-        report(args, argv, records, names)
+        report(args, argv, records, names, missing)
+    print(speedup_lines(summarize(records, names), names, "CPU time, ", CPU_KEYS))
 
 
-def report(args, argv, records, names):
-    rows = []
-    plain_tps = sum(r["plain"]["new_tokens"] for r in records) / sum(r["plain"]["cpu_seconds"] for r in records)
+#: the summary's keys of ×plain and ×plain_onednn (CPU time, under load)
+CPU_KEYS = ("cpu_speedup_under_load", "cpu_over_plain_onednn_under_load")
+
+
+def summarize(records: list[dict], names: list[str]) -> dict:
+    """Per method: CPU-time tokens/s over plain's and over plain_onednn's (CPU_KEYS; None where
+    plain_onednn did not run), each total tokens / total CPU seconds, exact share; for flashmm methods
+    also τ, drafted and draft-LM forwards per step, and the raw totals."""
+    def cpu_rate(name):
+        return sum(r[name]["new_tokens"] for r in records) / sum(r[name]["cpu_seconds"] for r in records)
+
+    plain_tps = cpu_rate("plain")
+    onednn_tps = cpu_rate("plain_onednn") if "plain_onednn" in names else None
     summary = {}
     for name in names[1:]:
-        tot = {k: sum(r[name][k] for r in records) for k in
-               ("new_tokens", "cpu_seconds", "verify_steps", "drafted", "accepted", "draft_forwards")}
-        s = {"tau": (tot["accepted"] + tot["verify_steps"]) / max(tot["verify_steps"], 1),
-             "drafted_per_step": tot["drafted"] / max(tot["verify_steps"], 1),
-             "draft_forwards_per_step": tot["draft_forwards"] / max(tot["verify_steps"], 1),
-             "draft_forwards_per_drafted": tot["draft_forwards"] / max(tot["drafted"], 1),
-             "exact": sum(r[name]["exact"] for r in records) / len(records),
-             "cpu_speedup_under_load": (tot["new_tokens"] / tot["cpu_seconds"]) / plain_tps, **tot}
+        tps = cpu_rate(name)
+        s = {CPU_KEYS[0]: tps / plain_tps, CPU_KEYS[1]: over(tps, onednn_tps),
+             "exact": sum(r[name]["exact"] for r in records) / len(records)}
+        if name not in BASELINES:
+            tot = {k: sum(r[name][k] for r in records) for k in
+                   ("new_tokens", "cpu_seconds", "verify_steps", "drafted", "accepted", "draft_forwards")}
+            s.update({"tau": (tot["accepted"] + tot["verify_steps"]) / max(tot["verify_steps"], 1),
+                      "drafted_per_step": tot["drafted"] / max(tot["verify_steps"], 1),
+                      "draft_forwards_per_step": tot["draft_forwards"] / max(tot["verify_steps"], 1),
+                      "draft_forwards_per_drafted": tot["draft_forwards"] / max(tot["drafted"], 1), **tot})
         if "guessed" in records[0][name]:
             s["guessed"] = sum(r[name]["guessed"] for r in records)
             s["kept"] = sum(r[name]["kept"] for r in records)
         summary[name] = s
-        rows.append([name, f"{s['tau']:.3f}", f"{s['drafted_per_step']:.2f}", f"{s['draft_forwards_per_step']:.2f}",
-                     f"{s['draft_forwards_per_drafted']:.2f}",
+    return summary
+
+
+def report(args, argv, records, names, missing=None):
+    """Write the table and records so far; missing: why plain_onednn was not timed (None: it was)."""
+    summary = summarize(records, names)
+    rows = []
+    for name, s in summary.items():
+        def cell(key, fmt):
+            return fmt.format(s[key]) if key in s else "-"
+        rows.append([name, cell("tau", "{:.3f}"), cell("drafted_per_step", "{:.2f}"),
+                     cell("draft_forwards_per_step", "{:.2f}"), cell("draft_forwards_per_drafted", "{:.2f}"),
                      f"{s['kept']} / {s['guessed']}" if "guessed" in s else "-",
-                     f"{s['exact']:.0%}", f"{s['cpu_speedup_under_load']:.2f}"])
+                     f"{s['exact']:.0%}", s[CPU_KEYS[0]], s[CPU_KEYS[1]]])
     md = (f"# Cascade drafting: SmolLM2 + FastDraft, greedy, {args.max_new_tokens} new tokens, "
           f"{len(records)} dev questions ({', '.join(r['category'] for r in records)})\n\n"
           f"Command: `python eval/cascade_drafts.py {' '.join(argv or sys.argv[1:])}`\n\nMachine: {machine()}, "
-          "shared with other jobs: the speedups (CPU time against plain generate, same run) are under load.\n\n"
+          "shared with other jobs: the ratios (CPU seconds, total tokens / total CPU seconds against each "
+          "baseline, same run) are under load.\n\n" + baseline_legend(missing) + "\n\n"
           + markdown_table(["method", "τ", "drafted / step", "draft-LM forwards / step", "forwards / drafted token",
-                            "lookup guesses kept", "exact", "CPU-time speedup (under load)"], rows) + "\n")
+                            "lookup guesses kept", "exact", "CPU-time ×plain (under load)",
+                            "CPU-time ×plain_onednn (under load)"], rows) + "\n")
     write_results(args.out, {"args": vars(args), "summary": summary, "records": records}, md)
     print(md)
 

@@ -65,6 +65,54 @@ def on_onednn(model, fn):
     return run
 
 
+# ------------------------------------------------------------------ the two baselines of a CPU speed table
+#: plain ``generate`` as the model comes (its own linear layers), and the same ``generate`` with every
+#: linear layer on oneDNN as flashmm routes its own forwards on CPU (flashmm.onednn): flashmm over the
+#: first mixes that routing with speculation, flashmm over the second is speculation alone
+BASELINES = ("plain", "plain_onednn")
+
+
+def onednn_baseline_missing(model, wanted: bool = True) -> str | None:
+    """None where the plain_onednn baseline runs for ``model``, else why it does not (for the legend)."""
+    from flashmm.onednn import resolve_linear_backend  # noqa: PLC0415
+
+    if not wanted:
+        return "turned off with --no-plain-onednn"
+    if resolve_linear_backend("auto", model) != "onednn":
+        return ("flashmm keeps this model's own linear layers here (oneDNN routing needs an fp32 model on an x86-64 "
+                "CPU and a torch with oneDNN), so ×plain is already speculation alone")
+    return None
+
+
+def baseline_legend(missing: str | None = None) -> str:
+    """The one-line legend of the ×plain and ×plain_onednn columns; ``missing``: why plain_onednn was
+    not measured (the ×plain_onednn column is then empty, and the legend says so)."""
+    legend = ("×plain = tokens/s of the method / tokens/s of plain `model.generate` with the model's own linear "
+              "layers (flashmm's oneDNN routing and speculation together); ×plain_onednn = the same over plain "
+              "`generate` with every linear layer on oneDNN as flashmm routes them (flashmm.onednn: speculation "
+              "alone); both baselines timed in the same interleaved run.")
+    if missing:
+        legend += f" **×plain_onednn is missing from this table**: plain_onednn was not measured ({missing})."
+    return legend
+
+
+def over(rate: float, baseline_rate: float | None) -> float | None:
+    """rate / baseline_rate; None where the baseline was not measured (shown "-" in tables)."""
+    if baseline_rate is None:
+        return None
+    return rate / baseline_rate if baseline_rate > 0 else float("nan")
+
+
+def speedup_lines(group: dict, names: list[str], label: str = "",
+                  keys: tuple[str, str] = ("speedup", "over_plain_onednn")) -> str:
+    """Console lines "LABELname: A× plain generate, B× plain_onednn" of one summary group {name: {keys[0]:
+    ×plain, keys[1]: ×plain_onednn or None}}, one per name but plain."""
+    def fmt(x):
+        return "-" if x is None else f"{x:.2f}×"
+    return "\n".join(f"{label}{name}: {fmt(group[name][keys[0]])} plain generate, "
+                     f"{fmt(group[name].get(keys[1]))} plain_onednn" for name in names if name != "plain")
+
+
 def parse_options(options: str) -> dict:
     """``key=value,...`` → {key: value}, each value a Python literal where it parses, else the string
     (the options of a ``--drafters NAME_OR_DIR:key=value,...`` argument)."""
@@ -86,24 +134,27 @@ def median(xs):
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
     def fmt(x):
-        return f"{x:.3f}" if isinstance(x, float) else str(x)
+        return f"{x:.3f}" if isinstance(x, float) else "-" if x is None else str(x)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
 def summarize_batches(records: list[dict], names: list[str], batch_sizes) -> dict:
-    """Per batch size and method: total tokens/s, speedup over "plain", share of rows identical to
-    plain's, and τ (tokens per row per verification forward) where the records carry verify steps."""
+    """Per batch size and method: total tokens/s, speedup over "plain" and over_plain_onednn (over
+    "plain_onednn", None where it did not run), share of rows identical to plain's, and τ (tokens
+    per row per verification forward) where the records carry verify steps. Every method of a batch is
+    credited with the same ``tokens``."""
     summary = {}
     for size in batch_sizes:
         rs = [r for r in records if r["batch_size"] == size]
         tokens = sum(r["tokens"] for r in rs)
         plain_tps = tokens / sum(r["plain"]["seconds"] for r in rs)
+        onednn_tps = tokens / sum(r["plain_onednn"]["seconds"] for r in rs) if "plain_onednn" in names else None
         summary[size] = {}
         for name in names:
             tps = tokens / sum(r[name]["seconds"] for r in rs)
-            m = {"tok_per_s": tps, "speedup": tps / plain_tps,
+            m = {"tok_per_s": tps, "speedup": tps / plain_tps, "over_plain_onednn": over(tps, onednn_tps),
                  "exact_rate": sum(r[name]["exact_rows"] for r in rs) / sum(r[name]["rows"] for r in rs)}
             if "verify_steps" in rs[0][name]:
                 steps = sum(r[name]["verify_steps"] for r in rs)

