@@ -12,7 +12,7 @@ included), then, each step, the kept path rows of every row written side by side
 different numbers of tokens per step, so a row's slots past its own kept count are holes:
 ``valid[b, s]`` says whether slot s of row b holds a real token and ``slot_pos[b, s]`` its
 position id. Masks come from ``valid`` (holes and padding are never attended to); positions
-and sliding windows from ``slot_pos``, so each row attends exactly what ``model.generate``
+and sliding windows (or attention chunks) from ``slot_pos``, so each row attends exactly what ``model.generate``
 attends in the same batch. The kernel applies a window as one first visible slot per node
 (a row's real slots have increasing positions); a step whose deepest tree reaches past the
 window runs on the 4D-mask path instead, as the single-sequence target does. Rows that finish
@@ -109,12 +109,11 @@ def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dt
     allowed_tree, depth = padded_trees(trees, state.valid.device)                 # [B, W, W], [B, W]
     q_pos = state.root_pos[:, None] + depth                                       # [B, W]
     allowed = torch.cat([state.valid[:, None, :].expand(-1, width, -1), allowed_tree], dim=2)  # [B, W, L+W]
+    k_pos = torch.cat([state.slot_pos, q_pos], dim=1)                             # [B, L+W]
     masks = {}
-    for layer_type in target.mask_types:
-        keep = allowed
-        if layer_type == "sliding_attention" and target.window is not None:
-            k_pos = torch.cat([state.slot_pos, q_pos], dim=1)                     # [B, L+W]
-            keep = allowed & ((q_pos[:, :, None] - k_pos[:, None, :]) < target.window)
+    for layer_type in target.layout.mask_types:
+        visible = target.layout.visible(layer_type, q_pos, k_pos)                 # [B, W, L+W]: window / chunk
+        keep = allowed if visible is None else allowed & visible
         bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
         masks[layer_type] = bias.masked_fill_(~keep, torch.finfo(dtype).min)[:, None]
     return masks, q_pos

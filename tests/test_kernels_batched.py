@@ -28,6 +28,7 @@ from flashmm.batched import BatchState, tree_masks  # noqa: E402
 from flashmm.drafters import DraftModel, PromptLookup  # noqa: E402
 from flashmm.kernels.attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
 from flashmm.kernels.hf_attention import TreeAttentionSwitch, tree_attention_kwargs  # noqa: E402
+from flashmm.targets.layout import AttentionLayout  # noqa: E402
 from flashmm.tree import pack_mask, padded_trees  # noqa: E402
 
 from test_kernels_tree_attention import brute_force, make_inputs, run_poisoned  # noqa: E402
@@ -144,8 +145,8 @@ def test_padded_row_trees_through_both_backends_equal_the_additive_mask():
                                root_pos=valid.long().sum(1).to(DEVICE), offset=torch.zeros(bsz, dtype=torch.long))
             positions = state.root_pos[:, None] + padded_trees(trees, DEVICE)[1]
             if path in ("mask", "unwindowed"):
-                layers = SimpleNamespace(mask_types=["full_attention", "sliding_attention"],
-                                         window=8 if path == "mask" else None)
+                layers = SimpleNamespace(layout=AttentionLayout(("full_attention", "sliding_attention"),
+                                                                window=8 if path == "mask" else None, chunk=None))
                 masks, _ = tree_masks(layers, state, trees, width, model.dtype)
                 logits[path] = model(input_ids=tokens, attention_mask=masks, position_ids=positions,
                                      **{cache_argument(model): cache}, use_cache=True).logits

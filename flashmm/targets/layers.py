@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from .. import cache as kv
 from ..tree import TokenTree
+from .layout import SLIDING, attention_layout
 
 #: model_type of the families whose layers LayerRunner composes (pre-norm attention + MLP, one final norm)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -47,8 +48,11 @@ class LayerRunner:
         self.inner = model.model
         self.layers = list(self.inner.layers[: model.config.num_hidden_layers])
         self.lm_head = model.get_output_embeddings()
-        self.window = getattr(model.config, "sliding_window", None) \
-            if getattr(model.config, "use_sliding_window", True) else None
+        # the sliding window read as generate reads it (flashmm.targets.layout), applied to every layer: these
+        # masks serve drafting only (a model that mixes full and sliding layers drafts through approximate masks;
+        # the target verifies with its exact ones)
+        layout = attention_layout(model.config)
+        self.window = layout.window if SLIDING in layout.mask_types else None
 
     @property
     def num_layers(self) -> int:

@@ -2,8 +2,9 @@
 
 Tree steps pass the model a 4D additive mask (prefix fully visible, tree by ancestry),
 ``position_ids = prefix_len + depth`` and our own ``DynamicCache``, all through the model's
-public forward arguments. Sliding-window layers get a mask with the window applied (a dict
-keyed by layer type when a model mixes full and sliding layers, as Gemma 3 does).
+public forward arguments. Sliding-window and chunked-attention layers get a mask with the window or
+chunk applied (a dict keyed by layer type when a model mixes layer types, as Gemma 3 and Llama 4 do),
+read from the config as ``generate`` reads it (flashmm.targets.layout).
 
 Hybrid and recurrent models (conv / SSM / linear-attention layers in their cache) keep their states
 through flashmm.targets.recurrent: snapshot before each verification, replay of the accepted tokens
@@ -12,8 +13,8 @@ on partial acceptance, chains in one forward (trees one branch per forward); PyT
 With the Triton backend, tree forwards instead pass the packed tree mask to the tree kernel,
 switched on around each tree forward only: the prefill always runs the attention implementation
 the user loaded the model with. A model whose attention the kernel does not compute (soft-capped
-logits, attention sinks) is verified through the PyTorch path, decided at wrap time with one
-warning; so is any tree deeper than a sliding window (one warning per wrapped model).
+logits, attention sinks, chunked attention) is verified through the PyTorch path, decided at wrap time
+with one warning; so is any tree deeper than a sliding window (one warning per wrapped model).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..tree import TokenTree
 from . import recurrent
 from .base import Target, TargetOutput, select_hidden
+from .layout import CHUNKED, SLIDING, attention_layout
 from .support import derived_position_modules, generate_position_ids, positions_given, takes_position_ids
 
 
@@ -58,6 +60,8 @@ class CausalLMTarget(Target):
             self.backend = "torch"
         self.linear_backend = resolve_linear_backend(linear, model)
         self._linears = nullcontext()
+        #: which keys each layer type sees (sliding windows, chunks), read from the config as generate reads it
+        self.layout = attention_layout(self.text_config)
         # the Triton backend's TreeAttentionSwitch; None where the kernel cannot run this model
         self._tree_attention = self._tree_attention_switch(model) if self.backend == "triton" else None
         if self._tree_attention is None:
@@ -71,12 +75,6 @@ class CausalLMTarget(Target):
             self.batchable = False  # batched tree forwards pass position_ids only; rows get the override
         self._cache = None
         self._tree_prefix_len = None
-        layer_types = getattr(self.text_config, "layer_types", None) or []
-        window = getattr(self.text_config, "sliding_window", None)
-        if not layer_types and window and getattr(self.text_config, "use_sliding_window", True):
-            layer_types = ["sliding_attention"]
-        self._mask_types = sorted(set(layer_types)) or ["full_attention"]
-        self._window = window
         #: verification on a SlotCache with CUDA-graph replays (use_cuda_graphs; flashmm.graphs)
         self.cuda_graphs = False
         self._graphs: graphs.GraphedForwards | None = None        # single sequences
@@ -88,7 +86,7 @@ class CausalLMTarget(Target):
         padded batches (flashmm.batched) on another. Raises ValueError for a model whose forwards cannot
         be replayed with fixed shapes."""
         why = ("keeps recurrent states" if self.recurrent else "derives its own positions" if self.derives_positions
-               else "has sliding-window layers" if "sliding_attention" in self._mask_types else None)
+               else "has sliding-window or chunked-attention layers" if self.layout.restricted else None)
         if why:
             raise ValueError(f"cuda_graphs: {type(self.model).__name__} {why}, which flashmm's graph-replayed "
                              "verification does not handle; wrap it without cuda_graphs")
@@ -120,16 +118,6 @@ class CausalLMTarget(Target):
         """A tree forward run outside forward_tree (ProPD, flashmm.verify_prune) appended its rows after
         prefix_len cached rows: commit keeps the accepted ones after it."""
         self._tree_prefix_len = prefix_len
-
-    @property
-    def mask_types(self) -> list[str]:
-        """The attention layer types whose masks a tree forward passes ("full_attention", ...)."""
-        return self._mask_types
-
-    @property
-    def window(self) -> int | None:
-        """The sliding window of "sliding_attention" layers, or None."""
-        return self._window
 
     def linears(self):
         """The context flashmm's forwards of the model (prefill and tree forwards) run its linear
@@ -179,13 +167,17 @@ class CausalLMTarget(Target):
         """The TreeAttentionSwitch, or None (with one warning) when the kernel cannot run ``model``."""
         from ..kernels import TreeAttentionSwitch, TreeAttentionUnsupported  # noqa: PLC0415 (no triton)
 
-        try:
-            return TreeAttentionSwitch(model)
-        except TreeAttentionUnsupported as unsupported:
-            warnings.warn(f"{type(model).__name__}: the Triton tree-attention kernel does not implement "
-                          f"{unsupported}, so flashmm verifies with the PyTorch path (attention='torch'): "
-                          "the same tokens, without the Triton kernels", stacklevel=4)
-            return None
+        if CHUNKED in self.layout.mask_types:
+            unsupported = f"chunked attention (attention_chunk_size={self.layout.chunk})"
+        else:
+            try:
+                return TreeAttentionSwitch(model)
+            except TreeAttentionUnsupported as error:
+                unsupported = str(error)
+        warnings.warn(f"{type(model).__name__}: the Triton tree-attention kernel does not implement "
+                      f"{unsupported}, so flashmm verifies with the PyTorch path (attention='torch'): "
+                      "the same tokens, without the Triton kernels", stacklevel=4)
+        return None
 
     def _start_slots(self, prompt_len: int) -> None:
         self._graphs = self._emptied(self._graphs, 1, prompt_len)
@@ -297,7 +289,7 @@ class CausalLMTarget(Target):
         tree as deep as the window); warns the first time it cannot."""
         from ..kernels import fits_window  # noqa: PLC0415 (imports no triton)
 
-        window = self._window if "sliding_attention" in self._mask_types else None
+        window = self.layout.window if SLIDING in self.layout.mask_types else None
         if fits_window(tree.max_depth, window):
             return True
         if not self._warned_window:
@@ -316,7 +308,7 @@ class CausalLMTarget(Target):
 
             return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size),
                         **tree_attention_kwargs(tree, prefix_len, batch_size, self.device, backend="triton"))
-        if tree.is_chain and self._window is None and not self.explicit_chain_positions:
+        if tree.is_chain and not self.layout.restricted and not self.explicit_chain_positions:
             # a chain needs nothing but the model's own causal mask, and the positions generate
             # gives it (models that derive their own, e.g. RoBERTa's padding offset, differ)
             return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size)) \
@@ -347,21 +339,14 @@ class CausalLMTarget(Target):
 
     def tree_attention_mask(self, tree: TokenTree, prefix_len: int):
         """4D additive mask [1, 1, N, prefix_len + N], or a dict of them by layer type."""
-        dtype = self.model.dtype
-        full = tree.attention_bias(prefix_len, dtype, self.device)
+        full = tree.attention_bias(prefix_len, self.model.dtype, self.device)  # [1, 1, N, P + N]
+        q_pos = tree.positions(prefix_len).to(self.device)                     # [N]
+        k_pos = torch.cat([torch.arange(prefix_len, device=self.device), q_pos])  # [P + N]
         masks = {}
-        for layer_type in self._mask_types:
-            if layer_type == "sliding_attention" and self._window is not None:
-                masks[layer_type] = self._apply_window(full, tree, prefix_len)
-            else:
-                masks[layer_type] = full
+        for layer_type in self.layout.mask_types:
+            visible = self.layout.visible(layer_type, q_pos, k_pos)  # [N, P + N] or None (window / chunk)
+            masks[layer_type] = full if visible is None else \
+                full.masked_fill(~visible[None, None], torch.finfo(full.dtype).min)
         if len(masks) == 1:
             return next(iter(masks.values()))
         return masks
-
-    def _apply_window(self, bias: torch.Tensor, tree: TokenTree, prefix_len: int) -> torch.Tensor:
-        # HF sliding windows: key position k is visible from query position q iff q - k < window.
-        q_pos = tree.positions(prefix_len).to(bias.device)  # [N]
-        k_pos = torch.cat([torch.arange(prefix_len, device=bias.device), q_pos])  # [P+N]
-        outside = (q_pos[:, None] - k_pos[None, :]) >= self._window
-        return bias.masked_fill(outside[None, None], torch.finfo(bias.dtype).min)
