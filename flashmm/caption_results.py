@@ -8,14 +8,25 @@ Under a multi-process launch each process writes its own shard file beside ``--o
 carry ``input_index`` (the item's position in the run's input list). ``merge_shards`` appends the
 shards' results to ``--out`` in input order, one line per key (its last successful line, else its
 last line), skipping keys ``--out`` already holds as captioned, then deletes the shard files.
+
+One run at a time per ``--out``: ``OutputLock`` (an exclusive ``flock`` on ``<out>.lock``, held by
+the single process or by process 0 of a launch for the whole run, merge included) refuses a
+second run, which would caption every item again, and ``caption-merge`` during a run.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows)
+    fcntl = None
 
 KEY_FIELDS = ("path", "prompt", "model", "drafter", "settings")
 INDEX_FIELD = "input_index"  # shard lines only; removed by the merge
@@ -69,6 +80,18 @@ def open_for_append(path: str):
     if _needs_newline(path):
         fh.write("\n")
     return fh
+
+
+def check_writable(path: str) -> None:
+    """Raise OSError naming why ``path`` cannot be appended to: its folder cannot be made, it is a
+    directory, or it exists and cannot be opened for writing. A file that does not exist yet is not
+    created here (OutputLock's lock file beside it proves the folder is writable)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    if os.path.exists(path):
+        with open(path, "a", encoding="utf-8"):
+            pass
 
 
 def _needs_newline(path: str) -> bool:
@@ -153,3 +176,81 @@ def merge_shards(out_path: str, keep_shards: bool = False) -> MergeSummary:
         for path in files:
             os.remove(path)
     return summary
+
+
+# ----------------------------------------------------------------------------------- one run per --out
+class OutputLockedError(RuntimeError):
+    """Another process holds the lock of this ``--out`` (``pid``: its process id, None if unknown)."""
+
+    def __init__(self, out_path: str, lock_path: str, pid: int | None):
+        holder = f"pid {pid}" if pid is not None else "pid unknown"
+        super().__init__(f"{out_path} is being written by another flashmm caption run ({holder}; lock file "
+                         f"{lock_path}); wait for it to finish, or give this run another --out")
+        self.out_path, self.lock_path, self.pid = out_path, lock_path, pid
+
+
+class OutputLock:
+    """An exclusive lock on ``out_path`` for one caption run: ``flock`` on ``<out_path>.lock``,
+    which records the holder's pid. Taken without waiting (OutputLockedError when held); the kernel
+    drops it when the holder exits or is killed, so a killed run blocks nothing; ``release``
+    removes the file. Without ``fcntl`` (Windows) nothing is locked, with a warning.
+
+        with OutputLock(out_path):   # OutputLockedError / OSError (cannot create the lock file)
+            ...                      # append to out_path, merge shards into it
+    """
+
+    def __init__(self, out_path: str):
+        self.out_path, self.path = out_path, out_path + ".lock"
+        self._fd = None
+        if fcntl is None:
+            warnings.warn(f"cannot lock {out_path} on this platform (no fcntl): two runs on it at once would "
+                          "caption every item twice", stacklevel=2)
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        while self._fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = _read_pid(fd)
+                os.close(fd)
+                raise OutputLockedError(out_path, self.path, pid) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, self.path):
+                self._fd = fd
+            else:  # the holder released (and removed) it between our open and our flock: lock the new file
+                os.close(fd)
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.remove(self.path)  # while still held, so a process that opened it retries on a new file
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> OutputLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip())
+    except (OSError, ValueError):  # empty: the holder has locked but not yet written its pid
+        return None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False

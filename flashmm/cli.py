@@ -10,6 +10,10 @@ so an interrupted run loses nothing) or to stdout. Progress goes to stderr. Resu
 records what decided its caption (path, prompt, model, drafter, settings); a rerun skips an item
 only when a line with the same five fields captioned it successfully (the last such line
 decides), so a rerun with another prompt, model, drafter or decoding setting captions again.
+Every input is accounted for: a file that cannot be read, a video cut short and a directory that
+cannot be listed each get an error line (and a rerun tries them again). One run at a time per
+--out: a second run on the same --out (also ``caption-merge``) exits 2 naming the first one's pid
+and the lock file ``--out`` + ``.lock`` (flashmm.caption_results.OutputLock).
 
 Many processes (``accelerate launch -m flashmm caption ...``, ``torchrun -m flashmm caption ...``, any
 number of GPUs or machines): process r of n captions the items i with i % n == r (i: position
@@ -30,7 +34,8 @@ model's generation_config, as with ``model.generate``. A randomly initialised dr
 
 Exit status: 0 when every item was captioned (or already done), 1 when any item failed
 (its line carries "error"), 2 for usage / setup errors (bad options, model or drafter that
-cannot be loaded, no inputs).
+cannot be loaded, no inputs, an --out that cannot be written or that another run is writing),
+found before the model loads.
 """
 from __future__ import annotations
 
@@ -39,8 +44,9 @@ import json
 import os
 import sys
 
-from .caption_results import (INDEX_FIELD, KEY_FIELDS, MergeSummary, key_of, merge_shards,  # noqa: F401
-                              open_for_append, read_done, read_records, shard_files, shard_path)
+from .caption_results import (INDEX_FIELD, KEY_FIELDS, MergeSummary, OutputLock, OutputLockedError,  # noqa: F401
+                              check_writable, key_of, merge_shards, open_for_append, read_done, read_records,
+                              shard_files, shard_path)
 from .config import VERIFIERS
 from .distributed import ProcessGroup, ProcessInfo, local_device, process_info
 from .pipelines import DEFAULT_PROMPTS, IMAGE_SUFFIXES, VIDEO_SUFFIXES, expand_paths, media_kind
@@ -136,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_decoding_options(args) -> str | None:
     """The first invalid shared option as an error message, or None."""
-    if args.max_new_tokens < 0:
-        return "--max-new-tokens must be >= 0"
+    if args.max_new_tokens < 1:  # transformers' generate refuses 0 too
+        return "--max-new-tokens must be >= 1"
     if args.max_draft_tokens is not None and args.max_draft_tokens < 0:
         return "--max-draft-tokens must be >= 0"
     if args.temperature is not None and not args.temperature > 0:
@@ -219,23 +225,45 @@ def run_caption(args) -> int:
             return error("caption", f"{info.world_size} processes need --out (each writes its own shard file "
                                     "beside it; they are merged at the end)")
         return caption_shard(args, paths, info)
-    if args.out and shard_files(args.out):  # left by a killed multi-process run: theirs first, in order
-        report_merge(merge_shards(args.out), args.out)
-    done = read_done(args.out) if args.out else set()
-    todo = [(i, p) for i, p in enumerate(paths) if key_of(item_key(p, args)) not in done]
-    report_skipped(len(paths) - len(todo), args.out)
+    if not args.out:
+        return _caption_todo(args, list(enumerate(paths)), None)
+    try:  # before anything loads: a run that cannot write its results, or would write them twice, stops here
+        lock = _lock_output(args.out)
+    except (OutputLockedError, OSError) as err:
+        return error("caption", _output_problem(err, args.out))
+    with lock:
+        if shard_files(args.out):  # left by a killed multi-process run: theirs first, in order
+            report_merge(merge_shards(args.out), args.out)
+        done = read_done(args.out)
+        todo = [(i, p) for i, p in enumerate(paths) if key_of(item_key(p, args)) not in done]
+        report_skipped(len(paths) - len(todo), args.out)
+        return _caption_todo(args, todo, args.out)
+
+
+def _lock_output(out_path: str) -> OutputLock:
+    """The run's lock on --out, once --out is known to be writable (OSError / OutputLockedError)."""
+    check_writable(out_path)
+    return OutputLock(out_path)
+
+
+def _output_problem(err: Exception, out_path: str) -> str:
+    if isinstance(err, OutputLockedError):
+        return str(err)
+    return f"cannot write --out {out_path}: {type(err).__name__}: {err}"
+
+
+def _caption_todo(args, todo: list[tuple[int, str]], out_path: str | None) -> int:
+    """Load the model and caption ``todo`` into ``out_path`` (appended to; None: stdout)."""
     if not todo:
         return EXIT_OK
     try:
         pipe = _build_pipeline(args)
     except (OSError, ValueError, TypeError, ImportError) as err:
         return error("caption", f"cannot set up the model / drafter: {type(err).__name__}: {err}")
-    sink = open_for_append(args.out) if args.out else sys.stdout
-    try:
+    if out_path is None:
+        return _caption_all(pipe, todo, args, sys.stdout)
+    with open_for_append(out_path) as sink:
         return _caption_all(pipe, todo, args, sink)
-    finally:
-        if sink is not sys.stdout:
-            sink.close()
 
 
 def caption_shard(args, paths: list[str], info: ProcessInfo) -> int:
@@ -246,7 +274,24 @@ def caption_shard(args, paths: list[str], info: ProcessInfo) -> int:
         group = ProcessGroup.start(info)
     except (RuntimeError, ValueError) as err:
         return error("caption", str(err))
+    lock = None
     try:
+        # process 0 locks --out for the whole launch (the other processes never write it); every
+        # process checks its shard file; all stop before loading anything if one cannot go on
+        problem, shard = None, shard_path(args.out, info.rank, info.world_size)
+        try:
+            if info.is_main:
+                lock = _lock_output(args.out)
+        except (OutputLockedError, OSError) as err:
+            problem = _output_problem(err, args.out)
+        try:
+            check_writable(shard)
+        except OSError as err:
+            problem = problem or f"cannot write the shard file {shard}: {type(err).__name__}: {err}"
+        if problem:
+            print(f"{_label(info)}: error: {problem}", file=sys.stderr)
+        if group.max(EXIT_USAGE if problem else EXIT_OK) == EXIT_USAGE:
+            return EXIT_USAGE
         # every shard file counts (any process count): a rerun after a kill skips what any process did
         done = read_done(args.out, *shard_files(args.out))
         mine = [(i, p) for i, p in enumerate(paths) if i % info.world_size == info.rank]
@@ -260,7 +305,7 @@ def caption_shard(args, paths: list[str], info: ProcessInfo) -> int:
             except (OSError, ValueError, TypeError, ImportError) as err:
                 status = error("caption", f"cannot set up the model / drafter: {type(err).__name__}: {err}")
             else:
-                with open_for_append(shard_path(args.out, info.rank, info.world_size)) as sink:
+                with open_for_append(shard) as sink:
                     status = _caption_all(pipe, todo, args, sink, info)
         group.barrier()  # every shard file is complete
         if info.is_main:
@@ -268,6 +313,8 @@ def caption_shard(args, paths: list[str], info: ProcessInfo) -> int:
             report_missing(paths, args)
         return group.max(status)
     finally:
+        if lock is not None:
+            lock.release()
         group.close()
 
 
@@ -275,7 +322,12 @@ def run_caption_merge(args) -> int:
     if not shard_files(args.out):
         print(f"flashmm caption-merge: no shard files beside {args.out} (nothing to merge)", file=sys.stderr)
         return EXIT_OK
-    report_merge(merge_shards(args.out, keep_shards=args.keep_shards), args.out, "flashmm caption-merge")
+    try:  # a run still writing the shards would lose what it writes after the merge
+        lock = _lock_output(args.out)
+    except (OutputLockedError, OSError) as err:
+        return error("caption-merge", _output_problem(err, args.out))
+    with lock:
+        report_merge(merge_shards(args.out, keep_shards=args.keep_shards), args.out, "flashmm caption-merge")
     return EXIT_OK
 
 

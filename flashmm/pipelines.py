@@ -23,17 +23,21 @@ that call, each with its own media; a group that cannot be collated, or whose me
 per row, is decoded one item at a time; an item that fails inside a batched call is retried alone,
 so its error is its own.
 
-Errors: a file that is missing, unreadable, or of an unsupported type yields a result whose
-``error`` names the problem; the other items are still captioned (``raise_errors=True``
-re-raises instead).
+Errors: a file that is missing, unreadable, of an unsupported type, or a video cut short, and a
+directory that cannot be listed, yield a result whose ``error`` names the problem (so do a prompt
+the processor refuses and a decode that fails for that item: ValueError, NotImplementedError, out
+of memory); the other items are still captioned (``raise_errors=True`` re-raises instead). Any
+other exception is a bug and propagates. A group that cannot be decoded batched says why in a
+warning and is decoded one item at a time.
 """
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -44,11 +48,17 @@ from .collate import collate
 from .config import SpecConfig
 from .engine import GenerationStats
 from .resolve import UntrainedDrafterError, resolve_drafter, training_record  # noqa: F401 (public here too)
-from .vision.media import VideoFrames, load_image, load_video
+from .vision.media import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoFrames, directory_error,  # noqa: F401 (public here too)
+                           expand_paths, load_image, load_video, media_kind)
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v", ".mpg", ".mpeg", ".flv", ".wmv")
 DEFAULT_PROMPTS = {"image": "Describe the image.", "video": "Describe the video."}
+# What one item's loading / preprocessing raises for bad input (missing or unreadable file or directory,
+# unsupported type, undecodable media, a prompt the processor refuses, decord missing): its own error line.
+LOAD_ERRORS = (OSError, ValueError, TypeError, ImportError)
+# What one item's (or one group's) generate raises for its input rather than for a bug: settings or media
+# generate refuses (ValueError, flashmm.targets.MediaMismatchError), a combination flashmm does not support
+# (NotImplementedError), a prompt too large for the device.
+DECODE_ERRORS = (ValueError, NotImplementedError, torch.cuda.OutOfMemoryError)
 
 
 @dataclass
@@ -95,32 +105,6 @@ class _Prepared:
     inputs: dict | None = None
 
 
-def media_kind(path: str | os.PathLike) -> str | None:
-    """"image" / "video" from the file suffix, or None when the suffix is not supported."""
-    suffix = os.path.splitext(os.fspath(path))[1].lower()
-    return "image" if suffix in IMAGE_SUFFIXES else "video" if suffix in VIDEO_SUFFIXES else None
-
-
-def expand_paths(paths: Iterable[str | os.PathLike]) -> list[str]:
-    """Files as given, directories replaced by their media files (recursive, sorted, hidden
-    entries skipped); duplicates (same absolute path) dropped, order kept."""
-    out, seen = [], set()
-    for path in map(os.fspath, paths):
-        found = [path]
-        if os.path.isdir(path):
-            found = []
-            for root, dirs, files in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                found += [os.path.join(root, f) for f in sorted(files)
-                          if not f.startswith(".") and media_kind(f) is not None]
-        for item in found:
-            key = os.path.abspath(item)
-            if key not in seen:
-                seen.add(key)
-                out.append(item)
-    return out
-
-
 def load_model(directory: str | os.PathLike, device=None, dtype=None) -> torch.nn.Module:
     """A vision-language model from a local directory (``save_pretrained`` output): the class
     comes from its config (AutoModelForImageTextToText's mapping). eval mode."""
@@ -146,7 +130,7 @@ def load_processor(directory: str | os.PathLike):
     directory = os.fspath(directory)
     try:
         return AutoProcessor.from_pretrained(directory, local_files_only=os.path.isdir(directory))
-    except Exception as err:
+    except (OSError, ValueError, KeyError, ImportError) as err:  # missing / unreadable / unknown files
         raise ValueError(f"cannot load the processor saved in {directory!r} ({type(err).__name__}: {err}); "
                          "build it in code and pass CaptionPipeline(..., processor=...)") from err
 
@@ -203,14 +187,32 @@ def chat_prompt(processor, text: str, images: int = 0, videos: int = 0, frame_la
     if getattr(tokenizer, "chat_template", None):
         candidates.append(lambda: tokenizer.apply_chat_template(
             [{"role": "user", "content": inline}], add_generation_prompt=True, tokenize=False))
+    refusals = []
     for render in candidates:
         try:
             rendered = render()
-        except Exception:  # a template that cannot render this content: try the next form
+        except _template_errors() as err:
+            refusals.append(f"{type(err).__name__}: {err}")
             continue
         if counts_ok(rendered):
             return rendered
+        refusals.append("wrong placeholder count")
+    if candidates:
+        warnings.warn(f"the chat template of {type(processor).__name__} cannot place {images} image and {videos} "
+                      f"video placeholder(s) ({'; '.join(refusals)}); using the LLaVA-1.5 prompt format "
+                      "'USER: ... ASSISTANT:' instead", stacklevel=2)
     return f"USER: {inline} ASSISTANT:"
+
+
+def _template_errors() -> tuple[type[Exception], ...]:
+    """How a chat template refuses content it cannot render: raise_exception(...) in the template
+    (jinja2's TemplateError) or an operation on the wrong type (TypeError, e.g. str + list). Without
+    jinja2 transformers' chat templates raise an ImportError naming it, which is not a refusal."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return (TypeError,)
+    return (TemplateError, TypeError)
 
 
 def _video_metadata(video: VideoFrames):
@@ -300,8 +302,8 @@ class CaptionPipeline:
             raise ValueError("give at most one of num_frames or fps")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if max_new_tokens is not None and max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if max_new_tokens is not None and max_new_tokens < 1:  # transformers' generate refuses 0 too
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         items = [inputs] if isinstance(inputs, (str, os.PathLike, Image.Image, VideoFrames)) else list(inputs)
         if num_frames is None and fps is None:
             num_frames = 8
@@ -332,7 +334,7 @@ class CaptionPipeline:
         try:
             media = self._load(item, result, num_frames, fps)
             inputs = self._process(media, result.kind, prompt or DEFAULT_PROMPTS[result.kind])
-        except Exception as err:
+        except LOAD_ERRORS as err:
             if raise_errors:
                 raise
             result.error = f"{type(err).__name__}: {err}"
@@ -352,6 +354,8 @@ class CaptionPipeline:
         if not isinstance(item, (str, os.PathLike)):
             raise TypeError(f"unsupported input {type(item).__name__}: give a file path, a PIL image or "
                             "VideoFrames")
+        if os.path.isdir(item):
+            raise directory_error(os.fspath(item))
         kind = media_kind(item)
         if kind is None:
             suffix = os.path.splitext(os.fspath(item))[1] or "(none)"
@@ -381,15 +385,16 @@ class CaptionPipeline:
                 if isinstance(v, torch.Tensor) else v for k, v in dict(out).items()}
 
     def _decode_batch(self, entries: list[_Prepared], settings) -> list[_Prepared]:
-        """Decode the entries in one generate call; returns the entries still to decode one by one
-        (all of them when they cannot be collated, their media cannot be split per row, or the
-        batched call failed: then each item meets its own error alone)."""
+        """Decode the entries in one generate call; returns the entries still to decode one by one:
+        all of them, with a warning saying why, when they cannot be collated, their media cannot be
+        split per row (NotImplementedError), or the batched call failed for its input (DECODE_ERRORS:
+        then each item meets its own error alone). Any other exception propagates."""
         generation, generator = settings
         pad = self.processor.tokenizer.pad_token_id
         try:
             batch = collate([entry.inputs for entry in entries], 0 if pad is None else pad)
-        except ValueError:
-            return entries
+        except ValueError as err:
+            return self._unbatched(entries, "these items cannot be collated into one batch", err)
         width = batch["input_ids"].shape[1]
         t0 = time.perf_counter()
         try:
@@ -399,10 +404,11 @@ class CaptionPipeline:
             else:
                 out = plain_generate(self.model, batch, generation, generator)
                 row_stats = None
-        except NotImplementedError:
-            return entries
-        except Exception:  # noqa: BLE001 (one bad item: decode each alone, so its error is its own)
-            return entries
+        except NotImplementedError as err:
+            return self._unbatched(entries, "this model / drafter cannot decode these items batched", err)
+        except DECODE_ERRORS as err:
+            sources = ", ".join(entry.result.source for entry in entries)
+            return self._unbatched(entries, f"the batched generate of [{sources}] failed", err)
         seconds = (time.perf_counter() - t0) / len(entries)
         sequences = getattr(out, "sequences", out)
         for b, entry in enumerate(entries):
@@ -410,6 +416,14 @@ class CaptionPipeline:
             stats = row_stats[b] if row_stats is not None else plain_stats(self._plain_length(new, generation), seconds)
             self._fill(entry.result, new[: stats.new_tokens], stats, seconds)
         return []
+
+    @staticmethod
+    def _unbatched(entries: list[_Prepared], why: str, err: Exception) -> list[_Prepared]:
+        """Warn why ``entries`` are decoded one at a time (a reason common to every group is shown once,
+        by the warnings filter's default); returns them."""
+        warnings.warn(f"CaptionPipeline: {why} ({type(err).__name__}: {err}); decoding the {len(entries)} items of "
+                      "this batch one at a time", stacklevel=3)
+        return entries
 
     def _plain_length(self, new: torch.Tensor, generation: dict) -> int:
         """How many of a row's tokens from the model's batched generate are its own: up to and with its
@@ -439,7 +453,7 @@ class CaptionPipeline:
             else:
                 out = plain_generate(self.model, inputs, generation, generator)
                 stats = None
-        except Exception as err:
+        except DECODE_ERRORS as err:
             if raise_errors:
                 raise
             result.error = f"{type(err).__name__}: {err}"

@@ -424,3 +424,188 @@ def test_python_dash_m_flashmm(text_model_dir, capsys, monkeypatch):
     captured = capsys.readouterr()
     assert exit_info.value.code == 0, captured.err
     assert captured.out.strip() and "4 new tokens" in captured.err
+
+
+# ----------------------------------------------------------------------------------- bad input loses nothing
+def mp4_clip(path, frames: int = 16, cut: float | None = None):
+    """An MPEG-4 clip of random frames with its index first (faststart: a download cut short
+    still opens); ``cut``: keep only that fraction of its bytes."""
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for _ in range(frames):
+            image = rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    if cut is not None:
+        data = path.read_bytes()
+        path.write_bytes(data[: int(len(data) * cut)])
+    return path
+
+
+def no_model_loads(monkeypatch):
+    def refuse(args):
+        raise AssertionError("the model was loaded although the run could not go on")
+
+    monkeypatch.setattr(cli, "_build_pipeline", refuse)
+
+
+def test_unlistable_directory_gets_an_error_line_on_every_run(model_dir, media, tmp_path, monkeypatch, capsys,
+                                                             count_decodes):
+    """A subdirectory os.scandir cannot open (permission denied; simulated, since root reads
+    everything) is an item of its own with an error line and exit 1 on every rerun; readable
+    again, its media are captioned."""
+    locked = media / "locked"
+    locked.mkdir()
+    random_image(5, (36, 36)).save(locked / "hidden_from_us.png")
+    original = os.scandir
+
+    def scandir(path="."):
+        if os.path.abspath(os.fspath(path)) == str(locked):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return original(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    out = tmp_path / "results.jsonl"
+    assert run(model_dir, media, "--out", out) == cli.EXIT_ITEM_FAILED
+    records = {r["path"]: r for r in read_jsonl(out)}
+    line = records[key(locked)]
+    assert line["caption"] is None and line["error"].startswith("PermissionError")
+    assert "cannot list directory" in line["error"] and str(locked) in line["error"]
+    assert records[key(media / "a.png")]["error"] is None
+    assert f"{locked}: PermissionError" in capsys.readouterr().err
+    for _ in range(2):  # still unreadable: reported again, nothing else redone
+        count_decodes.clear()
+        assert run(model_dir, media, "--out", out) == cli.EXIT_ITEM_FAILED
+        assert count_decodes == [] and "cannot list directory" in read_jsonl(out)[-1]["error"]
+    monkeypatch.setattr(os, "scandir", original)
+    assert run(model_dir, media, "--out", out) == cli.EXIT_ITEM_FAILED  # broken.png still fails
+    assert count_decodes == [str(locked / "hidden_from_us.png")]
+    assert read_jsonl(out)[-1]["path"] == key(locked / "hidden_from_us.png") and read_jsonl(out)[-1]["caption"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod 000 directory")
+def test_unreadable_directory_for_real(model_dir, media, tmp_path, monkeypatch):
+    locked = media / "locked"
+    locked.mkdir()
+    random_image(5).save(locked / "x.png")
+    locked.chmod(0)
+    try:
+        out = tmp_path / "results.jsonl"
+        assert run(model_dir, media / "locked", "--out", out) == cli.EXIT_ITEM_FAILED
+        assert "cannot list directory" in read_jsonl(out)[-1]["error"]
+    finally:
+        locked.chmod(0o755)
+
+
+def test_truncated_video_is_an_error_line_and_retried(model_dir, media, tmp_path, capsys):
+    """Clips cut at half their bytes: an AVI (decord and PyAV both sampled the 8 frames left of
+    16) and an mp4 with its index first (PyAV sampled 4 of 16; decord refused it already)."""
+    avi = tmp_path / "cut.avi"
+    save_video(random_video(3, 16, 32), avi, fps=4)
+    avi.write_bytes(avi.read_bytes()[: avi.stat().st_size // 2])
+    clips = [avi, mp4_clip(tmp_path / "cut.mp4", cut=0.5)]
+    out = tmp_path / "results.jsonl"
+    for _ in range(2):
+        assert run(model_dir, *clips, media / "a.png", "--out", out) == cli.EXIT_ITEM_FAILED
+        err = capsys.readouterr().err
+        for clip in clips:
+            line = [r for r in read_jsonl(out) if r["path"] == key(clip)][-1]
+            assert line["caption"] is None and "truncated" in line["error"] and "declares 16 frames" in line["error"]
+            assert f"{clip}: ValueError: video" in err
+    assert [r["path"] for r in read_jsonl(out)] == [key(p) for p in clips + [media / "a.png"] + clips]  # retried
+    mp4_clip(clips[1])  # the complete file
+    assert run(model_dir, clips[1], "--out", out) == cli.EXIT_OK
+    assert read_jsonl(out)[-1]["caption"] and read_jsonl(out)[-1]["num_frames"] == 2
+
+
+def test_unwritable_out_stops_before_the_model_loads(model_dir, media, tmp_path, monkeypatch, capsys):
+    no_model_loads(monkeypatch)
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_directory").mkdir()
+    for out in (tmp_path / "a_directory", tmp_path / "a_file" / "results.jsonl"):
+        assert run(model_dir, media / "a.png", "--out", out) == cli.EXIT_USAGE
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"flashmm caption: error: cannot write --out {out}: "), err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes a read-only file")
+def test_read_only_out_for_real(model_dir, media, tmp_path, monkeypatch, capsys):
+    no_model_loads(monkeypatch)
+    out = tmp_path / "results.jsonl"
+    out.write_text("")
+    out.chmod(0o444)
+    assert run(model_dir, media / "a.png", "--out", out) == cli.EXIT_USAGE
+    assert "PermissionError" in capsys.readouterr().err
+
+
+HOLD_LOCK = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("caption_results", sys.argv[1])
+module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # stdlib only: no torch to import
+spec.loader.exec_module(module)
+lock = module.OutputLock(sys.argv[2])
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_second_run_on_the_same_out_is_refused(model_dir, media, tmp_path, monkeypatch, capsys):
+    """Another process captioning into --out (here: one holding the run's lock, as a run does
+    from start to end) makes a second run exit 2 with one line naming its pid and the lock file,
+    before anything loads; killed, it blocks nothing."""
+    import subprocess
+
+    from flashmm import caption_results
+
+    out = tmp_path / "results.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, caption_results.__file__, str(out)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with monkeypatch.context() as patch:
+            no_model_loads(patch)
+            assert run(model_dir, media / "a.png", "--out", out) == cli.EXIT_USAGE
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and f"pid {holder.pid}" in err[0] and f"{out}.lock" in err[0], err
+            (tmp_path / "results.rank0-of2.jsonl").write_text("")
+            assert cli.main(["caption-merge", "--out", str(out)]) == cli.EXIT_USAGE  # no merge under a run
+            assert f"pid {holder.pid}" in capsys.readouterr().err
+            assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    held = []
+    original = cli._caption_all
+
+    def caption_under_lock(*args):
+        with pytest.raises(caption_results.OutputLockedError, match=f"pid {os.getpid()}"):
+            caption_results.OutputLock(str(out))  # held for the whole run
+        held.append(True)
+        return original(*args)
+
+    monkeypatch.setattr(cli, "_caption_all", caption_under_lock)
+    assert run(model_dir, media / "a.png", "--out", out) == cli.EXIT_OK  # the killed holder left its lock file
+    assert held == [True] and read_jsonl(out)[-1]["caption"] and not os.path.exists(f"{out}.lock")
+
+
+def test_max_new_tokens_zero_refused_as_transformers_does(model_dir, text_model_dir, media, capsys):
+    from transformers import GenerationConfig
+
+    with pytest.raises(ValueError, match="max_new_tokens"):  # the reference: generate refuses 0
+        GenerationConfig(max_new_tokens=0).validate()
+    assert cli.main(["caption", str(media / "a.png"), "--model", model_dir, "--drafter", "prompt_lookup",
+                     "--max-new-tokens", "0", "--no-progress"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err.splitlines() == ["flashmm caption: error: --max-new-tokens must be >= 1"]
+    assert generate(text_model_dir, "hi", new=0) == cli.EXIT_USAGE
+    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+    model, processor = llava()
+    pipe = CaptionPipeline(model, processor=processor)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        pipe.stream(media / "a.png", max_new_tokens=0)

@@ -122,3 +122,89 @@ def test_backend_choice_and_errors(tmp_path):
             load_video(bad, backend=backend)
         with pytest.raises(FileNotFoundError):
             load_video(tmp_path / "missing.mp4", backend=backend)
+
+
+def encoded_clip(path: Path, frames: int = 16, audio_seconds: float = 0.0, options: dict | None = None) -> Path:
+    """Random MPEG-4 frames at 8 fps in any container PyAV writes (by suffix), with
+    ``audio_seconds`` of silent AAC beside them."""
+    import av
+
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w", options=options or {}) as container:
+        video = container.add_stream("mpeg4", rate=8)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=16000) if audio_seconds else None  # every stream before muxing
+        for _ in range(frames):
+            image = av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), format="rgb24")
+            for packet in video.encode(image):
+                container.mux(packet)
+        for packet in video.encode():
+            container.mux(packet)
+        for k in range(int(audio_seconds * 16000 / 1024)):
+            chunk = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            chunk.sample_rate, chunk.pts = 16000, 1024 * k
+            for packet in audio.encode(chunk):
+                container.mux(packet)
+        if audio is not None:
+            for packet in audio.encode():
+                container.mux(packet)
+    return path
+
+
+def cut(path: Path, fraction: float) -> Path:
+    data = path.read_bytes()
+    short = path.with_name("cut_" + path.name)
+    short.write_bytes(data[: int(len(data) * fraction)])
+    return short
+
+
+@pytest.mark.parametrize("backend", ["av", "decord"] if HAVE_DECORD else ["av"])
+def test_a_clip_cut_short_is_refused(tmp_path, backend):
+    """Files cut at half their bytes still open (mp4 with its index first, AVI, Matroska) and
+    both decoders would sample what is left (PyAV 4 of 16 frames of the mp4; decord 8 of the
+    AVI's 16, 3 of the Matroska's): refused, naming the file and what is missing."""
+    mp4 = encoded_clip(tmp_path / "a.mp4", options={"movflags": "faststart"})
+    avi = tmp_path / "a.avi"
+    save_video([np.full((48, 64, 3), 10 * i, np.uint8) for i in range(16)], avi, fps=8)
+    mkv = encoded_clip(tmp_path / "a.mkv")
+    for whole, detail in ((mp4, "declares 16 frames"), (avi, "declares 16 frames"), (mkv, "declares 2.00 s")):
+        assert len(load_video(whole, num_frames=8, backend=backend)) == 8
+        with pytest.raises(ValueError, match=f"video '.*cut_{whole.name}' is truncated .*{detail}"):
+            load_video(cut(whole, 0.5), num_frames=8, backend=backend)
+    # complete files whose audio outlasts the video (container duration 3 s, video 1 s) are not cut short
+    for suffix in ("mkv", "mp4"):
+        longer_audio = encoded_clip(tmp_path / f"av.{suffix}", frames=8, audio_seconds=3)
+        assert len(load_video(longer_audio, num_frames=4, backend=backend)) == 4
+
+
+def test_decord_failures_are_narrowed_to_decords_own(tmp_path, monkeypatch):
+    """decord's DECORDError (and its RuntimeError for an unreadable file) is a clear ValueError
+    naming the file; anything else, a bug, propagates."""
+    import sys
+    import types
+
+    from flashmm.vision.media import _decord_error
+
+    class DECORDError(Exception):
+        pass
+
+    failure = {}
+
+    class VideoReader:
+        def __init__(self, path, ctx=None):
+            raise failure["error"]
+
+    fake = types.SimpleNamespace(VideoReader=VideoReader, cpu=lambda i: None,
+                                 base=types.SimpleNamespace(DECORDError=DECORDError))
+    assert _decord_error(fake) is DECORDError
+    assert not issubclass(_decord_error(types.SimpleNamespace()), (DECORDError, RuntimeError, ValueError))
+    monkeypatch.setitem(sys.modules, "decord", fake)
+    clip = tmp_path / "c.avi"
+    save_video([np.zeros((16, 16, 3), np.uint8)] * 2, clip, fps=2)
+    for error in (DECORDError("av_read_frame failed"), RuntimeError("Error reading c.avi...")):
+        failure["error"] = error
+        with pytest.raises(ValueError, match=f"cannot read video .*c.avi.*{str(error)[:10]}"):
+            load_video(clip, backend="decord")
+    failure["error"] = KeyError("a bug")
+    with pytest.raises(KeyError, match="a bug"):
+        load_video(clip, backend="decord")

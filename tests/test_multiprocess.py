@@ -254,3 +254,65 @@ def test_shard_split_and_leftovers_of_a_killed_run(model_dir, media, reference, 
     assert [r["path"] for r in merged] == [r["path"] for r in reference[1::2] + reference[0::2]]
     assert sorted(map(json.dumps, map(comparable, merged))) == sorted(map(json.dumps, map(comparable, reference)))
     assert "merged 1 shard file(s)" in capsys.readouterr().err and shard_files(str(out)) == []
+
+
+class OtherProcessGroup(NoGroup):
+    """A gloo group whose other process reports ``other`` to max()."""
+
+    def __init__(self, info, other):
+        super().__init__(info)
+        self.other = other
+
+    def max(self, value):
+        return max(value, self.other)
+
+
+def test_process_0_locks_out_for_the_launch(model_dir, tmp_path, monkeypatch, capsys, one_thread):
+    """Under a launch only process 0 takes --out's lock (held until its merge is done); a launch
+    meeting another run's lock stops every process with exit 2 before any model loads."""
+    from flashmm.caption_results import OutputLock, OutputLockedError
+
+    folder = tmp_path / "media"
+    folder.mkdir()
+    for i in range(2):
+        random_image(i, (32, 40)).save(folder / f"img{i}.png")
+    out = tmp_path / "results.jsonl"
+    args = ["caption", str(folder), "--model", model_dir, "--out", str(out), *CAPTION_ARGS, "--max-new-tokens", "2"]
+    other_failed = {"status": 0}
+    monkeypatch.setattr(cli.ProcessGroup, "start",
+                        classmethod(lambda cls, info: OtherProcessGroup(info, other_failed["status"])))
+    held = []
+    original = cli._caption_all
+
+    def caption(*a):
+        try:
+            OutputLock(str(out)).release()
+            held.append(False)
+        except OutputLockedError:
+            held.append(True)
+        return original(*a)
+
+    monkeypatch.setattr(cli, "_caption_all", caption)
+    with OutputLock(str(out)):  # another run writes --out
+        monkeypatch.setattr(cli, "process_info", lambda: ProcessInfo(rank=1, world_size=2, local_rank=1))
+        assert cli.main(args) == 0 and held == [True]  # process 1 never takes the lock: no deadlock on it
+        assert len(read_records(shard_path(str(out), 1, 2))) == 1
+        capsys.readouterr()
+        monkeypatch.setattr(cli, "process_info", lambda: ProcessInfo(rank=0, world_size=2, local_rank=0))
+        monkeypatch.setattr(cli, "_build_pipeline", lambda a: pytest.fail("a model loaded under another run's lock"))
+        assert cli.main(args) == cli.EXIT_USAGE
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"flashmm caption [process 0/2]: error: {out} is being written by another flashmm caption run "
+                       f"(pid {os.getpid()}; lock file {out}.lock); wait for it to finish, or give this run another "
+                       "--out"], err
+        other_failed["status"] = cli.EXIT_USAGE  # what process 1 of that launch hears from process 0
+        monkeypatch.setattr(cli, "process_info", lambda: ProcessInfo(rank=1, world_size=2, local_rank=1))
+        assert cli.main(args) == cli.EXIT_USAGE
+    monkeypatch.undo()
+    monkeypatch.setattr(cli.ProcessGroup, "start", classmethod(lambda cls, info: NoGroup(info)))
+    monkeypatch.setattr(cli, "process_info", lambda: ProcessInfo(rank=0, world_size=2, local_rank=0))
+    monkeypatch.setattr(cli, "_caption_all", caption)
+    held.clear()
+    assert cli.main(args) == 0 and held == [True]  # process 0 holds it while it captions ...
+    assert "merged 2 shard file(s)" in capsys.readouterr().err  # ... and merges, then lets it go
+    assert len(read_records(str(out))) == 2 and not os.path.exists(f"{out}.lock")

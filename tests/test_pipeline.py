@@ -359,3 +359,114 @@ def test_untrained_flash_refused_unless_allowed(tmp_path):
     with pytest.warns(UserWarning, match="untrained"):
         pipe = CaptionPipeline(model, drafter="flash", processor=processor, allow_untrained=True)
     assert isinstance(pipe.drafter, FlashDrafter) and pipe.drafter.net is not None
+
+
+# ----------------------------------------------------------------------------------- no silent fallbacks
+def failing_generate(pipe, monkeypatch, error, batched_only=True):
+    """Make the speculative generate raise ``error`` (for batches of 2+ rows only, or always)."""
+    original = pipe.spec_model.generate
+
+    def generate(**kwargs):
+        if not batched_only or kwargs["input_ids"].shape[0] > 1:
+            raise error
+        return original(**kwargs)
+
+    monkeypatch.setattr(pipe.spec_model, "generate", generate)
+
+
+def test_batched_path_says_why_it_decodes_row_by_row_and_lets_bugs_through(media, monkeypatch, recwarn):
+    model, processor = llava()
+    items = [media / "a.png", media / "b.jpg"]
+    pipe = CaptionPipeline(model, drafter="prompt_lookup", processor=processor)
+    single = [r.token_ids for r in pipe(items, max_new_tokens=3)]
+    assert not [w for w in recwarn if "CaptionPipeline" in str(w.message)]  # the batched path runs: no warning
+    for error, why in ((NotImplementedError("media of this family do not split per row"), "cannot decode these items"),
+                       (ValueError("one row's prompt is too long"), r"generate of \[.*a.png, .*b.jpg\] failed")):
+        with monkeypatch.context() as patch:
+            failing_generate(pipe, patch, error)
+            with pytest.warns(UserWarning, match=f"{why} .*{error}.*decoding the 2 items of this batch one at a time"):
+                results = pipe(items, max_new_tokens=3, batch_size=2)
+        assert [r.token_ids for r in results] == single
+    with monkeypatch.context() as patch:
+        patch.setattr("flashmm.pipelines.collate", lambda items, pad: (_ for _ in ()).throw(ValueError("ragged")))
+        with pytest.warns(UserWarning, match=r"cannot be collated into one batch \(ValueError: ragged\)"):
+            assert [r.token_ids for r in pipe(items, max_new_tokens=3, batch_size=2)] == single
+    with monkeypatch.context() as patch:  # a bug in the batched path is raised, not decoded around
+        failing_generate(pipe, patch, RuntimeError("shape bug in the batched verifier"))
+        with pytest.raises(RuntimeError, match="shape bug"):
+            pipe(items, max_new_tokens=3, batch_size=2)
+
+
+def test_per_item_failures_are_error_lines_and_bugs_propagate(media, tmp_path, monkeypatch):
+    model, processor = llava()
+    pipe = CaptionPipeline(model, drafter="prompt_lookup", processor=processor)
+    with monkeypatch.context() as patch:  # a decode this item's input makes fail: its own error, the run goes on
+        failing_generate(pipe, patch, ValueError("image features and image tokens do not match"), batched_only=False)
+        (result,) = pipe(media / "a.png", max_new_tokens=2)
+        assert result.error == "ValueError: image features and image tokens do not match"
+        assert result.source == str(media / "a.png")
+    with monkeypatch.context() as patch:
+        failing_generate(pipe, patch, AttributeError("a bug in the engine"), batched_only=False)
+        with pytest.raises(AttributeError, match="a bug in the engine"):
+            pipe(media / "a.png", max_new_tokens=2)
+    with monkeypatch.context() as patch:  # a bug in preprocessing is not "an unreadable file"
+        patch.setattr(pipe, "_process", lambda *a: {}["pixel_values"])
+        with pytest.raises(KeyError, match="pixel_values"):
+            pipe(media / "a.png", max_new_tokens=2)
+    with monkeypatch.context() as patch:  # an image too large for Pillow's limit is that image's error
+        patch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+        (result,) = pipe(media / "a.png", max_new_tokens=2)
+        assert "cannot read image" in result.error and "a.png" in result.error
+
+
+def test_directories_are_listed_or_reported(media, tmp_path, monkeypatch):
+    """expand_paths keeps a directory it cannot list where its files would be; the pipeline
+    gives it an error naming it (simulated: root reads a chmod 000 directory)."""
+    model, processor = llava()
+    pipe = CaptionPipeline(model, processor=processor)
+    tree = tmp_path / "tree"
+    for sub in ("a", "b", "c"):
+        (tree / sub).mkdir(parents=True)
+        random_image(1).save(tree / sub / "x.png")
+    original = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path).endswith("/b"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return original(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    listed = expand_paths([tree])
+    assert listed == [str(tree / "a" / "x.png"), str(tree / "b"), str(tree / "c" / "x.png")]
+    unlistable, readable = pipe([tree / "b", tree / "c"], max_new_tokens=2)
+    assert unlistable.error.startswith("PermissionError: [Errno 13] cannot list directory")
+    assert f"{tree / 'b'}'" in unlistable.error
+    assert readable.error.startswith("IsADirectoryError") and "expand_paths" in readable.error
+
+
+def test_chat_template_failures(monkeypatch):
+    """A template that refuses the content (TemplateError, TypeError) gives way to the next form,
+    and to the LLaVA-1.5 format with a warning when none renders; any other error propagates."""
+    _, processor = llava()
+    refusing = copy.deepcopy(processor)
+    refusing.chat_template = "{{ raise_exception('typed content only') }}"
+    refusing.tokenizer.chat_template = "{{ messages[0]['content'] + 1 }}"  # str + int: TypeError
+    with pytest.warns(UserWarning, match="cannot place 1 image .*typed content only.*TypeError.*LLaVA-1.5"):
+        assert chat_prompt(refusing, "Say.", images=1) == "USER: <image>\nSay. ASSISTANT:"
+    broken = copy.deepcopy(processor)
+    monkeypatch.setattr(broken.tokenizer, "apply_chat_template",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        chat_prompt(broken, "Say.", images=1)
+
+
+def test_processor_load_errors(tmp_path, monkeypatch):
+    from transformers import AutoProcessor
+
+    from flashmm.pipelines import load_processor
+
+    with pytest.raises(ValueError, match="cannot load the processor saved in .*nothing_here"):
+        load_processor(tmp_path / "nothing_here")
+    monkeypatch.setattr(AutoProcessor, "from_pretrained", lambda *a, **k: (_ for _ in ()).throw(AttributeError("bug")))
+    with pytest.raises(AttributeError, match="bug"):
+        load_processor(tmp_path)

@@ -1,4 +1,5 @@
-"""Loading images (Pillow) and video frames (decord or PyAV), with errors that say what to fix.
+"""Finding media files (``expand_paths``) and loading images (Pillow) and video frames (decord or
+PyAV), with errors that say what to fix.
 
 ``load_video`` samples frames either as a fixed count spread evenly over the clip
 (``num_frames``) or at a rate (``fps``, e.g. 1 frame per second as FLASH's video data);
@@ -7,6 +8,9 @@ Two decoders give the same frames for the same indices (frame i = the i-th frame
 presentation order; both run FFmpeg's decoders and its default YUV -> RGB conversion): decord
 where it is installed (``pip install 'flashmm[decord]'``, Linux x86-64 and Windows wheels only),
 PyAV (``av``, a dependency, wheels everywhere) otherwise, or whichever ``backend=`` names.
+Both refuse a clip cut short (a partial download or copy): fewer frames than its header
+declares, or data that end well before the duration it declares (``_demux`` reads every packet
+and decodes none to tell), since sampling the part left would caption another clip.
 ``save_video`` writes frames as a Motion-JPEG AVI (Pillow only, no encoder libraries), which
 both read back: handy for tests, examples and procedurally generated clips.
 """
@@ -17,9 +21,55 @@ import io
 import os
 import struct
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v", ".mpg", ".mpeg", ".flv", ".wmv")
+
+
+def media_kind(path: str | os.PathLike) -> str | None:
+    """"image" / "video" from the file suffix, or None when the suffix is not supported."""
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    return "image" if suffix in IMAGE_SUFFIXES else "video" if suffix in VIDEO_SUFFIXES else None
+
+
+def expand_paths(paths: Iterable[str | os.PathLike]) -> list[str]:
+    """Files as given, directories replaced by their media files (recursive, sorted, hidden
+    entries skipped); duplicates (same absolute path) dropped, order kept. A directory that
+    cannot be listed (no permission, I/O error) stays in the list where its files would be, so
+    captioning it reports why (CaptionPipeline gives it an error) instead of skipping its media."""
+    out, seen = [], set()
+    for path in map(os.fspath, paths):
+        found = [path]
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, files in os.walk(path, onerror=lambda err: found.append(err.filename)):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                found.extend(os.path.join(root, f) for f in sorted(files)
+                             if not f.startswith(".") and media_kind(f) is not None)
+        for item in found:
+            key = os.path.abspath(item)
+            if key not in seen:
+                seen.add(key)
+                out.append(item)
+    return out
+
+
+def directory_error(path: str) -> OSError:
+    """Why a directory cannot be captioned as an item: it cannot be listed (the reason the
+    caller's expand_paths kept it), or it is a directory and not a media file."""
+    try:
+        with os.scandir(path):
+            pass
+    except OSError as err:
+        message = (f"cannot list directory {path!r} ({err.strerror or err}), so the media under it were not "
+                   "captioned; make it readable and run again")
+        return OSError(err.errno, message) if err.errno else OSError(message)  # PermissionError for EACCES
+    return IsADirectoryError(f"{path!r} is a directory, not a media file; give its files "
+                             "(expand_paths lists them)")
 
 
 def _check_file(path: str | os.PathLike, what: str) -> str:
@@ -38,7 +88,7 @@ def load_image(path: str | os.PathLike) -> Image.Image:
         with Image.open(path) as img:
             img.load()
             return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as err:
         raise ValueError(f"cannot read image {path!r} ({err}); expected a file Pillow can open "
                          "(PNG, JPEG, WebP, BMP, ...)") from err
 
@@ -114,6 +164,16 @@ def _unreadable(path: str, err: Exception) -> ValueError:
                       "(mp4, avi, mkv, webm, ...)")
 
 
+def _decord_error(decord) -> type[Exception]:
+    """decord's own exception class (``decord._ffi.base.DECORDError``, re-exported by ``decord.base``);
+    a stand-in that nothing raises when this decord keeps it elsewhere."""
+    for module in (getattr(decord, "base", None), getattr(getattr(decord, "_ffi", None), "base", None)):
+        error = getattr(module, "DECORDError", None)
+        if isinstance(error, type) and issubclass(error, Exception):
+            return error
+    return type("DECORDErrorNotFound", (Exception,), {})
+
+
 def _read_decord(path: str, choose):
     """(index [F], frames uint8 [F, H, W, 3], file fps) with decord; ``choose(total, fps)`` -> index."""
     try:
@@ -121,17 +181,71 @@ def _read_decord(path: str, choose):
     except ImportError as err:
         raise ImportError("the decord video backend needs decord: pip install decord "
                           "(or use backend='av')") from err
+    # what decord raises for a file it cannot open or decode: its DECORDError (from FFmpeg), a
+    # RuntimeError ("Error reading ..."), an AssertionError ("Invalid frame count"), IndexError
+    failures = (_decord_error(decord), RuntimeError, AssertionError, IndexError)
+    _demux(path)  # decord reads what is left of a file cut short without a word: refuse it first
     try:
         reader = decord.VideoReader(path, ctx=decord.cpu(0))
         total, file_fps = len(reader), float(reader.get_avg_fps())
-    except Exception as err:  # decord raises its own DECORDError for unreadable files
+    except failures as err:
         raise _unreadable(path, err) from err
     index = choose(total, file_fps)
     try:
         frames = reader.get_batch(index.tolist()).asnumpy()
-    except Exception as err:
+    except failures as err:
         raise ValueError(f"cannot decode frames of video {path!r}: {err}") from err
     return index, frames, file_fps
+
+
+def _demux(path: str) -> tuple[list, float]:
+    """(packets [(pts, is_keyframe)] of the first video stream, in file order; its average frame
+    rate, 0.0 if unknown) from reading every packet of the file, decoding none. A clip cut short
+    (a partial download or copy) is refused (``_check_complete``): sampling the part left would
+    caption another clip."""
+    import av  # noqa: PLC0415 (heavy import, only for videos)
+
+    try:
+        with av.open(path) as container:
+            stream = container.streams.video[0]
+            packets, stored, packets_end = [], 0, 0.0
+            for packet in container.demux():  # every stream: audio may outlast the video of a complete file
+                if packet.pts is not None and packet.time_base:
+                    packets_end = max(packets_end, float((packet.pts + (packet.duration or 0)) * packet.time_base))
+                if packet.stream.index != stream.index:
+                    continue
+                stored += bool(packet.size or packet.pts is not None)  # not the demuxer's final empty packet
+                if packet.size:
+                    packets.append((packet.pts, packet.is_keyframe))
+            rate = stream.average_rate or stream.guessed_rate
+            declared_frames = stream.frames
+            start = container.start_time / av.time_base if container.start_time is not None else 0.0
+            duration = start + container.duration / av.time_base if container.duration else None
+    except (av.error.FFmpegError, IndexError, OSError, ValueError) as err:
+        raise _unreadable(path, IndexError("no video stream") if isinstance(err, IndexError) else err) from err
+    file_fps = float(rate) if rate else 0.0
+    if any(pts is None for pts, _ in packets):
+        packets_end = None  # where the data end is unknown
+    _check_complete(path, declared_frames, stored, duration, packets_end, 1 / file_fps if file_fps > 0 else 0.0)
+    return packets, file_fps
+
+
+def _check_complete(path: str, declared_frames: int, found_frames: int, duration: float | None,
+                    packets_end: float | None, frame_period: float) -> None:
+    """Refuse a clip with fewer frames than its header declares, or, where the header gives no
+    frame count (Matroska, WebM), whose packets end well before the duration it declares."""
+    if declared_frames > 0:
+        if found_frames < declared_frames:
+            raise _truncated(path, f"its header declares {declared_frames} frames, the file holds {found_frames}")
+        return
+    slack = max(2 * frame_period, 0.1)  # seconds: container durations round to a frame or so
+    if duration is not None and packets_end is not None and packets_end < duration - slack:
+        raise _truncated(path, f"its header declares {duration:.2f} s, its data end at {packets_end:.2f} s")
+
+
+def _truncated(path: str, detail: str) -> ValueError:
+    return ValueError(f"video {path!r} is truncated or damaged: {detail}; replace it with a complete copy (to "
+                      "caption the part that is left, remux it first: ffmpeg -i IN -c copy OUT.mp4)")
 
 
 def _read_av(path: str, choose):
@@ -140,17 +254,10 @@ def _read_av(path: str, choose):
     frame when one lies between it and the last decoded frame, otherwise decodes on."""
     import av  # noqa: PLC0415 (heavy import, only for videos)
 
-    try:
-        with av.open(path) as container:
-            stream = container.streams.video[0]
-            packets = [(p.pts, p.is_keyframe) for p in container.demux(stream) if p.size]
-            rate = stream.average_rate or stream.guessed_rate
-    except (av.error.FFmpegError, IndexError, OSError, ValueError) as err:
-        raise _unreadable(path, IndexError("no video stream") if isinstance(err, IndexError) else err) from err
+    packets, file_fps = _demux(path)
     if any(pts is None for pts, _ in packets):
         raise ValueError(f"cannot index video {path!r}: its packets carry no timestamps; "
                          "remux it (ffmpeg -i IN -c copy OUT.mp4) or use backend='decord'")
-    file_fps = float(rate) if rate else 0.0
     times = sorted(pts for pts, _ in packets)
     keyframes = np.array(sorted(pts for pts, key in packets if key), dtype=np.int64)
     index = choose(len(times), file_fps)
