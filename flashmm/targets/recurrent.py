@@ -28,6 +28,7 @@ Everything goes through transformers' cache API (``LinearAttentionCacheLayerMixi
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +36,29 @@ from transformers import DynamicCache
 from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer,
                                       LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionCacheLayerMixin)
 
+from .failures import MODEL_ERRORS, describe, raised_by_model
+
+
+def generate_cache_layers(text_config) -> list:
+    """The layers of the DynamicCache ``generate`` builds for ``text_config``; [] with a warning naming why
+    when transformers cannot build one from this config (flashmm then assumes plain key/value layers, and
+    its self-check compares the model's logits through them with the model's own)."""
+    try:
+        return list(DynamicCache(config=text_config).layers)
+    except MODEL_ERRORS as error:
+        if not raised_by_model(error):
+            raise
+        warnings.warn(f"transformers cannot build the cache generate would use from this {type(text_config).__name__} "
+                      f"({describe(error)}): flashmm assumes plain key/value cache layers, which its self-check "
+                      "then verifies", stacklevel=2)
+        return []
+
 
 def recurrent_layer_kinds(text_config) -> list[str]:
     """Names of the recurrent (conv / SSM / linear-attention) layer classes of the cache transformers
-    builds for ``text_config`` ([] for a plain key/value model or a config DynamicCache cannot read)."""
-    try:
-        layers = DynamicCache(config=text_config).layers
-    except Exception:  # noqa: BLE001 (left to the self-check)
-        return []
+    builds for ``text_config`` ([] for a plain key/value model or, with a warning, a config DynamicCache cannot
+    read)."""
+    layers = generate_cache_layers(text_config)
     return sorted({type(layer).__name__ for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)})
 
 

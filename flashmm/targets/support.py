@@ -11,6 +11,8 @@ Two layers of checks, both generic (no list of architecture names):
      layers (RWKV, xLSTM, DeepSeek-V4's compressed KV): nothing flashmm can snapshot. Stateful
      models whose states live in those layers (Mamba, Jamba, Qwen3-Next, ...) are decoded through
      flashmm.targets.recurrent (snapshot, restore, replay of the accepted tokens).
+   - *encoder-decoder*: ``config.is_encoder_decoder`` (T5, Florence-2, ...): generate decodes
+     decoder_input_ids against an encoded input; flashmm decodes decoder-only models.
    - *own caches / other layers*: the model brings its own cache (``_supports_default_dynamic_cache()``
      is False), or the cache ``generate`` builds has layers that are neither per-token key/value
      rows nor recurrent states (DSA indexer keys).
@@ -19,15 +21,21 @@ Two layers of checks, both generic (no list of architecture names):
      loaded as encoders) attends bidirectionally and keeps no cache: nothing decodes it
      autoregressively. (GPT-NeoX's config says ``is_decoder=False`` too, but it attends causally.)
    - *no cache*: the forward takes no ``past_key_values``.
-2. ``self_check(target)`` runs flashmm's own path once on a 5-token prompt and a 4-node tree
-   (prefill into flashmm's cache, one tree forward with two branches) and compares its logits
-   with the model's own ``generate`` on the same sequences (its prefill, then cached steps). A
-   model whose positions, masks or cache the generic path gets wrong (own cache classes, special
-   position schemes, a new architecture a later transformers adds) differs here, or raises, and is
-   refused with what happened. Cost: a prefill and ~10 one-token steps, once per ``wrap``. Recurrent targets also commit part of
+2. ``self_check(target)`` runs flashmm's own path once on a prompt and a 4-node tree (prefill into
+   flashmm's cache, one tree forward with two branches) and compares its logits with the model's own
+   ``generate`` on the same sequences (its prefill, then cached steps). The prompt has 5 tokens, or one
+   more than the longest sliding window or attention chunk the config names, so that a window the
+   model applies otherwise than flashmm's masks shows. A model whose positions, masks or cache the
+   generic path gets wrong (own cache classes, special position schemes, a new architecture a later
+   transformers adds) differs here, or raises, and is refused with what happened; one whose own logits
+   are NaN or infinite is refused as such (``NonFiniteLogits``). Cost: a prefill and ~10 one-token
+   steps, once per ``wrap``. Recurrent targets also commit part of
    the tree and run a chain after it (restore + replay checked), and first compare their states
    after one forward and after two (``recurrent.continues_state``): a mixer whose multi-token
    forward restarts the scan (transformers' Mamba-1) is then verified one token per forward.
+
+What a model's code raises in these probes refuses it (or, where transformers offers another way, takes
+it with a warning naming why); what flashmm's own code raises is a bug and propagates (flashmm.targets.failures).
 """
 from __future__ import annotations
 
@@ -39,11 +47,17 @@ import torch
 
 from ..cache import CACHE_ARGUMENTS
 from ..tree import TokenTree
-from .recurrent import StateOutsideCache, continues_state, recurrent_layer_kinds
+from .failures import MODEL_ERRORS, describe, raised_by_model
+from .layout import longest_window
+from .recurrent import StateOutsideCache, continues_state, generate_cache_layers, recurrent_layer_kinds
 
 
 class UnsupportedModel(ValueError):
     """flashmm cannot decode this model exactly; the message names the architecture and why."""
+
+
+class NonFiniteLogits(UnsupportedModel):
+    """The model's own forward gives NaN or infinite logits: there is nothing to decode exactly."""
 
 
 # cache layer classes that hold exactly one key/value row per token (what flashmm keeps and crops)
@@ -68,6 +82,9 @@ def refusal(model: torch.nn.Module) -> str:
     why = head_refusal(model)
     if why:
         return why
+    if getattr(model.config, "is_encoder_decoder", False):
+        return ("it is an encoder-decoder model (config.is_encoder_decoder): its generate encodes the input once and "
+                "decodes decoder_input_ids against it through cross-attention, while flashmm decodes decoder-only models")
     text_config = model.config.get_text_config(decoder=True)
     recurrent_kinds = recurrent_layer_kinds(text_config)
     if getattr(model, "_is_stateful", False) and not recurrent_kinds:
@@ -116,21 +133,19 @@ def attends_causally(model: torch.nn.Module) -> bool:
         with torch.no_grad():
             full = model(input_ids=tokens, use_cache=False).logits[:, :6].float()
             short = model(input_ids=tokens[:, :6], use_cache=False).logits.float()
-    except Exception:  # noqa: BLE001 (a forward that fails is left to the self-check)
-        return True
+    except MODEL_ERRORS as error:
+        if not raised_by_model(error):
+            raise
+        raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: its config has is_decoder=False and its "
+                               f"uncached forward fails ({describe(error)}), so flashmm cannot tell whether it attends "
+                               f"causally{_HOW_TO_RUN}") from error
     return bool((full - short).abs().max() <= 1e-4 * short.abs().max().clamp_min(1e-6))
 
 
 def cache_layer_kinds(text_config) -> list[str]:
     """Names of the cache layer classes ``generate``'s DynamicCache would give ``text_config`` that are
-    not plain per-token key/value rows ([] when all are, or when transformers cannot say)."""
-    from transformers import DynamicCache  # noqa: PLC0415
-
-    try:
-        cache = DynamicCache(config=text_config)
-    except Exception:  # noqa: BLE001 (a config DynamicCache cannot read: left to the self-check)
-        return []
-    kinds = {type(layer).__name__ for layer in cache.layers}
+    not plain per-token key/value rows ([] when all are, or, with a warning, when transformers cannot say)."""
+    kinds = {type(layer).__name__ for layer in generate_cache_layers(text_config)}
     return sorted(k for k in kinds if k not in _KV_LAYERS and k != "DummyLayer")
 
 
@@ -183,14 +198,18 @@ def generate_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, atten
 #: largest |flashmm - plain| / max|plain| over the checked logits before a model is refused
 _TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 _TOLERANCE_16BIT = 5e-2
+#: tokens the self-check runs after its prompt: a 4-node tree (3 positions deep), then a recurrent target's chain
+_CHECK_TAIL = 4
 
 
 def self_check(target) -> None:
     """Run flashmm's path once (prefill + one branching tree forward; for recurrent targets also a
-    commit and a chain forward after it) against the model's own generate; raise UnsupportedModel when it
-    fails or gives other logits. A recurrent target whose multi-token forward does not continue the
-    state it is given (transformers' Mamba-1 mixers restart the scan from zero) verifies one token
-    per forward (``target.stepwise``), with a warning."""
+    commit and a chain forward after it) against the model's own generate; raise UnsupportedModel when the
+    model fails there or gives other logits (NonFiniteLogits when its own logits are NaN or infinite). The
+    prompt is longer than any sliding window or attention chunk the config names (``check_prompt_length``),
+    so a model whose forward applies a window otherwise than flashmm's masks is refused here. A recurrent
+    target whose multi-token forward does not continue the state it is given (transformers' Mamba-1 mixers
+    restart the scan from zero) verifies one token per forward (``target.stepwise``), with a warning."""
     model = target.model
     tolerance = _TOLERANCE.get(model.dtype, _TOLERANCE_16BIT)
     if getattr(target, "recurrent", False):
@@ -198,28 +217,71 @@ def self_check(target) -> None:
         try:
             with torch.no_grad():
                 state_gap = continues_state(model, tokens, target.cache_argument)
-        except Exception as error:  # noqa: BLE001
-            why = str(error) if isinstance(error, StateOutsideCache) \
-                else f"its cached forward fails ({type(error).__name__}: {error})"
-            raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: {why}{_HOW_TO_RUN}") from error
+        except StateOutsideCache as error:
+            raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: {error}{_HOW_TO_RUN}") from error
+        except MODEL_ERRORS as error:
+            if not raised_by_model(error):
+                raise
+            raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: its cached forward fails "
+                                   f"({describe(error)}){_HOW_TO_RUN}") from error
         target.stepwise = not state_gap <= tolerance
         if target.stepwise:
             warnings.warn(f"{architecture(model)}: its multi-token forward does not continue the recurrent state it "
                           f"is given (the scan restarts from zero; state gap {state_gap:.2g}), so flashmm verifies "
                           "drafts one token per forward: exact, but no faster than model.generate", stacklevel=3)
-    gap = _check_gap(target)
+    prompt_len = check_prompt_length(model)
+    got, want = _check_logits(target, prompt_len)
+    # -inf is a probability of zero (a model may rule tokens out); NaN, +inf or a position with no finite logit is not
+    broken = want.isnan() | (want == float("inf")) | ~torch.isfinite(want).any(-1, keepdim=True)
+    if bool(broken.any()):
+        raise NonFiniteLogits(
+            f"flashmm cannot decode {architecture(model)}: the model's own forward gives NaN or infinite logits "
+            f"({int(broken.sum())} of {want.numel()} values) after a {prompt_len}-token prompt of ordinary tokens, so "
+            "there is nothing to decode exactly: its weights hold NaN/inf values, or its activations overflow its "
+            f"dtype ({model.dtype}; float16 overflows where bfloat16 and float32 do not): check the checkpoint and "
+            "the dtype it is loaded in")
+    gap = _relative_gap(got, want)
     if not gap <= tolerance:
+        window = longest_window(model.config)
+        read = "" if window is None else (
+            f"; its config names a {window}-token sliding window or attention chunk, which flashmm applies as "
+            "generate's masks do (by layer_types, else to every layer by sliding_window, else by attention_chunk_size), "
+            "and its forward may apply it otherwise")
         raise UnsupportedModel(
             f"flashmm cannot decode {architecture(model)}: its logits through flashmm's cache, positions and tree "
-            f"mask differ from its own forward (relative gap {gap:.2g} > {tolerance:g}), so it derives positions or "
-            f"keeps a cache in a way the generic path does not reproduce{_HOW_TO_RUN}")
+            f"mask differ from its own generate's after a {prompt_len}-token prompt (relative gap {gap:.2g} > "
+            f"{tolerance:g}), so it derives positions, masks or keeps a cache in a way the generic path does not "
+            f"reproduce{read}{_HOW_TO_RUN}")
 
 
-def _check_gap(target) -> float:
-    """Largest relative gap between flashmm's logits and the model's own generate on the same text."""
+def _relative_gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| over want's finite logits; inf where got differs from want on which
+    logits are -inf (or got has NaN / +inf)."""
+    finite = torch.isfinite(want)
+    if not torch.equal(torch.isfinite(got), finite) or not bool((got[~finite] == want[~finite]).all()):
+        return float("inf")
+    return float((got - want)[finite].abs().max() / want[finite].abs().max().clamp_min(1e-6))
+
+
+def check_prompt_length(model) -> int:
+    """Tokens in the self-check's prompt: 5, or one more than the longest sliding window or attention chunk
+    the config names (``layout.longest_window``), so that window cuts into the prompt the checked tree sees;
+    a window whose prompt and tree would pass the config's max_position_embeddings is not checked (it binds
+    only past the positions the model is built for). Costs a prefill of that many tokens, twice, per wrap."""
+    window = longest_window(model.config)
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if window is None or (isinstance(limit, int) and window + 1 + _CHECK_TAIL > limit):
+        return 5
+    return max(5, window + 1)
+
+
+def _check_logits(target, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits [1, n, V] of the same text through flashmm's path and through the model's own generate:
+    a prompt of ``prompt_len`` ordinary tokens, then a 4-node tree (and a recurrent target's chain)."""
     model = target.model
-    tokens = _probe_tokens(model, target.vocab_size, 9)
-    prompt, tree_tokens = tokens[:, :5], tokens[:, [5, 6, 7, 6]]  # root, child a, child b, a's child
+    tokens = _probe_tokens(model, target.vocab_size, prompt_len + _CHECK_TAIL)
+    p = prompt_len
+    prompt, tree_tokens = tokens[:, :p], tokens[:, [p, p + 1, p + 2, p + 1]]  # root, child a, child b, a's child
     tree = TokenTree.from_parents([-1, 0, 0, 1])
     try:
         with torch.no_grad():
@@ -232,20 +294,22 @@ def _check_gap(target) -> float:
             want = torch.cat([branch_a[:, :2], branch_b, branch_a[:, 2:]], 1)  # nodes in tree order
             if getattr(target, "recurrent", False):  # keep root → a, then a chain (b', c') after it
                 target.commit(torch.tensor([[0, 1]], device=tokens.device))
-                chain = tokens[:, [8, 5]]
+                chain = tokens[:, [p + 3, p]]
                 got = torch.cat([got, target.forward_tree(chain, TokenTree.chain(1), False).logits.float()], 1)
                 text = torch.cat([tree_tokens[:, [0, 1]], chain], 1)
                 want = torch.cat([want, _reference_logits(model, prompt, text)[:, -2:]], 1)
     except UnsupportedModel:
         raise
-    except Exception as error:  # noqa: BLE001 (a model the generic path cannot run is refused, not crashed)
+    except MODEL_ERRORS as error:
+        if not raised_by_model(error):  # a bug of flashmm's, not a model the generic path cannot run
+            raise
         raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: its cached tree forward fails "
-                               f"({type(error).__name__}: {error}){_HOW_TO_RUN}") from error
+                               f"({describe(error)}){_HOW_TO_RUN}") from error
     finally:
         target.release()
     if got.shape != want.shape:
         _not_per_token(model, got, want)
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+    return got, want
 
 
 def _not_per_token(model, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -264,25 +328,33 @@ def _reference_logits(model, prompt: torch.Tensor, forced: torch.Tensor) -> torc
     through ``prefix_allowed_tokens_fn``). This is the path flashmm promises to reproduce, and it
     differs from one uncached forward over the whole text in models whose prompt is special
     (PaliGemma attends bidirectionally over its prefix). A model whose ``generate`` cannot run here
-    is checked against one uncached forward with generate's positions instead."""
+    is checked against one uncached forward with generate's positions instead, with a warning naming why."""
     steps = forced[0].tolist()
     cached = [(m, m.rope_deltas) for m in model.modules() if hasattr(m, "rope_deltas")]  # generate sets them
 
     def allowed(batch_id, ids):  # noqa: ARG001 (generate's signature)
-        return [steps[min(ids.shape[-1] - prompt.shape[1], len(steps) - 1)]]
+        return [steps[max(0, min(ids.shape[-1] - prompt.shape[1], len(steps) - 1))]]
 
     try:
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(steps) + 1,
                              do_sample=False, num_beams=1,
                              prefix_allowed_tokens_fn=allowed, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=0, eos_token_id=None)
-        if len(out.logits) == len(steps) + 1 and torch.equal(out.sequences[0, prompt.shape[1]:-1], forced[0]):
-            return torch.stack(out.logits[1:], 1).float()
-    except Exception:  # noqa: BLE001 (e.g. a generation_config the model's generate refuses)
-        pass
+    except MODEL_ERRORS as error:  # e.g. a generation_config the model's generate refuses
+        if not raised_by_model(error):
+            raise
+        why = f"its generate fails on a text-only prompt ({describe(error)})"
+    else:
+        logits = torch.stack(out.logits[1:], 1).float() if len(out.logits) == len(steps) + 1 else None
+        if logits is not None and (torch.equal(out.sequences[0, prompt.shape[1]:-1], forced[0])
+                                   or bool((logits.isnan() | (logits == float("inf"))).any())):
+            return logits  # (NaN / +inf logits force no token: self_check reports them as what they are)
+        why = "its generate does not decode the tokens prefix_allowed_tokens_fn forces"
     finally:  # the user's model keeps the state it had (M-RoPE models cache their rope deltas)
         for module, value in cached:
             module.rope_deltas = value
+    warnings.warn(f"{architecture(model)}: flashmm's self-check compares its path with one uncached forward of the "
+                  f"model (generate's positions) instead of the model's own generate, because {why}", stacklevel=2)
     ids = torch.cat([prompt, forced], 1)
     plain = model(input_ids=ids, **generate_position_ids(model, ids, None)).logits.float()
     return plain[:, -forced.shape[1]:]

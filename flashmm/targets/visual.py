@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 from .base import TargetOutput, select_hidden
+from .support import UnsupportedModel, architecture
 from .text import CausalLMTarget
 
 
@@ -200,7 +201,9 @@ class VisualTarget(CausalLMTarget):
                 self.model(input_ids=input_ids, use_cache=False, **kwargs)
         except _EmbedsCaptured as captured:
             return captured.embeds
-        raise RuntimeError(f"{type(self.model).__name__} never called its language model")
+        raise UnsupportedModel(f"flashmm cannot decode {architecture(self.model)}: its forward never called its "
+                               "language model (get_decoder()), where flashmm reads the text and media embeddings "
+                               "it merged; run it with model.generate")
 
     @contextlib.contextmanager
     def _language_model_input(self, callback):
@@ -210,7 +213,9 @@ class VisualTarget(CausalLMTarget):
         def hook(module, args, kwargs):
             embeds = kwargs.get("inputs_embeds")
             if embeds is None:
-                raise RuntimeError(f"{type(self.model).__name__} called its language model without inputs_embeds")
+                raise UnsupportedModel(f"flashmm cannot decode {architecture(self.model)}: its forward called its "
+                                       "language model without inputs_embeds, where flashmm reads the text and media "
+                                       "embeddings it merged; run it with model.generate")
             callback(embeds.detach().clone())
 
         handle = self.model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
