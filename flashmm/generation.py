@@ -136,6 +136,10 @@ def prepare(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     if input_name != "input_ids" or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError("flashmm needs input_ids as a non-empty LongTensor [batch, seq_len]; got "
                          f"{input_name} of shape {tuple(input_ids.shape)}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor")
+    # model.generate takes any integer dtype (int32 from numpy or ONNX tokenizers) and returns int64 ids
+    input_ids = input_ids.long()
     device = input_ids.device
     model._prepare_special_tokens(config, kwargs_has_mask, device=device, batch_size=input_ids.shape[0])
     if not kwargs_has_mask:
@@ -143,11 +147,16 @@ def prepare(model, inputs: torch.Tensor | None, generation_config: GenerationCon
     mask = model_kwargs["attention_mask"]
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must be [batch, seq_len] = {tuple(input_ids.shape)}, got {tuple(mask.shape)}")
-    if bool((mask[:, -1] == 0).any()):
-        raise ValueError("attention_mask has right padding; decoder-only generation needs left padding "
-                         "(tokenizer.padding_side = 'left')")
-    if bool((mask.sum(1) == 0).any()):
-        raise ValueError("a row of attention_mask is all zeros (empty prompt)")
+    empty = (mask == 0).all(1).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask row(s) {empty} are all zeros: such a row has no prompt token to condition "
+                         "on (an empty prompt padded to the batch's length?), and model.generate decodes it with every "
+                         "prompt position masked out, which flashmm does not reproduce; drop the row, or give it at "
+                         "least one token (e.g. the BOS token)")
+    right = (mask[:, -1] == 0).nonzero().flatten().tolist()
+    if right:
+        raise ValueError(f"attention_mask row(s) {right} have right padding; decoder-only generation needs left "
+                         "padding (tokenizer.padding_side = 'left')")
 
     expand = config.num_return_sequences or 1
     extra = {k: v for k, v in model_kwargs.items()
