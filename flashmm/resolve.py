@@ -9,6 +9,7 @@ import os
 from .drafters.base import Drafter, drafter_names
 from .drafters.flash import CONFIG_NAME as FLASH_CONFIG_NAME
 from .drafters.flash import FlashDrafter
+from .drafters.flash import read_config as read_flash_config
 from .drafters.saved import CONFIG_FILE as SAVED_CONFIG
 from .drafters.saved import load, make_by_name
 
@@ -39,8 +40,9 @@ def training_record(directory: str | os.PathLike) -> dict | None:
         except (OSError, ValueError):
             return None
 
-    meta = read(os.path.join(directory, FLASH_CONFIG_NAME)) or {}
-    training = meta.get("training") if isinstance(meta, dict) else None
+    # a malformed flash_config.json is reported (DrafterFileError naming it), not read as "untrained"
+    meta = read_flash_config(directory) if os.path.isfile(os.path.join(directory, FLASH_CONFIG_NAME)) else {}
+    training = meta.get("training")
     if isinstance(training, dict) and (training.get("epochs") or training.get("steps")):
         return {"source": FLASH_CONFIG_NAME, **training}
     states = sorted(glob.glob(os.path.join(directory, "checkpoints", "epoch-*", "trainer_state.json")))

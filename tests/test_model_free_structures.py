@@ -154,7 +154,7 @@ def test_a_compact_datastore_builds_its_suffix_array_once(tmp_path, monkeypatch)
     assert (tmp_path / "compact.safetensors").stat().st_size < 0.3 * (tmp_path / "full.safetensors").stat().st_size
     first = Rest(datastore=tmp_path / "compact.safetensors").datastore
     assert first.tokens.tolist() == flat and np.array_equal(first.array, full.datastore.array)
-    assert len(list((tmp_path / "cache").glob("suffix_array_*.npy"))) == 1
+    assert len(list((tmp_path / "cache").glob("suffix_array_*.npz"))) == 1
 
     def refuse(tokens):
         raise AssertionError("the cached suffix array should have been read")

@@ -5,6 +5,7 @@ from .cascade import HorizontalCascade, VerticalCascade
 from .draft_model import DraftModel
 from .eagle3 import Eagle3Drafter
 from .fastdraft import FastDraft
+from .files import DrafterFileError
 from .flash import FlashDrafter
 from .hydra import Hydra
 from .length import AdaptiveDraftLength
@@ -25,5 +26,5 @@ from .saved import load
 from .specdecpp import SpecDecPP
 
 __all__ = ["CrossTokenizerDraft", "Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
+           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]

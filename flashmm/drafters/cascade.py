@@ -27,7 +27,7 @@ from ..sampling import sample
 from ..tree import TokenTree
 from .base import Draft, Drafter, StepResult, register, root_only
 from .draft_model import DraftModel
-from .length import AdaptiveDraftLength, measure_verify_cost, price_with_target
+from .length import AdaptiveDraftLength, VerifyCostUnmeasurable, measure_verify_cost, price_with_target
 
 #: node counts at which the draft LM's own forward is timed, to price the lookup's guesses
 DRAFT_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -114,7 +114,7 @@ class VerticalCascade(Drafter):
             return
         try:
             self._draft_cost = measure_verify_cost(self.draft.model, grid=DRAFT_GRID)
-        except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError, IndexError):
+        except VerifyCostUnmeasurable:
             return  # a draft that cannot be timed this way: the lookup keeps its constant costs
         for length in self.lookup.lengths.values():
             length.verify_cost = self._draft_cost

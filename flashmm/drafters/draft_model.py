@@ -11,7 +11,7 @@ from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..sampling import sample
 from ..tree import TokenTree
 from .base import Draft, Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength, measure_verify_cost, price_with_target
+from .length import AdaptiveDraftLength, VerifyCostUnmeasurable, measure_verify_cost, price_with_target
 from .tree_drafting import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
 
 DRAFTINGS = ("sibling", "rsd_c", "rsd_s", "chains")
@@ -116,10 +116,10 @@ class DraftModel(Drafter):
             return
         try:
             draft_one = measure_verify_cost(self.model, grid=(1,), linear=self.linear).seconds[0]
-        except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError) as err:
+        except VerifyCostUnmeasurable as err:
             # a draft whose cache cannot be cropped (recurrent state) or forwarded this way
             self.length.verify_cost = None
-            self.cost_source = f"constants (draft cost not measurable: {type(err).__name__}: {err})"
+            self.cost_source = f"constants (draft cost not measurable: {err})"
             return
         self.length.draft_token_cost = draft_one / self.length.verify_cost.seconds[0]
 

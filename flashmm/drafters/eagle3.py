@@ -39,15 +39,17 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..config import SamplingParams
 from ..onednn import routed_like
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import GrownTree, TreeUnits, grow, grow_static
 from .eagle3_net import Eagle3Config, Eagle3Net
+from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
 from .head_base import committed_embeds
 from .length import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
+from .saved import read_info
 from .suffix import LookupBranch
 from .trie import DraftTrie, best_paying_prefix
 
@@ -126,18 +128,22 @@ class Eagle3Drafter(Drafter):
     # ------------------------------------------------------------------ folders
     @classmethod
     def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "Eagle3Drafter":
+        """The head saved in folder ``path`` (``save_head``); DrafterFileError naming the file when
+        drafter.json or model.safetensors is malformed or they disagree."""
         path = Path(path)
-        info = json.loads((path / CONFIG_FILE).read_text())
-        if "eagle3_config" not in info:
-            raise ValueError(f"{path / CONFIG_FILE} has no eagle3_config: not an EAGLE-3 head folder")
-        net = Eagle3Net(Eagle3Config.from_dict(info["eagle3_config"]))
-        tensors = load_file(str(path / WEIGHTS_FILE))
-        missing, unexpected = net.load_state_dict(tensors, strict=False)
+        config, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+        info = check_section(config, "drafter.json (an EAGLE-3 head folder)", read_info(path),
+                             {"eagle3_config": dict, "drafting": dict}, required=("eagle3_config",), unknown_ok=True)
+        sizes = check_section(config, "'eagle3_config'", info["eagle3_config"], *parameters_of(Eagle3Config))
+        drafting = check_section(config, "'drafting'", info.get("drafting", {}),
+                                 *parameters_of(cls, skip=("net", "info", "acceptance")))
+        with blamed_on(config, "'eagle3_config'"):
+            net = Eagle3Net(Eagle3Config.from_dict(sizes))
+        missing, unexpected = load_weights(net, read_safetensors(weights), weights, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, "
-                             f"unexpected {unexpected}")
-        drafting = {**info.get("drafting", {}), **options}
-        return cls(net.to(dtype), info=info, **drafting)
+            raise DrafterFileError(weights, f"does not match its config: missing {missing}, unexpected {unexpected}")
+        with blamed_on(config, "'drafting'", options):
+            return cls(net.to(dtype), info=info, **{**drafting, **options})
 
     def save(self, path, info: dict) -> Path:
         """Write drafter.json (``info`` must name method and target) and model.safetensors (fp16 weights)."""

@@ -66,7 +66,8 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Eagle3Config":
-        return cls(**{**data, "feature_layers": tuple(data["feature_layers"])})
+        layers = {"feature_layers": tuple(data["feature_layers"])} if "feature_layers" in data else {}
+        return cls(**{**data, **layers})
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -26,7 +26,8 @@ from .base import register
 from .draft_model import DraftModel
 from .length import AdaptiveDraftLength
 
-from .saved import CONFIG_FILE
+from .files import CONFIG_ERRORS, DrafterFileError, blamed_on, check_section, load_weights, read_safetensors
+from .saved import CONFIG_FILE, read_info
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -91,6 +92,7 @@ class FastDraft(DraftModel):
     DraftModel's tree options — drafting, branching, beam_width, num_chains, budget)."""
 
     name = "fastdraft"
+    saved_sections: dict[str, dict] = {}   # drafter.json section -> {key: type} the constructor reads from info
 
     def __init__(self, model: ReducedVocabLM, max_draft_tokens: int = 8, tree_width: int = 1,
                  confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None,
@@ -104,28 +106,39 @@ class FastDraft(DraftModel):
 
     @classmethod
     def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "FastDraft":
-        model, info, extra = load_reduced_lm(path, dtype)
-        if extra:
-            raise ValueError(f"{path / WEIGHTS_FILE} holds tensors a FastDraft does not use: {sorted(extra)}")
-        return cls(model, info=info, **options)
+        model, info, _ = load_reduced_lm(path, dtype)
+        config = Path(path) / CONFIG_FILE
+        for name, hints in cls.saved_sections.items():
+            if name in info:
+                check_section(config, repr(name), info[name], hints)
+        with blamed_on(config, "its settings", options):
+            return cls(model, info=info, **options)
 
 
 def load_reduced_lm(path, dtype: torch.dtype = torch.float32, extra: tuple[str, ...] = ()):
     """(ReducedVocabLM, drafter.json info, {name: tensor} for the ``extra`` names) from a folder
-    written by save_reduced_lm; weights the config does not describe are refused, not ignored."""
+    written by save_reduced_lm; weights the config does not describe are refused, not ignored.
+    A malformed drafter.json or model.safetensors raises DrafterFileError naming the file."""
     path = Path(path)
-    info = json.loads((path / CONFIG_FILE).read_text())
-    tensors = load_file(str(path / WEIGHTS_FILE))
+    config, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+    info = check_section(config, "drafter.json", read_info(path), {"lm_config": dict, "target": dict},
+                         required=("lm_config",), unknown_ok=True)
+    check_section(config, "'target'", info["target"], {"vocab_size": int}, required=("vocab_size",), unknown_ok=True)
+    tensors = read_safetensors(weights)
+    if "draft_to_target" not in tensors:
+        raise DrafterFileError(weights, "lacks the tensor 'draft_to_target' (the draft row -> target id map)")
     draft_to_target = tensors.pop("draft_to_target")
     kept = {name: tensors.pop(name).to(dtype) for name in extra if name in tensors}
-    lm = build_lm(info["lm_config"])
-    missing, unexpected = lm.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+    with blamed_on(config, "'lm_config'", errors=CONFIG_ERRORS):
+        lm = build_lm(info["lm_config"])
+    missing, unexpected = load_weights(lm, {k: v.to(dtype) for k, v in tensors.items()}, weights, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and lm.config.tie_word_embeddings)]
     missing += [name for name in extra if name not in kept]
     if missing or unexpected:
-        raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, "
-                         f"unexpected {unexpected}")
-    return ReducedVocabLM(lm.to(dtype), draft_to_target, info["target"]["vocab_size"]), info, kept
+        raise DrafterFileError(weights, f"does not match its config: missing {missing}, unexpected {unexpected}")
+    with blamed_on(weights, "'draft_to_target'"):
+        model = ReducedVocabLM(lm.to(dtype), draft_to_target, info["target"]["vocab_size"])
+    return model, info, kept
 
 
 def save_reduced_lm(path, model: ReducedVocabLM, info: dict, drafter: str = "fastdraft",

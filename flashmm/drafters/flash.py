@@ -43,18 +43,38 @@ import warnings
 from typing import Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..config import SamplingParams
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import TreeUnits, grow
+from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors
 from .length import measured_verify_cost, paying_prefix, sequoia_rank_paths
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
 from .suffix import SuffixTrie, lookup_source
 from .trie import fit_chain
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
+# flash_config.json's top level: "training" is the optional record resolve.training_record reads
+CONFIG_KEYS = {"format": str, "version": int, "config": dict, "drafting": dict, "training": dict}
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    """The flash_config.json of a FLASH drafter directory, checked against what ``save_pretrained``
+    writes: the top-level keys, FlashConfig's fields under "config" and FlashDrafter's options under
+    "drafting" (each present when required, of its type, none unknown). DrafterFileError naming the
+    file and what is wrong otherwise; FileNotFoundError when there is no such file."""
+    path = os.path.join(directory, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: expected a directory written by FlashDrafter.save_pretrained")
+    meta = check_section(path, CONFIG_NAME, read_json(path), CONFIG_KEYS, required=("format", "config"))
+    if meta["format"] != "flashmm-flash":
+        raise DrafterFileError(path, f"'format' is {meta['format']!r}, not 'flashmm-flash': not a flashmm FLASH "
+                                     "drafter config")
+    check_section(path, "'config'", meta["config"], *parameters_of(FlashConfig))
+    check_section(path, "'drafting'", meta.get("drafting", {}), *parameters_of(FlashDrafter, skip=("net",)))
+    return meta
 
 
 @register
@@ -186,20 +206,20 @@ class FlashDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device=None, **options) -> "FlashDrafter":
-        """Load what ``save_pretrained`` wrote; ``options`` override the saved drafting options."""
+        """Load what ``save_pretrained`` wrote; ``options`` override the saved drafting options. A
+        malformed flash_config.json or a truncated / corrupt / mismatched weights file raises
+        DrafterFileError naming the file and what is wrong (see ``read_config``)."""
+        meta = read_config(directory)
         config_path = os.path.join(directory, CONFIG_NAME)
-        if not os.path.isfile(config_path):
-            raise FileNotFoundError(f"{config_path} not found: expected a directory written by "
-                                    "FlashDrafter.save_pretrained")
-        with open(config_path) as fh:
-            meta = json.load(fh)
-        if meta.get("format") != "flashmm-flash":
-            raise ValueError(f"{config_path} is not a flashmm FLASH drafter config")
-        net = FlashNet(FlashConfig.from_dict(meta["config"]))
-        net.load_state_dict(load_file(os.path.join(directory, WEIGHTS_NAME)))
+        with blamed_on(config_path, "'config'"):
+            net = FlashNet(FlashConfig.from_dict(meta["config"]))
+        weights = os.path.join(directory, WEIGHTS_NAME)
+        load_weights(net, read_safetensors(weights), weights)
         if device is not None:
             net = net.to(device)
-        return cls(net.eval(), **{**meta.get("drafting", {}), **options})
+        drafting = meta.get("drafting", {})
+        with blamed_on(config_path, "'drafting'", options):
+            return cls(net.eval(), **{**drafting, **options})
 
     # ------------------------------------------------------------------ protocol
     def bind(self, target) -> None:

@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..config import SamplingParams
@@ -34,7 +34,8 @@ from ..shapes import dyspec_tree
 from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, root_only
 from .length import AdaptiveDraftLength, price_with_target
-from .saved import CONFIG_FILE
+from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
+from .saved import CONFIG_FILE, read_info
 from .suffix import LookupBranch
 from .trie import DraftTrie, best_paying_prefix
 
@@ -310,17 +311,25 @@ class HeadDrafter(Drafter):
     # ------------------------------------------------------------------ folders
     @classmethod
     def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "HeadDrafter":
+        """The heads saved in folder ``path`` (``save_heads``); DrafterFileError naming the file when
+        drafter.json or model.safetensors is malformed or they disagree."""
         path = Path(path)
-        info = json.loads((path / CONFIG_FILE).read_text())
-        tensors = load_file(str(path / WEIGHTS_FILE))
+        config, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+        info = check_section(config, "drafter.json", read_info(path), {"heads": dict, "drafting": dict},
+                             required=("heads",), unknown_ok=True)
+        sizes = check_section(config, "'heads'", info["heads"], *parameters_of(cls.heads_class))
+        drafting = check_section(config, "'drafting'", info.get("drafting", {}),
+                                 *parameters_of(cls, skip=("heads", "vocab", "accuracy", "info")))
+        tensors = read_safetensors(weights)
         vocab = tensors.pop("vocab", None)
-        heads = cls.heads_class(**info["heads"])
-        missing, unexpected = heads.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+        with blamed_on(config, "'heads'"):
+            heads = cls.heads_class(**sizes)
+        missing, unexpected = load_weights(heads, {k: v.to(dtype) for k, v in tensors.items()}, weights, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected {unexpected}")
-        defaults = dict(info.get("drafting", {}))
-        defaults.update(options)
-        return cls(heads.to(dtype), vocab=vocab, accuracy=info.get("accuracy"), info=info, **defaults)
+            raise DrafterFileError(weights, f"does not match its config: missing {missing}, unexpected {unexpected}")
+        with blamed_on(config, "'drafting'", options):
+            return cls(heads.to(dtype), vocab=vocab, accuracy=info.get("accuracy"), info=info,
+                       **{**drafting, **options})
 
 
 @lru_cache(maxsize=64)

@@ -20,12 +20,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from .. import cache as kv
 from ..targets.layers import crop_layers, layer_len
 from .base import SequenceStart, StepResult, register
+from .files import blamed_on, check_section, parameters_of, read_safetensors
 from .saved import CONFIG_FILE, read_info
 from .self_spec import SelfDrafter
 
@@ -77,9 +78,16 @@ class Kangaroo(SelfDrafter):
 
     @classmethod
     def from_dir(cls, path, **options) -> "Kangaroo":
-        info = read_info(path)
-        state = load_file(str(Path(path) / "model.safetensors"))
-        return cls(state, exit_layer=info["exit_layer"], **{**info.get("options", {}), **options})
+        """The adapter saved in folder ``path`` (``save``); DrafterFileError naming the file when
+        drafter.json or model.safetensors is malformed."""
+        config = Path(path) / CONFIG_FILE
+        info = check_section(config, "drafter.json (a Kangaroo folder)", read_info(path),
+                             {"exit_layer": int, "options": dict}, required=("exit_layer",), unknown_ok=True)
+        saved = check_section(config, "'options'", info.get("options", {}),
+                              *parameters_of(cls, skip=("adapter_state", "exit_layer")))
+        state = read_safetensors(Path(path) / "model.safetensors")
+        with blamed_on(config, "'options'", options):
+            return cls(state, exit_layer=info["exit_layer"], **{**saved, **options})
 
     def save(self, path, info: dict) -> None:
         """Write drafter.json (info + exit_layer) and the adapter's weights in fp16."""

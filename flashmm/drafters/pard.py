@@ -16,6 +16,8 @@ fp16 ``model.safetensors``) whose weights add ``mask_embedding`` and whose confi
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -26,7 +28,9 @@ from ..tree import TokenTree
 from .base import Draft, register, root_only
 from .draft_model import DraftModel
 from .fastdraft import ReducedVocabLM, load_reduced_lm
+from .files import blamed_on, check_section
 from .length import AdaptiveDraftLength
+from .saved import CONFIG_FILE
 
 
 class PardLM(nn.Module):
@@ -80,7 +84,11 @@ class Pard(DraftModel):
     @classmethod
     def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "Pard":
         model, info, extra = load_reduced_lm(path, dtype, extra=("mask_embedding",))
-        return cls(model, extra["mask_embedding"], depth=int(info["pard"]["depth"]), info=info, **options)
+        config = Path(path) / CONFIG_FILE
+        check_section(config, "drafter.json (a PARD folder)", info, {"pard": dict}, required=("pard",), unknown_ok=True)
+        check_section(config, "'pard'", info["pard"], {"depth": int}, required=("depth",), unknown_ok=True)
+        with blamed_on(config, "its settings", options):
+            return cls(model, extra["mask_embedding"], depth=info["pard"]["depth"], info=info, **options)
 
     def _measure_costs(self, target) -> None:
         super()._measure_costs(target)  # prices one draft token forward as draft_token_cost

@@ -19,12 +19,18 @@ import heapq
 import json
 import lzma
 import os
+import pickle
+import warnings
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import disk_cache
 from .base import Drafter, StepResult, register, root_only
+from .files import DrafterFileError, read_safetensors
 from .length import AdaptiveDraftLength, price_with_target
 from .trie import DraftTrie, TreeBudget, match_bucket
 
@@ -154,26 +160,77 @@ class Datastore:
     @classmethod
     def load(cls, path, cache: Path | None = None) -> "Datastore":
         """A file ``save`` wrote. A compact one's suffix array is built on first load (~25 s for 5.8M
-        tokens on 2 cores) and kept as ``suffix_array_<hash of the tokens>.npy`` under ``cache``
-        (default flashmm's cache directory), which later loads read."""
-        from safetensors.torch import load_file  # noqa: PLC0415
-
-        from .length import cache_dir  # noqa: PLC0415
-
-        data = load_file(os.fspath(path))
-        tokens = data["tokens"].numpy().astype(np.int64)
+        tokens on 2 cores) and kept, with its checksum, as ``suffix_array_<hash of the tokens>.npz``
+        under ``cache`` (default flashmm's cache directory), which later loads read: a damaged entry
+        (truncated, corrupt) is rebuilt with a warning, and an unwritable directory leaves the array
+        in memory only (flashmm.drafters.disk_cache warns once).
+        DrafterFileError names ``path`` when it is not a datastore (truncated, no tokens, a stored
+        suffix array that does not fit its tokens)."""
+        data = read_safetensors(path)
+        tokens = data.get("tokens")
+        if tokens is None or tokens.dim() != 1 or tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise DrafterFileError(path, f"holds no 1-D integer 'tokens' (tensors: {sorted(data)}): not a datastore "
+                                         "Rest.save wrote")
+        tokens = tokens.numpy().astype(np.int64)
         if "suffix_array" in data:
+            problem = suffix_array_problem(data["suffix_array"].numpy(), tokens)
+            if problem:
+                raise DrafterFileError(path, f"'suffix_array' {problem}")
             return cls(tokens, data["suffix_array"].numpy())
         digest = hashlib.sha256(tokens.tobytes()).hexdigest()[:20]
-        stored = Path(cache if cache is not None else cache_dir()) / f"suffix_array_{digest}.npy"
+        stored = Path(cache if cache is not None else disk_cache.cache_dir()) / f"suffix_array_{digest}.npz"
         if stored.is_file():
-            return cls(tokens, np.load(stored).astype(np.int64))
+            array, problem = _read_cached_array(stored, len(tokens))
+            if not problem:
+                return cls(tokens, array)
+            warnings.warn(f"REST suffix-array cache {stored} for {path} is damaged ({problem}); rebuilding it",
+                          RuntimeWarning, stacklevel=2)
         store = cls(tokens)
-        stored.parent.mkdir(parents=True, exist_ok=True)
-        temporary = stored.with_name(stored.stem + ".tmp.npy")
-        np.save(temporary, store.array.astype(np.int32 if len(tokens) < 2**31 else np.int64))
-        temporary.replace(stored)                       # atomic: a concurrent reader sees all or nothing
+        kept = store.array.astype(np.int32 if len(tokens) < 2**31 else np.int64)
+        disk_cache.store(stored, lambda fh: np.savez(fh, suffix_array=kept, crc32=np.uint32(_crc(kept))))
         return store
+
+
+def _crc(array: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8))
+
+
+def _read_cached_array(stored: Path, n: int) -> tuple[np.ndarray | None, str]:
+    """(the suffix array [n] int64 in cache entry ``stored``, "") or (None, why it cannot be used):
+    unreadable, a checksum that does not match (truncated, corrupt), or positions outside the
+    corpus. The checksum costs ~10 ms for 5.8M tokens, where re-checking the order would cost 0.4 s."""
+    try:
+        with np.load(stored, allow_pickle=False) as entry:
+            array, crc = entry["suffix_array"], int(entry["crc32"])
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as err:   # np.load on a damaged file
+        return None, f"unreadable: {type(err).__name__}: {err}"
+    if array.ndim != 1 or len(array) != n or not np.issubdtype(array.dtype, np.integer):
+        return None, f"holds {array.dtype} {list(array.shape)}, expected [{n}] integers"
+    if _crc(array) != crc:
+        return None, "its checksum does not match its contents"
+    if n and (int(array.min()) < 0 or int(array.max()) >= n):
+        return None, "positions outside the corpus"
+    return array.astype(np.int64), ""
+
+
+def suffix_array_problem(array: np.ndarray, tokens: np.ndarray) -> str:
+    """Why ``array`` cannot be the suffix array of ``tokens`` [n] ("" when it may be): not n
+    integers, not a permutation of 0..n-1, or suffixes out of order by their first token (O(n); an
+    array that passes but is mis-ordered deeper only drafts worse, since every drafted token is
+    verified)."""
+    n = len(tokens)
+    if array.ndim != 1 or len(array) != n:
+        return f"has shape {list(array.shape)}, expected [{n}] (one entry per token)"
+    if not np.issubdtype(array.dtype, np.integer):
+        return f"has dtype {array.dtype}, expected integers"
+    if n == 0:
+        return ""
+    if int(array.min()) < 0 or int(array.max()) >= n or np.bincount(array, minlength=n).max() != 1:
+        return f"is not a permutation of the {n} token positions"
+    first = tokens[array]
+    if bool((first[1:] < first[:-1]).any()):
+        return "lists suffixes out of order"
+    return ""
 
 
 def open_datastore(source) -> Datastore:
@@ -190,6 +247,34 @@ def open_datastore(source) -> Datastore:
     return Rest.from_corpus(paths).datastore
 
 
+def _read_token_array(path: Path) -> np.ndarray:
+    """The token ids in a .npy, .pt or .safetensors file, read without unpickling anything: a .pt
+    file is loaded with ``weights_only=True`` (tensors and plain containers only) and a .npy file
+    without pickles, so a planted file cannot run code. DrafterFileError naming the file otherwise."""
+    if path.name.endswith(".safetensors"):
+        tensors = read_safetensors(path)
+        if not tensors:
+            raise DrafterFileError(path, "holds no tensor")
+        ids = next(iter(tensors.values()))
+    else:
+        try:
+            if path.name.endswith(".npy"):
+                ids = np.load(path, allow_pickle=False)
+            else:
+                ids = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise
+        # a pickle of anything but tensors and plain containers (torch: UnpicklingError; numpy:
+        # ValueError), a truncated file (EOFError), one that is no torch archive (RuntimeError)
+        except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, OSError) as err:
+            raise DrafterFileError(path, f"refused: not a plain token array, nothing in it was run "
+                                         f"({type(err).__name__}: {err})") from err
+    ids = ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise DrafterFileError(path, f"holds {ids.dtype} values, expected integer token ids")
+    return ids
+
+
 def read_documents(path, tokenizer=None) -> list[list[int]]:
     """Token documents of one file: .txt (the whole text), .jsonl / .jsonl.xz (per line: a flashmm
     corpus record's answers' ``ids``, else ``ids`` / ``input_ids``, else a ``text`` or ``turns``
@@ -198,14 +283,7 @@ def read_documents(path, tokenizer=None) -> list[list[int]]:
     path = Path(path)
     name = path.name
     if name.endswith((".npy", ".pt", ".safetensors")):
-        if name.endswith(".npy"):
-            ids = np.load(path)
-        elif name.endswith(".pt"):
-            ids = torch.load(path).numpy()
-        else:
-            from safetensors.torch import load_file  # noqa: PLC0415
-
-            ids = next(iter(load_file(str(path)).values())).numpy()
+        ids = _read_token_array(path)
         flat = np.asarray(ids, dtype=np.int64).reshape(-1).tolist()
         docs, doc = [], []
         for t in flat + [SEPARATOR]:

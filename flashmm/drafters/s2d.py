@@ -57,6 +57,7 @@ class S2D(FastDraft):
     """
 
     name = "s2d"
+    saved_sections = {"s2d": {"exits": list[int], "thresholds": list[float]}}
 
     def __init__(self, model: ReducedVocabLM, exits: tuple[int, ...] | None = None,
                  thresholds: tuple[float, ...] | None = None, max_draft_tokens: int = 8, confidence: float = 0.0,

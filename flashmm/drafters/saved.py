@@ -7,26 +7,27 @@ its ``from_dir(path, **options)``.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .base import _REGISTRY, Drafter, drafter_names, make_drafter
+from .files import DrafterFileError, check_section, read_json
 
 CONFIG_FILE = "drafter.json"
+# the keys every drafter.json holds; the rest is the method's own sections (checked by its from_dir)
+# and provenance (training figures, the build command, notes), which nothing reads
+INFO_KEYS = {"method": str, "drafter": str, "target": str | dict}
 
 
 def read_info(path) -> dict:
-    """The drafter.json of a drafter folder, checked for the keys every trained drafter carries."""
+    """The drafter.json of a drafter folder, checked for the keys every trained drafter carries
+    (DrafterFileError naming the file when it is not JSON or one of them is missing or mistyped)."""
     path = Path(path)
     config = path / CONFIG_FILE
     if not config.is_file():
         raise FileNotFoundError(f"{path} is not a trained drafter folder (no {CONFIG_FILE}); "
                                 f"untrained drafters are chosen by name: {drafter_names()}")
-    info = json.loads(config.read_text())
-    missing = [key for key in ("method", "drafter", "target") if key not in info]
-    if missing:
-        raise ValueError(f"{config} lacks {missing}")
-    return info
+    info = read_json(config)
+    return check_section(config, "drafter.json", info, INFO_KEYS, required=INFO_KEYS, unknown_ok=True)
 
 
 def load(path, **options) -> Drafter:
@@ -35,9 +36,10 @@ def load(path, **options) -> Drafter:
     info = read_info(path)
     cls = _REGISTRY.get(info["drafter"])
     if cls is None or not hasattr(cls, "from_dir"):
-        raise ValueError(f"{path}: drafter {info['drafter']!r} (method {info['method']!r}) cannot be loaded "
-                         f"from a folder; loadable drafters: "
-                         f"{[n for n, c in sorted(_REGISTRY.items()) if hasattr(c, 'from_dir')]}")
+        raise DrafterFileError(Path(path) / CONFIG_FILE,
+                               f"drafter {info['drafter']!r} (method {info['method']!r}) cannot be loaded from a "
+                               f"folder; loadable drafters: "
+                               f"{[n for n, c in sorted(_REGISTRY.items()) if hasattr(c, 'from_dir')]}")
     return cls.from_dir(path, **options)
 
 

@@ -32,14 +32,16 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from .base import register, root_only
 from .draft_model import DraftModel
+from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
 from .saved import CONFIG_FILE, load, read_info
 
 HEAD_FILE = "head.safetensors"
+SAVED_KEYS = {"draft": str, "head": dict, "threshold": float, "max_draft_tokens": int}  # drafter.json's own
 
 
 class AcceptanceHead(nn.Module):
@@ -189,27 +191,36 @@ class SpecDecPP(DraftModel):
 
     @classmethod
     def from_dir(cls, path, dtype: torch.dtype = torch.float32, **options) -> "SpecDecPP":
+        """The acceptance head saved in folder ``path`` (``save_specdecpp``) over its draft folder;
+        DrafterFileError naming the file when drafter.json or head.safetensors is malformed."""
         path = Path(path)
-        info = json.loads((path / CONFIG_FILE).read_text())
+        config, weights = path / CONFIG_FILE, path / HEAD_FILE
+        info = check_section(config, "drafter.json (a SpecDec++ folder)", read_info(path), SAVED_KEYS,
+                             required=("draft", "head"), unknown_ok=True)
         draft_dir = (path / info["draft"]).resolve()
         if not draft_dir.is_dir():
             raise FileNotFoundError(f"{path}: its draft folder {info['draft']!r} ({draft_dir}) is missing; "
                                     "SpecDec++ heads are trained for one draft model, keep the two folders together")
         sizes = dict(info["head"])
-        tensors = {k: v.float() for k, v in load_file(str(path / HEAD_FILE)).items()}
+        kind = sizes.pop("kind", "chain")
+        if kind not in ("chain", "ranks"):
+            raise DrafterFileError(config, f"'head'['kind'] should be 'chain' or 'ranks', got {kind!r}")
+        head_class = RankAcceptanceHead if kind == "ranks" else AcceptanceHead
+        check_section(config, "'head'", sizes, *parameters_of(head_class))
+        tensors = {k: v.float() for k, v in read_safetensors(weights).items()}
         options.setdefault("threshold", info.get("threshold", 0.7))
-        if sizes.pop("kind", "chain") == "ranks":   # a head for a tree drafter (EAGLE-3)
+        with blamed_on(config, "'head'"):
+            head = head_class(**sizes)
+        load_weights(head, tensors, weights)
+        if kind == "ranks":   # a head for a tree drafter (EAGLE-3)
             if read_info(draft_dir)["drafter"] != "eagle3":
                 raise ValueError(f"{path}: a tree acceptance head needs an EAGLE-3 head folder as its draft, "
                                  f"{draft_dir} holds {read_info(draft_dir)['drafter']!r}")
-            head = RankAcceptanceHead(**sizes)
-            head.load_state_dict(tensors)
             return load(draft_dir, dtype=dtype, acceptance=head.eval(), **options)
         draft = load(draft_dir, dtype=dtype)
-        head = AcceptanceHead(sizes["hidden_size"], sizes["width"])
-        head.load_state_dict(tensors)
         options.setdefault("max_draft_tokens", info.get("max_draft_tokens", 12))
-        return cls(draft.model, head, info=info, **options)
+        with blamed_on(config, "its settings", options):
+            return cls(draft.model, head, info=info, **options)
 
 
 def save_specdecpp(path, head: AcceptanceHead | RankAcceptanceHead, draft_dir, info: dict) -> Path:

@@ -15,6 +15,7 @@ import torch
 
 from ..tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
+from .files import DrafterFileError, read_safetensors
 from .length import AdaptiveDraftLength, price_with_target
 from .trie import DraftTrie, TreeBudget
 
@@ -70,9 +71,9 @@ class TokenRecycling(Drafter):
     @classmethod
     def load(cls, path: str | os.PathLike, **kwargs) -> "TokenRecycling":
         """A drafter whose matrix is the one ``save`` wrote (its template must have the same width)."""
-        from safetensors.torch import load_file  # noqa: PLC0415
-
-        data = load_file(os.fspath(path))
+        data = read_safetensors(path)
+        if "successors" not in data or data["successors"].dim() != 2:
+            raise DrafterFileError(path, "holds no 2-D 'successors' matrix: not a file TokenRecycling.save wrote")
         drafter = cls(**kwargs)
         if data["successors"].shape[1] != drafter.score_topk:
             raise ValueError(f"{path}: the saved matrix keeps {data['successors'].shape[1]} successors per token, "

@@ -1,0 +1,57 @@
+"""flashmm's on-disk caches (the verify-cost timings of flashmm.drafters.length, REST's suffix
+arrays): where they live, and writing an entry so that a cache can never make flashmm fail.
+
+An entry is written to a temporary file of its own and renamed over the old one, so a concurrent
+reader sees the old entry or the new one, never half of one, and two writers never share a
+temporary file. A directory that cannot be written (read-only, full, not ours) leaves flashmm
+running without the cache, with one warning per directory per process naming it; readers
+validate what they read and rebuild an entry that is not what they expect.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import IO, Callable
+
+# directories already warned about in this process: one warning each, not one per entry or per wrap
+_warned: set[Path] = set()
+
+
+def cache_dir() -> Path:
+    """$FLASHMM_CACHE_DIR, else ~/.cache/flashmm."""
+    return Path(os.environ.get("FLASHMM_CACHE_DIR", Path.home() / ".cache" / "flashmm"))
+
+
+def store(path: Path, write: Callable[[IO[bytes]], None]) -> bool:
+    """Write cache entry ``path`` atomically: ``write(file)`` fills a temporary file beside it,
+    which then replaces ``path``. Returns False, after one warning per directory, when the directory
+    cannot be created or written (the caller then goes on without the entry)."""
+    directory = Path(path).parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=directory, prefix=f".{Path(path).name}.", suffix=".tmp")
+        try:
+            os.chmod(name, 0o644)          # mkstemp's 0600 would hide the entry from the directory's other users
+            with os.fdopen(handle, "wb") as fh:
+                write(fh)
+            os.replace(name, path)
+        finally:
+            if os.path.exists(name):
+                os.unlink(name)
+    except OSError as err:
+        warn_unwritable(directory, err)
+        return False
+    return True
+
+
+def warn_unwritable(directory: Path, err: OSError) -> None:
+    """The one warning (per directory, per process) that a cache directory cannot be written."""
+    directory = Path(directory)
+    if directory in _warned:
+        return
+    _warned.add(directory)
+    warnings.warn(f"flashmm's cache directory {directory} cannot be written ({type(err).__name__}: {err}); "
+                  "running without the on-disk cache: what it would hold is recomputed in each process. "
+                  "Set FLASHMM_CACHE_DIR to a writable directory to keep it", RuntimeWarning, stacklevel=3)

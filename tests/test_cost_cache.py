@@ -1,0 +1,183 @@
+"""The on-disk verify-cost cache never makes flashmm fail or slow: an unwritable directory costs one
+warning, an entry that is damaged (a key missing, NaN) or another machine's is measured again and
+overwritten, the entry's key names the machine, and in each case ``wrap`` works and drafting happens.
+
+The timing itself (flashmm.drafters.length._measure) is replaced by a counting stand-in with a fixed,
+cheap cost curve, so each test sees exactly when a measurement runs; tests/test_budget.py times real
+forwards."""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+import flashmm
+from flashmm.drafters import disk_cache
+from flashmm.drafters import length
+from flashmm.drafters.length import VerifyCost, VerifyCostUnmeasurable, measure_verify_cost
+
+from text_models import tiny_lm
+
+
+def cheap(grid) -> tuple[float, ...]:
+    """Seconds of a verify cost under which drafting pays: 2% more per extra node."""
+    return tuple(0.01 * (1 + 0.02 * (n - 1)) for n in grid)
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    """The batch sizes measured so far (one entry per measurement); the cache lives in tmp_path."""
+    monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(length, "_unstored", {})
+    monkeypatch.setattr(disk_cache, "_warned", set())
+    calls = []
+
+    def stand_in(model, grid, prefix_len, repeats, linear, batch):
+        calls.append(batch)
+        return VerifyCost(tuple(grid), cheap(grid))
+    monkeypatch.setattr(length, "_measure", stand_in)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_lm("llama", seed=0)
+
+
+def repetitive_prompt() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    seg = torch.randint(3, 128, (10,), generator=g)
+    return torch.cat([seg, seg, seg[:4]])[None]
+
+
+def assert_drafts_exactly(target, sm) -> None:
+    """sm decodes as target.generate does, and drafts while doing it (a cost that switched drafting
+    off would draft nothing)."""
+    ids = repetitive_prompt()
+    out = sm.generate(ids, do_sample=False, max_new_tokens=12)
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=12))
+    assert sm.drafter.cost_source == "measured" and sm.last_stats.drafted_tokens > 0
+
+
+def the_entry(directory):
+    (entry,) = directory.glob("verify_cost_*.json")
+    return entry
+
+
+def test_an_unwritable_cache_directory_costs_one_warning_not_an_error(target, measured, tmp_path, monkeypatch):
+    """Read-only (simulated: tests run as root, so the temporary file cannot be created): every wrap
+    works, the cost is measured once per process, and one warning names the directory."""
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+    monkeypatch.setattr(disk_cache.tempfile, "mkstemp", refuse)
+    with pytest.warns(RuntimeWarning, match=f"cache directory {tmp_path} cannot be written") as caught:
+        first = flashmm.wrap(target, "prompt_lookup")
+        second = flashmm.wrap(target, "prompt_lookup")
+        length.price_for_batch([first.drafter], first.target, rows=2)
+        length.price_for_batch([first.drafter], first.target, rows=2)
+    assert sum("cannot be written" in str(w.message) for w in caught) == 1
+    assert measured == [1, 2]                       # batch 1 once for both wraps, batch 2 once
+    assert not list(tmp_path.glob("verify_cost_*")) and not list(tmp_path.glob(".verify_cost_*"))
+    assert_drafts_exactly(target, second)
+
+
+def drop_seconds(entry: dict) -> None:
+    del entry["seconds"]
+
+
+def nan_seconds(entry: dict) -> None:
+    entry["seconds"] = [math.nan] * len(entry["seconds"])
+
+
+def another_machines(entry: dict) -> None:
+    """Another machine's timings under this machine's name (copied, or a hash collision), steep
+    enough that no draft would pay under them."""
+    entry["identity"]["machine"]["cpu"] = "Other CPU @ 1.0GHz"
+    entry["seconds"] = [1.0 + 50.0 * (n - 1) for n in entry["nodes"]]
+
+
+def not_json(entry: dict) -> None:
+    raise ValueError("replaced below")
+
+
+@pytest.mark.parametrize("damage", [drop_seconds, nan_seconds, another_machines, not_json],
+                         ids=["missing key", "NaN", "another machine", "not JSON"])
+def test_an_invalid_entry_is_measured_again_and_overwritten(target, measured, tmp_path, damage):
+    flashmm.wrap(target, "prompt_lookup")
+    assert measured == [1]
+    entry = the_entry(tmp_path)
+    data = json.loads(entry.read_text())
+    if damage is not_json:
+        entry.write_text(entry.read_text()[:40])
+    else:
+        damage(data)
+        entry.write_text(json.dumps(data))
+    with pytest.warns(RuntimeWarning, match=f"{entry} is invalid.*measuring again"):
+        sm = flashmm.wrap(target, "prompt_lookup")
+    assert measured == [1, 1]
+    rebuilt = json.loads(entry.read_text())
+    assert rebuilt["seconds"] == list(cheap(rebuilt["nodes"]))
+    assert rebuilt["identity"]["machine"]["cpu"] != "Other CPU @ 1.0GHz"
+    assert all(model.verify_cost.seconds == cheap(model.verify_cost.nodes) for model in sm.drafter.cost_models())
+    assert_drafts_exactly(target, sm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # the rewritten entry is read with no warning
+        flashmm.wrap(target, "prompt_lookup")
+    assert measured == [1, 1]
+
+
+def test_the_key_identifies_the_machine(target, measured, tmp_path, monkeypatch):
+    """The same model on a machine with another CPU (or torch, or thread count) gets its own entry:
+    it is measured, not read from this machine's."""
+    flashmm.wrap(target, "prompt_lookup")
+    here = json.loads(the_entry(tmp_path).read_text())["identity"]
+    assert here["machine"]["threads"] == torch.get_num_threads() and here["machine"]["torch"] == torch.__version__
+    assert here["machine"]["cpu"] and here["machine"]["cpus"]
+    monkeypatch.setattr(length, "_cpu_model", lambda: "Other CPU @ 1.0GHz")
+    sm = flashmm.wrap(target, "prompt_lookup")
+    assert measured == [1, 1] and len(list(tmp_path.glob("verify_cost_*.json"))) == 2
+    identities = [json.loads(p.read_text())["identity"] for p in tmp_path.glob("verify_cost_*.json")]
+    assert sorted(i["machine"]["cpu"] for i in identities) == sorted([here["machine"]["cpu"], "Other CPU @ 1.0GHz"])
+    assert_drafts_exactly(target, sm)
+
+
+def test_a_cost_must_be_finite_and_positive():
+    with pytest.raises(ValueError, match="finite and positive"):
+        VerifyCost((1, 2), (0.01, math.nan))
+    with pytest.raises(ValueError, match="finite and positive"):
+        VerifyCost((1, 2), (0.01, math.inf))
+
+
+def test_only_a_model_that_refuses_the_forward_is_priced_by_constants(tmp_path):
+    """A model that cannot take a cached multi-token forward raises VerifyCostUnmeasurable (and its
+    drafts keep the constants); a failure after the model has run every size once is not that, and
+    propagates instead of being read as "not measurable"."""
+    model = tiny_lm("llama", seed=0)
+    forwards = []
+
+    def refuse_multi_token(module, args, kwargs):
+        forwards.append(kwargs["input_ids"].shape[1])
+        if len(forwards) > 1 and kwargs["input_ids"].shape[1] > 1:
+            raise RuntimeError("this model takes one token at a time after its prefix")
+    hook = model.register_forward_pre_hook(refuse_multi_token, with_kwargs=True)
+    try:
+        with pytest.raises(VerifyCostUnmeasurable, match="refuses a cached multi-token forward.*one token at a time"):
+            measure_verify_cost(model, grid=(1, 2), prefix_len=8, repeats=1, directory=tmp_path)
+    finally:
+        hook.remove()
+    model_bug = []
+
+    def fail_in_a_timed_round(module, args, kwargs):
+        model_bug.append(1)
+        if len(model_bug) == 4:                                # prefix, warm-up (2 sizes), then a timed forward
+            raise RuntimeError("a bug in a timed round")
+    hook = model.register_forward_pre_hook(fail_in_a_timed_round, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="a bug in a timed round") as caught:
+            measure_verify_cost(model, grid=(1, 2), prefix_len=8, repeats=1, directory=tmp_path / "other")
+    finally:
+        hook.remove()
+    assert not isinstance(caught.value, VerifyCostUnmeasurable)
