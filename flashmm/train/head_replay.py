@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..drafters.base import SequenceStart, StepResult
+from ..drafters.length import VerifyCostUnmeasurable
 from ..sampling import SamplingParams
 from .heads import HeadData
 
@@ -20,6 +21,11 @@ class ModelFacts:
 
     def input_embeddings(self):
         return self.model.get_input_embeddings()
+
+    def verify_cost(self, batch: int = 1):
+        """Replay runs no target forward, so there is nothing to time: drafters price with their
+        constants (as the engine does for a model whose cost cannot be measured)."""
+        raise VerifyCostUnmeasurable("offline replay runs no target forward")
 
 
 @torch.no_grad()
