@@ -166,11 +166,17 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="eval/results/text_speed")
     ap.add_argument("--resume", action="store_true",
                     help="keep the questions OUT.json already holds (same arguments) and run the rest")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: rewrite OUT.md from OUT.json's own records (machine, arguments, timings), "
+                         "e.g. a run recorded before the ×plain_onednn column existed")
     return ap
 
 
 def main(argv=None):
     args = arguments().parse_args(argv)
+    if args.report_only:
+        print(rewrite_report(args.out))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -216,6 +222,26 @@ def main(argv=None):
     print(report(args, argv, records, names, greedy, len(questions), missing))
     print(speedup_lines(summarize(records, names)["overall"], names, "overall "))
 
+def rewrite_report(out: str) -> str:
+    """OUT.md written anew from OUT.json alone: the same records, machine and arguments as the run
+    that recorded them, summarised by today's ``summarize`` (so both baseline columns appear where the
+    run timed plain_onednn); the command line is the one the earlier OUT.md names."""
+    path = Path(out)
+    saved = json.loads(path.with_suffix(".json").read_text())
+    records = saved["records"]
+    names = [k for k in records[0] if k not in ("id", "category", "prompt_len")]
+    earlier = path.with_suffix(".md").read_text() if path.with_suffix(".md").is_file() else ""
+    command = next((line for line in earlier.splitlines() if line.startswith("Command: ")), "Command: unknown")
+    args = arguments().parse_args([])        # options a run predates keep their defaults then
+    vars(args).update(saved["args"])
+    greedy = args.temperature is None
+    missing = None if "plain_onednn" in names else "that run did not time plain_onednn"
+    note = (f"{command}\n\nThis table was rewritten from that run's own records by "
+            f"`python eval/text_speed.py --report-only --out {out}` (no new timing).")
+    return report(args, None, records, names, greedy, len(records), missing, info=saved["machine"],
+                  command=note)
+
+
 def earlier_records(args) -> list[dict]:
     """The per-question records of an earlier run of the same arguments at ``args.out`` (none if it
     has not started); a run with other arguments is an error, not something to mix in."""
@@ -224,7 +250,7 @@ def earlier_records(args) -> list[dict]:
         return []
     saved = json.loads(path.read_text())
     def same(a):
-        return {k: v for k, v in json.loads(json.dumps(a, default=str)).items() if k != "resume"}
+        return {k: v for k, v in json.loads(json.dumps(a, default=str)).items() if k not in ("resume", "report_only")}
     if same(saved["args"]) != same(vars(args)):
         raise ValueError(f"{path} was written with other arguments ({saved['args']}); "
                          "resume with the same ones or choose another --out")
@@ -232,7 +258,7 @@ def earlier_records(args) -> list[dict]:
 
 
 def report(args, argv, records: list[dict], names: list[str], greedy: bool, planned: int,
-           missing: str | None = None) -> str:
+           missing: str | None = None, info: dict | None = None, command: str | None = None) -> str:
     """Write the tables and records so far (after every question: a run cut short keeps them) and
     return the markdown. missing: why plain_onednn was not timed (None: it was)."""
     summary = summarize(records, names)
@@ -247,12 +273,13 @@ def report(args, argv, records: list[dict], names: list[str], greedy: bool, plan
             row += [m["speedup"], m["over_plain_onednn"], m["cpu_speedup"], m["cpu_over_plain_onednn"],
                     m.get("tau", "-"), "-" if m["exact_rate"] is None else f"{m['exact_rate']:.0%}"]
         rows.append(row)
-    info = machine()
+    info = info or machine()
+    command = command or f"Command: `python eval/text_speed.py {' '.join(argv or sys.argv[1:])}`"
     mode = "greedy" if greedy else f"sampled at T={args.temperature}"
     done = "" if len(records) == planned else f" ({len(records)} of {planned} questions done so far)"
     md = (f"# Text speed: {args.model}, {mode}, {args.max_new_tokens} new tokens, at most "
           f"{args.max_draft_tokens} drafted a step{done}\n\n"
-          f"Machine: {info}\n\nCommand: `python eval/text_speed.py {' '.join(argv or sys.argv[1:])}`\n\n"
+          f"Machine: {info}\n\n{command}\n\n"
           + baseline_legend(missing) + "\n\n"
           "×plain and ×plain_onednn = total tokens / total wall seconds of the method over the baseline's, "
           "per category; CPU ×… = the same ratios on this process's CPU seconds, which other load on a shared "

@@ -76,7 +76,7 @@ class VerticalCascade(Drafter):
     (same chains, same depths: only the draft forwards differ). ``reprice=True`` scales the length's
     price of a drafted token by the cascade's measured draft cost per token instead (forwards saved
     make longer chains pay, guesses the draft LM rejects make them dearer; on SmolLM2 + FastDraft it
-    drafted less, τ 1.02 against 1.06, eval/results/cascade_smollm2.md).
+    drafted less, τ 1.02 against 1.06 in a run on an older baseline, kept in git history).
     bind / begin / observe go to the draft LM; the lookup begins with it, is bound to the draft LM
     (it prices its guesses against the draft's forwards) and learns from the draft LM's verdicts on
     its guesses, not from the target's steps (it never drafts for the target).

@@ -223,7 +223,7 @@ class FlashBuildConfig:
     reference model's captions repeat phrases, and a lookup path drafts past the SAR depth).
     pool_spans: drafting option: a video's frames are compressed 4 at a time by the same learned
     queries (2 x 8 units for 8 frames instead of 8 x 8); training compresses every frame alone.
-    On 18 benchmark clips (eval/results/mm_speed_reference_video18.md, K=5): tau 3.50 (3.48 per
+    On 18 benchmark clips (K=5; a run on an older baseline, kept in git history): tau 3.50 (3.48 per
     frame, 3.41 uncompressed); the drafter's video prefill 5.7x fewer units than uncompressed
     instead of 3.9x.
     """
