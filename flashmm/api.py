@@ -73,9 +73,10 @@ class SpeculativeModel:
         Returns LongTensor [B * num_return_sequences, T + new] (rows that stop early are right-padded
         with pad_token_id, like model.generate), or a GenerateDecoderOnlyOutput.
         A batch is verified together, one target forward per step for all running rows, media per
-        row. With SpecConfig.batching="rows", a recurrent or hybrid model, or num_return_sequences > 1
-        with media, rows decode one after another, each alone with its own media (a warning says
-        so); either way each row decodes exactly as the model decodes it.
+        row. With SpecConfig.batching="rows", a recurrent or hybrid model, a drafter that drafts on the
+        target's own cache (layerskip, swift, kangaroo) or num_return_sequences > 1 with media, rows
+        decode one after another, each alone with its own media (a warning says so where media are
+        split); either way each row decodes exactly as the model decodes it.
         """
         unsupported = dict(synced_gpus=synced_gpus, assistant_model=assistant_model,
                            negative_prompt_ids=negative_prompt_ids,
@@ -123,7 +124,8 @@ class SpeculativeModel:
 
     def batches(self, plan) -> bool:
         """Whether this call verifies its rows together (more than one row; causal LMs and the
-        vision-language adapters, media per row). Recurrent and hybrid targets, batching="rows", and
+        vision-language adapters, media per row). Recurrent and hybrid targets, drafters that draft on
+        the target's own cache (``needs_target_cache``: self-speculation), batching="rows", and
         num_return_sequences > 1 with media decode row by row (row_inputs gives each row its media)."""
         if plan.model_inputs and (plan.config.num_return_sequences or 1) > 1:
             return False  # media belong to the items, not to their expanded rows: one row after another
@@ -133,7 +135,7 @@ class SpeculativeModel:
                 "ignore the attention mask), which flashmm does not reproduce: call generate once per row, or with "
                 "rows of equal length")
         return (plan.batch_size > 1 and self.spec.batching == "auto" and self.target.batchable
-                and not self.target.recurrent)
+                and not self.target.recurrent and not self.drafter.needs_target_cache)
 
     def row_inputs(self, plan, warn: bool = True) -> list[dict]:
         """Each row's extra model inputs when rows decode one by one: the call's own for text or a single
@@ -147,6 +149,8 @@ class SpeculativeModel:
             why = (f"num_return_sequences={expand} with media" if expand > 1 else
                    "batching='rows' was asked for" if self.spec.batching != "auto" else
                    f"{type(self.model).__name__} keeps recurrent states per sequence" if self.target.recurrent else
+                   f"{type(self.drafter).__name__} drafts on the target's own cache of one sequence"
+                   if self.drafter.needs_target_cache else
                    f"{type(self.model).__name__} is not decoded in batches")
             warnings.warn(f"flashmm decodes this batch with media row by row, each row with its own media, because "
                           f"{why}", stacklevel=3)

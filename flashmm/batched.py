@@ -215,6 +215,9 @@ def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: tor
     from .engine import RowWriter, forward_hidden, step_result, verify_row  # noqa: PLC0415
     from .verify import drafting_scheme_of, select_verifier  # noqa: PLC0415
 
+    if drafter.needs_target_cache:
+        raise ValueError(f"{type(drafter).__name__} drafts on the target's own cache of one sequence, which a "
+                         "batch verified together does not keep per row: decode the rows one by one")
     start = time.perf_counter()
     batch = input_ids.shape[0]
     padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()

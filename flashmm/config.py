@@ -22,7 +22,8 @@ class SpecConfig:
       judge directory) says it is acceptable.
     max_draft_tokens: upper bound on drafted tokens (tree nodes excluding the root) per step.
     batching: "auto" verifies every row of a batch in one target forward per step (text causal
-      LMs; other targets decode rows one after another); "rows" always decodes one row after another.
+      LMs; other targets, and drafters that draft on the target's own cache such as layerskip, decode
+      rows one after another); "rows" always decodes one row after another.
     typical_epsilon / typical_delta: the lossy rule accepts x iff p(x) > min(epsilon, delta·exp(−H(p)));
       defaults are Medusa's (posterior_threshold 0.09, posterior_alpha 0.3).
     prune: "propd" prunes each draft tree with the target's early-layer logits before its remaining layers

@@ -8,23 +8,13 @@ from flashmm.drafters import DraftModel, PromptLookup
 from flashmm.drafters.length import batch_bucket
 
 from stats_utils import chi_square_pvalue
-from text_models import prompt, tiny_lm
+from text_models import prompt, ragged_batch, tiny_lm
 
 DRAFTERS = {
     "lookup": lambda t, s: PromptLookup(),
     "self_chain": lambda t, s: DraftModel(t, max_draft_tokens=4, adaptive=False),
     "stranger_tree": lambda t, s: DraftModel(s, max_draft_tokens=6, tree_width=2, adaptive=False),
 }
-
-
-def ragged_batch(lengths=(30, 9, 20), seed=1):
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, width - n:] = prompt(n, seed=seed + b)[0]
-        mask[b, width - n:] = 1
-    return ids, mask
 
 
 class ForwardCounter:

@@ -10,12 +10,13 @@ from flashmm.config import SamplingParams
 from flashmm.drafters.kangaroo import Kangaroo, KangarooAdapter
 from flashmm.drafters.layerskip import LayerSkip, chain_tau, choose_exit_layer
 from flashmm.drafters.swift import Swift
+from flashmm.onednn import can_pack, onednn_available
 from flashmm.sampling import warp_logits
 from flashmm.targets.layers import LayerRunner, check_supported
 from flashmm.tree import TokenTree
 from flashmm.verify_prune import score_draft, unprune
 from stats_utils import chi_square_pvalue
-from text_models import prompt, tiny_lm
+from text_models import prompt, ragged_batch, tiny_lm
 
 torch.set_num_threads(1)
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -347,3 +348,48 @@ def test_swift_stops_searching_when_its_best_set_could_not_pay():
     free.length.verify_cost = None  # the linear cost model: 1 + small per-token costs
     sm.generate(ids, max_new_tokens=24, do_sample=False)
     assert free.best_matchness > 0 and not free.gave_up and len(free.trials) == 12
+
+
+# ---------------------------------------------------------------------------- batches, packed weights
+PACKED = pytest.mark.skipif(not (onednn_available() and can_pack()),
+                            reason="this torch has no oneDNN linear with packed weights")
+SELF_DRAFTERS = {
+    "layerskip": lambda model: LayerSkip(adaptive=False, exit_layer=2, max_draft_tokens=3),
+    "swift": lambda model: Swift(adaptive=False, search_budget=6, evals_per_step=2, random_trials=3, window=16,
+                                 max_draft_tokens=3, search_share=None),
+    "kangaroo": lambda model: untrained_kangaroo(model, confidence=0.0, max_draft_tokens=3),
+}
+
+
+@PACKED
+@pytest.mark.parametrize("method", sorted(SELF_DRAFTERS))
+def test_self_speculation_decodes_a_ragged_batch_after_a_prompt_on_packed_weights(method):
+    """Issue 42: after one prompt the target holds its linears packed for oneDNN, and a batch forked the
+    drafter per row, deep-copying the target with them (NotImplementedError: Cannot access storage of
+    OpaqueTensorImpl). Each row is now the model's own batched generate."""
+    model = deep("llama")
+    sm = flashmm.wrap(model, SELF_DRAFTERS[method](model), linear="onednn")
+    ids = prompt(10, seed=3)
+    assert torch.equal(sm.generate(ids, max_new_tokens=12, do_sample=False), greedy_reference(model, ids, 12))
+    assert sm.target.linears().packed
+    batch, mask = ragged_batch((13, 6, 9), seed=2)
+    call = dict(attention_mask=mask, max_new_tokens=16, do_sample=False)
+    assert torch.equal(sm.generate(batch, **call), model.generate(batch, **call))
+
+
+@PACKED
+def test_a_fork_shares_the_target_and_its_weights_and_copies_per_row_state():
+    model = deep("llama")
+    drafter = untrained_kangaroo(model, confidence=0.0, max_draft_tokens=3)
+    sm = flashmm.wrap(model, drafter, linear="onednn")
+    sm.generate(prompt(10, seed=3), max_new_tokens=6, do_sample=False)  # the target's linears are packed now
+    row = drafter.fork()
+    # shared wherever the drafter holds them: the target (with its packed weights), the model's layers
+    # (through the layer runner), the adapter
+    assert row.target is sm.target and row.adapter is drafter.adapter
+    assert row.runner.lm_head is model.lm_head and all(a is b for a, b in zip(row.runner.layers, model.model.layers))
+    # copied: what one sequence learns and caches
+    assert row.length is not drafter.length and row.adapter_cache is not drafter.adapter_cache
+    before = drafter.length.alpha
+    row.length.update(3, 0)
+    assert drafter.length.alpha == before != row.length.alpha

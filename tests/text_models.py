@@ -48,6 +48,18 @@ def prompt(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=g)
 
 
+def ragged_batch(lengths=(30, 9, 20), seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), LongTensors [B, max(lengths)]: row b is prompt(lengths[b], seed + b),
+    left-padded with 0 (the tiny configs' pad_token_id), as a tokenizer pads for generate."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, width - n:] = prompt(n, seed=seed + b)[0]
+        mask[b, width - n:] = 1
+    return ids, mask
+
+
 # ---------------------------------------------------------------------------- one of every kind
 # Tiny configs of registered architectures beyond ARCHS (tests/test_arch_support.py): model_type ->
 # config kwargs on top of _COMMON. eval/arch_support.py builds every registered one generically.

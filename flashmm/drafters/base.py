@@ -2,17 +2,17 @@
 from __future__ import annotations
 
 import copy
+import functools
+import types
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..config import SamplingParams
 from ..onednn import OneDNNLinears
+from ..targets.base import Target
 from ..tree import TokenTree
-
-if TYPE_CHECKING:
-    from ..targets.base import Target
 
 
 @dataclass
@@ -152,13 +152,17 @@ class Drafter:
     score_topk: ClassVar[int] = 0
     #: True: observe gets StepResult.path_logits, the target's raw logits at the accepted nodes
     score_path_logits: ClassVar[bool] = False
+    #: True: drafts through the target's own KV cache of one sequence (``target.kv_cache``, as
+    #: self-speculation does), which batched verification does not keep per row: a batch then decodes
+    #: row by row. A class or an instance attribute (a drafter wrapping others passes theirs on)
+    needs_target_cache: bool = False
     #: how an adaptive drafter prices a draft of n tokens: "auto" with the target's verify cost
     #: measured on this machine at bind (flashmm.drafters.length.price_with_target), "constants"
     #: with AdaptiveDraftLength's linear model; ``cost_source`` says which one is in use
     budget: str = "auto"
     cost_source: str = "constants"
 
-    def bind(self, target: "Target") -> None:
+    def bind(self, target: Target) -> None:
         """Check this drafter can serve ``target``; raise ValueError naming the mismatch."""
 
     def cost_models(self) -> list:
@@ -192,12 +196,45 @@ class Drafter:
         return draft.head(nodes)
 
     def fork(self) -> "Drafter":
-        """A drafter for one more sequence decoded at the same time (a batch row): shares this
-        one's weights (its modules and tensors, and their oneDNN routing: packed copies of them),
-        copies its per-sequence state."""
-        shared = (torch.nn.Module, torch.Tensor, OneDNNLinears)
-        memo = {id(v): v for v in vars(self).values() if isinstance(v, shared)}
+        """A drafter for one more sequence decoded at the same time (a batch row): shares what this
+        one drafts with, wherever it holds it (``fork_shared``: modules, oneDNN routings, the target),
+        and its own tensors; copies the rest, its per-sequence state."""
+        memo = {id(v): v for v in vars(self).values() if isinstance(v, torch.Tensor)}
+        memo.update(fork_shared(self))
         return copy.deepcopy(self, memo)
+
+
+#: what every fork of a drafter shares, never copies, at any depth of its state: weights (modules, the
+#: oneDNN routings holding packed copies of them, which cannot be copied) and the target it drafts for
+#: (the model and its caches: self-speculation drafts through them)
+FORK_SHARED = (torch.nn.Module, OneDNNLinears, Target)
+#: what fork_shared does not look inside
+_LEAVES = (torch.Tensor, str, bytes, int, float, complex, type, types.FunctionType, types.BuiltinFunctionType,
+           types.ModuleType)
+
+
+def fork_shared(drafter: Drafter) -> dict[int, object]:
+    """{id: object} of every FORK_SHARED object ``drafter`` reaches through its attributes, containers,
+    bound methods and partials, as ``copy.deepcopy`` would reach them (a deepcopy memo)."""
+    found, seen, pending = {}, set(), list(vars(drafter).values())
+    while pending:
+        item = pending.pop()
+        if id(item) in seen or isinstance(item, _LEAVES):
+            continue
+        seen.add(id(item))
+        if isinstance(item, FORK_SHARED):
+            found[id(item)] = item
+        elif isinstance(item, dict):
+            pending += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            pending += item
+        elif isinstance(item, types.MethodType):
+            pending.append(item.__self__)
+        elif isinstance(item, functools.partial):
+            pending += [item.func, *item.args, *item.keywords.values()]
+        elif hasattr(item, "__dict__"):
+            pending += vars(item).values()
+    return found
 
 
 def hidden_request(drafter: Drafter) -> bool | tuple[int, ...]:
@@ -228,7 +265,12 @@ def drafter_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_drafter(name: str, **kwargs) -> Drafter:
+def drafter_class(name: str) -> type[Drafter]:
+    """The class registered as ``name``."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; registered drafters: {drafter_names()}")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name]
+
+
+def make_drafter(name: str, **kwargs) -> Drafter:
+    return drafter_class(name)(**kwargs)

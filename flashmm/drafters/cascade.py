@@ -97,7 +97,8 @@ class VerticalCascade(Drafter):
             raise ValueError(f"max_lookup_tokens must be >= 1, got {max_lookup_tokens}")
         if budget not in ("auto", "constants"):
             raise ValueError(f"budget must be 'auto' or 'constants', got {budget!r}")
-        self.max_lookup_tokens, self.reprice, self.budget = max_lookup_tokens, reprice, budget
+        # the option is kept apart from Drafter.reprice (batched decoding's repricing), which it once shadowed
+        self.max_lookup_tokens, self.price_by_spent, self.budget = max_lookup_tokens, reprice, budget
         self.counts = CascadeCounts()
         self._draft_cost = None             # VerifyCost of the draft LM's forwards, when measured
         self._token_cost = 0.0              # draft.length.draft_token_cost as bound (one draft forward)
@@ -202,7 +203,7 @@ class VerticalCascade(Drafter):
 
     def _reprice(self, spent: float, made: int) -> None:
         """Scale the draft length's price of a token by the draft cost per token the cascade pays."""
-        if not (self.reprice and made):
+        if not (self.price_by_spent and made):
             return
         self._spent = 0.9 * self._spent + spent
         self._made = 0.9 * self._made + made
@@ -284,6 +285,7 @@ class HorizontalCascade(Drafter):
                              "DraftModel or a trained drafter's folder, e.g. assets/text_drafters/smollm2/fastdraft)")
         self.first, self.second = resolve_part(first, "first drafter"), resolve_part(second, "second drafter")
         check_horizontal(self.first, self.second)
+        self.needs_target_cache = self.first.needs_target_cache or self.second.needs_target_cache
         if max_first_tokens is not None and max_first_tokens < 0:
             raise ValueError(f"max_first_tokens must be >= 0 or None, got {max_first_tokens}")
         if budget not in ("auto", "constants"):

@@ -57,6 +57,7 @@ class Mirror(Drafter):
                              "so it cannot draft ahead of verification; use it without Mirror")
         self.inner = inner
         self.score_topk = inner.score_topk
+        self.needs_target_cache = inner.needs_target_cache
         self.record = record
         self.timeline: list[tuple[str, float, float]] = []
         self.kept = self.dropped = 0

@@ -33,6 +33,7 @@ class SelfDrafter(Drafter):
     """Chain drafting through the target's own layers (base class; see the module docstring)."""
 
     drafting_scheme = "chain"
+    needs_target_cache = True  # its chain runs on target.kv_cache: a batch decodes row by row
 
     def __init__(self, max_draft_tokens: int = 4, confidence: float = 0.0, adaptive: bool = True):
         if max_draft_tokens < 0:
@@ -103,8 +104,8 @@ class SelfDrafter(Drafter):
     def shared_cache(self, committed: torch.Tensor):
         cache = self.target.kv_cache if self.target is not None else None
         if cache is None or committed.shape[0] != 1:
-            raise ValueError(f"{type(self).__name__} drafts on the target's own cache, one sequence at a time: "
-                             "wrap with batching='rows' to decode a batch")
+            raise ValueError(f"{type(self).__name__} drafts on the target's own cache, one sequence at a time "
+                             "(needs_target_cache): flashmm.wrap decodes a batch with it row by row")
         held = layer_len(cache, 0)
         if held != committed.shape[1] - 1:
             raise RuntimeError(f"target cache holds {held} rows, expected {committed.shape[1] - 1} "
