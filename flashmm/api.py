@@ -10,12 +10,11 @@ from transformers import GenerationConfig
 
 from .config import SpecConfig
 from .drafters.base import Drafter
-from .engine import Decoding, GenerationStats, generate_one
+from .engine import Decoding, GenerationStats, decode
 from .verify_prune import check_prunable
 from .generation import finish, prepare
 from .media_rows import holds_media_tensors, item_media
 from .resolve import resolve_drafter
-from .batched import generate_batch
 from .targets import make_target
 
 _SPEC_FIELDS = {f.name for f in fields(SpecConfig)}
@@ -94,13 +93,12 @@ class SpeculativeModel:
             together = self.batches(plan)
             row_inputs = None if together else self.row_inputs(plan)
             if together:
-                rows = generate_batch(self.target, self.drafter, plan.input_ids, plan.attention_mask, decodings,
-                                      self.spec, generator, plan.model_inputs)
+                rows = decode(self.target, self.drafter, plan.input_ids, decodings, self.spec, generator,
+                              plan.model_inputs, attention_mask=plan.attention_mask)
             else:
-                rows = [generate_one(self.target, self.drafter, plan.input_ids[b : b + 1, plan.padding(b):],
-                                     decoding=decodings[b], spec=self.spec, generator=generator,
-                                     model_inputs=row_inputs[b])
-                        for b in range(plan.batch_size)]  # each row runs exactly as it would alone
+                rows = [row for b in range(plan.batch_size)  # each row runs exactly as it would alone
+                        for row in decode(self.target, self.drafter, plan.input_ids[b : b + 1, plan.padding(b):],
+                                          [decodings[b]], self.spec, generator, row_inputs[b])]
             for row in rows:
                 stats.merge(row.stats)
             width = max(len(r.new_tokens) for r in rows)
@@ -112,8 +110,7 @@ class SpeculativeModel:
                     ids = plan.input_ids[b : b + 1, plan.padding(b):]
                     decoding = Decoding(sampling=plan.sampling(b), max_new_tokens=width,
                                         keep_scores=keep_scores, keep_logits=keep_logits)
-                    rows[b] = generate_one(self.target, self.drafter, ids, decoding=decoding, spec=self.spec,
-                                           generator=generator, model_inputs=row_inputs[b])
+                    (rows[b],) = decode(self.target, self.drafter, ids, [decoding], self.spec, generator, row_inputs[b])
                     stats.merge(rows[b].stats)
         finally:
             self.target.release()  # frees the cache; restores the model's attention implementation
@@ -125,7 +122,7 @@ class SpeculativeModel:
     def batches(self, plan) -> bool:
         """Whether this call verifies its rows together (more than one row; causal LMs and the
         vision-language adapters, media per row). Recurrent and hybrid targets, drafters that draft on
-        the target's own cache (``needs_target_cache``: self-speculation), batching="rows", and
+        the target's own cache (``needs_target_cache``: self-speculation), ProPD pruning, batching="rows", and
         num_return_sequences > 1 with media decode row by row (row_inputs gives each row its media)."""
         if plan.model_inputs and (plan.config.num_return_sequences or 1) > 1:
             return False  # media belong to the items, not to their expanded rows: one row after another
@@ -135,7 +132,7 @@ class SpeculativeModel:
                 "ignore the attention mask), which flashmm does not reproduce: call generate once per row, or with "
                 "rows of equal length")
         return (plan.batch_size > 1 and self.spec.batching == "auto" and self.target.batchable
-                and not self.target.recurrent and not self.drafter.needs_target_cache)
+                and not self.target.recurrent and not self.drafter.needs_target_cache and self.spec.prune == "none")
 
     def row_inputs(self, plan, warn: bool = True) -> list[dict]:
         """Each row's extra model inputs when rows decode one by one: the call's own for text or a single
@@ -151,6 +148,7 @@ class SpeculativeModel:
                    f"{type(self.model).__name__} keeps recurrent states per sequence" if self.target.recurrent else
                    f"{type(self.drafter).__name__} drafts on the target's own cache of one sequence"
                    if self.drafter.needs_target_cache else
+                   f"prune={self.spec.prune!r} prunes one sequence's tree" if self.spec.prune != "none" else
                    f"{type(self.model).__name__} is not decoded in batches")
             warnings.warn(f"flashmm decodes this batch with media row by row, each row with its own media, because "
                           f"{why}", stacklevel=3)

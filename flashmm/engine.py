@@ -1,4 +1,9 @@
-"""The speculative loop: draft → verify → accept → commit. Knows no model or method names."""
+"""The speculative loop over a batch of B >= 1 rows: draft → verify → accept → commit.
+
+One loop for every batch size (``decode``): one row is a batch of one. The target's session
+(flashmm.targets.session) owns the cache and the forwards; the verifier is a pure function of the
+draft and the target's scores (flashmm.verify); the loop knows no model or method names.
+"""
 from __future__ import annotations
 
 import time
@@ -9,11 +14,13 @@ from typing import Callable
 import torch
 
 from .config import SamplingParams, SpecConfig
-from .drafters.base import Drafter, SequenceStart, StepResult, hidden_request
+from .drafters.base import Drafter, StepResult, hidden_request
+from .drafters.length import batch_bucket, measured_verify_cost, price_for_batch
 from .sampling import sample
 from .targets.base import Target
+from .targets.session import open_session
 from .verify import drafting_scheme_of, select_verifier
-from .verify_prune import score_draft, unprune
+from .verify_prune import PruningSession
 
 
 @dataclass
@@ -238,48 +245,141 @@ def gather_hidden(hidden: torch.Tensor | None, path: torch.Tensor) -> torch.Tens
     return hidden.gather(1, index.expand(-1, -1, hidden.shape[-1]))
 
 
+def batch_width(drafts: list, verify_cost) -> int:
+    """The node count W every row's tree is cut to for one padded forward (each row pays for W
+    nodes, whatever its own size): the W maximising the rows' expected tokens per unit of verify
+    time, sum_b (1 + sum_{0 < i < min(n_b, W)} values_b[i]) / (t(W) / t(1)), with values_b a
+    draft's ``values`` (its nodes' estimated chances to be accepted, in node order). A draft
+    without values is never cut (W is at least its size) and counts its root only."""
+    floor = max([d.tree.num_nodes for d in drafts if d.values is None], default=1)
+    widest = max(d.tree.num_nodes for d in drafts)
+    if floor >= widest:
+        return widest
+    gains = [d.values.float().cpu().cumsum(0) for d in drafts if d.values is not None]  # [n_b]
+    fixed = len(drafts) - len(gains)
+    best, best_rate = floor, float("-inf")
+    for width in range(floor, widest + 1):
+        tokens = fixed + sum(float(g[min(width, g.numel()) - 1]) for g in gains)
+        rate = tokens / verify_cost.relative(width)
+        if rate > best_rate + 1e-12:
+            best, best_rate = width, rate
+    return best
+
+
+class BatchPricing:
+    """What a step costs with ``rows`` rows verified together, for the drafters of a batch: each
+    drafter prices its drafts for its row's share (drafters.length.price_for_batch), and drafts
+    with ``values`` are cut to one batch-wide width (``batch_width``) on the measured cost."""
+
+    def __init__(self, target: Target, drafters: list[Drafter]):
+        self.target, self.bucket, self.costs = target, None, {}  # costs: bucket -> VerifyCost | None
+        self.priced(drafters)
+
+    def priced(self, drafters: list[Drafter]) -> None:
+        """Reprice ``drafters`` (the running rows') when their count changes bucket."""
+        bucket = batch_bucket(len(drafters))
+        if bucket != self.bucket:
+            self.bucket = bucket
+            price_for_batch(drafters, self.target, len(drafters))
+
+    def fit(self, drafters: list[Drafter], drafts: list) -> list:
+        """The drafts cut to one width (only when several rows run and some draft carries values)."""
+        if len(drafts) < 2 or all(d.values is None for d in drafts):
+            return drafts
+        if self.bucket not in self.costs:
+            self.costs[self.bucket] = measured_verify_cost(self.target, self.bucket)[0]
+        cost = self.costs[self.bucket]
+        if cost is None:
+            return drafts
+        cut = batch_width(drafts, cost)
+        return [drafter.cut(d, cut) if d.values is not None and d.tree.num_nodes > cut else d
+                for drafter, d in zip(drafters, drafts)]
+
+
+def check_batch(drafter: Drafter, spec: SpecConfig, batch: int) -> None:
+    """Refuse, before any forward, what a batch of several rows verified together cannot do."""
+    if batch == 1:
+        return
+    if drafter.needs_target_cache:
+        raise ValueError(f"{type(drafter).__name__} drafts on the target's own cache of one sequence, which a "
+                         "batch verified together does not keep per row: decode the rows one by one")
+    if spec.prune != "none":
+        raise ValueError(f"prune={spec.prune!r} splits the forward of one sequence's tree: decode the rows one by one")
+
+
 @torch.no_grad()
-def generate_one(target: Target, drafter: Drafter, input_ids: torch.Tensor, *, decoding: Decoding,
-                 spec: SpecConfig, generator: torch.Generator | None, model_inputs: dict,
-                 attention_mask: torch.Tensor | None = None) -> RowOutput:
-    """Generate for one sequence input_ids [1, T] (no padding)."""
+def decode(target: Target, drafter: Drafter, input_ids: torch.Tensor, decodings: list[Decoding], spec: SpecConfig,
+           generator: torch.Generator | None, model_inputs: dict | None = None,
+           attention_mask: torch.Tensor | None = None) -> list[RowOutput]:
+    """Decode B >= 1 rows together: input_ids [B, T], left-padded as ``attention_mask`` [B, T] says
+    (one row: no padding, mask None), decodings[b] row b's. One prefill (with the call's media,
+    model_inputs), then each step: every running row drafts, one target forward scores all drafts,
+    each row's draft is verified and its emitted tokens committed, finished rows leave.
+    Returns one RowOutput per row."""
     start = time.perf_counter()
-    row = RowWriter(input_ids[0], decoding)
-    stats = row.out.stats
-    if row.finished:
-        return row.out
-    verifier = select_verifier(spec.verifier, decoding.sampling.do_sample, backend=getattr(target, "backend", "torch"),
+    batch = input_ids.shape[0]
+    check_batch(drafter, spec, batch)
+    if attention_mask is None:
+        padding = [0] * batch
+    else:
+        padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()
+    rows = [RowWriter(input_ids[b, padding[b]:], decodings[b]) for b in range(batch)]
+    if all(row.finished for row in rows):
+        return [row.out for row in rows]
+    drafters = [drafter] if batch == 1 else [drafter.fork() for _ in range(batch)]
+    verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample, backend=getattr(target, "backend", "torch"),
                                drafting_scheme=drafting_scheme_of(drafter))  # a mismatch is refused here
     want_hidden = forward_hidden(drafter, verifier)
 
-    out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
-    stats.target_forwards += 1
-    row.first_token(out.logits[0, -1], generator)
-    if not row.finished:
-        embeds, spans = (None, [])
-        if want_hidden:
-            embeds, spans = target.prompt_features(input_ids, **model_inputs)
-        drafter.begin(SequenceStart(input_ids=input_ids, hidden_states=out.hidden_states,
-                                    input_embeds=embeds, visual_spans=spans, model_inputs=model_inputs))
+    session, logits, sequence_start = open_session(target, input_ids, attention_mask, want_hidden, model_inputs or {})
+    if spec.prune != "none":
+        session = PruningSession(session, spec, decodings[0].sampling)
+    for b, row in enumerate(rows):
+        row.out.stats.target_forwards += 1
+        if not row.finished:
+            row.first_token(logits[b], generator)
+            if not row.finished:
+                drafters[b].begin(sequence_start(b))
+    active = [b for b in range(batch) if not rows[b].finished]
+    session.select(active)
+    pricing = BatchPricing(target, [drafters[b] for b in active]) if batch > 1 else None
 
-    while not row.finished:
+    while active:
         t0 = time.perf_counter()
         # The budget is not cut near max_new_tokens: emission is truncated instead, so tree-shaped
         # drafts keep their width on the last step.
-        draft = drafter.propose(row.committed, spec.max_draft_tokens, decoding.sampling, generator)
+        drafts = [drafters[b].propose(rows[b].committed, spec.max_draft_tokens, rows[b].decoding.sampling, generator)
+                  for b in active]
+        if pricing is not None:
+            drafts = pricing.fit([drafters[b] for b in active], drafts)
         t1 = time.perf_counter()
-        # the tree the verifier sees: the draft, or (prune="propd") its subtree surviving early-layer pruning
-        verified, scored = score_draft(target, draft, want_hidden, spec, decoding.sampling, stats)
-        n = verified.tree.num_nodes  # aux rows (if any) follow the tree's n nodes; commit keeps tree nodes only
-        hidden = None if scored.hidden_states is None else scored.hidden_states[:, :n]
-        path = verify_row(verifier, spec, verified, scored.logits[:, :n], row, generator, hidden)
-        target.commit(path)
-        path, scored = unprune(scored, path, drafter.score_topk > 0)  # the drafter observes its own tree's indexing
-        stats.verify_seconds += time.perf_counter() - t1
-        stats.draft_seconds += t1 - t0
-        if not row.finished:
-            drafter.observe(step_result(drafter, draft, row, path, scored.logits, scored.hidden_states))
+        scored = session.score(drafts, want_hidden)
+        paths = []
+        for b, row_scored in zip(active, scored):
+            n = row_scored.draft.tree.num_nodes  # aux rows (if any) follow the tree's n nodes
+            output = row_scored.output
+            hidden = None if output.hidden_states is None else output.hidden_states[:, :n]
+            paths.append(verify_row(verifier, spec, row_scored.draft, output.logits[:, :n], rows[b], generator, hidden))
+            rows[b].out.stats.pruned_tokens += row_scored.pruned
+        session.keep(paths)
+        t2 = time.perf_counter()
+        for b, draft, row_scored, path in zip(active, drafts, scored, paths):
+            stats = rows[b].out.stats
+            stats.draft_seconds += (t1 - t0) / len(active)
+            stats.verify_seconds += (t2 - t1) / len(active)
+            if not rows[b].finished:  # the drafter observes its own tree's indexing
+                own_path, output = row_scored.for_drafter(path, drafters[b].score_topk > 0)
+                drafters[b].observe(step_result(drafters[b], draft, rows[b], own_path, output.logits,
+                                                output.hidden_states))
+        running = [i for i, b in enumerate(active) if not rows[b].finished]
+        if len(running) < len(active):  # finished rows stop costing compute
+            session.select(running)
+            active = [active[i] for i in running]
+            if active and pricing is not None:
+                pricing.priced([drafters[b] for b in active])
 
-    stats.new_tokens = len(row.out.new_tokens)
-    stats.total_seconds = time.perf_counter() - start
-    return row.out
+    seconds = time.perf_counter() - start
+    for row in rows:
+        row.out.stats.new_tokens = len(row.out.new_tokens)
+        row.out.stats.total_seconds = seconds / batch
+    return [row.out for row in rows]

@@ -10,7 +10,7 @@ mask (slots past the committed prefix and the step's own tree are masked out). O
 captured per (node count, hidden-state request) the first time a step needs it; the cache's
 tensors, the step's inputs and the graph's outputs keep their addresses from then on. A cache
 that runs out of slots doubles (and the graphs are captured again for the new tensors). A padded
-batch (flashmm.batched) runs on its own SlotCache: its rows are views of the first rows of the
+batch (flashmm.targets.batch) runs on its own SlotCache: its rows are views of the first rows of the
 allocation, so when finished rows leave, the others move up within the same tensors and the
 graphs of each batch size stay valid.
 

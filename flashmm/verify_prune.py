@@ -23,6 +23,7 @@ import torch
 from .drafters.base import Draft
 from .targets.base import TargetOutput
 from .targets.layers import LayerRunner, check_supported
+from .targets.session import Scored, SequenceSession
 from .tree import TokenTree
 
 PRUNE_MODES = ("none", "propd")
@@ -70,9 +71,9 @@ def subtree(tree: TokenTree, kept: list[int]) -> TokenTree:
     return TokenTree.from_parents([-1] + [index[parents[node]] for node in kept[1:]])
 
 
-def score_draft(target, draft: Draft, want_hidden, spec, sampling, stats=None) -> tuple[Draft, TargetOutput]:
+def score_draft(target, draft: Draft, want_hidden, spec, sampling) -> tuple[Draft, TargetOutput]:
     """(the draft the verifier sees, the target's output over it); unpruned unless spec.prune says so
-    and the draft qualifies (see the module docstring). stats.pruned_tokens counts pruned nodes."""
+    and the draft qualifies (see the module docstring)."""
     if (spec.prune == "none" or draft.tree.num_nodes <= 2 or draft.aux is not None or want_hidden
             or (sampling.do_sample and draft.q_probs is not None)):
         return draft, target.forward_tree(*draft.forward_layout(), want_hidden)
@@ -107,8 +108,6 @@ def score_draft(target, draft: Draft, want_hidden, spec, sampling, stats=None) -
                             target.tree_position_ids(tree, prefix, 1))
         logits = runner.logits(hidden)
     target.tree_started(prefix)
-    if stats is not None:
-        stats.pruned_tokens += draft.tree.num_nodes - len(kept)
     q_probs = draft.q_probs[:, kept] if draft.q_probs is not None else None
     verified = Draft(tokens=tokens, tree=tree, q_probs=q_probs)
     if early is None:  # nothing pruned
@@ -130,3 +129,28 @@ def unprune(scored: TargetOutput, path: torch.Tensor, want_logits: bool = True) 
             logits[:, leaves] = runner.logits(states)
     logits[:, scored.kept.to(logits.device)] = scored.logits
     return kept[path], TargetOutput(logits, None)
+
+
+class PrunedScored(Scored):
+    """A pruned row's forward: the drafter observes it in its own tree's indexing (``unprune``)."""
+
+    def for_drafter(self, path: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor, TargetOutput]:
+        return unprune(self.output, path, want_logits)
+
+
+class PruningSession:
+    """A single-sequence session (flashmm.targets.session) whose tree forwards ProPD prunes first."""
+
+    def __init__(self, inner: SequenceSession, spec, sampling):
+        self.inner, self.spec, self.sampling = inner, spec, sampling
+
+    def score(self, drafts: list[Draft], want_hidden) -> list[Scored]:
+        (draft,) = drafts
+        verified, output = score_draft(self.inner.target, draft, want_hidden, self.spec, self.sampling)
+        return [PrunedScored(verified, output, pruned=draft.tree.num_nodes - verified.tree.num_nodes)]
+
+    def keep(self, paths: list[torch.Tensor]) -> None:
+        self.inner.keep(paths)
+
+    def select(self, rows: list[int]) -> None:
+        self.inner.select(rows)

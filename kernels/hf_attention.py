@@ -20,7 +20,7 @@ while the tree is shallower than the window (``fits_window``). What the kernel c
 (attention logit soft-capping, attention sinks) is found before generation by
 ``TreeAttentionSwitch``, which then raises ``TreeAttentionUnsupported`` naming the feature.
 
-Batched decoding (flashmm.batched) passes one tree per row, padded to the widest, and a prefix
+Batched decoding (flashmm.targets.batch) passes one tree per row, padded to the widest, and a prefix
 with holes: ``prefix_valid`` [B, P] hides the slots a row does not use, and ``prefix_positions``
 (the slots' position ids) place each row's window; since a row's real slots have increasing
 positions, the window is still one lower bound per query, found by binary search.

@@ -106,7 +106,7 @@ def test_batched_sampling_exact_per_row():
 def test_batch_width_by_hand():
     """One width for all rows: every row pays for the widest tree, so the width maximises the rows'
     expected tokens per unit of verify time (worked by hand below)."""
-    from flashmm.batched import batch_width
+    from flashmm.engine import batch_width
     from flashmm.drafters.base import Draft
     from flashmm.drafters.length import VerifyCost
     from flashmm.tree import TokenTree
@@ -144,21 +144,22 @@ def test_prompt_lookup_cut_learns_from_the_tokens_verified():
 def test_cut_drafts_stay_exact(models, monkeypatch):
     """Rows whose lookup drafts are cut to one width (forced to 2 nodes here, whatever the timings)
     still equal the model's own batched generate."""
-    import flashmm.batched
+    import flashmm.engine
+    import flashmm.targets.batch
 
     target, _ = models
     pattern = prompt(6, seed=11)[0]
     ids, mask = ragged_batch((30, 9, 20))
     ids[0, -24:] = pattern.repeat(4)  # row 0 repeats itself: lookup drafts long chains there
-    forward = flashmm.batched.forward_trees
+    forward = flashmm.targets.batch.forward_trees
     widths = []  # (rows, width) of every batched tree forward
 
     def recording(target, state, tokens, trees, want_hidden):
         widths.append(tuple(tokens.shape))
         return forward(target, state, tokens, trees, want_hidden)
 
-    monkeypatch.setattr(flashmm.batched, "batch_width", lambda drafts, cost: 2)
-    monkeypatch.setattr(flashmm.batched, "forward_trees", recording)
+    monkeypatch.setattr(flashmm.engine, "batch_width", lambda drafts, cost: 2)
+    monkeypatch.setattr(flashmm.targets.batch, "forward_trees", recording)
     sm = flashmm.wrap(target, PromptLookup())
     out = sm.generate(ids, attention_mask=mask, max_new_tokens=25)
     assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=25))

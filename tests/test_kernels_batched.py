@@ -2,7 +2,7 @@
 
 Kernel: tree_attention with prefix_valid against its float32 reference and a float64 brute force
 over a mask built here from the trees' ancestor masks. One forward: tree_attention_kwargs with
-per-row trees, holes and slot positions (both backends) against batched.tree_masks' 4D masks.
+per-row trees, holes and slot positions (both backends) against targets.batch.tree_masks' 4D masks.
 Engine: attention="triton" on a ragged, left-padded batch gives, row for row, model.generate's
 tokens (lookup and tree drafters; Gemma 3's sliding layers through the kernel, and on the 4D-mask
 path when a tree is deeper than the window; Qwen2-VL's M-RoPE positions), with the kernel seeing
@@ -24,7 +24,7 @@ from transformers import DynamicCache  # noqa: E402
 import flashmm  # noqa: E402
 import flashmm.kernels.attention as attention_kernels  # noqa: E402
 from flashmm.cache import cache_argument  # noqa: E402
-from flashmm.batched import BatchState, tree_masks  # noqa: E402
+from flashmm.targets.batch import BatchState, tree_masks  # noqa: E402
 from flashmm.drafters import DraftModel, PromptLookup  # noqa: E402
 from flashmm.kernels.attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
 from flashmm.kernels.hf_attention import TreeAttentionSwitch, tree_attention_kwargs  # noqa: E402
@@ -125,7 +125,7 @@ def test_prefix_valid_errors_name_the_fix():
 def test_padded_row_trees_through_both_backends_equal_the_additive_mask():
     """One forward of ragged per-row trees over a cache with holes (their position ids garbage),
     Gemma 3 with a window the holes straddle: tree_attention_kwargs through the kernel and through
-    SDPA give the logits of batched.tree_masks' 4D additive masks."""
+    SDPA give the logits of targets.batch.tree_masks' 4D additive masks."""
     model = tiny_lm("gemma3", sliding_window=8).to(DEVICE)
     gen = torch.Generator().manual_seed(4)
     bsz, slots = 3, 30

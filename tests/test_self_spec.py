@@ -274,9 +274,8 @@ def test_propd_scores_only_the_surviving_subtree_exactly():
     sm = flashmm.wrap(model, "prompt_lookup", prune="propd", prune_layer=2, prune_top_k=3)
     target = sm.target
     target.prefill(ids[:, :-1], None, False)
-    stats = flashmm.engine.GenerationStats()
     draft = flashmm.drafters.Draft(tokens=tokens, tree=tree)
-    verified, scored = score_draft(target, draft, False, spec, SamplingParams(), stats)
+    verified, scored = score_draft(target, draft, False, spec, SamplingParams())
     # reference: the whole tree through the model, and its early exit after layer 2
     full_cache = flashmm.cache.new_cache()
     model(input_ids=ids[:, :-1], **{cache_argument(model): full_cache}, use_cache=True)
@@ -288,7 +287,7 @@ def test_propd_scores_only_the_surviving_subtree_exactly():
     for i in range(1, 8):
         alive[i] = alive[parents[i]] and tokens[0, i].item() in early_top[parents[i]].tolist()
     kept = [i for i in range(8) if alive[i]]
-    assert scored.kept.tolist() == kept and 1 < len(kept) < 8 and stats.pruned_tokens == 8 - len(kept)
+    assert scored.kept.tolist() == kept and 1 < len(kept) < 8 and verified.tree.num_nodes == len(kept)
     torch.testing.assert_close(scored.logits, ref.logits[:, kept], atol=1e-5, rtol=1e-5)
     assert verified.tree.parents.tolist() == [-1] + [kept.index(parents[i]) for i in kept[1:]]
     # every layer's cache holds the prefix then exactly the survivors' rows
@@ -393,3 +392,24 @@ def test_a_fork_shares_the_target_and_its_weights_and_copies_per_row_state():
     before = drafter.length.alpha
     row.length.update(3, 0)
     assert drafter.length.alpha == before != row.length.alpha
+
+
+def test_propd_decodes_a_batch_row_by_row_as_batched_generate():
+    """ProPD prunes one sequence's tree: a padded batch decodes row by row (warned), each row equal to
+    the model's own batched generate; the one loop refuses it for rows verified together, before any
+    forward."""
+    from text_models import ragged_batch
+
+    model = deep("llama")
+    drafter = flashmm.drafters.DraftModel(deep("llama", seed=1), tree_width=2, max_draft_tokens=6, adaptive=False)
+    sm = flashmm.wrap(model, drafter, prune="propd", prune_layer=2, prune_top_k=4)
+    ids, mask = ragged_batch((14, 9, 11))
+    out = sm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False))
+    assert sm.last_stats.pruned_tokens > 0
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    decoding = flashmm.engine.Decoding(sampling=SamplingParams(), max_new_tokens=4)
+    with pytest.raises(ValueError, match="prune='propd'.*one by one"):
+        flashmm.engine.decode(sm.target, drafter, ids, [decoding] * 3, sm.spec, None, attention_mask=mask)
+    assert not calls

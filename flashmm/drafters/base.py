@@ -11,7 +11,7 @@ import torch
 
 from ..config import SamplingParams
 from ..onednn import OneDNNLinears
-from ..targets.base import Target
+from ..targets.base import SequenceStart, Target  # noqa: F401 (SequenceStart: part of the drafter protocol)
 from ..tree import TokenTree
 
 
@@ -80,27 +80,6 @@ class Draft:
             return self.tokens, self.tree
         parents = torch.cat([self.tree.parents, self.aux.parents.to(self.tree.parents.dtype).cpu()])
         return torch.cat([self.tokens, self.aux.tokens.to(self.tokens.device)], dim=1), TokenTree(parents)
-
-
-@dataclass
-class SequenceStart:
-    """What a drafter learns when a new sequence starts (after the target's prefill).
-
-    input_ids:      LongTensor [B, T]; the prompt (multimodal placeholders already expanded).
-    hidden_states:  FloatTensor [B, T, d] or None; target last-layer features of the prompt
-                    (only filled when the drafter sets needs_hidden_states); [B, T, n * d] when it
-                    sets feature_layers (n indices): those output_hidden_states, concatenated.
-    input_embeds:   FloatTensor [B, T, d] or None; the target's input embeddings of the prompt,
-                    visual features at the visual positions (multimodal targets; hidden drafters).
-    visual_spans:   list of (start, end) half-open index ranges of visual tokens in input_ids.
-    model_inputs:   the extra model inputs given to generate (pixel_values, image_grid_thw, ...).
-    """
-
-    input_ids: torch.Tensor
-    hidden_states: torch.Tensor | None = None
-    input_embeds: torch.Tensor | None = None
-    visual_spans: list[tuple[int, int]] = field(default_factory=list)
-    model_inputs: dict = field(default_factory=dict)
 
 
 @dataclass

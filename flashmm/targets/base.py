@@ -5,7 +5,7 @@ adapter per family; the engine only calls the methods below.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,28 @@ class TargetOutput:
 
     logits: torch.Tensor
     hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class SequenceStart:
+    """What a drafter learns when a new sequence starts: the values a target's prefill returns for one row.
+
+    input_ids:      LongTensor [B, T]; the prompt (multimodal placeholders already expanded).
+    hidden_states:  FloatTensor [B, T, d] or None; target last-layer features of the prompt
+                    (only filled when the drafter sets needs_hidden_states); [B, T, n * d] when it
+                    sets feature_layers (n indices): those output_hidden_states, concatenated.
+    input_embeds:   FloatTensor [B, T, d] or None; the target's input embeddings of the prompt,
+                    visual features at the visual positions (multimodal targets; hidden drafters).
+    visual_spans:   list of (start, end) half-open index ranges of visual tokens in input_ids.
+    model_inputs:   the extra model inputs given to generate (pixel_values, image_grid_thw, ...).
+    """
+
+    input_ids: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+    input_embeds: torch.Tensor | None = None
+    visual_spans: list[tuple[int, int]] = field(default_factory=list)
+    model_inputs: dict = field(default_factory=dict)
+
 
 
 def select_hidden(hidden_states, want) -> torch.Tensor | None:

@@ -78,12 +78,12 @@ class CausalLMTarget(Target):
         #: verification on a SlotCache with CUDA-graph replays (use_cuda_graphs; flashmm.graphs)
         self.cuda_graphs = False
         self._graphs: graphs.GraphedForwards | None = None        # single sequences
-        self._batch_graphs: graphs.GraphedForwards | None = None  # padded batches (flashmm.batched)
+        self._batch_graphs: graphs.GraphedForwards | None = None  # padded batches (flashmm.targets.batch)
 
     def use_cuda_graphs(self) -> None:
         """Verify every step on a preallocated SlotCache, each step shape captured once as a CUDA graph and
         replayed (flashmm.graphs; on a CPU the same cache runs eagerly): single sequences on one cache,
-        padded batches (flashmm.batched) on another. Raises ValueError for a model whose forwards cannot
+        padded batches (flashmm.targets.batch) on another. Raises ValueError for a model whose forwards cannot
         be replayed with fixed shapes."""
         why = ("keeps recurrent states" if self.recurrent else "derives its own positions" if self.derives_positions
                else "has sliding-window or chunked-attention layers" if self.layout.restricted else None)
@@ -124,7 +124,7 @@ class CausalLMTarget(Target):
         layers in: oneDNN routing (``linear_backend == "onednn"``) or nothing."""
         return self._linears
 
-    # ------------------------------------------------------------------ batched decoding (flashmm.batched)
+    # ------------------------------------------------------------------ batched decoding (flashmm.targets.batch)
     #: whether a padded batch is verified together; False: api decodes it row by row
     batchable = True
 

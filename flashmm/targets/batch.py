@@ -1,9 +1,7 @@
-"""Batched speculative decoding: every active row verified in one target forward per step.
+"""A padded batch's verification forwards (BatchSession, opened by flashmm.targets.session for B > 1):
+every active row verified in one target forward per step.
 
-Each row drafts its own tree (drafters are forked per row). Every row pays for the step's widest
-tree, so drafts that carry ``values`` are first cut to one batch-wide width (``batch_width``: the
-most expected tokens per unit of verify time over all rows); trees are then padded to the step's
-largest node count, and one forward scores them all: with a 4D additive mask built per row, or,
+Each row's tree is padded to the step's largest node count, and one forward scores them all: with a 4D additive mask built per row, or,
 on the Triton backend, with the tree-attention kernel given each row's packed tree mask and the
 slots it may see (``valid``).
 
@@ -20,17 +18,15 @@ leave the batch (their cache rows are dropped).
 """
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from . import cache as kv
-from .drafters.length import batch_bucket, measured_verify_cost, price_for_batch
-from .graphs import SlotCache, prompt_mask
-from .targets.base import select_hidden
-from .tree import TokenTree, padded_trees
+from .. import cache as kv
+from ..graphs import SlotCache, prompt_mask
+from ..tree import TokenTree, padded_trees
+from .base import select_hidden
 
 
 @dataclass
@@ -129,7 +125,7 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
         masks, positions = tree_masks(target, state, trees, tokens.shape[1], target.model.dtype)
         mask_args = {"attention_mask": masks if len(masks) > 1 else next(iter(masks.values()))}
     else:
-        from .kernels import tree_attention_kwargs  # noqa: PLC0415 (triton loads on first use)
+        from ..kernels import tree_attention_kwargs  # noqa: PLC0415 (triton loads on first use)
 
         positions = state.root_pos[:, None] + padded_trees(trees, state.valid.device)[1]
         mask_args = tree_attention_kwargs(trees, state.num_slots, len(trees), state.valid.device, backend="triton",
@@ -159,27 +155,6 @@ def graph_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[Tok
     return target._batch_graphs.run(tokens, positions, write_at, mask, want_hidden)
 
 
-def batch_width(drafts: list, verify_cost) -> int:
-    """The node count W every row's tree is cut to for one padded forward (each row pays for W
-    nodes, whatever its own size): the W maximising the rows' expected tokens per unit of verify
-    time, sum_b (1 + sum_{0 < i < min(n_b, W)} values_b[i]) / (t(W) / t(1)), with values_b a
-    draft's ``values`` (its nodes' estimated chances to be accepted, in node order). A draft
-    without values is never cut (W is at least its size) and counts its root only."""
-    floor = max([d.tree.num_nodes for d in drafts if d.values is None], default=1)
-    widest = max(d.tree.num_nodes for d in drafts)
-    if floor >= widest:
-        return widest
-    gains = [d.values.float().cpu().cumsum(0) for d in drafts if d.values is not None]  # [n_b]
-    fixed = len(drafts) - len(gains)
-    best, best_rate = floor, float("-inf")
-    for width in range(floor, widest + 1):
-        tokens = fixed + sum(float(g[min(width, g.numel()) - 1]) for g in gains)
-        rate = tokens / verify_cost.relative(width)
-        if rate > best_rate + 1e-12:
-            best, best_rate = width, rate
-    return best
-
-
 def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
     """Keep each row's accepted path (LongTensor [L_b] of node indices, root first) after the
     prefix; rows with shorter paths leave holes up to the longest."""
@@ -203,96 +178,3 @@ def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
     state.valid = torch.cat([state.valid, kept], dim=1)
     state.slot_pos = torch.cat([state.slot_pos, state.root_pos[:, None] + offsets[None]], dim=1)
     state.root_pos = state.root_pos + kept.sum(1)
-
-
-@torch.no_grad()
-def generate_batch(target, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   decodings: list, spec, generator: torch.Generator | None, model_inputs: dict | None = None) -> list:
-    """Decode the left-padded rows input_ids [B, T] together: one prefill (with the batch's media,
-    model_inputs), then one target forward per step for all rows still running. Each row's drafter
-    begins with its own prompt, features and visual spans. Returns one engine.RowOutput per row."""
-    from .drafters.base import SequenceStart  # noqa: PLC0415 (engine imports drafters)
-    from .engine import RowWriter, forward_hidden, step_result, verify_row  # noqa: PLC0415
-    from .verify import drafting_scheme_of, select_verifier  # noqa: PLC0415
-
-    if drafter.needs_target_cache:
-        raise ValueError(f"{type(drafter).__name__} drafts on the target's own cache of one sequence, which a "
-                         "batch verified together does not keep per row: decode the rows one by one")
-    start = time.perf_counter()
-    batch = input_ids.shape[0]
-    padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()
-    rows = [RowWriter(input_ids[b, padding[b]:], decodings[b]) for b in range(batch)]
-    drafters = [drafter.fork() for _ in range(batch)]
-    verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample,
-                               drafting_scheme=drafting_scheme_of(drafter))
-    want_hidden = forward_hidden(drafter, verifier)
-
-    logits, hidden, embeds, state = prefill(target, input_ids, attention_mask, want_hidden, model_inputs or {})
-    for b, row in enumerate(rows):
-        row.out.stats.target_forwards += 1
-        if row.finished:
-            continue
-        row.first_token(logits[b], generator)
-        if not row.finished:
-            ids = input_ids[b : b + 1, padding[b]:]
-            row_embeds = target.input_embeddings()(ids) if want_hidden else None
-            spans = []
-            if embeds is not None:  # a multimodal target: its visual features merged in, and their spans
-                row_embeds, spans = embeds[b : b + 1, padding[b]:], target.visual_spans(ids)
-            drafters[b].begin(SequenceStart(
-                input_ids=ids, hidden_states=None if hidden is None else hidden[b : b + 1, padding[b]:],
-                input_embeds=row_embeds, visual_spans=spans))
-    active = [b for b in range(batch) if not rows[b].finished]
-    state.select(torch.tensor(active, dtype=torch.long))
-    priced = batch_bucket(len(active))
-    price_for_batch([drafters[b] for b in active], target, len(active))  # drafts that pay at this batch size
-    width_cost = {}  # batch bucket -> per-row VerifyCost (None: not measurable), for batch_width
-
-    while active:
-        t0 = time.perf_counter()
-        drafts = [drafters[b].propose(rows[b].committed, spec.max_draft_tokens, rows[b].decoding.sampling, generator)
-                  for b in active]
-        if len(active) > 1 and any(d.values is not None for d in drafts):  # one width for all rows
-            if priced not in width_cost:
-                width_cost[priced] = measured_verify_cost(target, priced)[0]
-            if width_cost[priced] is not None:
-                cut = batch_width(drafts, width_cost[priced])
-                drafts = [drafters[b].cut(d, cut) if d.values is not None and d.tree.num_nodes > cut else d
-                          for b, d in zip(active, drafts)]
-        layouts = [d.forward_layout() for d in drafts]  # each row's tree, then its aux rows (if any)
-        width = max(tree.num_nodes for _, tree in layouts)
-        tokens = input_ids.new_zeros(len(active), width)
-        for i, (row_tokens, tree) in enumerate(layouts):
-            tokens[i] = row_tokens[0, 0]  # padding nodes repeat the root; nothing attends to them
-            tokens[i, : tree.num_nodes] = row_tokens[0]
-        t1 = time.perf_counter()
-        logits, hidden = forward_trees(target, state, tokens, [tree for _, tree in layouts], want_hidden)
-        paths = []
-        for i, b in enumerate(active):
-            n = drafts[i].tree.num_nodes
-            paths.append(verify_row(verifier, spec, drafts[i], logits[i : i + 1, :n], rows[b], generator,
-                                    None if hidden is None else hidden[i : i + 1, :n]))
-        keep_paths(state, [p[0] for p in paths])
-        t2 = time.perf_counter()
-        for i, b in enumerate(active):
-            stats = rows[b].out.stats
-            stats.draft_seconds += (t1 - t0) / len(active)
-            stats.verify_seconds += (t2 - t1) / len(active)
-            if not rows[b].finished:
-                n = drafts[i].tree.num_nodes
-                row_hidden = None if hidden is None else hidden[i : i + 1, :n]
-                row_logits = logits[i : i + 1, : layouts[i][1].num_nodes]
-                drafters[b].observe(step_result(drafters[b], drafts[i], rows[b], paths[i], row_logits, row_hidden))
-        running = [i for i, b in enumerate(active) if not rows[b].finished]
-        if len(running) < len(active):  # finished rows stop costing compute
-            state.select(torch.tensor(running, dtype=torch.long))
-            active = [active[i] for i in running]
-            if active and batch_bucket(len(active)) != priced:
-                priced = batch_bucket(len(active))
-                price_for_batch([drafters[b] for b in active], target, len(active))
-
-    seconds = time.perf_counter() - start
-    for row in rows:
-        row.out.stats.new_tokens = len(row.out.new_tokens)
-        row.out.stats.total_seconds = seconds / batch
-    return [row.out for row in rows]

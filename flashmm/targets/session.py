@@ -1,0 +1,135 @@
+"""One ``generate`` call's verification as the target runs it.
+
+``open_session`` runs the prompts' prefill and returns, as values, the logits of every row's last
+prompt position, what each row's drafter starts from (``SequenceStart``: the prompt's hidden states,
+input embeddings and visual spans), and a ``Session`` that owns the call's cache until the last row
+finishes. The engine's loop (flashmm.engine.decode) is the same for every batch size and calls only
+the three methods a Session declares; how the rows' caches are laid out is the session's business:
+
+- one row (``SequenceSession``): the target's single-sequence forwards on its own cache (dynamic,
+  CUDA-graph slots or recurrent states, the Triton kernel), where every feature runs;
+- several rows (``BatchSession``): one padded forward per step for every running row, on a cache laid
+  out by slot with per-row holes (flashmm.targets.batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+
+from . import batch as padded
+from .base import SequenceStart, Target, TargetOutput
+
+if TYPE_CHECKING:  # drafters import targets, never the reverse
+    from ..drafters.base import Draft
+
+
+@dataclass
+class Scored:
+    """One row's verification forward.
+
+    draft:  the draft the verifier sees (the proposal itself, or what a pruning session kept of it).
+    output: logits [1, N + A, V] over the draft's forward layout (tree nodes, then aux rows) and the
+            hidden states the forward was asked for ([1, N', d] with N' >= N, or None).
+    pruned: draft nodes left unverified (ProPD).
+    """
+
+    draft: "Draft"
+    output: TargetOutput
+    pruned: int = 0
+
+    def for_drafter(self, path: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor, TargetOutput]:
+        """(path [1, L] in the drafter's own tree, the output over its own nodes) — what it observes."""
+        return path, self.output
+
+
+class Session(Protocol):
+    """The cache of one call's running rows, and the forwards over it."""
+
+    def score(self, drafts: list["Draft"], want_hidden) -> list[Scored]:
+        """One forward scoring each running row's draft (drafts[i] belongs to running row i)."""
+
+    def keep(self, paths: list[torch.Tensor]) -> None:
+        """Keep each running row's accepted path (LongTensor [1, L], root first) in the cache."""
+
+    def select(self, rows: list[int]) -> None:
+        """Only the running rows ``rows`` (indices among the current ones) go on; the others' cache goes."""
+
+
+class SequenceSession:
+    """One row on the target's own single-sequence cache."""
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    def score(self, drafts, want_hidden) -> list[Scored]:
+        (draft,) = drafts
+        return [Scored(draft, self.target.forward_tree(*draft.forward_layout(), want_hidden))]
+
+    def keep(self, paths) -> None:
+        (path,) = paths
+        self.target.commit(path)
+
+    def select(self, rows) -> None:
+        if list(rows) not in ([0], []):
+            raise ValueError(f"a single-sequence session has row 0 only, not {rows}")
+
+
+class BatchSession:
+    """B > 1 padded rows verified together (flashmm.targets.batch.BatchState holds their cache)."""
+
+    def __init__(self, target: Target, state: padded.BatchState):
+        self.target, self.state = target, state
+
+    def score(self, drafts, want_hidden) -> list[Scored]:
+        layouts = [draft.forward_layout() for draft in drafts]  # each row's tree, then its aux rows (if any)
+        width = max(tree.num_nodes for _, tree in layouts)
+        tokens = drafts[0].tokens.new_zeros(len(drafts), width)
+        for i, (row_tokens, tree) in enumerate(layouts):
+            tokens[i] = row_tokens[0, 0]  # padding nodes repeat the root; nothing attends to them
+            tokens[i, : tree.num_nodes] = row_tokens[0]
+        logits, hidden = padded.forward_trees(self.target, self.state, tokens, [tree for _, tree in layouts],
+                                              want_hidden)
+        return [Scored(draft, TargetOutput(logits[i : i + 1, : tree.num_nodes],
+                                           None if hidden is None else hidden[i : i + 1, : draft.tree.num_nodes]))
+                for i, (draft, (_, tree)) in enumerate(zip(drafts, layouts))]
+
+    def keep(self, paths) -> None:
+        padded.keep_paths(self.state, [path[0] for path in paths])
+
+    def select(self, rows) -> None:
+        self.state.select(torch.tensor(list(rows), dtype=torch.long))
+
+
+def open_session(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, want_hidden,
+                 model_inputs: dict) -> tuple[Session, torch.Tensor, Callable[[int], SequenceStart]]:
+    """Prefill ``input_ids`` [B, T] (left-padded when B > 1, with ``attention_mask`` [B, T]; one row
+    carries no padding) with the call's media ``model_inputs``.
+
+    Returns (the session, logits [B, V] at each row's last prompt position, start(b): row b's
+    SequenceStart, computed when asked for: a row finished by its first token needs none).
+    """
+    if input_ids.shape[0] == 1:
+        out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
+
+        def start(b: int) -> SequenceStart:
+            embeds, spans = target.prompt_features(input_ids, **model_inputs) if want_hidden else (None, [])
+            return SequenceStart(input_ids=input_ids, hidden_states=out.hidden_states, input_embeds=embeds,
+                                 visual_spans=spans, model_inputs=model_inputs)
+
+        return SequenceSession(target), out.logits[:, -1], start
+
+    padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()
+    logits, hidden, embeds, state = padded.prefill(target, input_ids, attention_mask, want_hidden, model_inputs)
+
+    def start(b: int) -> SequenceStart:
+        ids = input_ids[b : b + 1, padding[b]:]
+        row_embeds = target.input_embeddings()(ids) if want_hidden else None
+        spans = []
+        if embeds is not None:  # a multimodal target: its visual features merged in, and their spans
+            row_embeds, spans = embeds[b : b + 1, padding[b]:], target.visual_spans(ids)
+        return SequenceStart(input_ids=ids, hidden_states=None if hidden is None else hidden[b : b + 1, padding[b]:],
+                             input_embeds=row_embeds, visual_spans=spans)
+
+    return BatchSession(target, state), logits, start
