@@ -42,8 +42,13 @@ class GenerationStats:
     accepted_hist: Counter = field(default_factory=Counter)
     drafted_at_depth: Counter = field(default_factory=Counter)
     accepted_at_depth: Counter = field(default_factory=Counter)
+    #: seconds in the drafters' propose (and the batch-wide cut); in the target's verification
+    #: forwards (``forward_seconds``); in verification, commit and KV keep after them
+    #: (``verify_seconds`` - ``forward_seconds``); the rest of ``total_seconds`` is the prefill,
+    #: the first token and the drafters' observe. Batched steps split evenly over the running rows.
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    forward_seconds: float = 0.0
     total_seconds: float = 0.0
     #: draft nodes ProPD pruned before verification (prune="propd"; not counted in drafted_tokens)
     pruned_tokens: int = 0
@@ -65,7 +70,8 @@ class GenerationStats:
 
     def merge(self, other: "GenerationStats") -> None:
         for name in ("new_tokens", "target_forwards", "verify_steps", "drafted_tokens",
-                     "accepted_tokens", "draft_seconds", "verify_seconds", "total_seconds", "pruned_tokens"):
+                     "accepted_tokens", "draft_seconds", "verify_seconds", "forward_seconds", "total_seconds",
+                     "pruned_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_hist.update(other.accepted_hist)
         self.drafted_at_depth.update(other.drafted_at_depth)
@@ -76,7 +82,8 @@ class GenerationStats:
                     verify_steps=self.verify_steps, tau=self.tau, drafted_tokens=self.drafted_tokens,
                     accepted_tokens=self.accepted_tokens, accepted_hist=dict(sorted(self.accepted_hist.items())),
                     position_acceptance=self.position_acceptance, draft_seconds=self.draft_seconds,
-                    verify_seconds=self.verify_seconds, total_seconds=self.total_seconds,
+                    verify_seconds=self.verify_seconds, forward_seconds=self.forward_seconds,
+                    total_seconds=self.total_seconds,
                     tokens_per_second=self.tokens_per_second, pruned_tokens=self.pruned_tokens)
 
 
@@ -354,6 +361,7 @@ def decode(target: Target, drafter: Drafter, input_ids: torch.Tensor, decodings:
             drafts = pricing.fit([drafters[b] for b in active], drafts)
         t1 = time.perf_counter()
         scored = session.score(drafts, want_hidden)
+        t_forward = time.perf_counter()
         paths = []
         for b, row_scored in zip(active, scored):
             n = row_scored.draft.tree.num_nodes  # aux rows (if any) follow the tree's n nodes
@@ -367,6 +375,7 @@ def decode(target: Target, drafter: Drafter, input_ids: torch.Tensor, decodings:
             stats = rows[b].out.stats
             stats.draft_seconds += (t1 - t0) / len(active)
             stats.verify_seconds += (t2 - t1) / len(active)
+            stats.forward_seconds += (t_forward - t1) / len(active)
             if not rows[b].finished:  # the drafter observes its own tree's indexing
                 own_path, output = row_scored.for_drafter(path, drafters[b].score_topk > 0)
                 drafters[b].observe(step_result(drafters[b], draft, rows[b], own_path, output.logits,
