@@ -4,13 +4,14 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import fields
+from typing import Iterable, Iterator
 
 import torch
 from transformers import GenerationConfig
 
 from .config import SpecConfig
 from .drafters.base import Drafter
-from .engine import Decoding, GenerationStats, decode
+from .engine import Admission, Decoding, GenerationStats, decode, decode_rows
 from .verify_prune import check_prunable
 from .generation import finish, prepare
 from .media_rows import holds_media_tensors, item_media
@@ -118,6 +119,90 @@ class SpeculativeModel:
         self.last_row_stats = [row.stats for row in rows]
         return finish(plan, [r.new_tokens for r in rows], [r.scores for r in rows] if keep_scores else None,
                       [r.logits for r in rows] if keep_logits else None)
+
+    def generate_many(self, items: Iterable[dict], batch_size: int = 8, generation_config: GenerationConfig | None = None,
+                      generator: torch.Generator | None = None, **kwargs) -> Iterator[tuple[int, object]]:
+        """Decode many prompts with continuous batching: up to ``batch_size`` run together, and a row
+        that finishes hands its place to the next item (its own prefill, then it joins the running
+        batch) instead of waiting for the slowest row of a group.
+
+        items: each one prompt's model inputs (input_ids [1, T], attention_mask, pixel_values, ...: a
+            processor's output for one item), read lazily, one as a place frees.
+        generation_config, **kwargs: ``generate``'s, applied to every item (no streamer).
+        Yields (the item's index, what ``generate(**item, **kwargs)`` returns for it) as each finishes,
+        so not in order; ``last_stats`` then sums every item's GenerationStats. Each row is decoded
+        exactly (greedy: identical to the model's own ``generate`` of the item, up to the floating-point
+        differences of forwards computed together). A model, drafter or option that cannot verify rows
+        together (``continuous_batching`` says which) decodes the items one at a time.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if kwargs.get("streamer") is not None:
+            raise ValueError("generate_many streams whole items; a streamer cannot follow rows joining a batch")
+        stats, self.last_row_stats = GenerationStats(), []
+        why = self.continuous_batching()
+        if why is not None or batch_size == 1:
+            for index, item in enumerate(items):
+                out = self.generate(**item, generation_config=generation_config, generator=generator, **kwargs)
+                stats.merge(self.last_stats)
+                self.last_stats = stats
+                yield index, out
+            return
+        source, plans = enumerate(items), []  # plans[r]: (item index, GenerationPlan) of row r
+
+        def admit(free: int) -> list[Admission]:
+            joining = []
+            for index, item in source:
+                plan = prepare(self.model, None, generation_config, None, None, None, None, {}, {**item, **kwargs})
+                if plan.batch_size != 1:
+                    raise ValueError(f"generate_many: item {index} holds {plan.batch_size} rows; each item is one "
+                                     "prompt (input_ids [1, T]) decoded once (num_return_sequences=1)")
+                plans.append((index, plan))
+                joining.append(self.admission(plan))
+                if len(joining) == free:
+                    break
+            return joining
+
+        first = admit(1)
+        if not first:
+            return
+        try:
+            rows = decode_rows(self.target, self.drafter, first[0].input_ids, [first[0].decoding], self.spec,
+                               generator, first[0].model_inputs, admit=admit, capacity=batch_size)
+            for r, out in rows:
+                index, plan = plans[r]
+                stats.merge(out.stats)
+                self.last_stats = stats
+                self.last_row_stats.append(out.stats)
+                yield index, finish(plan, [out.new_tokens], [out.scores] if out.scores else None,
+                                    [out.logits] if out.logits else None)
+        finally:
+            self.target.release()
+
+    def admission(self, plan) -> Admission:
+        """One prepared item (a plan of one row) as a row joining a running batch."""
+        config = plan.config
+        decoding = Decoding(sampling=plan.sampling(0), max_new_tokens=plan.max_new_tokens, stop=plan.stop,
+                            keep_scores=bool(config.return_dict_in_generate and config.output_scores),
+                            keep_logits=bool(config.return_dict_in_generate and config.output_logits))
+        return Admission(input_ids=plan.input_ids[:, plan.padding(0):], decoding=decoding, model_inputs=plan.model_inputs)
+
+    def continuous_batching(self) -> str | None:
+        """Why rows cannot join this model's running batches (generate_many), or None when they can."""
+        target = self.target
+        if self.spec.batching != "auto":
+            return "batching='rows' was asked for"
+        if getattr(target, "recurrent", False):
+            return f"{type(self.model).__name__} keeps recurrent states per sequence"
+        if not getattr(target, "batchable", False) or getattr(target, "derives_positions", False):
+            return f"{type(self.model).__name__} is not decoded in batches"
+        if getattr(target, "cuda_graphs", False):
+            return "cuda_graphs verifies a batch on slots allocated for its first rows"
+        if self.drafter.needs_target_cache:
+            return f"{type(self.drafter).__name__} drafts on the target's own cache of one sequence"
+        if self.spec.prune != "none":
+            return f"prune={self.spec.prune!r} prunes one sequence's tree"
+        return None
 
     def batches(self, plan) -> bool:
         """Whether this call verifies its rows together (more than one row; causal LMs and the

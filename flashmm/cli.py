@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"frames sampled evenly from each video (default {DEFAULT_FRAMES})")
     frames.add_argument("--fps", type=float, metavar="F", help="sample video frames at this rate instead")
     cap.add_argument("--batch-size", type=int, default=1, metavar="N",
-                     help="items loaded, preprocessed and decoded together: one batched generate per group (1)")
+                     help="items decoded together; with a drafter a finished item's place goes to the next one (continuous batching), without one each group of N is one batched generate (1)")
     add_decoding_options(cap, max_new_tokens=128)
     cap.add_argument("--no-progress", action="store_true", help="no progress bar")
     cap.set_defaults(run=run_caption)

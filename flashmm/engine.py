@@ -314,81 +314,143 @@ def check_batch(drafter: Drafter, spec: SpecConfig, batch: int) -> None:
         raise ValueError(f"prune={spec.prune!r} splits the forward of one sequence's tree: decode the rows one by one")
 
 
-@torch.no_grad()
+@dataclass
+class Admission:
+    """A row that joins a running batch (continuous batching): input_ids [1, T] without padding, its
+    Decoding and its own media (model_inputs)."""
+
+    input_ids: torch.Tensor
+    decoding: Decoding
+    model_inputs: dict = field(default_factory=dict)
+
+
 def decode(target: Target, drafter: Drafter, input_ids: torch.Tensor, decodings: list[Decoding], spec: SpecConfig,
            generator: torch.Generator | None, model_inputs: dict | None = None,
            attention_mask: torch.Tensor | None = None) -> list[RowOutput]:
-    """Decode B >= 1 rows together: input_ids [B, T], left-padded as ``attention_mask`` [B, T] says
-    (one row: no padding, mask None), decodings[b] row b's. One prefill (with the call's media,
-    model_inputs), then each step: every running row drafts, one target forward scores all drafts,
-    each row's draft is verified and its emitted tokens committed, finished rows leave.
-    Returns one RowOutput per row."""
-    start = time.perf_counter()
-    batch = input_ids.shape[0]
-    check_batch(drafter, spec, batch)
-    if attention_mask is None:
-        padding = [0] * batch
-    else:
-        padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()
-    rows = [RowWriter(input_ids[b, padding[b]:], decodings[b]) for b in range(batch)]
-    if all(row.finished for row in rows):
-        return [row.out for row in rows]
-    drafters = [drafter] if batch == 1 else [drafter.fork() for _ in range(batch)]
-    verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample, backend=getattr(target, "backend", "torch"),
-                               drafting_scheme=drafting_scheme_of(drafter))  # a mismatch is refused here
-    want_hidden = forward_hidden(drafter, verifier)
+    """Decode the B >= 1 rows of input_ids [B, T] together (``decode_rows``); one RowOutput per row."""
+    outputs = dict(decode_rows(target, drafter, input_ids, decodings, spec, generator, model_inputs, attention_mask))
+    return [outputs[b] for b in range(input_ids.shape[0])]
 
-    session, logits, sequence_start = open_session(target, input_ids, attention_mask, want_hidden, model_inputs or {})
-    if spec.prune != "none":
-        session = PruningSession(session, spec, decodings[0].sampling)
-    for b, row in enumerate(rows):
-        row.out.stats.target_forwards += 1
-        if not row.finished:
-            row.first_token(logits[b], generator)
-            if not row.finished:
-                drafters[b].begin(sequence_start(b))
-    active = [b for b in range(batch) if not rows[b].finished]
-    session.select(active)
-    pricing = BatchPricing(target, [drafters[b] for b in active]) if batch > 1 else None
 
-    while active:
+def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decodings: list[Decoding],
+                spec: SpecConfig, generator: torch.Generator | None, model_inputs: dict | None = None,
+                attention_mask: torch.Tensor | None = None,
+                admit: Callable[[int], list[Admission]] | None = None, capacity: int | None = None):
+    """The speculative loop. Decodes input_ids [B, T], left-padded as ``attention_mask`` [B, T] says
+    (one row: no padding, mask None), decodings[b] row b's: one prefill (with the call's media,
+    model_inputs), then each step every running row drafts, one target forward scores all drafts,
+    each row's draft is verified and its emitted tokens committed, and finished rows leave.
+
+    admit (continuous batching): called whenever fewer than ``capacity`` (default B) rows run, with the
+    number of free rows; the rows it returns (Admission, at most that many; fewer means no more will
+    come) are prefilled and join the batch. Rows are numbered in the order they came: 0 .. B-1, then
+    the admitted ones.
+
+    Yields (row number, RowOutput) as each row finishes. A row's ``total_seconds`` is its share of the
+    call's time: its prefill, and each step's time split evenly over the rows that ran it.
+    """
+    with torch.no_grad():
+        batch = input_ids.shape[0]
+        check_batch(drafter, spec, 2 if admit is not None else batch)
+        padding = [0] * batch if attention_mask is None else (attention_mask == 0).long().cumprod(1).sum(1).tolist()
+        rows = [RowWriter(input_ids[b, padding[b]:], decodings[b]) for b in range(batch)]
+        if admit is None and all(row.finished for row in rows):
+            yield from enumerate(row.out for row in rows)
+            return
+        alone = batch == 1 and admit is None
+        drafters = [drafter] if alone else [drafter.fork() for _ in range(batch)]
+        verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample,
+                                   backend=getattr(target, "backend", "torch"),
+                                   drafting_scheme=drafting_scheme_of(drafter))  # a mismatch is refused here
+        want_hidden = forward_hidden(drafter, verifier)
+
         t0 = time.perf_counter()
-        # The budget is not cut near max_new_tokens: emission is truncated instead, so tree-shaped
-        # drafts keep their width on the last step.
-        drafts = [drafters[b].propose(rows[b].committed, spec.max_draft_tokens, rows[b].decoding.sampling, generator)
-                  for b in active]
-        if pricing is not None:
-            drafts = pricing.fit([drafters[b] for b in active], drafts)
-        t1 = time.perf_counter()
-        scored = session.score(drafts, want_hidden)
-        t_forward = time.perf_counter()
-        paths = []
-        for b, row_scored in zip(active, scored):
-            n = row_scored.draft.tree.num_nodes  # aux rows (if any) follow the tree's n nodes
-            output = row_scored.output
-            hidden = None if output.hidden_states is None else output.hidden_states[:, :n]
-            paths.append(verify_row(verifier, spec, row_scored.draft, output.logits[:, :n], rows[b], generator, hidden))
-            rows[b].out.stats.pruned_tokens += row_scored.pruned
-        session.keep(paths)
-        t2 = time.perf_counter()
-        for b, draft, row_scored, path in zip(active, drafts, scored, paths):
-            stats = rows[b].out.stats
-            stats.draft_seconds += (t1 - t0) / len(active)
-            stats.verify_seconds += (t2 - t1) / len(active)
-            stats.forward_seconds += (t_forward - t1) / len(active)
-            if not rows[b].finished:  # the drafter observes its own tree's indexing
-                own_path, output = row_scored.for_drafter(path, drafters[b].score_topk > 0)
-                drafters[b].observe(step_result(drafters[b], draft, rows[b], own_path, output.logits,
-                                                output.hidden_states))
-        running = [i for i, b in enumerate(active) if not rows[b].finished]
-        if len(running) < len(active):  # finished rows stop costing compute
-            session.select(running)
-            active = [active[i] for i in running]
-            if active and pricing is not None:
+        session, logits, sequence_start = open_session(target, input_ids, attention_mask, want_hidden,
+                                                       model_inputs or {}, batched=not alone)
+        if spec.prune != "none":
+            session = PruningSession(session, spec, decodings[0].sampling)
+        for b, row in enumerate(rows):
+            row.out.stats.target_forwards += 1
+            if not row.finished:
+                row.first_token(logits[b], generator)
+                if not row.finished:
+                    drafters[b].begin(sequence_start(b))
+        for row in rows:
+            row.out.stats.total_seconds += (time.perf_counter() - t0) / batch
+        active = [b for b in range(batch) if not rows[b].finished]
+        yield from ((b, finished(row)) for b, row in enumerate(rows) if row.finished)
+        session.select(active)
+        capacity = capacity or batch
+        more = admit is not None
+        pricing = None if alone else BatchPricing(target, [drafters[b] for b in active])
+
+        while active or more:
+            if more and len(active) < capacity:  # free rows take the next prompts
+                joining = admit(capacity - len(active))
+                more = len(joining) == capacity - len(active)
+                for new in joining:
+                    t0 = time.perf_counter()
+                    row = RowWriter(new.input_ids[0], new.decoding)
+                    rows.append(row)
+                    drafters.append(drafter.fork())
+                    logits, sequence_start = session.admit(new.input_ids, want_hidden, new.model_inputs)
+                    active.append(len(rows) - 1)
+                    row.out.stats.target_forwards += 1
+                    if not row.finished:
+                        row.first_token(logits[0], generator)
+                        if not row.finished:
+                            drafters[-1].begin(sequence_start(0))
+                    row.out.stats.total_seconds += time.perf_counter() - t0
+                running = [i for i, b in enumerate(active) if not rows[b].finished]
+                if len(running) < len(active):
+                    yield from ((b, finished(rows[b])) for b in active if rows[b].finished)
+                    session.select(running)
+                    active = [active[i] for i in running]
+                if not active:
+                    continue
                 pricing.priced([drafters[b] for b in active])
 
-    seconds = time.perf_counter() - start
-    for row in rows:
-        row.out.stats.new_tokens = len(row.out.new_tokens)
-        row.out.stats.total_seconds = seconds / batch
-    return [row.out for row in rows]
+            t0 = time.perf_counter()
+            # The budget is not cut near max_new_tokens: emission is truncated instead, so tree-shaped
+            # drafts keep their width on the last step.
+            drafts = [drafters[b].propose(rows[b].committed, spec.max_draft_tokens, rows[b].decoding.sampling,
+                                          generator) for b in active]
+            if pricing is not None:
+                drafts = pricing.fit([drafters[b] for b in active], drafts)
+            t1 = time.perf_counter()
+            scored = session.score(drafts, want_hidden)
+            t_forward = time.perf_counter()
+            paths = []
+            for b, row_scored in zip(active, scored):
+                n = row_scored.draft.tree.num_nodes  # aux rows (if any) follow the tree's n nodes
+                output = row_scored.output
+                hidden = None if output.hidden_states is None else output.hidden_states[:, :n]
+                paths.append(verify_row(verifier, spec, row_scored.draft, output.logits[:, :n], rows[b], generator,
+                                        hidden))
+                rows[b].out.stats.pruned_tokens += row_scored.pruned
+            session.keep(paths)
+            t2 = time.perf_counter()
+            for b, draft, row_scored, path in zip(active, drafts, scored, paths):
+                if not rows[b].finished:  # the drafter observes its own tree's indexing
+                    own_path, output = row_scored.for_drafter(path, drafters[b].score_topk > 0)
+                    drafters[b].observe(step_result(drafters[b], draft, rows[b], own_path, output.logits,
+                                                    output.hidden_states))
+            t3 = time.perf_counter()
+            for b in active:
+                stats = rows[b].out.stats
+                stats.draft_seconds += (t1 - t0) / len(active)
+                stats.verify_seconds += (t2 - t1) / len(active)
+                stats.forward_seconds += (t_forward - t1) / len(active)
+                stats.total_seconds += (t3 - t0) / len(active)
+            running = [i for i, b in enumerate(active) if not rows[b].finished]
+            if len(running) < len(active):  # finished rows stop costing compute
+                yield from ((b, finished(rows[b])) for b in active if rows[b].finished)
+                session.select(running)
+                active = [active[i] for i in running]
+                if active and pricing is not None:
+                    pricing.priced([drafters[b] for b in active])
+
+
+def finished(row: RowWriter) -> RowOutput:
+    row.out.stats.new_tokens = len(row.out.new_tokens)
+    return row.out

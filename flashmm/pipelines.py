@@ -44,6 +44,7 @@ import torch
 from PIL import Image
 
 from .api import wrap
+from .chat import chat_prompt, text_kwargs  # noqa: F401 (chat_prompt: public here too)
 from .collate import collate
 from .config import SpecConfig
 from .engine import GenerationStats
@@ -135,86 +136,6 @@ def load_processor(directory: str | os.PathLike):
                          "build it in code and pass CaptionPipeline(..., processor=...)") from err
 
 
-def text_kwargs(processor, text: str) -> dict:
-    """Processor keyword arguments for ``text`` (PyTorch tensors; a chat template that already
-    wrote the BOS token must not get a second one)."""
-    bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
-    kwargs = dict(return_tensors="pt")
-    if bos and text.startswith(bos):
-        kwargs["add_special_tokens"] = False
-    return kwargs
-
-
-def chat_prompt(processor, text: str, images: int = 0, videos: int = 0, frame_labels: bool = False) -> str:
-    """The prompt text with one image placeholder per image and one video placeholder per video.
-
-    Tries, in order: the processor's chat template with typed content parts (what real
-    LLaVA / Qwen-VL processors ship); a chat template (processor's, else tokenizer's) with the
-    placeholders inlined in string content; the LLaVA-1.5 format ``USER: <image>\\n... ASSISTANT:``.
-    The first rendering holding exactly the right placeholder counts is used.
-    frame_labels: the images are a video's frames given as images: each placeholder is written
-    as "Frame i: <image>" on its own line (a small LM reads labelled frames far more reliably
-    than a bare run of placeholders).
-    """
-    image_token = getattr(processor, "image_token", None)
-    video_token = getattr(processor, "video_token", None)
-    if images and image_token is None:
-        raise ValueError(f"{type(processor).__name__} has no image_token: cannot place images in the prompt")
-    if videos and video_token is None:
-        raise ValueError(f"{type(processor).__name__} has no video_token: this model takes no video input")
-
-    def counts_ok(rendered) -> bool:
-        return (isinstance(rendered, str)
-                and (image_token is None or rendered.count(image_token) == images)
-                and (video_token is None or rendered.count(video_token) == videos))
-
-    if frame_labels:
-        inline = "".join(f"Frame {i + 1}: {image_token}\n" for i in range(images))
-        image_parts = [part for i in range(images) for part in (
-            {"type": "text", "text": f"Frame {i + 1}: "}, {"type": "image"}, {"type": "text", "text": "\n"})]
-    else:
-        inline = (image_token + "\n") * images
-        image_parts = [{"type": "image"}] * images
-    inline += ((video_token or "") + "\n") * videos + text
-    candidates = []
-    if getattr(processor, "chat_template", None):
-        parts = image_parts + [{"type": "video"}] * videos + [{"type": "text", "text": text}]
-        candidates.append(lambda: processor.apply_chat_template(
-            [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False))
-        candidates.append(lambda: processor.apply_chat_template(
-            [{"role": "user", "content": inline}], add_generation_prompt=True, tokenize=False))
-    tokenizer = getattr(processor, "tokenizer", None)
-    if getattr(tokenizer, "chat_template", None):
-        candidates.append(lambda: tokenizer.apply_chat_template(
-            [{"role": "user", "content": inline}], add_generation_prompt=True, tokenize=False))
-    refusals = []
-    for render in candidates:
-        try:
-            rendered = render()
-        except _template_errors() as err:
-            refusals.append(f"{type(err).__name__}: {err}")
-            continue
-        if counts_ok(rendered):
-            return rendered
-        refusals.append("wrong placeholder count")
-    if candidates:
-        warnings.warn(f"the chat template of {type(processor).__name__} cannot place {images} image and {videos} "
-                      f"video placeholder(s) ({'; '.join(refusals)}); using the LLaVA-1.5 prompt format "
-                      "'USER: ... ASSISTANT:' instead", stacklevel=2)
-    return f"USER: {inline} ASSISTANT:"
-
-
-def _template_errors() -> tuple[type[Exception], ...]:
-    """How a chat template refuses content it cannot render: raise_exception(...) in the template
-    (jinja2's TemplateError) or an operation on the wrong type (TypeError, e.g. str + list). Without
-    jinja2 transformers' chat templates raise an ImportError naming it, which is not a refusal."""
-    try:
-        from jinja2 import TemplateError
-    except ImportError:
-        return (TypeError,)
-    return (TemplateError, TypeError)
-
-
 def _video_metadata(video: VideoFrames):
     """transformers VideoMetadata of already-sampled frames (so the processor samples no more)."""
     from transformers.video_utils import VideoMetadata
@@ -283,13 +204,17 @@ class CaptionPipeline:
 
     def stream(self, inputs, prompt: str | None = None, max_new_tokens: int | None = 128, batch_size: int = 1,
                num_frames: int | None = None, fps: float | None = None, generator: torch.Generator | None = None,
-               raise_errors: bool = False, **generation) -> Iterator[CaptionResult]:
+               raise_errors: bool = False, continuous: bool = True, **generation) -> Iterator[CaptionResult]:
         """Yield one CaptionResult per item, in order, as each finishes.
 
         inputs: an image path, a video path, a PIL image, a VideoFrames, or a list of these.
         prompt: the instruction (None: "Describe the image." / "Describe the video.").
         num_frames / fps: video frame sampling (at most one; default 8 frames evenly spread).
-        batch_size: items loaded, preprocessed and decoded together (one generate call per group).
+        batch_size: items decoded together. Speculative decoding batches continuously: when an item's
+            caption is done, the next item is loaded, prefilled and joins the running batch
+            (``SpeculativeModel.generate_many``); ``continuous=False``, the model's own ``generate``
+            (drafter=None) and models or drafters that cannot verify rows together decode groups of
+            ``batch_size`` items instead (one ``generate`` call per group).
         max_new_tokens, **generation: what ``model.generate`` accepts (do_sample, temperature, top_k,
             top_p, repetition_penalty, generation_config, ...); both decoding paths (speculative and
             drafter=None) get exactly these, merged over the model's generation_config. None
@@ -310,7 +235,11 @@ class CaptionPipeline:
         if max_new_tokens is not None:
             generation["max_new_tokens"] = max_new_tokens
         # options are checked above, when stream() is called; items are processed lazily below
-        return self._run(items, prompt, batch_size, num_frames, fps, (generation, generator), raise_errors)
+        run = self._run
+        if continuous and batch_size > 1 and self.spec_model is not None and \
+                self.spec_model.continuous_batching() is None:
+            run = self._run_continuous
+        return run(items, prompt, batch_size, num_frames, fps, (generation, generator), raise_errors)
 
     def _run(self, items: list, prompt, batch_size, num_frames, fps, settings, raise_errors) -> Iterator[CaptionResult]:
         for start in range(0, len(items), batch_size):
@@ -324,6 +253,50 @@ class CaptionPipeline:
             for entry in prepared:
                 entry.inputs = None  # release the media tensors
                 yield entry.result
+
+    def _run_continuous(self, items: list, prompt, batch_size, num_frames, fps, settings,
+                        raise_errors) -> Iterator[CaptionResult]:
+        """Continuous batching: items are loaded as places free in the running batch; results are
+        yielded in order as soon as every earlier item's is. A decode that fails for its input
+        (DECODE_ERRORS) ends the batch with a warning: its unfinished items, and the rest, are then
+        decoded one at a time (so each meets its own error alone)."""
+        generation, generator = settings
+        entries: list[_Prepared] = []
+        given: list[int] = []  # the k-th item handed to generate_many -> its index in entries
+        done: set[int] = set()
+
+        def loaded():
+            for index in range(len(items)):
+                entry = self._prepare(index, items[index], prompt, num_frames, fps, raise_errors)
+                entries.append(entry)
+                if entry.inputs is None:
+                    done.add(index)  # a load error is its result
+                    continue
+                given.append(index)
+                yield entry.inputs
+
+        ready = 0
+        try:
+            for k, out in self.spec_model.generate_many(loaded(), batch_size, generator=generator, **generation):
+                entry, stats = entries[given[k]], self.spec_model.last_row_stats[-1]
+                new = getattr(out, "sequences", out)[0, entry.inputs["input_ids"].shape[1]:]
+                self._fill(entry.result, new[: stats.new_tokens], stats, stats.total_seconds)
+                done.add(given[k])
+                while ready in done:
+                    entries[ready].inputs = None  # release the media tensors
+                    yield entries[ready].result
+                    ready += 1
+        except DECODE_ERRORS as err:
+            warnings.warn(f"CaptionPipeline: continuous batching failed ({type(err).__name__}: {err}); decoding "
+                          "the remaining items one at a time", stacklevel=2)
+            for index in range(ready, len(items)):
+                if index == len(entries):
+                    entries.append(self._prepare(index, items[index], prompt, num_frames, fps, raise_errors))
+                if entries[index].inputs is not None and index not in done:
+                    self._decode(entries[index], settings, raise_errors)
+        for entry in entries[ready:]:
+            entry.inputs = None
+            yield entry.result
 
     # ------------------------------------------------------------------ stages
     def _prepare(self, index: int, item, prompt, num_frames, fps, raise_errors) -> _Prepared:

@@ -231,9 +231,13 @@ def test_caption_pipeline_batches_decode_as_batch_size_one(media, drafter, monke
     generate = pipe.spec_model.generate if drafter else model.generate
     monkeypatch.setattr(pipe.spec_model if drafter else model, "generate",
                         lambda **kw: calls.append(kw["input_ids"].shape[0]) or generate(**kw))
-    batched = pipe(items, max_new_tokens=8, batch_size=3)
+    batched = pipe(items, max_new_tokens=8, batch_size=3, continuous=False)
     assert calls == [2, 2]  # [img0, img1] (bad.png failed to load), then [img2, img3]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    if drafter:  # continuous batching (the default with a drafter): the same captions, no group call
+        calls.clear()
+        assert [r.token_ids for r in pipe(items, max_new_tokens=8, batch_size=3)] == [r.token_ids for r in single]
+        assert calls == []
     assert [r.ok for r in batched] == [True, True, False, True, True]
     for r in batched:
         if r.ok:

@@ -169,7 +169,7 @@ def test_batch_size_groups_loading_and_decoding(saved, media, monkeypatch):
     monkeypatch.setattr(pipe, "_prepare", spy_prepare)
     monkeypatch.setattr(pipe, "_decode_batch", spy_decode_batch)
     monkeypatch.setattr(pipe, "_decode", spy_decode)
-    stream = pipe.stream(items, max_new_tokens=4, batch_size=2)
+    stream = pipe.stream(items, max_new_tokens=4, batch_size=2, continuous=False)
     first = next(stream)  # the first group is loaded, then decoded together (one generate call)
     assert events == [("load", 0), ("load", 1), ("decode", [str(items[0]), str(items[1])])]
     rest = list(stream)
@@ -385,16 +385,54 @@ def test_batched_path_says_why_it_decodes_row_by_row_and_lets_bugs_through(media
         with monkeypatch.context() as patch:
             failing_generate(pipe, patch, error)
             with pytest.warns(UserWarning, match=f"{why} .*{error}.*decoding the 2 items of this batch one at a time"):
-                results = pipe(items, max_new_tokens=3, batch_size=2)
+                results = pipe(items, max_new_tokens=3, batch_size=2, continuous=False)
         assert [r.token_ids for r in results] == single
     with monkeypatch.context() as patch:
         patch.setattr("flashmm.pipelines.collate", lambda items, pad: (_ for _ in ()).throw(ValueError("ragged")))
         with pytest.warns(UserWarning, match=r"cannot be collated into one batch \(ValueError: ragged\)"):
-            assert [r.token_ids for r in pipe(items, max_new_tokens=3, batch_size=2)] == single
+            assert [r.token_ids for r in pipe(items, max_new_tokens=3, batch_size=2, continuous=False)] == single
     with monkeypatch.context() as patch:  # a bug in the batched path is raised, not decoded around
         failing_generate(pipe, patch, RuntimeError("shape bug in the batched verifier"))
         with pytest.raises(RuntimeError, match="shape bug"):
-            pipe(items, max_new_tokens=3, batch_size=2)
+            pipe(items, max_new_tokens=3, batch_size=2, continuous=False)
+
+
+def test_continuous_batching_refills_places_and_keeps_the_order(saved, media, monkeypatch, recwarn):
+    """batch_size=2 with a drafter: a finished caption's place goes to the next item (loaded only then);
+    results come in order, bad items as error lines, captions equal batch_size=1's; a decode failing for
+    its input ends the batch with a warning and the rest decode alone; a bug propagates."""
+    model, processor = llava()
+    pipe = CaptionPipeline(model, drafter="prompt_lookup", processor=processor)
+    items = [media / "a.png", media / "b.jpg", media / "bad.png", media / "a.png", media / "b.jpg"]
+    single = pipe(items, max_new_tokens=4, batch_size=1)
+    loads, prepare = [], pipe._prepare
+    monkeypatch.setattr(pipe, "_prepare", lambda index, *args: loads.append(index) or prepare(index, *args))
+    monkeypatch.setattr(pipe, "_decode_batch", lambda *args: pytest.fail("groups are not decoded together"))
+    stream = pipe.stream(items, max_new_tokens=4, batch_size=2)
+    first = next(stream)
+    assert loads[:2] == [0, 1] and len(loads) < len(items)  # loaded as places free, not all up front
+    results = [first] + list(stream)
+    assert [r.source for r in results] == [str(i) for i in items]
+    assert [r.token_ids for r in results] == [r.token_ids for r in single]
+    assert [r.ok for r in results] == [True, True, False, True, True]
+    assert all(r.stats["new_tokens"] == r.new_tokens for r in results if r.ok)
+    assert not [w for w in recwarn if "CaptionPipeline" in str(w.message)]
+    original = pipe.spec_model.generate_many
+
+    def failing(*args, **kwargs):
+        for n, out in enumerate(original(*args, **kwargs)):
+            if n == 1:
+                raise ValueError("a prompt too long for the device")
+            yield out
+
+    monkeypatch.setattr(pipe.spec_model, "generate_many", failing)
+    with pytest.warns(UserWarning, match="continuous batching failed .*too long.*one at a time"):
+        results = pipe(items, max_new_tokens=4, batch_size=2)
+    assert [r.token_ids for r in results] == [r.token_ids for r in single]
+    monkeypatch.setattr(pipe.spec_model, "generate_many",
+                        lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("bug")))
+    with pytest.raises(RuntimeError, match="bug"):
+        pipe(items, max_new_tokens=4, batch_size=2)
 
 
 def test_per_item_failures_are_error_lines_and_bugs_propagate(media, tmp_path, monkeypatch):

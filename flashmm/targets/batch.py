@@ -64,6 +64,38 @@ class BatchState:
         self.valid, self.slot_pos, self.root_pos = self.valid[rows], self.slot_pos[rows], self.root_pos[rows]
         self.offset = self.offset[rows.to(self.offset.device)]
 
+    def extend(self, other: "BatchState") -> None:
+        """Append ``other``'s rows (a prompt just prefilled) after this state's rows. Both are widened to the
+        larger slot count with holes (slots no row attends to) at their ends; masks and positions come from
+        ``valid`` and ``slot_pos``, so every row still attends exactly its own tokens."""
+        if isinstance(self.cache, SlotCache) or isinstance(other.cache, SlotCache):
+            raise ValueError("rows cannot join a batch verified on CUDA-graph slots (cuda_graphs=True)")
+        slots = max(self.num_slots, other.num_slots)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            if getattr(theirs, "keys", None) is None:
+                continue
+            keys, values = _widened(theirs.keys, slots), _widened(theirs.values, slots)
+            if getattr(mine, "keys", None) is not None and mine.keys.numel():
+                keys = torch.cat([_widened(mine.keys, slots), keys])
+                values = torch.cat([_widened(mine.values, slots), values])
+            mine.keys, mine.values = keys, values
+            mine.is_initialized = True
+        self.valid = torch.cat([_widened(self.valid, slots), _widened(other.valid, slots)])
+        self.slot_pos = torch.cat([_widened(self.slot_pos, slots), _widened(other.slot_pos, slots)])
+        self.root_pos = torch.cat([self.root_pos, other.root_pos])
+        self.offset = torch.cat([self.offset, other.offset.to(self.offset.device)])
+
+
+def _widened(tensor: torch.Tensor, slots: int) -> torch.Tensor:
+    """tensor [B, L] (valid / slot_pos) or [B, H, L, D] (keys / values) with zeros appended up to ``slots``."""
+    dim = 1 if tensor.dim() == 2 else 2
+    missing = slots - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
 
 def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_hidden, model_inputs: dict):
     """Run the padded prompts [B, T] as model.generate does: the model's own forward on the whole

@@ -101,28 +101,17 @@ class BatchSession:
     def select(self, rows) -> None:
         self.state.select(torch.tensor(list(rows), dtype=torch.long))
 
+    def admit(self, input_ids: torch.Tensor, want_hidden, model_inputs: dict):
+        """Prefill one more row, input_ids [1, T] (no padding) with its own media, and append it after the
+        running rows (continuous batching). Returns (logits [1, V], start(0): its SequenceStart)."""
+        mask = torch.ones_like(input_ids)
+        logits, hidden, embeds, state = padded.prefill(self.target, input_ids, mask, want_hidden, model_inputs)
+        self.state.extend(state)
+        return logits, _batch_starts(self.target, input_ids, [0], hidden, embeds, want_hidden)
 
-def open_session(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, want_hidden,
-                 model_inputs: dict) -> tuple[Session, torch.Tensor, Callable[[int], SequenceStart]]:
-    """Prefill ``input_ids`` [B, T] (left-padded when B > 1, with ``attention_mask`` [B, T]; one row
-    carries no padding) with the call's media ``model_inputs``.
 
-    Returns (the session, logits [B, V] at each row's last prompt position, start(b): row b's
-    SequenceStart, computed when asked for: a row finished by its first token needs none).
-    """
-    if input_ids.shape[0] == 1:
-        out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
-
-        def start(b: int) -> SequenceStart:
-            embeds, spans = target.prompt_features(input_ids, **model_inputs) if want_hidden else (None, [])
-            return SequenceStart(input_ids=input_ids, hidden_states=out.hidden_states, input_embeds=embeds,
-                                 visual_spans=spans, model_inputs=model_inputs)
-
-        return SequenceSession(target), out.logits[:, -1], start
-
-    padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()
-    logits, hidden, embeds, state = padded.prefill(target, input_ids, attention_mask, want_hidden, model_inputs)
-
+def _batch_starts(target: Target, input_ids, padding: list[int], hidden, embeds, want_hidden):
+    """start(b) of a padded batch's prefill: row b's SequenceStart, without its padding."""
     def start(b: int) -> SequenceStart:
         ids = input_ids[b : b + 1, padding[b]:]
         row_embeds = target.input_embeddings()(ids) if want_hidden else None
@@ -132,4 +121,30 @@ def open_session(target: Target, input_ids: torch.Tensor, attention_mask: torch.
         return SequenceStart(input_ids=ids, hidden_states=None if hidden is None else hidden[b : b + 1, padding[b]:],
                              input_embeds=row_embeds, visual_spans=spans)
 
-    return BatchSession(target, state), logits, start
+    return start
+
+
+def open_session(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, want_hidden,
+                 model_inputs: dict, batched: bool = False) -> tuple[Session, torch.Tensor, Callable[[int], SequenceStart]]:
+    """Prefill ``input_ids`` [B, T] (left-padded when B > 1, with ``attention_mask`` [B, T]; one row
+    carries no padding) with the call's media ``model_inputs``. ``batched``: a BatchSession even for
+    one row (one that more rows may join, ``BatchSession.admit``).
+
+    Returns (the session, logits [B, V] at each row's last prompt position, start(b): row b's
+    SequenceStart, computed when asked for: a row finished by its first token needs none).
+    """
+    if input_ids.shape[0] == 1 and not batched:
+        out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
+
+        def start(b: int) -> SequenceStart:
+            embeds, spans = target.prompt_features(input_ids, **model_inputs) if want_hidden else (None, [])
+            return SequenceStart(input_ids=input_ids, hidden_states=out.hidden_states, input_embeds=embeds,
+                                 visual_spans=spans, model_inputs=model_inputs)
+
+        return SequenceSession(target), out.logits[:, -1], start
+
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()
+    logits, hidden, embeds, state = padded.prefill(target, input_ids, attention_mask, want_hidden, model_inputs)
+    return BatchSession(target, state), logits, _batch_starts(target, input_ids, padding, hidden, embeds, want_hidden)
