@@ -187,28 +187,32 @@ class SpeculativeModel:
                             keep_logits=bool(config.return_dict_in_generate and config.output_logits))
         return Admission(input_ids=plan.input_ids[:, plan.padding(0):], decoding=decoding, model_inputs=plan.model_inputs)
 
-    def continuous_batching(self) -> str | None:
-        """Why rows cannot join this model's running batches (generate_many), or None when they can."""
+    def rows_apart(self) -> str | None:
+        """Why this model and drafter decode a batch's rows one after another (each alone, exactly as it
+        would decode by itself), or None when they verify the rows together."""
         target = self.target
         if self.spec.batching != "auto":
             return "batching='rows' was asked for"
         if getattr(target, "recurrent", False):
             return f"{type(self.model).__name__} keeps recurrent states per sequence"
-        if not getattr(target, "batchable", False) or getattr(target, "derives_positions", False):
-            return f"{type(self.model).__name__} is not decoded in batches"
-        if getattr(target, "cuda_graphs", False):
-            return "cuda_graphs verifies a batch on slots allocated for its first rows"
         if self.drafter.needs_target_cache:
             return f"{type(self.drafter).__name__} drafts on the target's own cache of one sequence"
         if self.spec.prune != "none":
             return f"prune={self.spec.prune!r} prunes one sequence's tree"
+        if not getattr(target, "batchable", False):
+            return f"{type(self.model).__name__} is not decoded in batches"
         return None
+
+    def continuous_batching(self) -> str | None:
+        """Why rows cannot join this model's running batches (generate_many), or None when they can."""
+        if self.rows_apart() is None and getattr(self.target, "cuda_graphs", False):
+            return "cuda_graphs verifies a batch on slots allocated for its first rows"
+        return self.rows_apart()
 
     def batches(self, plan) -> bool:
         """Whether this call verifies its rows together (more than one row; causal LMs and the
-        vision-language adapters, media per row). Recurrent and hybrid targets, drafters that draft on
-        the target's own cache (``needs_target_cache``: self-speculation), ProPD pruning, batching="rows", and
-        num_return_sequences > 1 with media decode row by row (row_inputs gives each row its media)."""
+        vision-language adapters, media per row). What ``rows_apart`` names, and num_return_sequences > 1
+        with media, decode row by row (row_inputs gives each row its media)."""
         if plan.model_inputs and (plan.config.num_return_sequences or 1) > 1:
             return False  # media belong to the items, not to their expanded rows: one row after another
         if getattr(self.target, "derives_positions", False) and any(plan.padding(b) for b in range(plan.batch_size)):
@@ -216,8 +220,7 @@ class SpeculativeModel:
                 f"{type(self.model).__name__} numbers a left-padded row's tokens from the padding on (its positions "
                 "ignore the attention mask), which flashmm does not reproduce: call generate once per row, or with "
                 "rows of equal length")
-        return (plan.batch_size > 1 and self.spec.batching == "auto" and self.target.batchable
-                and not self.target.recurrent and not self.drafter.needs_target_cache and self.spec.prune == "none")
+        return plan.batch_size > 1 and self.rows_apart() is None
 
     def row_inputs(self, plan, warn: bool = True) -> list[dict]:
         """Each row's extra model inputs when rows decode one by one: the call's own for text or a single
@@ -228,13 +231,7 @@ class SpeculativeModel:
         if not plan.model_inputs or plan.batch_size == expand:
             return [plan.model_inputs] * plan.batch_size
         if warn and holds_media_tensors(plan.input_ids, plan.model_inputs):
-            why = (f"num_return_sequences={expand} with media" if expand > 1 else
-                   "batching='rows' was asked for" if self.spec.batching != "auto" else
-                   f"{type(self.model).__name__} keeps recurrent states per sequence" if self.target.recurrent else
-                   f"{type(self.drafter).__name__} drafts on the target's own cache of one sequence"
-                   if self.drafter.needs_target_cache else
-                   f"prune={self.spec.prune!r} prunes one sequence's tree" if self.spec.prune != "none" else
-                   f"{type(self.model).__name__} is not decoded in batches")
+            why = f"num_return_sequences={expand} with media" if expand > 1 else self.rows_apart()
             warnings.warn(f"flashmm decodes this batch with media row by row, each row with its own media, because "
                           f"{why}", stacklevel=3)
         items = item_media(self.target, plan.input_ids[::expand], plan.attention_mask[::expand], plan.model_inputs)
