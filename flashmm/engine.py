@@ -370,16 +370,11 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
         if spec.prune != "none":
             session = PruningSession(session, spec, decodings[0].sampling)
         for b, row in enumerate(rows):
-            row.out.stats.target_forwards += 1
-            if not row.finished:
-                row.first_token(logits[b], generator)
-                if not row.finished:
-                    drafters[b].begin(sequence_start(b))
+            start_row(row, drafters[b], logits[b], lambda b=b: sequence_start(b), generator)
         for row in rows:
             row.out.stats.total_seconds += (time.perf_counter() - t0) / batch
-        active = [b for b in range(batch) if not rows[b].finished]
-        yield from ((b, finished(row)) for b, row in enumerate(rows) if row.finished)
-        session.select(active)
+        done, active = leave(session, rows, list(range(batch)))
+        yield from done
         capacity = capacity or batch
         more = admit is not None
         pricing = None if alone else BatchPricing(target, [drafters[b] for b in active])
@@ -395,17 +390,10 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
                     drafters.append(drafter.fork())
                     logits, sequence_start = session.admit(new.input_ids, want_hidden, new.model_inputs)
                     active.append(len(rows) - 1)
-                    row.out.stats.target_forwards += 1
-                    if not row.finished:
-                        row.first_token(logits[0], generator)
-                        if not row.finished:
-                            drafters[-1].begin(sequence_start(0))
+                    start_row(row, drafters[-1], logits[0], lambda start=sequence_start: start(0), generator)
                     row.out.stats.total_seconds += time.perf_counter() - t0
-                running = [i for i, b in enumerate(active) if not rows[b].finished]
-                if len(running) < len(active):
-                    yield from ((b, finished(rows[b])) for b in active if rows[b].finished)
-                    session.select(running)
-                    active = [active[i] for i in running]
+                done, active = leave(session, rows, active)
+                yield from done
                 if not active:
                     continue
                 pricing.priced([drafters[b] for b in active])
@@ -442,15 +430,32 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
                 stats.verify_seconds += (t2 - t1) / len(active)
                 stats.forward_seconds += (t_forward - t1) / len(active)
                 stats.total_seconds += (t3 - t0) / len(active)
-            running = [i for i, b in enumerate(active) if not rows[b].finished]
-            if len(running) < len(active):  # finished rows stop costing compute
-                yield from ((b, finished(rows[b])) for b in active if rows[b].finished)
-                session.select(running)
-                active = [active[i] for i in running]
-                if active and pricing is not None:
-                    pricing.priced([drafters[b] for b in active])
+            done, active = leave(session, rows, active)  # finished rows stop costing compute
+            yield from done
+            if done and active and pricing is not None:
+                pricing.priced([drafters[b] for b in active])
 
 
-def finished(row: RowWriter) -> RowOutput:
-    row.out.stats.new_tokens = len(row.out.new_tokens)
-    return row.out
+def start_row(row: RowWriter, drafter: Drafter, logits: torch.Tensor, sequence_start, generator) -> None:
+    """After a row's prefill: its first token from the last prompt position's logits [V]; its drafter
+    begins (``sequence_start()``: its SequenceStart) unless that token ended the row."""
+    row.out.stats.target_forwards += 1
+    if not row.finished:
+        row.first_token(logits, generator)
+        if not row.finished:
+            drafter.begin(sequence_start())
+
+
+def leave(session, rows: list[RowWriter], active: list[int]) -> tuple[list[tuple[int, RowOutput]], list[int]]:
+    """([(row number, RowOutput)] of the finished rows among ``active``, the rows still running); the
+    session keeps only the running rows (a no-op when none finished)."""
+    running = [i for i, b in enumerate(active) if not rows[b].finished]
+    if len(running) == len(active):
+        return [], active
+    done = []
+    for b in active:
+        if rows[b].finished:
+            rows[b].out.stats.new_tokens = len(rows[b].out.new_tokens)
+            done.append((b, rows[b].out))
+    session.select(running)
+    return done, [active[i] for i in running]
