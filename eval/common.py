@@ -54,21 +54,26 @@ def timed_with_cpu(fn):
 
 
 def on_onednn(model, fn):
-    """``fn`` run with every linear layer of ``model`` on oneDNN (flashmm.onednn.OneDNNLinears):
-    the plain_onednn baseline of the benchmarks."""
+    """``fn`` run on the step flashmm's own forwards of ``model`` run on a CPU: the model's fused step
+    for the Llama families (flashmm.targets.fused.FusedForward), else every linear layer on oneDNN
+    (flashmm.onednn.OneDNNLinears). The plain_onednn baseline of the benchmarks: speculation alone."""
     from flashmm.onednn import OneDNNLinears  # noqa: PLC0415
+    from flashmm.targets import fused  # noqa: PLC0415
+    from flashmm.targets.layout import attention_layout  # noqa: PLC0415
+
+    fusable = fused.supports(model, attention_layout(model.config.get_text_config())) is None
 
     def run(*args):
-        with OneDNNLinears(model):
+        with fused.FusedForward(model) if fusable else OneDNNLinears(model):
             return fn(*args)
 
     return run
 
 
 # ------------------------------------------------------------------ the two baselines of a CPU speed table
-#: plain ``generate`` as the model comes (its own linear layers), and the same ``generate`` with every
-#: linear layer on oneDNN as flashmm routes its own forwards on CPU (flashmm.onednn): flashmm over the
-#: first mixes that routing with speculation, flashmm over the second is speculation alone
+#: plain ``generate`` as the model comes (its own layers), and the same ``generate`` on the step flashmm's
+#: own forwards run on CPU (fused for the Llama families, else oneDNN linears): flashmm over the first
+#: mixes that faster step with speculation, flashmm over the second is speculation alone
 BASELINES = ("plain", "plain_onednn")
 
 
@@ -88,9 +93,10 @@ def baseline_legend(missing: str | None = None) -> str:
     """The one-line legend of the ×plain and ×plain_onednn columns; ``missing``: why plain_onednn was
     not measured (the ×plain_onednn column is then empty, and the legend says so)."""
     legend = ("×plain = tokens/s of the method / tokens/s of plain `model.generate` with the model's own linear "
-              "layers (flashmm's oneDNN routing and speculation together); ×plain_onednn = the same over plain "
-              "`generate` with every linear layer on oneDNN as flashmm routes them (flashmm.onednn: speculation "
-              "alone); both baselines timed in the same interleaved run.")
+              "layers (flashmm's faster step and speculation together); ×plain_onednn = the same over plain "
+              "`generate` on the step flashmm's forwards run (the fused step for the Llama families, "
+              "flashmm.targets.fused; else every linear layer on oneDNN, flashmm.onednn): speculation alone; both "
+              "baselines timed in the same interleaved run.")
     if missing:
         legend += f" **×plain_onednn is missing from this table**: plain_onednn was not measured ({missing})."
     return legend

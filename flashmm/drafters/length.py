@@ -177,7 +177,8 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     machine's) is measured again and overwritten, with a warning; an unwritable directory leaves
     the cost in this process only (flashmm.drafters.disk_cache warns once). ``linear="onednn"``
     times the forwards with the model's linears on oneDNN (flashmm.onednn), as a text target's tree
-    forwards run them.
+    forwards run them; ``linear="fused"`` times the model's fused step (flashmm.targets.fused), which a
+    target of the Llama families verifies on.
     Raises VerifyCostUnmeasurable when the model cannot be timed this way (a recurrent state, a
     model that refuses a cached multi-token forward).
     """
@@ -221,7 +222,12 @@ def _measure(model: torch.nn.Module, grid: Sequence[int], prefix_len: int, repea
     # evict sliding-window rows, and then cannot be cropped back to the prefix)
     cache = kv.new_cache()
     argument = {kv.cache_argument(model): cache}
-    routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
+    if linear == "fused":
+        from ..targets.fused import FusedForward  # noqa: PLC0415 (targets import drafters' types)
+
+        routing = FusedForward(model)
+    else:
+        routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
     feeds = [torch.randint(vocab, (batch, n), generator=gen).to(param.device) for n in grid]
 
     def timed(n: int, feed: torch.Tensor) -> float:
@@ -237,7 +243,8 @@ def _measure(model: torch.nn.Module, grid: Sequence[int], prefix_len: int, repea
     # flashmm's cache or a cached multi-token forward, it fails here, and only here is that read as
     # "not measurable" (a failure in a later round is a bug, and propagates)
     try:
-        model(input_ids=prefix, use_cache=True, **argument)
+        with routing:  # (the fused step then writes later forwards behind the prefix's rows, as in a decode)
+            model(input_ids=prefix, use_cache=True, **argument)
         for n, feed in zip(grid, feeds):
             timed(n, feed)
     except _REFUSALS as err:

@@ -67,6 +67,8 @@ class Target:
     hidden_size: int
     #: the backend of the tree forwards' linear layers ("torch" or "onednn", see flashmm.onednn)
     linear_backend: str = "torch"
+    #: why the model's forwards do not run flashmm's fused step (flashmm.targets.fused); None: they do
+    unfused: str | None = "only a causal-LM target's text forwards are fused"
 
     # --- sequence lifecycle -------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -101,7 +103,8 @@ class Target:
         cache cannot be timed this way."""
         from ..drafters.length import measure_verify_cost  # noqa: PLC0415 (drafters import targets' types)
 
-        return measure_verify_cost(self.model, linear=self.linear_backend, batch=batch)
+        linear = "fused" if self.unfused is None else self.linear_backend
+        return measure_verify_cost(self.model, linear=linear, batch=batch)
 
     def prompt_features(self, input_ids: torch.Tensor, **model_inputs):
         """(input_embeds [B,T,d] with visual features merged, visual_spans) for drafters that

@@ -117,15 +117,16 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
         cache = target.batch_slots(*input_ids.shape)
         attention = prompt_mask(cache, mask, target.model.dtype)
     kwargs, offset = target.batch_prompt(input_ids, mask, dict(model_inputs))
-    with target.watching_prompt(input_ids, bool(want_hidden)) as embeds, target.linears():
-        out = target.model(input_ids=input_ids, attention_mask=attention, **{target.cache_argument: cache},
-                           use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=1, **kwargs)
+    if attention is not None:
+        kwargs["attention_mask"] = attention
+    with target.watching_prompt(input_ids, bool(want_hidden)) as embeds:
+        logits, hidden = target.forward_model(cache, want_hidden, 1, input_ids=input_ids, **kwargs)
     if isinstance(cache, SlotCache):
         cache.length = input_ids.shape[1]
-    hidden = select_hidden(out.hidden_states, want_hidden)
+    hidden = select_hidden(hidden, want_hidden)
     state = BatchState(cache=cache, valid=mask.bool(), slot_pos=positions, root_pos=mask.long().sum(-1),
                        offset=offset.to(mask.device))
-    return out.logits[:, -1], hidden, (embeds[0] if embeds else None), state
+    return logits[:, -1], hidden, (embeds[0] if embeds else None), state
 
 
 def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dtype) -> tuple[dict, torch.Tensor]:
@@ -163,11 +164,10 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
         mask_args = tree_attention_kwargs(trees, state.num_slots, len(trees), state.valid.device, backend="triton",
                                           prefix_valid=state.valid, prefix_positions=state.slot_pos,
                                           root_positions=state.root_pos)
-    with target.linears(), (nullcontext() if switch is None else switch):
-        out = target.model(input_ids=tokens, position_ids=target.batch_position_ids(positions + state.offset[:, None]),
-                           **{target.cache_argument: state.cache}, use_cache=True, output_hidden_states=bool(want_hidden),
-                           **mask_args)
-    return out.logits, select_hidden(out.hidden_states, want_hidden)
+    with nullcontext() if switch is None else switch:
+        logits, hidden = target.forward_model(state.cache, want_hidden, input_ids=tokens, **mask_args,
+                                              position_ids=target.batch_position_ids(positions + state.offset[:, None]))
+    return logits, select_hidden(hidden, want_hidden)
 
 
 def graph_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[TokenTree], want_hidden: bool):

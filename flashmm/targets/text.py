@@ -27,7 +27,7 @@ from .. import cache as kv
 from .. import graphs
 from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..tree import TokenTree
-from . import recurrent
+from . import fused, recurrent
 from .base import Target, TargetOutput, select_hidden
 from .layout import CHUNKED, SLIDING, attention_layout
 from .support import derived_position_modules, generate_position_ids, positions_given, takes_position_ids
@@ -75,6 +75,8 @@ class CausalLMTarget(Target):
             self.batchable = False  # batched tree forwards pass position_ids only; rows get the override
         self._cache = None
         self._tree_prefix_len = None
+        #: why the model's forwards are not run by flashmm's fused step (flashmm.targets.fused), None when they are
+        self.unfused = self._unfused()
         #: verification on a SlotCache with CUDA-graph replays (use_cuda_graphs; flashmm.graphs)
         self.cuda_graphs = False
         self._graphs: graphs.GraphedForwards | None = None        # single sequences
@@ -96,6 +98,25 @@ class CausalLMTarget(Target):
             warnings.warn(f"cuda_graphs with a model on {self.device.type}: nothing is captured there, and the "
                           "preallocated cache runs eagerly, slower than the default path (SmolLM2 on a CPU: 1.17x "
                           "the time); the same tokens either way", stacklevel=4)
+
+    def _unfused(self) -> str | None:
+        if self.linear_backend != "onednn":
+            return "linear='torch' keeps the model's own layers"
+        if self.backend != "torch" or self.recurrent or self.derives_positions:
+            return "it is verified through the Triton kernel, recurrent states or derived positions"
+        return fused.supports(self.model, self.layout)
+
+    def forward_model(self, cache, want_hidden=False, logits_to_keep: int = 0, **inputs):
+        """One forward of the model on ``cache`` (``inputs``: the model's keyword inputs) → (logits, the
+        forward's hidden-states tuple or None). Text inputs (input_ids, position_ids, attention_mask) of a
+        model flashmm fuses run its fused step as the model's forward (flashmm.targets.fused: the same
+        function to fp32 rounding); everything else runs the model's own forward inside ``linears()``."""
+        text = set(inputs) <= {"input_ids", "position_ids", "attention_mask"}
+        fuse = self.unfused is None and not self.cuda_graphs and text and not isinstance(inputs.get("attention_mask"), dict)
+        with fused.FusedForward(self.model) if fuse else self._linears:
+            out = self.model(use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=logits_to_keep,
+                             **{self.cache_argument: cache}, **inputs)
+        return out.logits, out.hidden_states
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -218,15 +239,13 @@ class CausalLMTarget(Target):
         self.start_sequence(input_ids.shape[1])
         model_inputs = {**generate_position_ids(self.model, input_ids, attention_mask), **model_inputs}
         attention_mask = self.prompt_attention(input_ids, attention_mask)
-        with self._linears:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                             output_hidden_states=bool(want_hidden), logits_to_keep=1,
-                             **{self.cache_argument: self._cache}, **model_inputs)
+        if attention_mask is not None:
+            model_inputs["attention_mask"] = attention_mask
+        logits, hidden = self.forward_model(self._cache, want_hidden, 1, input_ids=input_ids, **model_inputs)
         if self.recurrent:
             self._cache.counted = input_ids.shape[1]
         self.prompt_written(input_ids)
-        hidden = select_hidden(out.hidden_states, want_hidden)
-        return TargetOutput(out.logits[:, -1:], hidden)
+        return TargetOutput(logits[:, -1:], select_hidden(hidden, want_hidden))
 
     def forward_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
         """tokens [B, N] → logits [B, N, V] (and last-layer hidden [B, N, d])."""
@@ -238,15 +257,12 @@ class CausalLMTarget(Target):
         self._tree_prefix_len = prefix_len
         switch = self.kernel_attention(tree)
         use_kernel = switch is not None
-        args = dict(input_ids=tokens, use_cache=True, **{self.cache_argument: self._cache},
-                    output_hidden_states=bool(want_hidden),
-                    **self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel))
+        args = self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel)
         positions = positions_given(self._position_modules, tree.positions(prefix_len).to(self.device)) \
             if self._position_modules else nullcontext()
-        with self._linears, positions, (switch if use_kernel else nullcontext()):
-            out = self.model(**args)
-        hidden = select_hidden(out.hidden_states, want_hidden)
-        return TargetOutput(out.logits, hidden)
+        with positions, (switch if use_kernel else nullcontext()):
+            logits, hidden = self.forward_model(self._cache, want_hidden, input_ids=tokens, **args)
+        return TargetOutput(logits, select_hidden(hidden, want_hidden))
 
     def _graph_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden) -> TargetOutput:
         """forward_tree on the SlotCache: the tree's rows at slots prefix .. prefix+N-1, seeing the prefix

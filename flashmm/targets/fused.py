@@ -1,0 +1,252 @@
+"""The target's own verification forward for Llama-family decoders on a CPU: one fused step.
+
+A speculative step on a CPU is one target forward of a few tokens, and for a small model that
+forward is bound by reading the weights once, not by arithmetic: SmolLM2-135M's linears read
+540 MB, 31–37 ms on the 2-core benchmark machine for 1 to 16 tokens. transformers' eager forward
+adds some 15–20 ms of Python and small ops around them (the cache's ``torch.cat`` of every layer
+each step, mask building, rotary embeddings computed per call, five ops per RMSNorm). This module
+runs the same arithmetic as the model's own layers with the overhead taken out:
+
+- q, k and v are one oneDNN matmul (their weights concatenated and packed once), gate and up another;
+  o, down and the LM head multiply packed weights (flashmm.onednn);
+- RMSNorm is ``torch.rms_norm``; rotary embeddings come from the model's own ``rotary_emb`` (every rope
+  type it implements) and are applied to q and k in one pass;
+- keys and values are written in place into room preallocated behind each cache layer's tensors
+  (``append``): the cache stays a transformers ``DynamicCache`` whose layers' ``keys`` / ``values``
+  are views of the first rows, so every cache operation flashmm has (keep a path, crop, select rows,
+  admit a row) and the model's own forward still work on it;
+- attention is one ``scaled_dot_product_attention`` per layer with the grouped heads given as they are.
+
+It computes the model's function to fp32 rounding, not bit for bit (as oneDNN's linears already
+do, see flashmm.onednn): greedy output is compared with ``generate`` by the tests. Only models
+whose layers are exactly this computation are run here (``supports``); everything else keeps the
+model's own forward. torch.compile was measured on top of it (eval/results/compile_probe.md) and
+was not faster on this CPU than these eager packed matmuls.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from ..onednn import PACK_LIMIT_BYTES, PACK_ROWS, can_pack, onednn_available, packed_weight
+
+#: causal LMs whose decoder layers are RMSNorm → attention (rotary, grouped heads, optional q/k/v bias
+#: and per-head q/k RMSNorm) → RMSNorm → SiLU-gated MLP, with nothing else in between
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: slots preallocated beyond what a layer needs when its room is (re)allocated
+ROOM_BLOCK = 256
+_STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def supports(model: torch.nn.Module, layout) -> str | None:
+    """None when ``model`` runs on FusedDecoder, else why not (a phrase)."""
+    name = type(model).__name__
+    if name not in FAMILIES:
+        return f"{name} is not one of {', '.join(FAMILIES)}"
+    config = model.config
+    head = model.get_output_embeddings().weight
+    if head.device.type != "cpu" or head.dtype != torch.float32:
+        return "the fused step runs fp32 models on a CPU"
+    if not (onednn_available() and can_pack()):
+        return "torch has no oneDNN linear"
+    if layout.restricted:
+        return "it has sliding-window or chunked-attention layers"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+        return "its MLP is not the plain SiLU-gated one"
+    if getattr(config, "mlp_bias", False) or getattr(model.lm_head, "bias", None) is not None:
+        return "its MLP or head has biases"
+    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"it was loaded with attn_implementation={config._attn_implementation!r}"
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if size > PACK_LIMIT_BYTES:
+        return f"its weights ({size >> 20} MiB) exceed the packing limit"
+    return None
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def append(cache, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one forward's keys / values [B, H, n, D] after layer ``index``'s cached rows and return all of
+    its rows. The rows live in room preallocated behind the layer's tensors (``keys`` is a view of its
+    first rows); when the layer's tensors are not that view (someone replaced them: the model's own
+    forward, a row selection) or the room is full, the room is allocated again and the rows copied once."""
+    while len(cache.layers) <= index:
+        cache.layers.append(cache.layer_class_to_replicate())
+    layer = cache.layers[index]
+    held = layer.keys if layer.is_initialized and layer.keys is not None and layer.keys.numel() else None
+    length = 0 if held is None else held.shape[2]
+    need = length + keys.shape[2]
+    room = layer.__dict__.get("room")
+    fits = room is not None and room[0].shape[2] >= need and room[0].shape[:2] == keys.shape[:2] and \
+        (held is None or (held.data_ptr() == room[0].data_ptr() and held.stride() == room[0].stride()))
+    if not fits:
+        capacity = -(-(need + ROOM_BLOCK) // ROOM_BLOCK) * ROOM_BLOCK
+        shape = (*keys.shape[:2], capacity, keys.shape[3])
+        room = (keys.new_empty(shape), values.new_empty(shape))
+        if held is not None:
+            room[0][:, :, :length] = held
+            room[1][:, :, :length] = layer.values
+        layer.room = room
+    room[0][:, :, length:need] = keys
+    room[1][:, :, length:need] = values
+    layer.keys, layer.values = room[0][:, :, :need], room[1][:, :, :need]
+    layer.is_initialized = True
+    return layer.keys, layer.values
+
+
+class FusedDecoder:
+    """A Llama-family causal LM's forward (``supports``) on packed, fused weights: called like the model
+    with a DynamicCache, it returns (logits, hidden states) as the model's forward would."""
+
+    def __init__(self, model: torch.nn.Module):
+        decoder = model.model
+        config = model.config
+        self.rotary = decoder.rotary_emb
+        self.embed = decoder.embed_tokens
+        self.final_norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
+        first = decoder.layers[0].self_attn
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = first.head_dim
+        self.scaling = first.scaling
+        self.layers = [self._layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.head = packed_weight(model.lm_head)  # shared with OneDNNLinears' routing
+
+    @staticmethod
+    def _layer(layer) -> tuple:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv_bias = None
+        if any(p.bias is not None for p in projections):
+            qkv_bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                                  for p in projections]).detach()
+        qk_norm = (attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight, attn.k_norm.variance_epsilon) \
+            if hasattr(attn, "q_norm") else None
+        return (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                _pack(torch.cat([p.weight for p in projections])), qkv_bias, qk_norm,
+                packed_weight(attn.o_proj), attn.o_proj.bias,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                _pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), packed_weight(mlp.down_proj))
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, attention_mask=None,
+                 want_hidden=None, logits_to_keep: int = 0) -> tuple[torch.Tensor, tuple | None]:
+        """input_ids / position_ids [B, n] after the cache's rows; attention_mask: None (causal over the new
+        rows, every cached row visible), [B, S + n] (1 = a real token, as ``generate`` passes it) or an
+        additive [B or 1, 1, n, S + n] → (logits [B, n or logits_to_keep, V], the hidden states the
+        model's ``output_hidden_states`` gives (embeddings, then each layer's output, the last normed), or
+        None when ``want_hidden`` is falsy)."""
+        batch, n = input_ids.shape
+        cached = cache.get_seq_length()
+        x = self.embed(input_ids)
+        hidden = [x] if want_hidden else None
+        cos, sin = self.rotary(x, position_ids)
+        cos, sin = cos[:, :, None], sin[:, :, None]                        # [B, n, 1, D]
+        mask, causal = self._mask(attention_mask, n, cached, x.dtype, x.device)
+        width = x.shape[-1]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        half = dim // 2
+        x = x.reshape(batch * n, width)
+        for index, (norm1, eps1, qkv_w, qkv_b, qk_norm, o_w, o_b, norm2, eps2, gate_up, down) in enumerate(self.layers):
+            qkv = _linear(F.rms_norm(x, (width,), norm1, eps1), qkv_w, qkv_b).view(batch, n, heads + 2 * kv_heads, dim)
+            qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads:]
+            if qk_norm is not None:
+                qk = torch.cat([F.rms_norm(qk[:, :, :heads], (dim,), qk_norm[0], qk_norm[1]),
+                                F.rms_norm(qk[:, :, heads:], (dim,), qk_norm[2], qk_norm[3])], dim=2)
+            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+            q = qk[:, :, :heads].transpose(1, 2)
+            keys, values = append(cache, index, qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2))
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                                      scale=self.scaling, enable_gqa=heads != kv_heads)
+            x = x + _linear(attended.transpose(1, 2).reshape(batch * n, heads * dim), o_w, o_b)
+            gated = _linear(F.rms_norm(x, (width,), norm2, eps2), gate_up)
+            x = x + _linear(F.silu(gated[:, : gated.shape[1] // 2]) * gated[:, gated.shape[1] // 2:], down)
+            if hidden is not None:
+                hidden.append(x.view(batch, n, width))
+        x = F.rms_norm(x.view(batch, n, width), (width,), *self.final_norm)
+        if hidden is not None:
+            hidden[-1] = x
+        kept = x[:, -logits_to_keep:] if logits_to_keep else x
+        logits = _linear(kept.reshape(-1, width), self.head).view(batch, kept.shape[1], -1)
+        return logits, (tuple(hidden) if hidden is not None else None)
+
+    @staticmethod
+    def _mask(attention_mask, n: int, cached: int, dtype, device) -> tuple[torch.Tensor | None, bool]:
+        """(the additive mask SDPA takes or None, is_causal) for ``__call__``'s attention_mask."""
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return attention_mask.to(dtype), False
+        if attention_mask is None or bool(attention_mask.all()):
+            if n == 1:
+                return None, False
+            if cached == 0:
+                return None, True
+            allowed = torch.ones(n, cached + n, dtype=torch.bool, device=device).tril(cached)
+        else:
+            if attention_mask.shape[1] != cached + n:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions, the cache and the "
+                                 f"new tokens {cached} + {n}")
+            causal = torch.ones(n, cached + n, dtype=torch.bool, device=device).tril(cached)
+            # a padding position sees only itself: a finite row that nothing reads
+            itself = torch.zeros_like(causal)
+            itself[:, cached:] = torch.eye(n, dtype=torch.bool, device=device)
+            allowed = ((causal[None] & attention_mask.bool()[:, None, :]) | itself)[:, None]
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min), False
+
+
+def _weights_key(model: torch.nn.Module) -> tuple:
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def fused_step(model: torch.nn.Module) -> "FusedDecoder":
+    """``model``'s FusedDecoder, built once (its weights packed) and kept while the model lives, until a
+    weight is replaced or changed in place. The caller has checked ``supports``."""
+    key = _weights_key(model)
+    hit = _STEPS.get(model)
+    if hit is None or hit[0] != key:
+        hit = (key, FusedDecoder(model))
+        _STEPS[model] = hit
+    return hit[1]
+
+
+class FusedForward:
+    """Context manager: while entered, ``model``'s own forward (what ``generate`` calls) is its fused step.
+    The plain baseline of the benchmarks that separates speculation from the faster step
+    (``plain_onednn``) decodes through it, so that baseline and flashmm multiply the same way.
+    Calls the step does not cover (embeddings given, attentions asked for, gradients) are refused."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.step = fused_step(model)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
+                use_cache=True, logits_to_keep=0, output_hidden_states=False, **kwargs):
+        """The model's forward signature, computed by the fused step."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: PLC0415
+
+        unused = {k: v for k, v in kwargs.items() if v is not None and k not in ("return_dict", "cache_position")}
+        if input_ids is None or unused or torch.is_grad_enabled() or not use_cache:
+            raise ValueError(f"the fused step runs cached forwards of input_ids only, not {sorted(unused)}")
+        cache = cache if cache is not None else past_key_values
+        if position_ids is None:
+            start = cache.get_seq_length()
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids[None].expand(input_ids.shape[0], -1)
+        logits, hidden = self.step(input_ids, position_ids, cache, attention_mask, output_hidden_states,
+                                   logits_to_keep if isinstance(logits_to_keep, int) else 0)
+        named = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"  # < 5.24
+        return CausalLMOutputWithPast(logits=logits, hidden_states=hidden, **{named: cache})
+
+    def __enter__(self) -> "FusedForward":
+        self.model.__dict__["forward"] = self.forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.__dict__.pop("forward", None)

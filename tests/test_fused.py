@@ -1,0 +1,145 @@
+"""flashmm's fused step (flashmm.targets.fused) against the model's own forward and ``generate``."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import flashmm
+from flashmm import cache as kv
+from flashmm.drafters import DraftModel, PromptLookup
+from flashmm.onednn import onednn_available
+from flashmm.targets import fused
+from flashmm.targets.layout import attention_layout
+from flashmm.tree import TokenTree
+
+from text_models import prompt, ragged_batch, tiny_lm
+
+pytestmark = pytest.mark.skipif(not (onednn_available() and fused.can_pack()), reason="torch without oneDNN")
+FUSED = ["llama", "qwen2", "qwen3"]  # plain, q/k/v biases, per-head q/k norms
+
+
+def own(model, ids, cache, **kwargs):
+    out = model(input_ids=ids, use_cache=True, output_hidden_states=True, **{kv.cache_argument(model): cache}, **kwargs)
+    return out.logits, out.hidden_states
+
+
+def close(a, b):
+    assert a.shape == b.shape
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", FUSED)
+@torch.no_grad()
+def test_every_forward_shape_equals_the_models_own(arch):
+    """Prompt, chain after the cache, a tree under a 4-D mask and a padded batch's prompt: logits and every
+    hidden state equal the model's own forward to fp32 rounding, and the caches hold the same rows."""
+    model = tiny_lm(arch)
+    assert fused.supports(model, attention_layout(model.config)) is None
+    step = fused.fused_step(model)
+    ids = prompt(30, seed=2)
+    mine, theirs = DynamicCache(), DynamicCache()
+    logits, hidden = step(ids, torch.arange(30)[None], mine, want_hidden=True)
+    ref_logits, ref_hidden = own(model, ids, theirs)
+    close(logits, ref_logits)
+    assert len(hidden) == len(ref_hidden)
+    for a, b in zip(hidden, ref_hidden):
+        close(a, b)
+    chain = prompt(3, seed=4)
+    positions = torch.arange(30, 33)[None]
+    close(step(chain, positions, mine)[0], own(model, chain, theirs, position_ids=positions)[0])
+    for a, b in zip(kv.layer_tensors(mine), kv.layer_tensors(theirs)):
+        close(a, b)
+    tree = TokenTree(torch.tensor([-1, 0, 0, 1, 2]))
+    nodes, mask = prompt(5, seed=6), tree.attention_bias(33, torch.float32, torch.device("cpu"))
+    positions = tree.positions(33)[None]
+    close(step(nodes, positions, mine, mask)[0], own(model, nodes, theirs, attention_mask=mask, position_ids=positions)[0])
+    batch, attention = ragged_batch()
+    places = (attention.cumsum(-1) - 1).clamp(min=0)
+    logits, _ = step(batch, places, DynamicCache(), attention, logits_to_keep=1)
+    ref, _ = own(model, batch, DynamicCache(), attention_mask=attention, position_ids=places, logits_to_keep=1)
+    close(logits, ref)
+
+
+@torch.no_grad()
+def test_the_cache_room_is_reused_and_readopted():
+    """Steps write into the room behind a layer's tensors (no copy of the cache per step); a cache whose
+    tensors were replaced (the model's own forward, a path kept out of order) is adopted again, and the
+    rows stay those of the model's own cache."""
+    model = tiny_lm("llama")
+    step = fused.fused_step(model)
+    mine, theirs = DynamicCache(), DynamicCache()
+    ids = prompt(20, seed=1)
+    step(ids, torch.arange(20)[None], mine)
+    own(model, ids, theirs)
+    room = mine.layers[0].room[0].data_ptr()
+    for start in range(20, 26):
+        token = prompt(1, seed=start)
+        step(token, torch.tensor([[start]]), mine)
+        own(model, token, theirs, position_ids=torch.tensor([[start]]))
+    assert mine.layers[0].keys.data_ptr() == room  # six steps, one allocation
+    kv.keep_rows(mine, 22, torch.tensor([[0, 2, 3]]))
+    kv.keep_rows(theirs, 22, torch.tensor([[0, 2, 3]]))
+    token = prompt(1, seed=40)
+    own(model, token, mine, position_ids=torch.tensor([[25]]))  # the model's own forward: cat, a new tensor
+    own(model, token, theirs, position_ids=torch.tensor([[25]]))
+    token = prompt(2, seed=41)
+    close(step(token, torch.tensor([[26, 27]]), mine)[0], own(model, token, theirs, position_ids=torch.tensor([[26, 27]]))[0])
+    for a, b in zip(kv.layer_tensors(mine), kv.layer_tensors(theirs)):
+        close(a, b)
+
+
+class StepCounter:
+    def __init__(self, monkeypatch):
+        self.calls = []
+        original = fused.FusedDecoder.__call__
+
+        def counting(step, input_ids, *args, **kwargs):
+            self.calls.append(tuple(input_ids.shape))
+            return original(step, input_ids, *args, **kwargs)
+
+        monkeypatch.setattr(fused.FusedDecoder, "__call__", counting)
+
+
+@pytest.mark.parametrize("arch", FUSED)
+def test_greedy_on_the_fused_step_is_generate(arch, monkeypatch):
+    """flashmm on a fused target: one row and a ragged batch of three, greedy output equal to the model's
+    own (batched) ``generate``; the prefill and every verification ran on the fused step."""
+    model, draft = tiny_lm(arch), tiny_lm(arch, seed=5)
+    counter = StepCounter(monkeypatch)
+    ids = prompt(40, seed=3)
+    reference = model.generate(ids, do_sample=False, max_new_tokens=24)
+    batch, attention = ragged_batch()
+    batch_reference = model.generate(batch, attention_mask=attention, do_sample=False, max_new_tokens=20)
+    for drafter in (PromptLookup(), DraftModel(draft, max_draft_tokens=4, tree_width=2, adaptive=False)):
+        sm = flashmm.wrap(model, drafter, linear="onednn")
+        assert sm.target.unfused is None
+        counter.calls.clear()
+        assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)
+        target_calls = [shape for shape in counter.calls if shape[0] == 1]
+        assert len(target_calls) == 1 + sm.last_stats.verify_steps and target_calls[0] == (1, 40)
+        assert torch.equal(sm.generate(batch, attention_mask=attention, max_new_tokens=20), batch_reference)
+
+
+def test_generate_on_the_fused_forward_is_generate():
+    """FusedForward (the plain_onednn baseline's forward): ``generate`` of one prompt and of a padded
+    batch gives the tokens of the model's own forward, and the model's forward is its own again after."""
+    model = tiny_lm("qwen2")
+    batch, attention = ragged_batch()
+    reference = model.generate(batch, attention_mask=attention, do_sample=False, max_new_tokens=20)
+    single = model.generate(prompt(30), do_sample=False, max_new_tokens=20)
+    with fused.FusedForward(model):
+        assert torch.equal(model.generate(batch, attention_mask=attention, do_sample=False, max_new_tokens=20), reference)
+        assert torch.equal(model.generate(prompt(30), do_sample=False, max_new_tokens=20), single)
+    assert "forward" not in model.__dict__
+
+
+def test_what_is_not_fused_says_why():
+    """Models the step does not compute, and linear='torch', keep the model's own forward, naming why."""
+    assert "Gemma3ForCausalLM is not one of" in flashmm.wrap(tiny_lm("gemma3"), PromptLookup()).target.unfused
+    assert "sliding-window" in fused.supports(tiny_lm("mistral"), attention_layout(tiny_lm("mistral").config))
+    assert "fp32" in fused.supports(tiny_lm("llama").to(torch.bfloat16), attention_layout(tiny_lm("llama").config))
+    assert "linear='torch'" in flashmm.wrap(tiny_lm("llama"), PromptLookup(), linear="torch").target.unfused
+    with pytest.raises(ValueError, match="input_ids only"):
+        with fused.FusedForward(tiny_lm("llama")) as forward:
+            forward.forward(input_ids=None, inputs_embeds=torch.zeros(1, 2, 64))
