@@ -15,6 +15,7 @@ import flashmm.engine
 from flashmm.drafters.base import Draft
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.prompt_lookup import NgramIndex, PromptLookup
+from flashmm.drafters.trie import best_first_paths
 from flashmm.drafters.flash_modules import (FlashConfig, FlashNet, VisualCompressor, build_units, merge_adjacent,
                                             unit_layout)
 from flashmm.sampling import warp_logits
@@ -154,7 +155,7 @@ def test_best_first_is_top_paths_by_probability():
     depth, width, budget = 4, 3, 11
     probs = torch.rand(depth, width, generator=g).sort(dim=-1, descending=True).values
     probs = (probs / probs.sum(-1, keepdim=True) * 0.9).tolist()
-    chosen, chosen_scores = drafter._best_first(probs, depth, budget)
+    chosen, chosen_scores = best_first_paths(probs, depth, budget, drafter.min_path_prob)
     scores = {}
     for d in range(1, depth + 1):
         for path in itertools.product(range(width), repeat=d):
@@ -452,7 +453,7 @@ def test_lookup_chain_merges_into_the_flash_tree(chain, budget):
     assert len(nodes) == len(set(nodes)) <= budget                             # distinct siblings, in budget
     top_p, top_ids = dists.topk(2, dim=-1)
     priority = [tuple(int(top_ids[i][r]) for i, r in enumerate(p))
-                for p in drafter._best_first(top_p.tolist(), depth, min(budget, 8))[0]]
+                for p in best_first_paths(top_p.tolist(), depth, min(budget, 8), drafter.min_path_prob)[0]]
     kept_chain = [tuple(chain[:i]) for i in range(1, len(chain) + 1) if tuple(chain[:i]) in set(nodes)]
     assert kept_chain == [tuple(chain[:i]) for i in range(1, len(kept_chain) + 1)]
     assert len(kept_chain) == min(len(chain), budget)                          # the whole chain, or what fits

@@ -140,6 +140,22 @@ def test_what_is_not_fused_says_why():
     assert "sliding-window" in fused.supports(tiny_lm("mistral"), attention_layout(tiny_lm("mistral").config))
     assert "fp32" in fused.supports(tiny_lm("llama").to(torch.bfloat16), attention_layout(tiny_lm("llama").config))
     assert "linear='torch'" in flashmm.wrap(tiny_lm("llama"), PromptLookup(), linear="torch").target.unfused
-    with pytest.raises(ValueError, match="input_ids only"):
-        with fused.FusedForward(tiny_lm("llama")) as forward:
-            forward.forward(input_ids=None, inputs_embeds=torch.zeros(1, 2, 64))
+    model = tiny_lm("llama")
+    with pytest.raises(ValueError, match="without gradients"), fused.FusedForward(model) as forward:
+        forward.forward(input_ids=prompt(4), cache=DynamicCache())  # (gradients are on outside no_grad)
+
+
+@torch.no_grad()
+def test_other_inputs_take_the_models_own_forward():
+    """A call the step does not compute (embeddings given: a prompt with its media) runs the model's own
+    forward inside FusedForward; the next text forward continues its cache on the fused step."""
+    model = tiny_lm("llama")
+    ids = prompt(12, seed=8)
+    embeds = model.get_input_embeddings()(ids)
+    mine, theirs = DynamicCache(), DynamicCache()
+    with fused.FusedForward(model):
+        first = model(inputs_embeds=embeds, cache=mine, use_cache=True).logits
+        token = prompt(1, seed=9)
+        second = model(input_ids=token, cache=mine, use_cache=True).logits
+    close(first, model(inputs_embeds=embeds, cache=theirs, use_cache=True).logits)
+    close(second, model(input_ids=token, cache=theirs, use_cache=True).logits)

@@ -35,7 +35,6 @@ a temporary cache during ``propose``.
 """
 from __future__ import annotations
 
-import heapq
 import json
 import math
 import os
@@ -50,10 +49,10 @@ from ..tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import TreeUnits, grow
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors
-from .length import measured_verify_cost, paying_prefix, sequoia_rank_paths
+from .length import measured_verify_cost, sequoia_rank_paths
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
 from .suffix import SuffixTrie, lookup_source
-from .trie import fit_chain
+from .trie import best_first_paths, best_paying_prefix, fit_chain
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
 # flash_config.json's top level: "training" is the optional record resolve.training_record reads
@@ -412,9 +411,10 @@ class FlashDrafter(Drafter):
         return self._sequoia[budget]
 
     def _paying_prefix(self, scores: list[float]) -> int:
-        """How many best-first nodes to keep: length.paying_prefix of path probability ** calibration
-        (a power keeps their order)."""
-        return paying_prefix([score ** self.calibration for score in scores], self.verify_cost)
+        """How many best-first nodes to keep: trie.best_paying_prefix of path probability ** calibration
+        (a power keeps their order) at the measured verify cost."""
+        return best_paying_prefix([score ** self.calibration for score in scores],
+                                  lambda n: self.verify_cost.relative(n + 1))
 
     def _make_draft(self, committed: torch.Tensor, dists: torch.Tensor, shape, chain: list[int],
                     max_tokens: int) -> Draft:
@@ -425,7 +425,7 @@ class FlashDrafter(Drafter):
         if kind == "static":
             paths = arg
         else:
-            paths, scores = self._best_first(top_p.tolist(), depth, arg)
+            paths, scores = best_first_paths(top_p.tolist(), depth, arg, self.min_path_prob)
             if self.budget == "auto" and self.verify_cost is not None:
                 paths = paths[:self._paying_prefix(scores)]
         chain = chain[:max_tokens]
@@ -479,25 +479,3 @@ class FlashDrafter(Drafter):
         ids = self._token_ids(torch.tensor(grown.rows, device=root_logp.device)).to(committed.device)
         tokens = torch.cat([committed[0, -1:], ids])[None]
         return Draft(tokens=tokens, tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)
-
-    def _best_first(self, top_p: list[list[float]], depth: int, budget: int
-                    ) -> tuple[list[tuple[int, ...]], list[float]]:
-        """The ``budget`` rank paths of highest cumulative probability (prefix-closed, in that
-        order) and their cumulative probabilities."""
-        heap = [(-top_p[0][0], (0,), 1.0)]
-        chosen: list[tuple[int, ...]] = []
-        scores: list[float] = []
-        while heap and len(chosen) < budget:
-            neg, path, parent_score = heapq.heappop(heap)
-            score = -neg
-            if score < self.min_path_prob:
-                break
-            chosen.append(path)
-            scores.append(score)
-            level, rank = len(path), path[-1]
-            if level < depth:
-                heapq.heappush(heap, (-score * top_p[level][0], path + (0,), score))
-            if rank + 1 < len(top_p[level - 1]):
-                heapq.heappush(heap, (-parent_score * top_p[level - 1][rank + 1], path[:-1] + (rank + 1,),
-                                      parent_score))
-        return chosen, scores

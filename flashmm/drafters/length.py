@@ -422,15 +422,3 @@ def sequoia_rank_paths(accept: Sequence[float], budget: int, depth: int | None,
     else:
         _, tree = sequoia_tree(accept, budget + 1, depth)
     return tree.rank_paths()
-
-
-def paying_prefix(values: Sequence[float], verify_cost: VerifyCost) -> int:
-    """How many of a best-first list of nodes to draft: the n maximising (1 + Σ_{i<n} values) /
-    (t(n+1) / t(1)), values being each node's estimated chance to be accepted (0: none pays)."""
-    best_n, best_rate, total = 0, 1.0, 1.0
-    for n, value in enumerate(values, start=1):
-        total += value
-        rate = total / verify_cost.relative(n + 1)
-        if rate > best_rate + 1e-12:
-            best_n, best_rate = n, rate
-    return best_n

@@ -18,6 +18,8 @@ so a drafter that does not pay stops drafting.
 """
 from __future__ import annotations
 
+import heapq
+
 from collections import Counter
 from dataclasses import dataclass
 
@@ -107,13 +109,38 @@ class DraftTrie:
 def best_paying_prefix(values: list[float], cost) -> int:
     """How many of ``values`` (the expected accepted tokens of ranked nodes, best first) to verify:
     the n maximising (1 + their sum) / cost(n), ``cost`` in one-token forwards; 0 (a plain step)
-    when no n beats one token per forward."""
+    when no n beats one token per forward. Every tree-building drafter keeps its best-paying nodes
+    with this one function (with a measured verify cost, cost(n) = VerifyCost.relative(n + 1))."""
     best_n, best_rate, expected = 0, 1.0, 1.0
     for n, value in enumerate(values, start=1):
         expected += value
-        if expected / cost(n) > best_rate:
-            best_n, best_rate = n, expected / cost(n)
+        rate = expected / cost(n)
+        if rate > best_rate + 1e-12:
+            best_n, best_rate = n, rate
     return best_n
+
+
+def best_first_paths(top_p: list[list[float]], depth: int, budget: int, min_path_prob: float = 0.0
+                     ) -> tuple[list[tuple[int, ...]], list[float]]:
+    """A block drafter's tree from its per-depth top probabilities ``top_p[level][rank]``: the ``budget``
+    rank paths of highest cumulative probability (prefix-closed, best first; none below
+    ``min_path_prob``) and their cumulative probabilities."""
+    heap = [(-top_p[0][0], (0,), 1.0)]
+    chosen: list[tuple[int, ...]] = []
+    scores: list[float] = []
+    while heap and len(chosen) < budget:
+        neg, path, parent_score = heapq.heappop(heap)
+        score = -neg
+        if score < min_path_prob:
+            break
+        chosen.append(path)
+        scores.append(score)
+        level, rank = len(path), path[-1]
+        if level < depth:
+            heapq.heappush(heap, (-score * top_p[level][0], path + (0,), score))
+        if rank + 1 < len(top_p[level - 1]):
+            heapq.heappush(heap, (-parent_score * top_p[level - 1][rank + 1], path[:-1] + (rank + 1,), parent_score))
+    return chosen, scores
 
 
 def match_bucket(length: int) -> int:

@@ -30,11 +30,27 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..onednn import PACK_LIMIT_BYTES, PACK_ROWS, can_pack, onednn_available, packed_weight
+from .. import cache as kv
+from ..onednn import PACK_LIMIT_BYTES, PACK_ROWS, OneDNNLinears, can_pack, onednn_available, packed_weight
 
 #: causal LMs whose decoder layers are RMSNorm → attention (rotary, grouped heads, optional q/k/v bias
 #: and per-head q/k RMSNorm) → RMSNorm → SiLU-gated MLP, with nothing else in between
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: vision-language models whose text forwards are such a decoder's (their language_model) and their LM head:
+#: the forwards after the prompt's (no media) run fused, the prompt's the model's own
+VLM_FAMILIES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                "LlavaOnevisionForConditionalGeneration")
+DECODERS = tuple(name.replace("ForCausalLM", "Model") for name in FAMILIES)
+
+
+def parts(model: torch.nn.Module) -> tuple | None:
+    """(decoder, LM head, text config) of a model the step can run, else None."""
+    name = type(model).__name__
+    if name in FAMILIES:
+        return model.model, model.lm_head, model.config
+    if name in VLM_FAMILIES and type(getattr(model.model, "language_model", None)).__name__ in DECODERS:
+        return model.model.language_model, model.lm_head, model.config.get_text_config()
+    return None
 #: slots preallocated beyond what a layer needs when its room is (re)allocated
 ROOM_BLOCK = 256
 _STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -42,10 +58,10 @@ _STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDic
 
 def supports(model: torch.nn.Module, layout) -> str | None:
     """None when ``model`` runs on FusedDecoder, else why not (a phrase)."""
-    name = type(model).__name__
-    if name not in FAMILIES:
-        return f"{name} is not one of {', '.join(FAMILIES)}"
-    config = model.config
+    found = parts(model)
+    if found is None:
+        return f"{type(model).__name__} is not one of {', '.join(FAMILIES + VLM_FAMILIES)} (with one of their decoders)"
+    _, head_layer, config = found
     head = model.get_output_embeddings().weight
     if head.device.type != "cpu" or head.dtype != torch.float32:
         return "the fused step runs fp32 models on a CPU"
@@ -55,7 +71,7 @@ def supports(model: torch.nn.Module, layout) -> str | None:
         return "it has sliding-window or chunked-attention layers"
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
         return "its MLP is not the plain SiLU-gated one"
-    if getattr(config, "mlp_bias", False) or getattr(model.lm_head, "bias", None) is not None:
+    if getattr(config, "mlp_bias", False) or getattr(head_layer, "bias", None) is not None:
         return "its MLP or head has biases"
     if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"it was loaded with attn_implementation={config._attn_implementation!r}"
@@ -107,8 +123,7 @@ class FusedDecoder:
     with a DynamicCache, it returns (logits, hidden states) as the model's forward would."""
 
     def __init__(self, model: torch.nn.Module):
-        decoder = model.model
-        config = model.config
+        decoder, head, config = parts(model)
         self.rotary = decoder.rotary_emb
         self.embed = decoder.embed_tokens
         self.final_norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
@@ -118,7 +133,7 @@ class FusedDecoder:
         self.head_dim = first.head_dim
         self.scaling = first.scaling
         self.layers = [self._layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
-        self.head = packed_weight(model.lm_head)  # shared with OneDNNLinears' routing
+        self.head = packed_weight(head)  # shared with OneDNNLinears' routing
 
     @staticmethod
     def _layer(layer) -> tuple:
@@ -220,7 +235,8 @@ class FusedForward:
     """Context manager: while entered, ``model``'s own forward (what ``generate`` calls) is its fused step.
     The plain baseline of the benchmarks that separates speculation from the faster step
     (``plain_onednn``) decodes through it, so that baseline and flashmm multiply the same way.
-    Calls the step does not cover (embeddings given, attentions asked for, gradients) are refused."""
+    Calls with other inputs (a prompt's media, embeddings) run the model's own forward on oneDNN
+    linears, as flashmm's own prompts do; calls under autograd or without a cache are refused."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -232,9 +248,15 @@ class FusedForward:
         from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: PLC0415
 
         unused = {k: v for k, v in kwargs.items() if v is not None and k not in ("return_dict", "cache_position")}
-        if input_ids is None or unused or torch.is_grad_enabled() or not use_cache:
-            raise ValueError(f"the fused step runs cached forwards of input_ids only, not {sorted(unused)}")
         cache = cache if cache is not None else past_key_values
+        if torch.is_grad_enabled() or not use_cache or cache is None:
+            raise ValueError("the fused step runs cached forwards without gradients")
+        if input_ids is None or unused:  # a prompt with its media, embeddings given: the model's own forward
+            with OneDNNLinears(self.model):
+                return type(self.model).forward(self.model, input_ids=input_ids, attention_mask=attention_mask,
+                                                position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                                                output_hidden_states=output_hidden_states,
+                                                **{kv.cache_argument(self.model): cache}, **kwargs)
         if position_ids is None:
             start = cache.get_seq_length()
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
