@@ -159,3 +159,16 @@ def test_other_inputs_take_the_models_own_forward():
         second = model(input_ids=token, cache=mine, use_cache=True).logits
     close(first, model(inputs_embeds=embeds, cache=theirs, use_cache=True).logits)
     close(second, model(input_ids=token, cache=theirs, use_cache=True).logits)
+
+
+@torch.no_grad()
+def test_a_changed_weight_rebuilds_the_step():
+    """The packed copies follow the model: after an in-place change of a weight the step is built again and
+    computes the changed model."""
+    model = tiny_lm("llama")
+    first = fused.fused_step(model)
+    assert fused.fused_step(model) is first
+    model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    ids = prompt(9, seed=12)
+    assert fused.fused_step(model) is not first
+    close(fused.fused_step(model)(ids, torch.arange(9)[None], DynamicCache())[0], own(model, ids, DynamicCache())[0])

@@ -216,19 +216,20 @@ class FusedDecoder:
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min), False
 
 
-def _weights_key(model: torch.nn.Module) -> tuple:
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+def _weights_key(params: list[torch.Tensor]) -> tuple:
+    return tuple((p.data_ptr(), p._version) for p in params)
 
 
 def fused_step(model: torch.nn.Module) -> "FusedDecoder":
-    """``model``'s FusedDecoder, built once (its weights packed) and kept while the model lives, until a
-    weight is replaced or changed in place. The caller has checked ``supports``."""
-    key = _weights_key(model)
+    """``model``'s FusedDecoder, built once (its weights packed) and kept while the model lives, until one of
+    its weights is changed in place or given new storage (load_state_dict, an optimizer step, ``.to``;
+    checked every call on the parameters it was built from). The caller has checked ``supports``."""
     hit = _STEPS.get(model)
-    if hit is None or hit[0] != key:
-        hit = (key, FusedDecoder(model))
+    if hit is None or hit[0] != _weights_key(hit[1]):
+        params = list(model.parameters())
+        hit = (_weights_key(params), params, FusedDecoder(model))
         _STEPS[model] = hit
-    return hit[1]
+    return hit[2]
 
 
 class FusedForward:
