@@ -172,3 +172,19 @@ def test_a_changed_weight_rebuilds_the_step():
     ids = prompt(9, seed=12)
     assert fused.fused_step(model) is not first
     close(fused.fused_step(model)(ids, torch.arange(9)[None], DynamicCache())[0], own(model, ids, DynamicCache())[0])
+
+
+@torch.no_grad()
+def test_a_vlm_verifies_on_the_fused_step_and_generate_keeps_its_media():
+    """LLaVA on a Llama decoder: flashmm's text forwards run the fused step (greedy equal to generate with the
+    image), and generate inside FusedForward takes the image (its prompt on the model's own forward)."""
+    from mm_models import make_inputs, tiny_llava  # noqa: PLC0415
+
+    model, processor = tiny_llava("llava")
+    inputs = make_inputs(processor, "llava", images=1)
+    reference = model.generate(**inputs, do_sample=False, max_new_tokens=12)
+    sm = flashmm.wrap(model, PromptLookup(), linear="onednn")
+    assert sm.target.unfused is None
+    assert torch.equal(sm.generate(**inputs, max_new_tokens=12), reference)
+    with fused.FusedForward(model):
+        assert torch.equal(model.generate(**inputs, do_sample=False, max_new_tokens=12), reference)

@@ -25,6 +25,7 @@ was not faster on this CPU than these eager packed matmuls.
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -268,7 +269,12 @@ class FusedForward:
         return CausalLMOutputWithPast(logits=logits, hidden_states=hidden, **{named: cache})
 
     def __enter__(self) -> "FusedForward":
-        self.model.__dict__["forward"] = self.forward
+        def forward(*args, **kwargs):
+            return self.forward(*args, **kwargs)
+
+        # generate reads the forward's signature (which inputs it takes, logits_to_keep, the cache's name)
+        forward.__signature__ = inspect.signature(self.model.forward)
+        self.model.__dict__["forward"] = forward
         return self
 
     def __exit__(self, *exc) -> None:
