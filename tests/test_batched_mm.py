@@ -103,7 +103,7 @@ def test_greedy_matches_batched_generate_one_forward_per_step(kind_model):
     Oracle.seen = []
     sm = flashmm.wrap(model, Oracle(unpadded_prompts(batch), ref[:, width:], needs_hidden=True),
                       processor=processor)
-    counter = ForwardCounter(model.get_decoder())
+    counter = ForwardCounter(model)  # (the fused step runs as the model's forward, not its decoder's)
     out = sm.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
     counter.handle.remove()
     assert torch.equal(out, ref)

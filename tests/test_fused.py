@@ -140,9 +140,14 @@ def test_what_is_not_fused_says_why():
     assert "sliding-window" in fused.supports(tiny_lm("mistral"), attention_layout(tiny_lm("mistral").config))
     assert "fp32" in fused.supports(tiny_lm("llama").to(torch.bfloat16), attention_layout(tiny_lm("llama").config))
     assert "linear='torch'" in flashmm.wrap(tiny_lm("llama"), PromptLookup(), linear="torch").target.unfused
+    hooked = tiny_lm("llama")
+    hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    assert "hooked forward" in fused.supports(hooked, attention_layout(hooked.config))  # (the step would skip it)
     model = tiny_lm("llama")
-    with pytest.raises(ValueError, match="without gradients"), fused.FusedForward(model) as forward:
-        forward.forward(input_ids=prompt(4), cache=DynamicCache())  # (gradients are on outside no_grad)
+    ids = prompt(4)
+    with torch.enable_grad(), fused.FusedForward(model):  # autograd: the model's own forward, gradients flow
+        model(input_ids=ids, cache=DynamicCache(), use_cache=True).logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
 
 
 @torch.no_grad()

@@ -36,10 +36,12 @@ def test_resume_keeps_the_records_of_the_same_run_and_refuses_another(tmp_path):
 
 def test_sampled_runs_time_every_baseline_as_named(monkeypatch):
     """Sampling must not turn the plain_onednn baseline into plain generate (it once did, and sampled
-    tables read plain oneDNN at 1.00x): the baseline enters oneDNN routing, plain does not."""
+    tables read plain oneDNN at 1.00x): the baseline enters flashmm's step (a Llama: the fused step), plain
+    does not."""
     import torch  # noqa: PLC0415
 
     from flashmm import onednn  # noqa: PLC0415
+    from flashmm.targets import fused  # noqa: PLC0415
 
     sys.path.insert(0, str(ROOT / "tests"))
     from text_models import prompt, tiny_lm  # noqa: PLC0415
@@ -47,8 +49,8 @@ def test_sampled_runs_time_every_baseline_as_named(monkeypatch):
     model = tiny_lm("llama", seed=0)
     if onednn.resolve_linear_backend("auto", model) != "onednn":
         pytest.skip("no oneDNN on this machine: there is no plain_onednn baseline")
-    entered, enter = [], onednn.OneDNNLinears.__enter__
-    monkeypatch.setattr(onednn.OneDNNLinears, "__enter__", lambda self: (entered.append(1), enter(self))[1])
+    entered, enter = [], fused.FusedForward.__enter__
+    monkeypatch.setattr(fused.FusedForward, "__enter__", lambda self: (entered.append(1), enter(self))[1])
     sampling = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, generator=torch.Generator().manual_seed(0))
     methods, _ = text_speed().make_methods(model, None, [], False, True, sampling)
     methods["plain"](prompt(5), 3)

@@ -62,7 +62,15 @@ def supports(model: torch.nn.Module, layout) -> str | None:
     found = parts(model)
     if found is None:
         return f"{type(model).__name__} is not one of {', '.join(FAMILIES + VLM_FAMILIES)} (with one of their decoders)"
-    _, head_layer, config = found
+    decoder, head_layer, config = found
+    for module in (*decoder.modules(), head_layer):
+        if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+            return f"its {type(module).__name__} has a replaced or hooked forward, which the fused step would skip"
+    for layer in decoder.layers:
+        linears = (*(getattr(layer.self_attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                   *(getattr(layer.mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")), head_layer)
+        if any(type(linear) is not torch.nn.Linear for linear in linears):
+            return "its projections are not plain nn.Linear layers (quantized or adapted)"
     head = model.get_output_embeddings().weight
     if head.device.type != "cpu" or head.dtype != torch.float32:
         return "the fused step runs fp32 models on a CPU"
@@ -237,8 +245,8 @@ class FusedForward:
     """Context manager: while entered, ``model``'s own forward (what ``generate`` calls) is its fused step.
     The plain baseline of the benchmarks that separates speculation from the faster step
     (``plain_onednn``) decodes through it, so that baseline and flashmm multiply the same way.
-    Calls with other inputs (a prompt's media, embeddings) run the model's own forward on oneDNN
-    linears, as flashmm's own prompts do; calls under autograd or without a cache are refused."""
+    Calls with other inputs (a prompt's media, embeddings), under autograd or without a cache run the
+    model's own forward (its linears on oneDNN, which itself leaves autograd to ``F.linear``)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -251,12 +259,11 @@ class FusedForward:
 
         unused = {k: v for k, v in kwargs.items() if v is not None and k not in ("return_dict", "cache_position")}
         cache = cache if cache is not None else past_key_values
-        if torch.is_grad_enabled() or not use_cache or cache is None:
-            raise ValueError("the fused step runs cached forwards without gradients")
-        if input_ids is None or unused:  # a prompt with its media, embeddings given: the model's own forward
+        if input_ids is None or unused or torch.is_grad_enabled() or not use_cache or cache is None:
+            # a prompt with its media, embeddings given, autograd or no cache: the model's own forward
             with OneDNNLinears(self.model):
                 return type(self.model).forward(self.model, input_ids=input_ids, attention_mask=attention_mask,
-                                                position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                                                position_ids=position_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
                                                 output_hidden_states=output_hidden_states,
                                                 **{kv.cache_argument(self.model): cache}, **kwargs)
         if position_ids is None:
