@@ -193,3 +193,12 @@ def test_a_vlm_verifies_on_the_fused_step_and_generate_keeps_its_media():
     assert torch.equal(sm.generate(**inputs, max_new_tokens=12), reference)
     with fused.FusedForward(model):
         assert torch.equal(model.generate(**inputs, do_sample=False, max_new_tokens=12), reference)
+
+
+@torch.no_grad()
+def test_transformers_own_output_recorders_do_not_unfuse():
+    """transformers installs output-recording hooks for good when hidden states are first asked for; those
+    are not a user's hooks, and the model stays fused."""
+    model = tiny_lm("llama")
+    model(prompt(5), output_hidden_states=True)
+    assert fused.supports(model, attention_layout(model.config)) is None

@@ -64,7 +64,7 @@ def supports(model: torch.nn.Module, layout) -> str | None:
         return f"{type(model).__name__} is not one of {', '.join(FAMILIES + VLM_FAMILIES)} (with one of their decoders)"
     decoder, head_layer, config = found
     for module in (*decoder.modules(), head_layer):
-        if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+        if "forward" in module.__dict__ or _foreign_hooks(module):
             return f"its {type(module).__name__} has a replaced or hooked forward, which the fused step would skip"
     for layer in decoder.layers:
         linears = (*(getattr(layer.self_attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -88,6 +88,13 @@ def supports(model: torch.nn.Module, layout) -> str | None:
     if size > PACK_LIMIT_BYTES:
         return f"its weights ({size >> 20} MiB) exceed the packing limit"
     return None
+
+
+def _foreign_hooks(module: torch.nn.Module) -> list:
+    """``module``'s forward hooks other than transformers' own output recorders (installed for good the first
+    time hidden states are asked for; they only copy outputs)."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return [hook for hook in hooks if not getattr(hook, "__module__", "").startswith("transformers.")]
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
