@@ -1,7 +1,9 @@
 """Does a compiled verification forward pay on this CPU? SmolLM2-135M (fp32) scoring W tree tokens
 after a 150-token prefix on a preallocated slot cache (flashmm.graphs.SlotCache, the static cache
 a compiled or graph-replayed step needs), timed eagerly through torch's linears, eagerly through
-flashmm's packed oneDNN linears (what flashmm runs today), and compiled by torch.compile (inductor,
+flashmm's packed oneDNN linears (flashmm before its fused step), flashmm's fused step
+(flashmm.targets.fused, on its own DynamicCache with the same prefix: what flashmm runs today), and
+compiled by torch.compile (inductor,
 ``dynamic=False``; ``--freezing`` sets inductor's freezing, which packs the weights for oneDNN).
 Reports each forward's median milliseconds, the compile seconds per bucket, and the largest logit
 difference to the eager forward.
@@ -17,11 +19,14 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, median, write_results  # noqa: E402
+from flashmm import cache as kv  # noqa: E402
 from flashmm.graphs import SlotCache, prefix_mask  # noqa: E402
 from flashmm.onednn import OneDNNLinears  # noqa: E402
+from flashmm.targets.fused import fused_step  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 PREFIX = 150
@@ -59,6 +64,12 @@ def forward(model, cache, tokens, write_at, mask, positions):
                  position_ids=positions).logits
 
 
+def fused_forward(model, cache, tokens, positions):
+    """The fused step's W-token chain after the prefix (cropped back to it first)."""
+    kv.crop(cache, PREFIX)
+    return fused_step(model)(tokens, positions, cache)[0]
+
+
 def timed(fn, repeats: int) -> float:
     """Median milliseconds of fn() after two warm-up calls."""
     with torch.no_grad():
@@ -81,6 +92,10 @@ def main(argv=None):
     command = "python eval/compile_probe.py " + " ".join(sys.argv[1:] if argv is None else argv)
     model, _ = load_gguf_lm("smollm2")
     cache = prefilled(model)
+    fused_cache = DynamicCache()
+    with torch.no_grad():
+        fused_step(model)(torch.randint(0, model.config.vocab_size, (1, PREFIX), generator=torch.Generator().manual_seed(0)),
+                          torch.arange(PREFIX)[None], fused_cache)
     if args.freezing:
         import torch._inductor.config as inductor  # noqa: PLC0415
 
@@ -92,6 +107,7 @@ def main(argv=None):
         eager = timed(lambda: forward(model, cache, *inputs), args.repeats)
         with OneDNNLinears(model):
             onednn = timed(lambda: forward(model, cache, *inputs), args.repeats)
+        fused = timed(lambda: fused_forward(model, fused_cache, inputs[0], inputs[3]), args.repeats)
         start = time.perf_counter()
         with torch.no_grad():
             forward(compiled, cache, *inputs)
@@ -99,13 +115,14 @@ def main(argv=None):
         fast = timed(lambda: forward(compiled, cache, *inputs), args.repeats)
         with torch.no_grad():
             difference = (forward(compiled, cache, *inputs) - forward(model, cache, *inputs)).abs().max().item()
-        rows.append([width, f"{eager:.1f}", f"{onednn:.1f}", f"{fast:.1f}", f"{compile_seconds:.0f}",
+        rows.append([width, f"{eager:.1f}", f"{onednn:.1f}", f"{fused:.1f}", f"{fast:.1f}", f"{compile_seconds:.0f}",
                      f"{difference:.1e}"])
         print(rows[-1], flush=True)
     markdown = (f"# A compiled verification forward on this CPU\n\nCommand: `{command}`\n\n"
                 f"Machine: {json.dumps(machine())}\n\nSmolLM2-135M fp32, W tokens after a {PREFIX}-token prefix on a "
                 "1024-slot SlotCache; medians of milliseconds per forward.\n\n"
-                + markdown_table(["W", "eager, torch linears", "eager, packed oneDNN (flashmm today)",
+                + markdown_table(["W", "eager, torch linears", "eager, packed oneDNN (flashmm before)",
+                                  "fused step (flashmm today)",
                                   "torch.compile" + (" (freezing)" if args.freezing else ""), "compile s",
                                   "max |Δ logit|"], rows) + "\n")
     print(markdown)
