@@ -154,14 +154,24 @@ def prefix_mask(cache: SlotCache, rows: int, batch: int, dtype, device) -> torch
     return mask
 
 
+def padded_causal(mask: torch.Tensor, new: int) -> torch.Tensor:
+    """BoolTensor [B, new, L]: which of ``mask``'s L positions ([B, L], 1 = a real token; the last ``new``
+    of them being forwarded) each new position attends to: causally, real tokens only, and a padding
+    position itself alone (a finite row that nothing reads)."""
+    cached = mask.shape[1] - new
+    allowed = torch.ones(new, mask.shape[1], dtype=torch.bool, device=mask.device).tril(cached)[None] & \
+        mask.bool()[:, None, :]
+    allowed[:, :, cached:] |= torch.eye(new, dtype=torch.bool, device=mask.device)
+    return allowed
+
+
 def prompt_mask(cache: SlotCache, mask: torch.Tensor, dtype) -> torch.Tensor:
     """The additive mask [B, 1, T, capacity] of a (padded) prompt [B, T] going into an empty SlotCache,
     which it then fills from slot 0 (``write_at`` set): causal over the real tokens (``mask`` [B, T],
     1 = real); a padding position sees only itself (finite rows nothing reads)."""
     length = mask.shape[1]
     cache.write_at = torch.arange(length, device=mask.device)
-    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    allowed = (causal[None] & mask.bool()[:, None, :]) | torch.eye(length, dtype=torch.bool, device=mask.device)
+    allowed = padded_causal(mask, length)
     bias = prefix_mask(cache, length, mask.shape[0], dtype, mask.device)
     bias[:, 0, :, :length] = bias[:, 0, :, :length].masked_fill(allowed, 0)
     return bias

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import cache as kv
+from ..graphs import padded_causal
 from ..onednn import PACK_LIMIT_BYTES, PACK_ROWS, OneDNNLinears, can_pack, onednn_available, packed_weight
 
 #: causal LMs whose decoder layers are RMSNorm → attention (rotary, grouped heads, optional q/k/v bias
@@ -224,11 +225,7 @@ class FusedDecoder:
             if attention_mask.shape[1] != cached + n:
                 raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions, the cache and the "
                                  f"new tokens {cached} + {n}")
-            causal = torch.ones(n, cached + n, dtype=torch.bool, device=device).tril(cached)
-            # a padding position sees only itself: a finite row that nothing reads
-            itself = torch.zeros_like(causal)
-            itself[:, cached:] = torch.eye(n, dtype=torch.bool, device=device)
-            allowed = ((causal[None] & attention_mask.bool()[:, None, :]) | itself)[:, None]
+            allowed = padded_causal(attention_mask, n)[:, None]
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min), False
 
 
