@@ -66,7 +66,7 @@ def parse_args(argv=None):
 
 def random_tree(n: int, gen: torch.Generator):
     """A bushy random tree: node i's parent drawn from the last few nodes (depth ~ log-ish)."""
-    from flashmm.tree import TokenTree
+    from flashmm.tree.token_tree import TokenTree
     parents = [-1] + [int(torch.randint(max(0, i - 4), i, (1,), generator=gen)) for i in range(1, n)]
     return TokenTree.from_parents(parents)
 

@@ -30,7 +30,7 @@ from common import machine, markdown_table, timed, write_results  # noqa: E402
 
 from flashmm.cache import cache_argument  # noqa: E402
 from flashmm.targets import make_target  # noqa: E402
-from flashmm.tree import TokenTree  # noqa: E402
+from flashmm.tree.token_tree import TokenTree  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,

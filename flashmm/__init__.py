@@ -4,7 +4,7 @@ from .api import SpeculativeModel, wrap
 from .config import SamplingParams, SpecConfig
 from .engine import GenerationStats
 from .pipelines import CaptionPipeline, CaptionResult
-from .tree import TokenTree
+from .tree.token_tree import TokenTree
 
 __all__ = ["CaptionPipeline", "CaptionResult", "wrap", "SpeculativeModel", "GenerationStats", "SpecConfig", "SamplingParams", "TokenTree", "drafters"]
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ from .drafters.base import Draft
 from .targets.base import TargetOutput
 from .targets.layers import LayerRunner, check_supported
 from .targets.session import Scored, SequenceSession
-from .tree import TokenTree
+from .tree.token_tree import TokenTree
 
 PRUNE_MODES = ("none", "propd")
 

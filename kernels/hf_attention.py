@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmm.tree import pack_mask, padded_trees
+from flashmm.tree.token_tree import pack_mask, padded_trees
 
 ATTENTION_NAME = "spec_tree_attention"
 BACKENDS = ("auto", "triton", "torch")

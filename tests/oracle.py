@@ -5,7 +5,7 @@ import torch
 
 from flashmm.drafters import Drafter, SequenceStart
 from flashmm.drafters.base import Draft, root_only
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 
 
 class OracleTree(Drafter):

@@ -109,7 +109,7 @@ def test_batch_width_by_hand():
     from flashmm.engine import batch_width
     from flashmm.drafters.base import Draft
     from flashmm.drafters.length import VerifyCost
-    from flashmm.tree import TokenTree
+    from flashmm.tree.token_tree import TokenTree
 
     def chain(values, k=2):
         k = k if values is None else len(values) - 1

@@ -8,7 +8,7 @@ import torch
 import flashmm
 from flashmm.drafters import DraftModel
 from flashmm.drafters.length import AdaptiveDraftLength, VerifyCost, best_tree_budget, measure_verify_cost
-from flashmm.shapes import sequoia_tree
+from flashmm.tree.shapes import sequoia_tree
 
 from text_models import prompt, tiny_lm
 

@@ -14,7 +14,7 @@ from flashmm.drafters import (AdaptiveDraftLength, Draft, DraftModel, Drafter, H
                               TokenRecycling, VerticalCascade, make_drafter)
 from flashmm.drafters import cascade
 from flashmm.sampling import warp_logits
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import PROMPT, SAMPLING, V

@@ -13,7 +13,7 @@ from flashmm.drafters import Eagle3Drafter, load
 from flashmm.drafters.base import Draft, Drafter, SequenceStart, root_only
 from flashmm.drafters.dynamic_tree import grow
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
-from flashmm.shapes import sequoia_tree
+from flashmm.tree.shapes import sequoia_tree
 from flashmm.train import eagle3 as E
 from flashmm.train import eagle3_batched as B
 

@@ -20,7 +20,7 @@ from flashmm.drafters.flash_modules import (FlashConfig, FlashNet, VisualCompres
                                             unit_layout)
 from flashmm.sampling import warp_logits
 from flashmm.config import SamplingParams
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 
 import mm_models as mm
 from text_models import prompt, tiny_lm
@@ -501,7 +501,7 @@ def test_greedy_exact_with_sequoia_trees_and_measured_budgets(text_target, k, tr
 
 def test_sequoia_tree_is_the_dynamic_programme_of_its_vector():
     from flashmm.drafters.length import best_tree_budget  # noqa: PLC0415
-    from flashmm.shapes import sequoia_tree  # noqa: PLC0415
+    from flashmm.tree.shapes import sequoia_tree  # noqa: PLC0415
 
     drafter = FlashDrafter(None, tree="sequoia", accept=ACCEPT)
     _, tree = sequoia_tree(ACCEPT, 11, 5)

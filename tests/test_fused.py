@@ -11,7 +11,7 @@ from flashmm.drafters import DraftModel, PromptLookup
 from flashmm.onednn import onednn_available
 from flashmm.targets import fused
 from flashmm.targets.layout import attention_layout
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 
 from text_models import prompt, ragged_batch, tiny_lm
 

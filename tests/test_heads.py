@@ -17,7 +17,7 @@ from flashmm.drafters.hydra import HydraHeads
 from flashmm.drafters.medusa import MedusaHeads
 from flashmm.drafters.mtp import MTPModules
 from flashmm.sampling import SamplingParams
-from flashmm.shapes import expected_accepted
+from flashmm.tree.shapes import expected_accepted
 from flashmm.train import head_replay as R
 from flashmm.train import heads as H
 from flashmm.train.corpus import features

@@ -7,7 +7,7 @@ import torch
 import flashmm
 from flashmm.config import SpecConfig
 from flashmm.drafters import DraftModel, PromptLookup
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 from flashmm.verify import JudgeHead, load_judge, verify_judge_lossy
 from flashmm.verify.rejection import sample_inverse_cdf
 

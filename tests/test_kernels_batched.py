@@ -29,7 +29,7 @@ from flashmm.drafters import DraftModel, PromptLookup  # noqa: E402
 from flashmm.kernels.attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
 from flashmm.kernels.hf_attention import TreeAttentionSwitch, tree_attention_kwargs  # noqa: E402
 from flashmm.targets.layout import AttentionLayout  # noqa: E402
-from flashmm.tree import pack_mask, padded_trees  # noqa: E402
+from flashmm.tree.token_tree import pack_mask, padded_trees  # noqa: E402
 
 from test_kernels_tree_attention import brute_force, make_inputs, run_poisoned  # noqa: E402
 from text_models import VOCAB, tiny_lm  # noqa: E402

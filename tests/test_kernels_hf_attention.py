@@ -23,7 +23,7 @@ from flashmm.cache import cache_argument  # noqa: E402
 from flashmm.kernels.hf_attention import (  # noqa: E402
     ATTENTION_NAME, TreeAttentionSwitch, resolve_backend, tree_attention_kwargs,
 )
-from flashmm.tree import TokenTree  # noqa: E402
+from flashmm.tree.token_tree import TokenTree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 97

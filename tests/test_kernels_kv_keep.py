@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashmm.kernels.compaction import kv_keep, kv_keep_ref  # noqa: E402
-from flashmm.tree import TokenTree  # noqa: E402
+from flashmm.tree.token_tree import TokenTree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from flashmm.kernels.attention import (dense_tree_mask, launch_config, split_count, tree_attention,  # noqa: E402
                                        tree_attention_ref)
-from flashmm.tree import TokenTree  # noqa: E402
+from flashmm.tree.token_tree import TokenTree  # noqa: E402
 from tree_shapes import make_tree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

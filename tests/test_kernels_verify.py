@@ -16,7 +16,7 @@ from flashmm.kernels.verification import (  # noqa: E402
     draw_verify_randoms, verify_tree_greedy, verify_tree_greedy_ref, verify_tree_sampling,
     verify_tree_sampling_ref,
 )
-from flashmm.tree import TokenTree  # noqa: E402
+from flashmm.tree.token_tree import TokenTree  # noqa: E402
 from flashmm.verify import draw_uniforms, verify_chain, verify_greedy, verify_tree  # noqa: E402
 from tree_shapes import make_tree
 

@@ -27,7 +27,7 @@ def caught(call):
 def test_raised_by_model_tells_whose_code_raised():
     assert raised_by_model(caught(lambda: torch.zeros(2) + torch.zeros(3)))        # torch's
     assert raised_by_model(caught(lambda: {}["key"]))                              # this test's (not flashmm)
-    from flashmm.tree import TokenTree
+    from flashmm.tree.token_tree import TokenTree
 
     assert not raised_by_model(caught(lambda: TokenTree.from_parents([5])))         # flashmm's own code
 

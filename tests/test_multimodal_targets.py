@@ -14,7 +14,7 @@ from flashmm.targets import make_target
 from flashmm.targets.llava import LlavaTarget
 from flashmm.targets.qwen_vl import QwenVLTarget
 from flashmm.targets.visual import MediaMismatchError
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 
 from mm_models import ALL_KINDS, QWEN_KINDS, VIDEO_KINDS, make_inputs, random_image, tiny_vlm
 from oracle import OracleTree

@@ -13,7 +13,7 @@ from flashmm.drafters.swift import Swift
 from flashmm.onednn import can_pack, onednn_available
 from flashmm.sampling import warp_logits
 from flashmm.targets.layers import LayerRunner, check_supported
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 from flashmm.verify_prune import score_draft, unprune
 from stats_utils import chi_square_pvalue
 from text_models import prompt, ragged_batch, tiny_lm

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from flashmm.shapes import dyspec_tree, expected_accepted, sequoia_tree
+from flashmm.tree.shapes import dyspec_tree, expected_accepted, sequoia_tree
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,7 @@ import torch
 
 import flashmm
 from flashmm.drafters import Draft, Drafter, DraftModel, PromptLookup
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 
 from text_models import ARCHS, VOCAB, prompt, tiny_lm
 

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from flashmm.tree import TokenTree, pack_mask, unpack_mask
+from flashmm.tree.token_tree import TokenTree, pack_mask, unpack_mask
 
 
 def random_parents(n, rng):

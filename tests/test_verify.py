@@ -9,7 +9,7 @@ import torch
 
 from flashmm.config import SamplingParams, SpecConfig
 from flashmm.sampling import probs_from_logits
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 from flashmm.verify import (
     VerifyResult, draw_uniforms, sample_inverse_cdf, select_verifier, verify_chain, verify_greedy,
     verify_tree, verify_typical_lossy,

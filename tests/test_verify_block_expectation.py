@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 from flashmm.verify import verify_block, verify_traversal
 from flashmm.verify.block import block_weights
 

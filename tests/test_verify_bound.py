@@ -13,7 +13,7 @@ import pytest
 import scipy.optimize
 import torch
 
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 from flashmm.verify.bound import acceptance_bound
 from flashmm.verify.rsd import rsd_acceptance
 

@@ -21,7 +21,7 @@ import torch
 
 from flashmm.config import SamplingParams
 from flashmm.sampling import probs_from_logits
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 from flashmm.verify import VerifyResult, verify_chain, verify_tree
 from flashmm.verify.greedy import walk
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from flashmm.drafters.schemes import beam_step, gumbel_topk
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 from flashmm.verify import VerifyResult, verify_block, verify_rsd, verify_spectr, verify_traversal, verify_tree
 from test_verify_distribution import (P_VALUE_MIN, TREE, TRIALS, VOCAB, WARPS, WIDE, bigram_tables,
                                       chi_square_p_value, draft_tokens, emitted_pairs)

@@ -12,7 +12,7 @@ import torch
 
 import flashmm
 from flashmm.drafters import DraftModel, PromptLookup
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import PROMPT, SAMPLING, V, exact_joint, models  # noqa: F401 (fixture)

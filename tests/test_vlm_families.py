@@ -184,7 +184,7 @@ def test_rope_index_positions_are_the_models_own(kind):
     assert torch.equal(positions, own) and torch.equal(delta, own_delta) and int(delta) < 0
     target.prefill(inputs["input_ids"], inputs["attention_mask"], False, **media)
     assert model.model.rope_deltas is None
-    from flashmm.tree import TokenTree
+    from flashmm.tree.token_tree import TokenTree
 
     tree = TokenTree.from_choices([[0], [1], [0, 0]])
     expected = inputs["input_ids"].shape[1] + int(delta) + tree.depth

@@ -1,7 +1,7 @@
 """Tree shapes for kernel tests: chains, stars and random trees."""
 import torch
 
-from flashmm.tree import TokenTree
+from flashmm.tree.token_tree import TokenTree
 
 
 def make_tree(kind: str, n: int, gen: torch.Generator) -> TokenTree:

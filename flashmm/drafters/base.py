@@ -12,7 +12,7 @@ import torch
 from ..config import SamplingParams
 from ..onednn import OneDNNLinears
 from ..targets.base import SequenceStart, Target  # noqa: F401 (SequenceStart: part of the drafter protocol)
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import sample
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import Draft, Drafter, StepResult, register, root_only
 from .draft_model import DraftModel
 from .length import AdaptiveDraftLength, VerifyCostUnmeasurable, measure_verify_cost, price_with_target

@@ -22,7 +22,7 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import sample
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import Draft, root_only
 from .draft_model import DraftModel, output_rows
 from .length import AdaptiveDraftLength

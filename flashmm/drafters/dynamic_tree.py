@@ -116,7 +116,7 @@ def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, bud
 
 
 def grow_static(root_logp: torch.Tensor, expand: Expand, paths: list[tuple[int, ...]]) -> GrownTree:
-    """A fixed tree of rank paths (a Sequoia tree, flashmm.shapes): the node at path (r1, .., rd)
+    """A fixed tree of rank paths (a Sequoia tree, flashmm.tree.shapes): the node at path (r1, .., rd)
     is the r_d-th most likely child of the node at (r1, .., r_{d-1}); every node with children is
     expanded once, depth by depth. ``paths`` must hold every prefix of each of its paths."""
     if not paths:

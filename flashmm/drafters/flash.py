@@ -13,7 +13,7 @@ chain of earlier passes), so every node at depth j gets the same children: the t
 the depth-(j+1) distribution. The tree is a static shape (Medusa-style rank paths), a chain,
 "dynamic": best-first expansion by cumulative draft probability up to the token budget, or
 "sequoia": the static tree maximising expected accepted tokens under the drafter's measured
-positional acceptance vector ``accept`` (flashmm.shapes.sequoia_tree; eval/flash_sequoia_vector.py
+positional acceptance vector ``accept`` (flashmm.tree.shapes.sequoia_tree; eval/flash_sequoia_vector.py
 measures it). ``budget="auto"`` sizes each step's tree by the target's measured verify time
 (target.verify_cost()): a dynamic tree keeps the prefix of its best-first nodes that maximises
 (1 + Σ path probability ** calibration) / (t(n) / t(1)) — a node's estimated chance to be accepted;
@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import SamplingParams
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import TreeUnits, grow
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors

@@ -10,7 +10,7 @@ Static trees (Medusa's sparse tree, Cai et al. 2024): with acc[k][r] = P(head k'
 the right one), measured on held-out corpus answers with the preceding tokens right, a node whose
 path from the root takes ranks (r_1, ..., r_j) is accepted with probability prod_k acc[k][r_k]
 (treating heads as independent). The tree of ``budget`` nodes with the largest such products is
-chosen greedily (flashmm.shapes.dyspec_tree); its expected accepted tokens is their sum.
+chosen greedily (flashmm.tree.shapes.dyspec_tree); its expected accepted tokens is their sum.
 
 On disk: ``drafter.json`` (method, drafter, target, ``heads`` config, ``accuracy`` table, training
 info, the rebuild command) and ``model.safetensors`` (the head weights in fp16 and ``vocab``, the
@@ -30,8 +30,8 @@ from torch import nn
 
 from ..config import SamplingParams
 from ..onednn import routed_like
-from ..shapes import dyspec_tree
-from ..tree import TokenTree
+from ..tree.shapes import dyspec_tree
+from ..tree.token_tree import TokenTree
 from .base import Draft, Drafter, SequenceStart, StepResult, root_only
 from .length import AdaptiveDraftLength, price_with_target
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors

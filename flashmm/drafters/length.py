@@ -397,9 +397,9 @@ def best_tree_budget(accept: Sequence[float], verify_cost: VerifyCost, max_nodes
     """The node count n (root included) and Sequoia tree maximising expected tokens per second:
     (1 + expected accepted of the best n-node tree) / (t(n) / t(1) + draft_token_cost * (n - 1)).
 
-    accept: positional acceptance vector (flashmm.shapes). Returns (n, tree, tokens per forward-unit).
+    accept: positional acceptance vector (flashmm.tree.shapes). Returns (n, tree, tokens per forward-unit).
     """
-    from ..shapes import sequoia_tree  # noqa: PLC0415 (shapes imports tree, a sibling of drafters)
+    from ..tree.shapes import sequoia_tree  # noqa: PLC0415 (shapes imports tree, a sibling of drafters)
 
     best = (1, None, 1.0)
     for n in range(1, max_nodes + 1):
@@ -415,7 +415,7 @@ def sequoia_rank_paths(accept: Sequence[float], budget: int, depth: int | None,
     """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes: with a
     measured ``verify_cost``, the node count maximising expected tokens per unit of verify time
     (best_tree_budget; possibly no node), else all ``budget`` of them."""
-    from ..shapes import sequoia_tree  # noqa: PLC0415 (shapes imports tree, a sibling of drafters)
+    from ..tree.shapes import sequoia_tree  # noqa: PLC0415 (shapes imports tree, a sibling of drafters)
 
     if verify_cost is not None:
         _, tree, _ = best_tree_budget(accept, verify_cost, budget + 1, depth)

@@ -24,7 +24,7 @@ from torch import nn
 from .. import cache as kv
 from ..config import SamplingParams
 from ..sampling import sample
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import Draft, register, root_only
 from .draft_model import DraftModel
 from .fastdraft import ReducedVocabLM, load_reduced_lm

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import Draft, Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength, price_with_target
 

@@ -24,7 +24,7 @@ import torch
 from ..config import SamplingParams
 from ..sampling import sample
 from ..targets.layers import LayerRunner, crop_layers, layer_len
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import Draft, Drafter, StepResult, root_only
 from .length import AdaptiveDraftLength, price_with_target
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
 from .files import DrafterFileError, read_safetensors
 from .length import AdaptiveDraftLength, price_with_target

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import Draft
 from .length import AdaptiveDraftLength
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 
 
 @dataclass

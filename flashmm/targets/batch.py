@@ -25,7 +25,7 @@ import torch
 
 from .. import cache as kv
 from ..graphs import SlotCache, prompt_mask
-from ..tree import TokenTree, padded_trees
+from ..tree.token_tree import TokenTree, padded_trees
 from .base import select_hidden
 
 

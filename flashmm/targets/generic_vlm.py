@@ -33,7 +33,7 @@ import warnings
 import torch
 
 from ..cache import cache_argument
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from . import register_adapter
 from .base import TargetOutput
 from .failures import MODEL_ERRORS, describe, raised_by_model

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from .. import cache as kv
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .layout import SLIDING, attention_layout
 
 #: model_type of the families whose layers LayerRunner composes (pre-norm attention + MLP, one final norm)

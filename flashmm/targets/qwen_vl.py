@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from . import register_adapter
 from .base import TargetOutput
 from .visual import VisualTarget, count_runs, instance_of

@@ -46,7 +46,7 @@ from contextlib import contextmanager
 import torch
 
 from ..cache import CACHE_ARGUMENTS
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .failures import MODEL_ERRORS, describe, raised_by_model
 from .layout import longest_window
 from .recurrent import StateOutsideCache, continues_state, generate_cache_layers, recurrent_layer_kinds

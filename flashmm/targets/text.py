@@ -26,7 +26,7 @@ import torch
 from .. import cache as kv
 from .. import graphs
 from ..onednn import OneDNNLinears, resolve_linear_backend
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from . import fused, recurrent
 from .base import Target, TargetOutput, select_hidden
 from .layout import CHUNKED, SLIDING, attention_layout

@@ -13,7 +13,7 @@ import torch
 
 from ..config import VERIFIERS, SamplingParams, SpecConfig
 from ..sampling import probs_from_logits
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import VerifyResult
 from .block import verify_block
 from .greedy import verify_greedy

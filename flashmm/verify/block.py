@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import VerifyResult
 from .rejection import _prepare, sample_inverse_cdf
 

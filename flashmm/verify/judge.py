@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import VerifyResult
 from .greedy import check_inputs, walk, walk_tables
 from .rejection import draw_uniforms, sample_inverse_cdf

@@ -42,7 +42,7 @@ import functools
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import VerifyResult
 from .greedy import check_inputs, walk
 

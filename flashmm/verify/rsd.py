@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import VerifyResult
 from .greedy import walk
 from .rejection import _prepare, _rank_tables, sample_inverse_cdf

@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import VerifyResult
 from .rejection import _prepare, sample_inverse_cdf
 

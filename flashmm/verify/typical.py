@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import TokenTree
+from ..tree.token_tree import TokenTree
 from .base import VerifyResult
 from .greedy import check_inputs, walk, walk_tables
 from .rejection import draw_uniforms, sample_inverse_cdf

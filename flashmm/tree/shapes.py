@@ -24,7 +24,7 @@ import functools
 import heapq
 from typing import Callable, Sequence
 
-from .tree import TokenTree
+from .token_tree import TokenTree
 
 
 def expected_accepted(choices: Sequence[Sequence[int]], accept: Sequence[float]) -> float:
