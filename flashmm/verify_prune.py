@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters.base import Draft
 from .targets.base import TargetOutput
 from .targets.layers import LayerRunner, check_supported
 from .targets.session import Scored, SequenceSession
+from .tree.draft import Draft
 from .tree.token_tree import TokenTree
 
 PRUNE_MODES = ("none", "propd")

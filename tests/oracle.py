@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from flashmm.drafters import Drafter, SequenceStart
-from flashmm.drafters.base import Draft, root_only
+from flashmm.drafters.base import root_only
+from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
 
 

@@ -107,7 +107,7 @@ def test_batch_width_by_hand():
     """One width for all rows: every row pays for the widest tree, so the width maximises the rows'
     expected tokens per unit of verify time (worked by hand below)."""
     from flashmm.engine import batch_width
-    from flashmm.drafters.base import Draft
+    from flashmm.tree.draft import Draft
     from flashmm.drafters.length import VerifyCost
     from flashmm.tree.token_tree import TokenTree
 

@@ -15,7 +15,8 @@ import torch
 import flashmm
 from flashmm.collate import collate
 from flashmm.drafters import DraftModel, PromptLookup
-from flashmm.drafters.base import Draft, Drafter, root_only
+from flashmm.drafters.base import Drafter, root_only
+from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
 
 from mm_models import cached_tiny_llava, make_inputs, random_image, tiny_vlm, vocab_size

@@ -10,12 +10,13 @@ import torch
 
 import flashmm
 from flashmm.drafters import Eagle3Drafter, load
-from flashmm.drafters.base import Draft, Drafter, SequenceStart, root_only
+from flashmm.drafters.base import Drafter, SequenceStart, root_only
 from flashmm.drafters.dynamic_tree import grow
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.tree.shapes import sequoia_tree
 from flashmm.train import eagle3 as E
 from flashmm.train import eagle3_batched as B
+from flashmm.tree.draft import Draft
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import PROMPT, SAMPLING, exact_joint, histogram, models  # noqa: F401 (fixture)

@@ -12,7 +12,6 @@ import torch
 
 import flashmm
 import flashmm.engine
-from flashmm.drafters.base import Draft
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.prompt_lookup import NgramIndex, PromptLookup
 from flashmm.drafters.trie import best_first_paths
@@ -20,6 +19,7 @@ from flashmm.drafters.flash_modules import (FlashConfig, FlashNet, VisualCompres
                                             unit_layout)
 from flashmm.sampling import warp_logits
 from flashmm.config import SamplingParams
+from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
 
 import mm_models as mm

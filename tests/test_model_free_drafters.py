@@ -7,8 +7,8 @@ import torch
 
 import flashmm
 from flashmm.drafters import AdaptiveDraftLength, Draft, Drafter, Lookahead, PromptLookup, Rest, SuffixDecoding, TokenRecycling
-from flashmm.drafters.base import AuxRows
 from flashmm.drafters.rest import Datastore
+from flashmm.tree.draft import AuxRows
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import PROMPT, SAMPLING, TRIALS, V, exact_joint

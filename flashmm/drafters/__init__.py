@@ -1,5 +1,6 @@
 """Drafting methods, one class each, behind the Drafter protocol."""
-from .base import Draft, Drafter, SequenceStart, StepResult, drafter_names, make_drafter, register
+from ..tree.draft import Draft
+from .base import Drafter, SequenceStart, StepResult, drafter_names, make_drafter, register
 from .cross_tokenizer import CrossTokenizerDraft
 from .cascade import HorizontalCascade, VerticalCascade
 from .draft_model import DraftModel

@@ -24,8 +24,9 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import sample
+from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
-from .base import Draft, Drafter, StepResult, register, root_only
+from .base import Drafter, StepResult, register, root_only
 from .draft_model import DraftModel
 from .length import AdaptiveDraftLength, VerifyCostUnmeasurable, measure_verify_cost, price_with_target
 

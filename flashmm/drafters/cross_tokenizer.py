@@ -22,8 +22,9 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import sample
+from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
-from .base import Draft, root_only
+from .base import root_only
 from .draft_model import DraftModel, output_rows
 from .length import AdaptiveDraftLength
 

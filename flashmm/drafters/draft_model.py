@@ -9,8 +9,9 @@ from .. import cache as kv
 from ..config import SamplingParams
 from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..sampling import sample
+from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
-from .base import Draft, Drafter, StepResult, register, root_only
+from .base import Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength, VerifyCostUnmeasurable, measure_verify_cost, price_with_target
 from .tree_drafting import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
 

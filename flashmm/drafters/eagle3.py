@@ -43,7 +43,8 @@ from safetensors.torch import save_file
 
 from ..config import SamplingParams
 from ..onednn import routed_like
-from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
+from ..tree.draft import Draft
+from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import GrownTree, TreeUnits, grow, grow_static
 from .eagle3_net import Eagle3Config, Eagle3Net
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors

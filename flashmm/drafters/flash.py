@@ -45,8 +45,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import SamplingParams
+from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
-from .base import Draft, Drafter, SequenceStart, StepResult, register, root_only
+from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .dynamic_tree import TreeUnits, grow
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors
 from .length import measured_verify_cost, sequoia_rank_paths

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from ..config import SamplingParams
-from .base import Draft, SequenceStart, StepResult, register, root_only
+from ..tree.draft import Draft
+from .base import SequenceStart, StepResult, register, root_only
 from .head_base import HeadDrafter
 from .mtp import Block, rope_inv_freq, rope_tables
 

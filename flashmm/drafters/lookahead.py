@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import AuxRows, Drafter, StepResult, register, root_only
+from ..tree.draft import AuxRows
+from .base import Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength, price_with_target
 from .trie import DraftTrie, TreeBudget
 

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..config import SamplingParams
-from .base import Draft, register, root_only
+from ..tree.draft import Draft
+from .base import register, root_only
 from .head_base import HeadDrafter
 
 

@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from .base import Draft, Drafter
+from ..tree.draft import Draft
+from .base import Drafter
 
 
 class _Guess:

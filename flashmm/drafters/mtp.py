@@ -31,7 +31,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import SamplingParams
-from .base import Draft, SequenceStart, StepResult, register, root_only
+from ..tree.draft import Draft
+from .base import SequenceStart, StepResult, register, root_only
 from .head_base import HeadDrafter
 
 

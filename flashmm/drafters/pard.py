@@ -24,8 +24,9 @@ from torch import nn
 from .. import cache as kv
 from ..config import SamplingParams
 from ..sampling import sample
+from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
-from .base import Draft, register, root_only
+from .base import register, root_only
 from .draft_model import DraftModel
 from .fastdraft import ReducedVocabLM, load_reduced_lm
 from .files import blamed_on, check_section

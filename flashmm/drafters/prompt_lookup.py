@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
-from .base import Draft, Drafter, StepResult, register, root_only
+from .base import Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength, price_with_target
 
 

@@ -38,8 +38,9 @@ import torch
 from .. import cache as kv
 from ..config import SamplingParams
 from ..sampling import sample
+from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
-from .base import Draft, register, root_only
+from .base import register, root_only
 from .fastdraft import FastDraft, ReducedVocabLM, save_reduced_lm
 from .length import AdaptiveDraftLength
 

@@ -24,8 +24,9 @@ import torch
 from ..config import SamplingParams
 from ..sampling import sample
 from ..targets.layers import LayerRunner, crop_layers, layer_len
+from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
-from .base import Draft, Drafter, StepResult, root_only
+from .base import Drafter, StepResult, root_only
 from .length import AdaptiveDraftLength, price_with_target
 
 

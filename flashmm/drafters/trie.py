@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
-from .base import Draft
 from .length import AdaptiveDraftLength
 
 

@@ -14,15 +14,13 @@ the three methods a Session declares; how the rows' caches are laid out is the s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
+from ..tree.draft import Draft
 from . import batch as padded
 from .base import SequenceStart, Target, TargetOutput
-
-if TYPE_CHECKING:  # drafters import targets, never the reverse
-    from ..drafters.base import Draft
 
 
 @dataclass
