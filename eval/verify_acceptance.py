@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_results  # noqa: E402
 
-from flashmm.drafters.schemes import gumbel_topk  # noqa: E402
+from flashmm.tree.gumbel import gumbel_topk  # noqa: E402
 from flashmm.tree.token_tree import TokenTree  # noqa: E402
 from flashmm.verify import verify_block, verify_chain, verify_rsd, verify_spectr, verify_traversal, verify_tree  # noqa: E402
 from flashmm.verify.bound import acceptance_bound  # noqa: E402

@@ -11,12 +11,12 @@ import torch
 import flashmm
 from flashmm.drafters import Eagle3Drafter, load
 from flashmm.drafters.base import Drafter, SequenceStart, root_only
-from flashmm.drafters.dynamic_tree import grow
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.tree.shapes import sequoia_tree
 from flashmm.train import eagle3 as E
 from flashmm.train import eagle3_batched as B
 from flashmm.tree.draft import Draft
+from flashmm.tree.dynamic import grow
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import PROMPT, SAMPLING, exact_joint, histogram, models  # noqa: F401 (fixture)
@@ -237,7 +237,7 @@ def test_sequoia_tree_equals_brute_force_ranks():
 
 
 def _nodes(grown):
-    from flashmm.drafters.dynamic_tree import Node  # noqa: PLC0415
+    from flashmm.tree.dynamic import Node  # noqa: PLC0415
 
     depth = _depths(grown.parents)
     return [Node(p - 1, r, s, depth[i + 1]) for i, (p, r, s) in enumerate(zip(grown.parents, grown.rows, grown.scores))]
@@ -281,7 +281,7 @@ def test_budget_keeps_the_best_paying_prefix_and_stays_exact():
     ids = prompt(9, seed=2)
     assert torch.equal(sm.generate(ids, max_new_tokens=20, eos_token_id=[]),
                        target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
-    from flashmm.drafters.dynamic_tree import GrownTree
+    from flashmm.tree.dynamic import GrownTree
     grown = GrownTree(parents=[0, 0, 1, 2, 3], rows=[5, 6, 7, 8, 9], scores=[-0.1, -0.2, -0.3, -3.0, -0.4],
                       expanded=3)
     token = net.draft_to_target[torch.arange(10)].tolist()          # of each head row

@@ -11,9 +11,9 @@ from text_models import VOCAB, prompt, tiny_lm
 
 import flashmm
 from flashmm.drafters import Eagle3Drafter
-from flashmm.drafters.dynamic_tree import GrownTree
-from flashmm.drafters.trie import ChainCalibration, match_bucket
 from flashmm.train import eagle3 as E
+from flashmm.tree.dynamic import GrownTree
+from flashmm.tree.trie import ChainCalibration, match_bucket
 
 # ---------------------------------------------------------------- ChainCalibration, worked by hand
 

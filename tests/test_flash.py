@@ -14,13 +14,13 @@ import flashmm
 import flashmm.engine
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.prompt_lookup import NgramIndex, PromptLookup
-from flashmm.drafters.trie import best_first_paths
 from flashmm.drafters.flash_modules import (FlashConfig, FlashNet, VisualCompressor, build_units, merge_adjacent,
                                             unit_layout)
 from flashmm.sampling import warp_logits
 from flashmm.config import SamplingParams
 from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
+from flashmm.tree.trie import best_first_paths
 
 import mm_models as mm
 from text_models import prompt, tiny_lm

@@ -12,8 +12,8 @@ from flashmm.drafters import Rest, SuffixDecoding, TokenRecycling
 from flashmm.drafters.base import SequenceStart, StepResult
 from flashmm.drafters.rest import Datastore, read_documents, suffix_array
 from flashmm.drafters.suffix import SuffixTrie
-from flashmm.drafters.trie import DraftTrie, TreeBudget, shadow_accepted
 from flashmm.sampling import SamplingParams
+from flashmm.tree.trie import DraftTrie, TreeBudget, shadow_accepted
 
 from text_models import prompt, tiny_lm
 

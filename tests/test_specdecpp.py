@@ -217,7 +217,7 @@ def test_eagle3_tree_keeps_every_rank_path_above_the_floor_brute_force():
 
 
 def _nodes_of(grown, drafter):
-    from flashmm.drafters.dynamic_tree import Node  # noqa: PLC0415
+    from flashmm.tree.dynamic import Node  # noqa: PLC0415
 
     depth = [0]
     for p in grown.parents:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmm.drafters.schemes import beam_step, gumbel_topk
+from flashmm.tree.gumbel import beam_step, gumbel_topk
 from flashmm.tree.token_tree import TokenTree
 from flashmm.verify import VerifyResult, verify_block, verify_rsd, verify_spectr, verify_traversal, verify_tree
 from test_verify_distribution import (P_VALUE_MIN, TREE, TRIALS, VOCAB, WARPS, WIDE, bigram_tables,

@@ -10,10 +10,10 @@ from ..config import SamplingParams
 from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..sampling import sample
 from ..tree.draft import Draft
+from ..tree.scheme_trees import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength, VerifyCostUnmeasurable, measure_verify_cost, price_with_target
-from .tree_drafting import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
 
 DRAFTINGS = ("sibling", "rsd_c", "rsd_s", "chains")
 
@@ -39,7 +39,7 @@ class DraftModel(Drafter):
     does for every drafter and as SpecConfig.max_draft_tokens caps them for the engine; a tree's
     depth is what fits: max_draft_tokens // tree_width (beam_width, num_chains).
 
-    ``drafting`` picks the tree and how it is sampled (flashmm.drafters.tree_drafting), each
+    ``drafting`` picks the tree and how it is sampled (flashmm.tree.scheme_trees), each
     matching an exact verifier (``drafting_scheme`` tells the engine which):
       "sibling" (default): the chain / sibling tree above; scheme "chain" (tree_width 1) or "iid".
       "rsd_c":  Gumbel-Top-k per node, ``branching[d]`` children at depth d (cut to the node

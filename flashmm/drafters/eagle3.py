@@ -6,7 +6,7 @@ verification made known (their features arrive through ``observe``), whose last 
 the token after the root. Then:
 
 - ``tree="chain"``: the head's greedy chain, each drafted unit reading its parent's output;
-- ``tree="dynamic"``: an EAGLE-2 tree (dynamic_tree.grow), each expanded node run on its own
+- ``tree="dynamic"``: an EAGLE-2 tree (flashmm.tree.dynamic.grow), each expanded node run on its own
   path with tree attention over the committed cache and its ancestors' draft units.
 
 Lookup branch (``lookup="suffix"`` or ``"ngram"``): a one-layer head reads far context poorly, so
@@ -44,15 +44,15 @@ from safetensors.torch import save_file
 from ..config import SamplingParams
 from ..onednn import routed_like
 from ..tree.draft import Draft
+from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
+from ..tree.trie import DraftTrie, best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, register, root_only
-from .dynamic_tree import GrownTree, TreeUnits, grow, grow_static
 from .eagle3_net import Eagle3Config, Eagle3Net
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
 from .head_base import committed_embeds
 from .length import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
 from .saved import read_info
 from .suffix import LookupBranch
-from .trie import DraftTrie, best_paying_prefix
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
 

@@ -46,14 +46,14 @@ from safetensors.torch import save_file
 
 from ..config import SamplingParams
 from ..tree.draft import Draft
+from ..tree.dynamic import TreeUnits, grow
 from ..tree.token_tree import TokenTree
+from ..tree.trie import best_first_paths, best_paying_prefix, fit_chain
 from .base import Drafter, SequenceStart, StepResult, register, root_only
-from .dynamic_tree import TreeUnits, grow
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors
 from .length import measured_verify_cost, sequoia_rank_paths
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
 from .suffix import SuffixTrie, lookup_source
-from .trie import best_first_paths, best_paying_prefix, fit_chain
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
 # flash_config.json's top level: "training" is the optional record resolve.training_record reads
@@ -88,7 +88,7 @@ class FlashDrafter(Drafter):
                   budget or ``max_nodes``), "chain", a list of rank paths (static shape),
                   "sequoia" (the Sequoia tree of ``accept``), or
                   "eagle2" (K = 1 heads: EAGLE-2 trees, every node expanded on its own path; see
-                  dynamic_tree).
+                  flashmm.tree.dynamic).
     depth:        deepest drafted position for "dynamic"/"chain" (default: the smallest multiple
                   of K that is >= 5, i.e. one SAR pass for K = 5, five for K = 1).
     top_k:        most children per node ("dynamic").
@@ -447,7 +447,7 @@ class FlashDrafter(Drafter):
         return Draft(tokens=committed.new_tensor([tokens]), tree=tree, q_probs=None)
 
     def _eagle2(self, committed: torch.Tensor, root_feature: torch.Tensor, max_tokens: int) -> Draft:
-        """EAGLE-2 tree (dynamic_tree.grow) for a K = 1 head: every expanded node runs the head on its
+        """EAGLE-2 tree (flashmm.tree.dynamic.grow) for a K = 1 head: every expanded node runs the head on its
         own path (its unit attends to the committed units, its ancestors' units and itself)."""
         if self.net.tokens_per_step != 1:
             raise ValueError(f"tree='eagle2' needs a K = 1 FLASH head (tokens_per_step = 1), this one has "

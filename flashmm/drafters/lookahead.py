@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from ..tree.draft import AuxRows
+from ..tree.trie import DraftTrie, TreeBudget
 from .base import Drafter, StepResult, register, root_only
 from .length import AdaptiveDraftLength, price_with_target
-from .trie import DraftTrie, TreeBudget
 
 
 @register

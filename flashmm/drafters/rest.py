@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..tree.trie import DraftTrie, TreeBudget, match_bucket
 from . import disk_cache
 from .base import Drafter, StepResult, register, root_only
 from .files import DrafterFileError, read_safetensors
 from .length import AdaptiveDraftLength, price_with_target
-from .trie import DraftTrie, TreeBudget, match_bucket
 
 SEPARATOR = -1
 

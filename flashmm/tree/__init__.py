@@ -1,5 +1,9 @@
-"""Token trees and the planning of the tree to verify.
+"""Token trees and the one tree planner: what turns a drafter's hypotheses into the tree to verify.
 
-``token_tree`` (TokenTree: node 0 the root, parents in BFS order, masks, positions, paths) and
-``shapes`` (Sequoia and DySpec tree shapes from positional acceptance rates).
+``token_tree`` (TokenTree: node 0 the root, parents in BFS order, masks, positions, paths), ``draft``
+(Draft: the tokens, tree and draft probabilities the target verifies), ``shapes`` (Sequoia and DySpec
+tree shapes from positional acceptance rates), ``trie`` (hypotheses merged into one tree, the
+best-paying prefix, best-first paths, the node budget), ``dynamic`` (EAGLE-2 trees grown node by
+node), ``scheme_trees`` and ``gumbel`` (the trees a draft model samples under each drafting scheme,
+and sampling without replacement).
 """

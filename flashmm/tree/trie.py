@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree.draft import Draft
-from ..tree.token_tree import TokenTree
-from .length import AdaptiveDraftLength
+from ..drafters.length import AdaptiveDraftLength
+from .draft import Draft
+from .token_tree import TokenTree
 
 
 class DraftTrie:

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from ..sampling import sample as sample_one
-from .schemes import beam_step, gumbel_topk
+from .gumbel import beam_step, gumbel_topk
 
 NextProbs = Callable[[list[int]], torch.Tensor]
 
