@@ -26,7 +26,7 @@ from common import (baseline_legend, machine, markdown_table, on_onednn, onednn_
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
 
 import flashmm  # noqa: E402
-from flashmm.drafters.length import batch_bucket  # noqa: E402
+from flashmm.tree.cost import batch_bucket  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 

@@ -20,8 +20,8 @@ import torch
 
 from eval.common import machine, markdown_table, write_results
 from flashmm.drafters import load
-from flashmm.drafters.length import measure_verify_cost
 from flashmm.paths import work_dir
+from flashmm.targets.verify_cost import measure_verify_cost
 from flashmm.train import eagle3 as E
 from flashmm.train.corpus import CorpusFeatures
 from flashmm.weights import load_gguf_lm

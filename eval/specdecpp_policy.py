@@ -7,7 +7,7 @@ the committed text, the accepted tokens are the chain's longest prefix agreeing 
 the target's own token follows, and the drafter observes that outcome — exactly what the engine's
 greedy verification would do. Counted per emitted token: verification steps (τ = tokens / steps),
 drafted tokens, draft forwards. The cost model prices a step of n nodes at t(n) / t(1) target
-one-token forwards (measured on this machine, flashmm.drafters.length.measure_verify_cost) and a
+one-token forwards (measured on this machine, flashmm.targets.verify_cost.measure_verify_cost) and a
 draft forward at its measured share of a target step, giving a modeled speedup over plain decoding
 that timing noise on a loaded machine cannot touch.
 
@@ -27,8 +27,8 @@ from eval.common import machine, markdown_table, write_results
 from flashmm.config import SamplingParams
 from flashmm.drafters import load
 from flashmm.drafters.base import SequenceStart, StepResult
-from flashmm.drafters.length import VerifyCost
 from flashmm.paths import work_dir
+from flashmm.tree.cost import VerifyCost
 
 GREEDY = SamplingParams()
 

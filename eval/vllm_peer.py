@@ -263,7 +263,7 @@ def main(argv=None):
     for fn in methods.values():  # allocators, first calls, vLLM's shapes; not timed
         fn(warm["ids"][:, -8:], warm["mask"][:, -8:], 4)
     if args.batch > 1:  # the per-row verify costs batched drafts are priced by, measured before the clock runs
-        from flashmm.drafters.length import batch_bucket  # noqa: PLC0415
+        from flashmm.tree.cost import batch_bucket  # noqa: PLC0415
         for sm in wrapped.values():
             for rows in range(1, args.batch + 1):
                 sm.target.verify_cost(batch=batch_bucket(rows))

@@ -15,10 +15,10 @@ import torch
 
 from .config import SamplingParams, SpecConfig
 from .drafters.base import Drafter, StepResult, hidden_request
-from .drafters.length import batch_bucket, measured_verify_cost, price_for_batch
 from .sampling import sample
 from .targets.base import Target
 from .targets.session import open_session
+from .tree.cost import batch_bucket, measured_verify_cost, price_for_batch
 from .verify import drafting_scheme_of, select_verifier
 from .verify_prune import PruningSession
 
@@ -275,7 +275,7 @@ def batch_width(drafts: list, verify_cost) -> int:
 
 class BatchPricing:
     """What a step costs with ``rows`` rows verified together, for the drafters of a batch: each
-    drafter prices its drafts for its row's share (drafters.length.price_for_batch), and drafts
+    drafter prices its drafts for its row's share (tree.cost.price_for_batch), and drafts
     with ``values`` are cut to one batch-wide width (``batch_width``) on the measured cost."""
 
     def __init__(self, target: Target, drafters: list[Drafter]):

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import flashmm
+from flashmm import disk_cache
 from flashmm.drafters import DrafterFileError, FlashDrafter, Rest, load
-from flashmm.drafters import disk_cache
 from flashmm.drafters import rest as rest_module
 from flashmm.drafters.eagle3 import save_head
 from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net

@@ -5,7 +5,7 @@ import torch
 
 import flashmm
 from flashmm.drafters import DraftModel, PromptLookup
-from flashmm.drafters.length import batch_bucket
+from flashmm.tree.cost import batch_bucket
 
 from stats_utils import chi_square_pvalue
 from text_models import prompt, ragged_batch, tiny_lm
@@ -108,7 +108,7 @@ def test_batch_width_by_hand():
     expected tokens per unit of verify time (worked by hand below)."""
     from flashmm.engine import batch_width
     from flashmm.tree.draft import Draft
-    from flashmm.drafters.length import VerifyCost
+    from flashmm.tree.cost import VerifyCost
     from flashmm.tree.token_tree import TokenTree
 
     def chain(values, k=2):

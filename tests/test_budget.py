@@ -7,7 +7,8 @@ import torch
 
 import flashmm
 from flashmm.drafters import DraftModel
-from flashmm.drafters.length import AdaptiveDraftLength, VerifyCost, best_tree_budget, measure_verify_cost
+from flashmm.targets.verify_cost import measure_verify_cost
+from flashmm.tree.cost import AdaptiveDraftLength, VerifyCost, best_tree_budget
 from flashmm.tree.shapes import sequoia_tree
 
 from text_models import prompt, tiny_lm
@@ -137,14 +138,14 @@ def test_every_adaptive_drafter_is_priced_by_the_target_at_bind(tmp_path, monkey
 def test_a_batch_is_timed_with_every_row_and_priced_per_row(tmp_path, monkeypatch):
     """measure_verify_cost(batch=B) forwards B rows together and returns a row's share: a fake clock
     that advances 1 s per forward gives 1 / B seconds at every node count."""
-    from flashmm.drafters import length as length_module
+    from flashmm.targets import verify_cost
 
     model = tiny_lm("llama", seed=0)
     shapes = []
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
                                            with_kwargs=True)
     clock = iter(range(10_000))
-    monkeypatch.setattr(length_module.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: float(next(clock)))
     try:
         cost = measure_verify_cost(model, grid=(1, 3), prefix_len=8, repeats=1, directory=tmp_path, batch=4)
     finally:
@@ -170,7 +171,7 @@ def test_reprice_keeps_the_drafts_own_cost_in_units_of_the_new_step():
 
 
 def test_batch_bucket_is_the_next_power_of_two():
-    from flashmm.drafters.length import batch_bucket
+    from flashmm.tree.cost import batch_bucket
 
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
 
@@ -178,7 +179,7 @@ def test_batch_bucket_is_the_next_power_of_two():
 def test_forks_in_a_batch_are_priced_at_the_batch_size(tmp_path, monkeypatch):
     """price_for_batch gives each measured fork the target's per-row cost at the batch's bucket; the
     drafter it was forked from and a drafter priced by constants keep theirs."""
-    from flashmm.drafters.length import price_for_batch
+    from flashmm.tree.cost import price_for_batch
 
     monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
     sm = flashmm.wrap(tiny_lm("llama", seed=0), "prompt_lookup")
@@ -197,7 +198,7 @@ def test_forks_in_a_batch_are_priced_at_the_batch_size(tmp_path, monkeypatch):
 
 def test_flash_forks_size_their_trees_by_the_batch_cost(tmp_path, monkeypatch):
     from flashmm.drafters import FlashDrafter
-    from flashmm.drafters.length import price_for_batch
+    from flashmm.tree.cost import price_for_batch
 
     monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
     model = tiny_lm("llama", seed=0)
@@ -214,7 +215,7 @@ def test_flash_forks_size_their_trees_by_the_batch_cost(tmp_path, monkeypatch):
 def test_a_cost_no_node_pays_for_gives_no_sequoia_paths():
     """A steep measured cost (a loaded machine, a compute-bound batch) can make even one drafted
     node a loss: the Sequoia paths are then empty (a plain step), not an error."""
-    from flashmm.drafters.length import sequoia_rank_paths
+    from flashmm.tree.cost import sequoia_rank_paths
 
     steep = VerifyCost((1, 2, 4), (1.0, 50.0, 100.0))
     assert sequoia_rank_paths([0.6, 0.3, 0.1], budget=4, depth=3, verify_cost=steep) == []
@@ -226,7 +227,7 @@ def test_a_size_timed_below_the_one_token_forward_reads_as_its_cost(tmp_path, mo
     clock on which the one-token forward is slow (3 s) in the first timed round and 2-token /
     4-token forwards take 1 s / 4 s gives (2, 2, 4) — the 2-token time cannot read below the
     one-token one."""
-    from flashmm.drafters import length as length_module
+    from flashmm.targets import verify_cost
 
     model = tiny_lm("llama", seed=0)
     durations = iter([0] + [0, 0, 0] + [3, 1, 4] + [2, 1, 5])  # the prefix, a warm-up round, two timed rounds
@@ -235,6 +236,6 @@ def test_a_size_timed_below_the_one_token_forward_reads_as_its_cost(tmp_path, mo
     def advance(*_):        # each forward takes the next duration on the fake clock
         now[0] += next(durations)
     model.register_forward_pre_hook(advance)
-    monkeypatch.setattr(length_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: now[0])
     cost = measure_verify_cost(model, grid=(1, 2, 4), prefix_len=8, repeats=2, directory=tmp_path)
     assert cost.seconds == (2.0, 2.0, 4.0)

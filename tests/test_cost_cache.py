@@ -2,7 +2,7 @@
 warning, an entry that is damaged (a key missing, NaN) or another machine's is measured again and
 overwritten, the entry's key names the machine, and in each case ``wrap`` works and drafting happens.
 
-The timing itself (flashmm.drafters.length._measure) is replaced by a counting stand-in with a fixed,
+The timing itself (flashmm.targets.verify_cost._measure) is replaced by a counting stand-in with a fixed,
 cheap cost curve, so each test sees exactly when a measurement runs; tests/test_budget.py times real
 forwards."""
 from __future__ import annotations
@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import flashmm
-from flashmm.drafters import disk_cache
-from flashmm.drafters import length
-from flashmm.drafters.length import VerifyCost, VerifyCostUnmeasurable, measure_verify_cost
+from flashmm import disk_cache
+from flashmm.targets import verify_cost
+from flashmm.targets.verify_cost import measure_verify_cost
+from flashmm.tree import cost as cost_model
+from flashmm.tree.cost import VerifyCost, VerifyCostUnmeasurable
 
 from text_models import tiny_lm
 
@@ -31,14 +33,14 @@ def cheap(grid) -> tuple[float, ...]:
 def measured(monkeypatch, tmp_path):
     """The batch sizes measured so far (one entry per measurement); the cache lives in tmp_path."""
     monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(length, "_unstored", {})
+    monkeypatch.setattr(verify_cost, "_unstored", {})
     monkeypatch.setattr(disk_cache, "_warned", set())
     calls = []
 
     def stand_in(model, grid, prefix_len, repeats, linear, batch):
         calls.append(batch)
         return VerifyCost(tuple(grid), cheap(grid))
-    monkeypatch.setattr(length, "_measure", stand_in)
+    monkeypatch.setattr(verify_cost, "_measure", stand_in)
     return calls
 
 
@@ -76,8 +78,8 @@ def test_an_unwritable_cache_directory_costs_one_warning_not_an_error(target, me
     with pytest.warns(RuntimeWarning, match=f"cache directory {tmp_path} cannot be written") as caught:
         first = flashmm.wrap(target, "prompt_lookup")
         second = flashmm.wrap(target, "prompt_lookup")
-        length.price_for_batch([first.drafter], first.target, rows=2)
-        length.price_for_batch([first.drafter], first.target, rows=2)
+        cost_model.price_for_batch([first.drafter], first.target, rows=2)
+        cost_model.price_for_batch([first.drafter], first.target, rows=2)
     assert sum("cannot be written" in str(w.message) for w in caught) == 1
     assert measured == [1, 2]                       # batch 1 once for both wraps, batch 2 once
     assert not list(tmp_path.glob("verify_cost_*")) and not list(tmp_path.glob(".verify_cost_*"))
@@ -136,7 +138,7 @@ def test_the_key_identifies_the_machine(target, measured, tmp_path, monkeypatch)
     here = json.loads(the_entry(tmp_path).read_text())["identity"]
     assert here["machine"]["threads"] == torch.get_num_threads() and here["machine"]["torch"] == torch.__version__
     assert here["machine"]["cpu"] and here["machine"]["cpus"]
-    monkeypatch.setattr(length, "_cpu_model", lambda: "Other CPU @ 1.0GHz")
+    monkeypatch.setattr(verify_cost, "_cpu_model", lambda: "Other CPU @ 1.0GHz")
     sm = flashmm.wrap(target, "prompt_lookup")
     assert measured == [1, 1] and len(list(tmp_path.glob("verify_cost_*.json"))) == 2
     identities = [json.loads(p.read_text())["identity"] for p in tmp_path.glob("verify_cost_*.json")]

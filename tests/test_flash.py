@@ -483,7 +483,7 @@ ACCEPT = [0.5, 0.2, 0.1, 0.05]
 
 def cost_of(relative):
     """A VerifyCost whose t(n) / t(1) is relative(n) for n = 1..64."""
-    from flashmm.drafters.length import VerifyCost  # noqa: PLC0415
+    from flashmm.tree.cost import VerifyCost  # noqa: PLC0415
 
     return VerifyCost(tuple(range(1, 65)), tuple(0.01 * relative(n) for n in range(1, 65)))
 
@@ -500,7 +500,7 @@ def test_greedy_exact_with_sequoia_trees_and_measured_budgets(text_target, k, tr
 
 
 def test_sequoia_tree_is_the_dynamic_programme_of_its_vector():
-    from flashmm.drafters.length import best_tree_budget  # noqa: PLC0415
+    from flashmm.tree.cost import best_tree_budget  # noqa: PLC0415
     from flashmm.tree.shapes import sequoia_tree  # noqa: PLC0415
 
     drafter = FlashDrafter(None, tree="sequoia", accept=ACCEPT)

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 import flashmm
 from flashmm.drafters import Pard, load
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
-from flashmm.drafters.length import AdaptiveDraftLength
 from flashmm.drafters.pard import PardLM
 from flashmm.train import draft_lm as T
 from flashmm.train import pard as P
+from flashmm.tree.cost import AdaptiveDraftLength
 
 from stats_utils import chi_square_pvalue
 from test_sampling_exactness import exact_second_third, second_third_histogram, sharp_target  # noqa: F401 (fixture)

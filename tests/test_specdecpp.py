@@ -53,7 +53,7 @@ def test_priced_chain_stops_where_tokens_per_cost_peak():
     """With a measured cost the head's chain ends where expected tokens per unit of cost peak: with
     acceptance 0.9 per token and verify cost 1 + 0.5 k, (1 + sum 0.9^i) / (1 + 0.5 k) is largest at
     k = 3 (brute force below), where the threshold alone would draft the cap of 8."""
-    from flashmm.drafters.length import VerifyCost
+    from flashmm.tree.cost import VerifyCost
 
     target, draft = tiny_lm("llama", seed=0), tiny_lm("llama", seed=1)
     drafter = SpecDecPP(draft, constant_head(draft.config.hidden_size, 0.9), threshold=0.99, max_draft_tokens=8)

@@ -1,4 +1,5 @@
 """Drafting methods, one class each, behind the Drafter protocol."""
+from ..tree.cost import AdaptiveDraftLength
 from ..tree.draft import Draft
 from .base import Drafter, SequenceStart, StepResult, drafter_names, make_drafter, register
 from .cross_tokenizer import CrossTokenizerDraft
@@ -9,7 +10,6 @@ from .fastdraft import FastDraft
 from .files import DrafterFileError
 from .flash import FlashDrafter
 from .hydra import Hydra
-from .length import AdaptiveDraftLength
 from .layerskip import LayerSkip
 from .kangaroo import Kangaroo
 from .swift import Swift

@@ -70,7 +70,7 @@ class Drafter:
     #: row by row. A class or an instance attribute (a drafter wrapping others passes theirs on)
     needs_target_cache: bool = False
     #: how an adaptive drafter prices a draft of n tokens: "auto" with the target's verify cost
-    #: measured on this machine at bind (flashmm.drafters.length.price_with_target), "constants"
+    #: measured on this machine at bind (flashmm.tree.cost.price_with_target), "constants"
     #: with AdaptiveDraftLength's linear model; ``cost_source`` says which one is in use
     budget: str = "auto"
     cost_source: str = "constants"
@@ -84,7 +84,7 @@ class Drafter:
         return []
 
     def reprice(self, verify_cost) -> None:
-        """Size drafts by ``verify_cost`` (a flashmm.drafters.length.VerifyCost) from now on, in place
+        """Size drafts by ``verify_cost`` (a flashmm.tree.cost.VerifyCost) from now on, in place
         of the one measured at bind: batched decoding gives each row's drafter the target's per-row
         cost at its batch size."""
         for length in self.cost_models():

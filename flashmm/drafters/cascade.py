@@ -24,11 +24,12 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import sample
+from ..targets.verify_cost import measure_verify_cost
+from ..tree.cost import AdaptiveDraftLength, VerifyCostUnmeasurable, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
 from .draft_model import DraftModel
-from .length import AdaptiveDraftLength, VerifyCostUnmeasurable, measure_verify_cost, price_with_target
 
 #: node counts at which the draft LM's own forward is timed, to price the lookup's guesses
 DRAFT_GRID = (1, 2, 3, 4, 6, 8, 12, 16)

@@ -22,11 +22,11 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import sample
+from ..tree.cost import AdaptiveDraftLength
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import root_only
 from .draft_model import DraftModel, output_rows
-from .length import AdaptiveDraftLength
 
 MODES = ("auto", "text", "tli")
 BROKEN = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to

@@ -9,11 +9,12 @@ from .. import cache as kv
 from ..config import SamplingParams
 from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..sampling import sample
+from ..targets.verify_cost import measure_verify_cost
+from ..tree.cost import AdaptiveDraftLength, VerifyCostUnmeasurable, price_with_target
 from ..tree.draft import Draft
 from ..tree.scheme_trees import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength, VerifyCostUnmeasurable, measure_verify_cost, price_with_target
 
 DRAFTINGS = ("sibling", "rsd_c", "rsd_s", "chains")
 
@@ -28,7 +29,7 @@ class DraftModel(Drafter):
     samples from q when sampling — verified with q by the multi-round rule).
     Length: ``length`` (AdaptiveDraftLength) picks the depth from the expected tokens per unit of
     verify time. ``budget="auto"`` (default) measures on bind, once per (model, device, dtype,
-    threads) and cached on disk (flashmm.drafters.length.measure_verify_cost), the target's
+    threads) and cached on disk (flashmm.targets.verify_cost.measure_verify_cost), the target's
     forward time for 1..64 new tokens and the draft's one-token forward, and uses those costs;
     ``budget="constants"`` (or a model whose cache cannot be timed this way, see ``cost_source``)
     keeps the length's step_cost / token_cost; drafting also stops early when the draft's top

@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 
 from ..config import SamplingParams
 from ..onednn import routed_like
+from ..tree.cost import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
 from ..tree.draft import Draft
 from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.trie import DraftTrie, best_paying_prefix
@@ -50,7 +51,6 @@ from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .eagle3_net import Eagle3Config, Eagle3Net
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
 from .head_base import committed_embeds
-from .length import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
 from .saved import read_info
 from .suffix import LookupBranch
 
@@ -61,7 +61,7 @@ CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
 class Eagle3Drafter(Drafter):
     """net: an Eagle3Net. tree: "chain", "dynamic" (EAGLE-2) or "sequoia" (the fixed tree of rank
     paths that maximises expected accepted tokens per unit of the target's measured verify time,
-    flashmm.drafters.length.best_tree_budget, under the positional acceptance vector ``accept``:
+    flashmm.tree.cost.best_tree_budget, under the positional acceptance vector ``accept``:
     accept[r] = P(the target's token is the head's r-th choice), measured on held-out text by
     eval/sequoia_vector.py and saved with the head). depth: deepest drafted token.
     top_k: children per expanded node and nodes expanded per depth ("dynamic").

@@ -22,9 +22,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import cache as kv
+from ..tree.cost import AdaptiveDraftLength
 from .base import register
 from .draft_model import DraftModel
-from .length import AdaptiveDraftLength
 
 from .files import CONFIG_ERRORS, DrafterFileError, blamed_on, check_section, load_weights, read_safetensors
 from .saved import CONFIG_FILE, read_info

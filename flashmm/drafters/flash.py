@@ -19,7 +19,7 @@ measures it). ``budget="auto"`` sizes each step's tree by the target's measured 
 (1 + Σ path probability ** calibration) / (t(n) / t(1)) — a node's estimated chance to be accepted;
 ``calibration`` (1: the draft's probabilities as they are) is fitted on held-out decoding by the same
 script —, a Sequoia tree the node count that maximises expected tokens per unit of verify time
-(flashmm.drafters.length.best_tree_budget).
+(flashmm.tree.cost.best_tree_budget).
 Children are deterministic, so q_probs is None and sampling is verified by the multi-round tree
 rule in its deterministic-children form (lossless).
 
@@ -45,13 +45,13 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import SamplingParams
+from ..tree.cost import measured_verify_cost, sequoia_rank_paths
 from ..tree.draft import Draft
 from ..tree.dynamic import TreeUnits, grow
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_first_paths, best_paying_prefix, fit_chain
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors
-from .length import measured_verify_cost, sequoia_rank_paths
 from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
 from .suffix import SuffixTrie, lookup_source
 
@@ -406,7 +406,7 @@ class FlashDrafter(Drafter):
 
     def sequoia_paths(self, budget: int, depth: int) -> list[tuple[int, ...]]:
         """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes (with
-        budget="auto", the node count the measured verify cost pays for; flashmm.drafters.length)."""
+        budget="auto", the node count the measured verify cost pays for; flashmm.tree.cost)."""
         if budget not in self._sequoia:
             self._sequoia[budget] = sequoia_rank_paths(self.accept, budget, depth, self.verify_cost)
         return self._sequoia[budget]

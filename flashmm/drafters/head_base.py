@@ -30,12 +30,12 @@ from torch import nn
 
 from ..config import SamplingParams
 from ..onednn import routed_like
+from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.shapes import dyspec_tree
 from ..tree.token_tree import TokenTree
 from ..tree.trie import DraftTrie, best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, root_only
-from .length import AdaptiveDraftLength, price_with_target
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
 from .saved import CONFIG_FILE, read_info
 from .suffix import LookupBranch

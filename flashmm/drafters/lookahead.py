@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import AuxRows
 from ..tree.trie import DraftTrie, TreeBudget
 from .base import Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength, price_with_target
 
 
 @register

@@ -24,13 +24,13 @@ from torch import nn
 from .. import cache as kv
 from ..config import SamplingParams
 from ..sampling import sample
+from ..tree.cost import AdaptiveDraftLength
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import register, root_only
 from .draft_model import DraftModel
 from .fastdraft import ReducedVocabLM, load_reduced_lm
 from .files import blamed_on, check_section
-from .length import AdaptiveDraftLength
 from .saved import CONFIG_FILE
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength, price_with_target
 
 
 def ngram_continuation(ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:

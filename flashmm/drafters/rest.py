@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import disk_cache
+from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.trie import DraftTrie, TreeBudget, match_bucket
-from . import disk_cache
 from .base import Drafter, StepResult, register, root_only
 from .files import DrafterFileError, read_safetensors
-from .length import AdaptiveDraftLength, price_with_target
 
 SEPARATOR = -1
 
@@ -163,7 +163,7 @@ class Datastore:
         tokens on 2 cores) and kept, with its checksum, as ``suffix_array_<hash of the tokens>.npz``
         under ``cache`` (default flashmm's cache directory), which later loads read: a damaged entry
         (truncated, corrupt) is rebuilt with a warning, and an unwritable directory leaves the array
-        in memory only (flashmm.drafters.disk_cache warns once).
+        in memory only (flashmm.disk_cache warns once).
         DrafterFileError names ``path`` when it is not a datastore (truncated, no tokens, a stored
         suffix array that does not fit its tokens)."""
         data = read_safetensors(path)

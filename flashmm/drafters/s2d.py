@@ -38,11 +38,11 @@ import torch
 from .. import cache as kv
 from ..config import SamplingParams
 from ..sampling import sample
+from ..tree.cost import AdaptiveDraftLength
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import register, root_only
 from .fastdraft import FastDraft, ReducedVocabLM, save_reduced_lm
-from .length import AdaptiveDraftLength
 
 
 @register

@@ -24,10 +24,10 @@ import torch
 from ..config import SamplingParams
 from ..sampling import sample
 from ..targets.layers import LayerRunner, crop_layers, layer_len
+from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, root_only
-from .length import AdaptiveDraftLength, price_with_target
 
 
 class SelfDrafter(Drafter):

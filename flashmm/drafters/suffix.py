@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import heapq
 
+from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.trie import ChainCalibration, DraftTrie, TreeBudget, match_bucket
 from .base import Drafter, StepResult, register, root_only
-from .length import AdaptiveDraftLength, price_with_target
 from .prompt_lookup import NgramIndex
 from .rest import Rest
 

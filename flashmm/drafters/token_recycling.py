@@ -13,11 +13,11 @@ import os
 
 import torch
 
+from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.token_tree import TokenTree
 from ..tree.trie import DraftTrie, TreeBudget
 from .base import Drafter, StepResult, register, root_only
 from .files import DrafterFileError, read_safetensors
-from .length import AdaptiveDraftLength, price_with_target
 
 UNSEEN = -1
 

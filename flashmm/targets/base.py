@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tree.token_tree import TokenTree
+from .verify_cost import measure_verify_cost
 
 
 @dataclass
@@ -97,12 +98,10 @@ class Target:
 
     def verify_cost(self, batch: int = 1):
         """The seconds of one forward of N tree tokens after a cached prefix, on this machine and
-        through this target's linear backend (flashmm.drafters.length.VerifyCost; measured once
+        through this target's linear backend (flashmm.tree.cost.VerifyCost; measured once
         per model, device, dtype, threads, backend and batch, then read from the disk cache); per
         row when ``batch`` rows are forwarded together. Raises what the model raises when its
         cache cannot be timed this way."""
-        from ..drafters.length import measure_verify_cost  # noqa: PLC0415 (drafters import targets' types)
-
         linear = "fused" if self.unfused is None else self.linear_backend
         return measure_verify_cost(self.model, linear=linear, batch=batch)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..drafters.base import SequenceStart, StepResult
-from ..drafters.length import VerifyCostUnmeasurable
 from ..sampling import SamplingParams
+from ..tree.cost import VerifyCostUnmeasurable
 from .heads import HeadData
 
 

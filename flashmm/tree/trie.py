@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafters.length import AdaptiveDraftLength
+from .cost import AdaptiveDraftLength
 from .draft import Draft
 from .token_tree import TokenTree
 

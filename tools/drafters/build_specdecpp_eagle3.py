@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from flashmm.drafters import load
-from flashmm.drafters.length import measure_verify_cost
 from flashmm.drafters.specdecpp import RankAcceptanceHead, save_specdecpp
 from flashmm.paths import work_dir
+from flashmm.targets.verify_cost import measure_verify_cost
 from flashmm.train import eagle3 as E
 from flashmm.train.acceptance import rank_examples, rank_loss, rank_metrics, train_head
 from tools.corpus.build import load_target

@@ -1,4 +1,4 @@
-"""flashmm's on-disk caches (the verify-cost timings of flashmm.drafters.length, REST's suffix
+"""flashmm's on-disk caches (the verify-cost timings of flashmm.targets.verify_cost, REST's suffix
 arrays): where they live, and writing an entry so that a cache can never make flashmm fail.
 
 An entry is written to a temporary file of its own and renamed over the old one, so a concurrent
