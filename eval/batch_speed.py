@@ -5,7 +5,7 @@
 
 Dev Spec-Bench questions (first turn, chat template), left-padded into batches of each size.
 Per batch the methods run back to back in a rotating order: plain batched ``generate``,
-plain_onednn (the same with oneDNN linear layers, flashmm.onednn), flashmm with each drafter
+plain_onednn (the same with oneDNN linear layers, flashmm.targets.onednn), flashmm with each drafter
 verifying all rows together, and flashmm decoding the rows one after another
 (``batching="rows"``). Reported per batch size: total tokens/s (every method is credited with
 plain's token count: rows up to their EOS), ×plain and ×plain_onednn (over each baseline's

@@ -56,8 +56,8 @@ def timed_with_cpu(fn):
 def on_onednn(model, fn):
     """``fn`` run on the step flashmm's own forwards of ``model`` run on a CPU: the model's fused step
     for the Llama families (flashmm.targets.fused.FusedForward), else every linear layer on oneDNN
-    (flashmm.onednn.OneDNNLinears). The plain_onednn baseline of the benchmarks: speculation alone."""
-    from flashmm.onednn import OneDNNLinears  # noqa: PLC0415
+    (flashmm.targets.onednn.OneDNNLinears). The plain_onednn baseline of the benchmarks: speculation alone."""
+    from flashmm.targets.onednn import OneDNNLinears  # noqa: PLC0415
     from flashmm.targets import fused  # noqa: PLC0415
     from flashmm.targets.layout import attention_layout  # noqa: PLC0415
 
@@ -79,7 +79,7 @@ BASELINES = ("plain", "plain_onednn")
 
 def onednn_baseline_missing(model, wanted: bool = True) -> str | None:
     """None where the plain_onednn baseline runs for ``model``, else why it does not (for the legend)."""
-    from flashmm.onednn import resolve_linear_backend  # noqa: PLC0415
+    from flashmm.targets.onednn import resolve_linear_backend  # noqa: PLC0415
 
     if not wanted:
         return "turned off with --no-plain-onednn"
@@ -95,8 +95,8 @@ def baseline_legend(missing: str | None = None) -> str:
     legend = ("×plain = tokens/s of the method / tokens/s of plain `model.generate` with the model's own linear "
               "layers (flashmm's faster step and speculation together); ×plain_onednn = the same over plain "
               "`generate` on the step flashmm's forwards run (the fused step for the Llama families, "
-              "flashmm.targets.fused; else every linear layer on oneDNN, flashmm.onednn): speculation alone; both "
-              "baselines timed in the same interleaved run.")
+              "flashmm.targets.fused; else every linear layer on oneDNN, flashmm.targets.onednn): speculation "
+              "alone; both baselines timed in the same interleaved run.")
     if missing:
         legend += f" **×plain_onednn is missing from this table**: plain_onednn was not measured ({missing})."
     return legend

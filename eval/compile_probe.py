@@ -1,5 +1,5 @@
 """Does a compiled verification forward pay on this CPU? SmolLM2-135M (fp32) scoring W tree tokens
-after a 150-token prefix on a preallocated slot cache (flashmm.graphs.SlotCache, the static cache
+after a 150-token prefix on a preallocated slot cache (flashmm.targets.graphs.SlotCache, the static cache
 a compiled or graph-replayed step needs), timed eagerly through torch's linears, eagerly through
 flashmm's packed oneDNN linears (flashmm before its fused step), flashmm's fused step
 (flashmm.targets.fused, on its own DynamicCache with the same prefix: what flashmm runs today), and
@@ -23,10 +23,10 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, median, write_results  # noqa: E402
-from flashmm import cache as kv  # noqa: E402
-from flashmm.graphs import SlotCache, prefix_mask  # noqa: E402
-from flashmm.onednn import OneDNNLinears  # noqa: E402
+from flashmm.targets import cache as kv  # noqa: E402
 from flashmm.targets.fused import fused_step  # noqa: E402
+from flashmm.targets.graphs import SlotCache, prefix_mask  # noqa: E402
+from flashmm.targets.onednn import OneDNNLinears  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 PREFIX = 150

@@ -7,7 +7,7 @@ On a GPU an eager forward of a small model is bound by kernel launches and Pytho
 baselines run beside flashmm: ``plain`` (``model.generate`` as it comes: DynamicCache, eager) and
 ``plain_static`` (``generate`` on a preallocated StaticCache, which transformers compiles with
 ``torch.compile(mode="reduce-overhead")``, i.e. CUDA graphs: the fair baseline). flashmm rows run
-eager or with ``cuda_graphs=True`` (flashmm.graphs: every verification shape captured once and
+eager or with ``cuda_graphs=True`` (flashmm.targets.graphs: every verification shape captured once and
 replayed). Parts:
 
   text1  SmolLM2-135M-Instruct, Spec-Bench dev questions (first turn, chat template), one at a time
@@ -35,7 +35,7 @@ from batch_speed import new_token_count  # noqa: E402
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
 
 import flashmm  # noqa: E402
-from flashmm.cache import cache_argument  # noqa: E402
+from flashmm.targets.cache import cache_argument  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, timed, write_results  # noqa: E402
 
-from flashmm.cache import cache_argument  # noqa: E402
 from flashmm.targets import make_target  # noqa: E402
+from flashmm.targets.cache import cache_argument  # noqa: E402
 from flashmm.tree.token_tree import TokenTree  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -57,7 +57,7 @@ def step_ms(target, prefix_len: int, n: int, repeats: int) -> float:
 
 
 def _roll_back(target, prefix_len: int) -> None:
-    from flashmm import cache as kv  # noqa: PLC0415
+    from flashmm.targets import cache as kv  # noqa: PLC0415
 
     if target.cuda_graphs:
         target._cache.length = prefix_len

@@ -10,7 +10,7 @@ drafter trained on seeds >= 10000), plus real photographs shipped by scikit-imag
 
 For every item the methods run back to back in a rotating order, greedy, so machine noise hits
 all of them alike. On CPU flashmm's prefill and tree forwards multiply through oneDNN
-(flashmm.onednn), so two baselines always run: plain (``model.generate`` with the model's own
+(flashmm.targets.onednn), so two baselines always run: plain (``model.generate`` with the model's own
 linear layers) and plain_onednn (the same ``generate`` with every linear layer on oneDNN); every
 method is reported over both, ×plain (oneDNN routing and speculation together) and ×plain_onednn
 (speculation alone); a flash_torch_linear row (FLASH with the model's own linear layers) gives
@@ -63,7 +63,7 @@ from common import (baseline_legend, machine, markdown_table, median, on_onednn,
 
 import flashmm  # noqa: E402
 from flashmm.drafters.flash import FlashDrafter  # noqa: E402
-from flashmm.onednn import resolve_linear_backend  # noqa: E402
+from flashmm.targets.onednn import resolve_linear_backend  # noqa: E402
 from tools.reference.flash_build import CAPTION_PROMPTS, item_inputs, make_items  # noqa: E402
 from mm_prefill import begin_flops, prefill_study  # noqa: E402,F401 (begin_flops: re-exported for tests)
 from accept_hist import histogram_png  # noqa: E402
@@ -457,7 +457,7 @@ def main(argv=None):
                      "(linear='torch'); every other flashmm row multiplies through oneDNN (linear='auto').")
     missing = onednn_baseline_missing(model)
     if missing is None:
-        notes.append("plain_onednn = plain `model.generate` with every linear layer on oneDNN (flashmm.onednn."
+        notes.append("plain_onednn = plain `model.generate` with every linear layer on oneDNN (flashmm.targets.onednn."
                      "OneDNNLinears, prefill included): the baseline given the same matrix multiply as flashmm; "
                      "a method's ×plain_onednn = what speculation alone buys.")
     methods, wrapped = build_methods(model, processor, drafters, plain_onednn=missing is None,

@@ -326,7 +326,7 @@ def step_seconds(models: dict, context: list[int], repeats: int) -> dict:
     from transformers import DynamicCache  # noqa: PLC0415
 
     from eval.common import median, timed_with_cpu  # noqa: PLC0415
-    from flashmm.cache import cache_argument  # noqa: PLC0415
+    from flashmm.targets.cache import cache_argument  # noqa: PLC0415
 
     ids = torch.tensor([context])
     caches = {}

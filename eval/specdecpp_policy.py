@@ -78,8 +78,8 @@ def cpu_seconds(model, nodes: int, prefix_len: int = 128, repeats: int = 5, line
     import time  # noqa: PLC0415
     from contextlib import nullcontext  # noqa: PLC0415
 
-    from flashmm import cache as kv  # noqa: PLC0415
-    from flashmm.onednn import OneDNNLinears  # noqa: PLC0415
+    from flashmm.targets import cache as kv  # noqa: PLC0415
+    from flashmm.targets.onednn import OneDNNLinears  # noqa: PLC0415
 
     cache = kv.new_cache(model)
     kv.next_logits(model, cache, torch.randint(3, 1000, (1, prefix_len)))
@@ -98,7 +98,7 @@ def cpu_seconds(model, nodes: int, prefix_len: int = 128, repeats: int = 5, line
 def cpu_cost_model(target, draft_lm, grid=(1, 2, 3, 4, 6, 9, 13, 17)) -> tuple[VerifyCost, float]:
     """(the target's verify cost over ``grid`` nodes, a draft forward in target one-token steps), from
     thread CPU time at 1 thread (see cpu_seconds), both multiplying as flashmm's ``linear="auto"`` has them."""
-    from flashmm.onednn import resolve_linear_backend  # noqa: PLC0415
+    from flashmm.targets.onednn import resolve_linear_backend  # noqa: PLC0415
 
     torch.set_num_threads(1)
     linear = resolve_linear_backend("auto", target)

@@ -42,7 +42,7 @@ from common import (baseline_legend, machine, markdown_table, median, on_onednn,
                     over, parse_options, speedup_lines, timed_with_cpu, write_results)
 
 import flashmm  # noqa: E402
-from flashmm.onednn import resolve_linear_backend  # noqa: E402
+from flashmm.targets.onednn import resolve_linear_backend  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl"

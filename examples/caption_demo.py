@@ -18,7 +18,7 @@ import json
 import os
 
 import flashmm.pipelines as pipelines
-from flashmm.onednn import OneDNNLinears, resolve_linear_backend
+from flashmm.targets.onednn import OneDNNLinears, resolve_linear_backend
 
 
 def reference_model():

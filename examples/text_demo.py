@@ -12,7 +12,7 @@ import time
 import torch
 
 import flashmm
-from flashmm.onednn import OneDNNLinears, resolve_linear_backend
+from flashmm.targets.onednn import OneDNNLinears, resolve_linear_backend
 from flashmm.weights import load_gguf_lm
 
 model, tokenizer = load_gguf_lm("smollm2")

@@ -12,11 +12,11 @@ from transformers import GenerationConfig
 from .config import SpecConfig
 from .drafters.base import Drafter
 from .engine import Admission, Decoding, GenerationStats, decode, decode_rows
-from .verify_prune import check_prunable
 from .generation import finish, prepare
-from .media_rows import holds_media_tensors, item_media
 from .resolve import resolve_drafter
 from .targets import make_target
+from .targets.media_rows import holds_media_tensors, item_media
+from .targets.prune import check_prunable
 
 _SPEC_FIELDS = {f.name for f in fields(SpecConfig)}
 
@@ -224,7 +224,7 @@ class SpeculativeModel:
 
     def row_inputs(self, plan, warn: bool = True) -> list[dict]:
         """Each row's extra model inputs when rows decode one by one: the call's own for text or a single
-        item, else each item's own media (flashmm.media_rows; the items' expanded rows share them), with
+        item, else each item's own media (flashmm.targets.media_rows; the items' expanded rows share them), with
         a warning saying why the batch is not verified together. Families whose media cannot be split
         per row raise NotImplementedError naming why."""
         expand = plan.config.num_return_sequences or 1
@@ -253,9 +253,9 @@ def wrap(model: torch.nn.Module, drafter: Drafter | str | os.PathLike, processor
     config: SpecConfig fields (verifier, max_draft_tokens, ...). ``attention`` picks the tree
     attention path: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". ``linear``
     picks how the tree forwards' linear layers multiply: "auto" (oneDNN for an fp32 model on
-    an x86-64 CPU, see flashmm.onednn; torch elsewhere), "onednn" or "torch" (the model's own layers).
+    an x86-64 CPU, see flashmm.targets.onednn; torch elsewhere), "onednn" or "torch" (the model's own layers).
     ``cuda_graphs=True`` verifies on a preallocated KV cache, every step shape captured once as a CUDA
-    graph and replayed (flashmm.graphs: what a small model on a GPU needs, where eager forwards are
+    graph and replayed (flashmm.targets.graphs: what a small model on a GPU needs, where eager forwards are
     bound by kernel launches; the caches and their graphs are kept between calls), single sequences
     and padded batches alike.
     """

@@ -82,7 +82,7 @@ def add_decoding_options(parser: argparse.ArgumentParser, max_new_tokens: int) -
                         help="tree forwards' linear layers: auto = oneDNN for fp32 on x86-64 CPUs, "
                              "the model's own elsewhere")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="verify on a preallocated cache with CUDA-graph replays (GPU; see flashmm.graphs)")
+                        help="verify on a preallocated cache with CUDA-graph replays (GPU; see flashmm.targets.graphs)")
     parser.add_argument("--device", help="e.g. cuda, cpu (default: where the model loads)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="model dtype (as saved)")
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from .targets.media_rows import COUNT_KEYS
+
 #: [1, T] tensors aligned with the prompt's tokens, and what pads them
 TOKEN_KEYS = {"input_ids": None, "attention_mask": 0, "mm_token_type_ids": 0, "token_type_ids": 0}
-#: per-item counts that need an entry (0) for an item without that media
-COUNT_KEYS = ("batch_num_images",)
 
 
 def collate(items: list[dict], pad_token_id: int) -> dict:

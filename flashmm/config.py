@@ -27,7 +27,7 @@ class SpecConfig:
     typical_epsilon / typical_delta: the lossy rule accepts x iff p(x) > min(epsilon, delta·exp(−H(p)));
       defaults are Medusa's (posterior_threshold 0.09, posterior_alpha 0.3).
     prune: "propd" prunes each draft tree with the target's early-layer logits before its remaining layers
-      run (flashmm.verify_prune; exact): a node survives iff its token is in the top ``prune_top_k`` of the
+      run (flashmm.targets.prune; exact): a node survives iff its token is in the top ``prune_top_k`` of the
       logits after layer ``prune_layer`` (0: a quarter of the layers) at its parent. "none" (default).
     """
 

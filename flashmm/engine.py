@@ -17,10 +17,10 @@ from .config import SamplingParams, SpecConfig
 from .drafters.base import Drafter, StepResult, hidden_request
 from .sampling import sample
 from .targets.base import Target
+from .targets.prune import PruningSession
 from .targets.session import open_session
 from .tree.cost import batch_bucket, measured_verify_cost, price_for_batch
 from .verify import drafting_scheme_of, select_verifier
-from .verify_prune import PruningSession
 
 
 @dataclass

@@ -91,11 +91,11 @@ def test_auto_budget_measures_on_bind_and_stays_exact(tmp_path, monkeypatch):
 def test_onednn_cost_has_its_own_entry_and_routes_the_linears(tmp_path):
     """The onednn measurement times oneDNN's op (the one a text target's tree forwards use),
     and is cached apart from the torch one."""
-    from flashmm.onednn import onednn_available
+    from flashmm.targets.onednn import onednn_available
 
     if not onednn_available():
         pytest.skip("torch without oneDNN")
-    import flashmm.onednn as onednn
+    import flashmm.targets.onednn as onednn
 
     model = tiny_lm("llama", seed=0)
     calls = []

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flashmm
-from flashmm.cache import CACHE_ARGUMENTS, cache_argument
 from flashmm.drafters import PromptLookup
+from flashmm.targets.cache import CACHE_ARGUMENTS, cache_argument
 
 from test_arch_support import repeated_prompt
 from text_models import tiny_causal_lm

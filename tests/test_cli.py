@@ -13,8 +13,8 @@ import torch
 
 from flashmm import cli
 from flashmm.drafters import FlashDrafter
-from flashmm.onednn import onednn_available
 from flashmm.pipelines import CaptionPipeline, UntrainedDrafterError, resolve_drafter, training_record
+from flashmm.targets.onednn import onednn_available
 from flashmm.vision import load_image, save_video
 
 from mm_models import cached_tiny_llava, random_image, random_video, save_model_dir, tokenizer, vocab_size

@@ -6,11 +6,11 @@ import torch
 from transformers import DynamicCache
 
 import flashmm
-from flashmm import cache as kv
 from flashmm.drafters import DraftModel, PromptLookup
-from flashmm.onednn import onednn_available
 from flashmm.targets import fused
+from flashmm.targets import cache as kv
 from flashmm.targets.layout import attention_layout
+from flashmm.targets.onednn import onednn_available
 from flashmm.tree.token_tree import TokenTree
 
 from text_models import prompt, ragged_batch, tiny_lm

@@ -1,4 +1,4 @@
-"""CUDA-graph verification (flashmm.graphs): the SlotCache path gives the model's own generate's tokens.
+"""CUDA-graph verification (flashmm.targets.graphs): the SlotCache path gives the model's own generate's tokens.
 
 On this CPU the same preallocated cache, slot writes, 4D masks over every slot and in-place path
 keeps run eagerly (only the capture is CUDA's); the reference is the model's own ``generate`` and,
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flashmm
-from flashmm import graphs
+from flashmm.targets import graphs
 
 from mm_models import ALL_KINDS, make_inputs, tiny_vlm
 from oracle import OracleTree

@@ -23,11 +23,11 @@ from transformers import DynamicCache  # noqa: E402
 
 import flashmm  # noqa: E402
 import flashmm.kernels.attention as attention_kernels  # noqa: E402
-from flashmm.cache import cache_argument  # noqa: E402
 from flashmm.targets.batch import BatchState, tree_masks  # noqa: E402
 from flashmm.drafters import DraftModel, PromptLookup  # noqa: E402
 from flashmm.kernels.attention import dense_tree_mask, tree_attention, tree_attention_ref  # noqa: E402
 from flashmm.kernels.hf_attention import TreeAttentionSwitch, tree_attention_kwargs  # noqa: E402
+from flashmm.targets.cache import cache_argument  # noqa: E402
 from flashmm.targets.layout import AttentionLayout  # noqa: E402
 from flashmm.tree.token_tree import pack_mask, padded_trees  # noqa: E402
 

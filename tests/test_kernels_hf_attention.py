@@ -19,10 +19,10 @@ from transformers import (  # noqa: E402
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
 )
 
-from flashmm.cache import cache_argument  # noqa: E402
 from flashmm.kernels.hf_attention import (  # noqa: E402
     ATTENTION_NAME, TreeAttentionSwitch, resolve_backend, tree_attention_kwargs,
 )
+from flashmm.targets.cache import cache_argument  # noqa: E402
 from flashmm.tree.token_tree import TokenTree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -94,10 +94,10 @@ def test_dynamic_cache_layers():
 
 
 def test_keep_rows_torch_path_in_place():
-    """flashmm.cache.keep_rows (the PyTorch path): prefix untouched, overlapping moves safe, cropped."""
+    """flashmm.targets.cache.keep_rows (the PyTorch path): prefix untouched, overlapping moves safe, cropped."""
     from transformers import DynamicCache
 
-    from flashmm.cache import keep_rows
+    from flashmm.targets.cache import keep_rows
     gen = torch.Generator().manual_seed(2)
     cache = DynamicCache()
     for layer in range(2):

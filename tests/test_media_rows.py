@@ -1,6 +1,6 @@
 """Batches with media that are not verified together (batching="rows", a hybrid model,
 num_return_sequences > 1 over several items) decode row by row, each row alone with its own media
-(flashmm.media_rows splits the batch's media per item) and a warning saying why.
+(flashmm.targets.media_rows splits the batch's media per item) and a warning saying why.
 
 References are independent of the split: each item's processor output built alone, and the model's own
 ``generate`` on that item alone (greedy, fp32). Families: LLaVA, LLaVA-NeXT, LLaVA-OneVision (anyres
@@ -23,7 +23,7 @@ import flashmm
 from flashmm.collate import collate
 from flashmm.drafters import PromptLookup
 from flashmm.drafters.flash import FlashDrafter
-from flashmm.media_rows import item_media
+from flashmm.targets.media_rows import item_media
 from flashmm.targets.visual import MediaMismatchError
 
 from mm_models import (CLIP_PATCH, CLIP_SIDE, INIT_RANGE, TEXT, VIDEO_KINDS, make_inputs, placeholder_inputs,

@@ -17,7 +17,7 @@ from PIL import Image
 
 import mm_models as mm
 from flashmm.drafters.flash import FlashDrafter
-from flashmm.onednn import onednn_available
+from flashmm.targets.onednn import onednn_available
 from tools.reference.flash_build import item_inputs, make_items, training_records
 
 ROOT = Path(__file__).resolve().parents[1]

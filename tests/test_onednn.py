@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import flashmm
-import flashmm.onednn as onednn
+import flashmm.targets.onednn as onednn
 from flashmm.drafters import MTP, DraftModel, Eagle3Drafter, Hydra, Medusa, PromptLookup
 from flashmm.drafters.hydra import HydraHeads
 from flashmm.drafters.mtp import MTPModules
-from flashmm.onednn import OneDNNLinears, resolve_linear_backend
+from flashmm.targets.onednn import OneDNNLinears, resolve_linear_backend
 
 from test_eagle3 import head_for
 from test_heads import random_medusa

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import flashmm
-from flashmm.cache import output_cache
 from flashmm.config import SamplingParams
 from flashmm.drafters import S2D, load
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm
 from flashmm.drafters.s2d import save_s2d
+from flashmm.targets.cache import output_cache
 from flashmm.train import draft_lm as T
 from flashmm.train.sorted import SortedLoss, choose_thresholds, deepen, exit_confidences
 

@@ -5,16 +5,16 @@ import pytest
 import torch
 
 import flashmm
-from flashmm.cache import cache_argument
 from flashmm.config import SamplingParams
 from flashmm.drafters.kangaroo import Kangaroo, KangarooAdapter
 from flashmm.drafters.layerskip import LayerSkip, chain_tau, choose_exit_layer
 from flashmm.drafters.swift import Swift
-from flashmm.onednn import can_pack, onednn_available
 from flashmm.sampling import warp_logits
+from flashmm.targets.cache import cache_argument
 from flashmm.targets.layers import LayerRunner, check_supported
+from flashmm.targets.onednn import can_pack, onednn_available
+from flashmm.targets.prune import score_draft, unprune
 from flashmm.tree.token_tree import TokenTree
-from flashmm.verify_prune import score_draft, unprune
 from stats_utils import chi_square_pvalue
 from text_models import prompt, ragged_batch, tiny_lm
 
@@ -33,13 +33,13 @@ def test_layer_runner_equals_model_forward_on_a_tree_after_a_cached_prefix(arch)
     tree = TokenTree.from_parents([-1, 0, 0, 1, 1, 2])
     nodes = torch.tensor([[5, 9, 17, 33, 40, 41]])
     # reference: the model's own forward of the prefix, then of the tree with a 4D mask
-    ref_cache = flashmm.cache.new_cache()
+    ref_cache = flashmm.targets.cache.new_cache()
     model(input_ids=ids, **{cache_argument(model): ref_cache}, use_cache=True)
     reference = model(input_ids=nodes, **{cache_argument(model): ref_cache}, use_cache=True,
                       attention_mask=tree.attention_bias(12, torch.float32),
                       position_ids=tree.positions(12)[None]).logits
     runner = LayerRunner(model)
-    cache = flashmm.cache.new_cache()
+    cache = flashmm.targets.cache.new_cache()
     pos = torch.arange(12)[None]
     # the prefix in two slices of layers, the tree in two slices with an early-exit read between
     hidden = runner.run(runner.embed(ids), 0, 2, cache, runner.causal_mask(12, 0), pos)
@@ -53,7 +53,7 @@ def test_layer_runner_equals_model_forward_on_a_tree_after_a_cached_prefix(arch)
     # the early exit equals norm + head on output_hidden_states[3]
     full = model(input_ids=torch.cat([ids, nodes[:, :1]], 1), output_hidden_states=True)
     early = model.lm_head(model.model.norm(full.hidden_states[3]))[:, -1]
-    cache2 = flashmm.cache.new_cache()
+    cache2 = flashmm.targets.cache.new_cache()
     runner.run(runner.embed(ids), 0, 3, cache2, runner.causal_mask(12, 0), pos)
     one = runner.logits(runner.run(runner.embed(nodes[:, :1]), 0, 3, cache2, None, torch.tensor([[12]])))[:, -1]
     torch.testing.assert_close(one, early, atol=1e-5, rtol=1e-5)
@@ -211,7 +211,7 @@ def test_kangaroo_greedy_is_token_identical_and_its_adapter_cache_is_teacher_for
     # the adapter cache's committed rows equal the adapter run over the text's layer-2 states at once
     rows = drafter._chain_start
     states = model(out[:, :rows], output_hidden_states=True).hidden_states[2]
-    reference = flashmm.cache.new_cache()
+    reference = flashmm.targets.cache.new_cache()
     runner = LayerRunner(model)
     drafter.adapter(states, runner.rotary(states, torch.arange(rows)[None]), runner.causal_mask(rows, 0), reference)
     torch.testing.assert_close(drafter.adapter_cache.layers[0].keys[:, :, :rows], reference.layers[0].keys,
@@ -277,7 +277,7 @@ def test_propd_scores_only_the_surviving_subtree_exactly():
     draft = flashmm.drafters.Draft(tokens=tokens, tree=tree)
     verified, scored = score_draft(target, draft, False, spec, SamplingParams())
     # reference: the whole tree through the model, and its early exit after layer 2
-    full_cache = flashmm.cache.new_cache()
+    full_cache = flashmm.targets.cache.new_cache()
     model(input_ids=ids[:, :-1], **{cache_argument(model): full_cache}, use_cache=True)
     ref = model(input_ids=tokens, **{cache_argument(model): full_cache}, use_cache=True, output_hidden_states=True,
                 attention_mask=tree.attention_bias(9, torch.float32), position_ids=tree.positions(9)[None])

@@ -40,7 +40,7 @@ def test_sampled_runs_time_every_baseline_as_named(monkeypatch):
     does not."""
     import torch  # noqa: PLC0415
 
-    from flashmm import onednn  # noqa: PLC0415
+    from flashmm.targets import onednn  # noqa: PLC0415
     from flashmm.targets import fused  # noqa: PLC0415
 
     sys.path.insert(0, str(ROOT / "tests"))

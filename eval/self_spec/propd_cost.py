@@ -3,9 +3,9 @@ import json, sys, time, torch
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]; sys.path.insert(0, str(ROOT))
 torch.set_num_threads(1)
 import flashmm
-from flashmm import cache as kv
 from flashmm.config import SamplingParams, SpecConfig
-from flashmm.verify_prune import score_draft
+from flashmm.targets import cache as kv
+from flashmm.targets.prune import score_draft
 from tools.corpus.build import load_target
 model, tok = load_target("smollm2")
 rows = [json.loads(l) for l in open(ROOT.parent / "shared/data/spec_bench/question_dev.jsonl")]

@@ -10,8 +10,8 @@ from typing import ClassVar
 import torch
 
 from ..config import SamplingParams
-from ..onednn import OneDNNLinears
 from ..targets.base import SequenceStart, Target  # noqa: F401 (SequenceStart: part of the drafter protocol)
+from ..targets.onednn import OneDNNLinears
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 

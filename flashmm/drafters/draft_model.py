@@ -5,10 +5,10 @@ from contextlib import nullcontext
 
 import torch
 
-from .. import cache as kv
 from ..config import SamplingParams
-from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..sampling import sample
+from ..targets import cache as kv
+from ..targets.onednn import OneDNNLinears, resolve_linear_backend
 from ..targets.verify_cost import measure_verify_cost
 from ..tree.cost import AdaptiveDraftLength, VerifyCostUnmeasurable, price_with_target
 from ..tree.draft import Draft

@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import SamplingParams
-from ..onednn import routed_like
+from ..targets.onednn import routed_like
 from ..tree.cost import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
 from ..tree.draft import Draft
 from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .. import cache as kv
+from ..targets import cache as kv
 from ..tree.cost import AdaptiveDraftLength
 from .base import register
 from .draft_model import DraftModel

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..config import SamplingParams
-from ..onednn import routed_like
+from ..targets.onednn import routed_like
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.shapes import dyspec_tree

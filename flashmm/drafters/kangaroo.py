@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import DynamicCache
 
-from .. import cache as kv
+from ..targets import cache as kv
 from ..targets.layers import crop_layers, layer_len
 from .base import SequenceStart, StepResult, register
 from .files import blamed_on, check_section, parameters_of, read_safetensors

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import cache as kv
 from ..config import SamplingParams
 from ..sampling import sample
+from ..targets import cache as kv
 from ..tree.cost import AdaptiveDraftLength
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree

@@ -35,9 +35,9 @@ from collections import Counter
 
 import torch
 
-from .. import cache as kv
 from ..config import SamplingParams
 from ..sampling import sample
+from ..targets import cache as kv
 from ..tree.cost import AdaptiveDraftLength
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree

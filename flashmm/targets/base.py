@@ -66,7 +66,7 @@ class Target:
     model: torch.nn.Module
     vocab_size: int
     hidden_size: int
-    #: the backend of the tree forwards' linear layers ("torch" or "onednn", see flashmm.onednn)
+    #: the backend of the tree forwards' linear layers ("torch" or "onednn", see flashmm.targets.onednn)
     linear_backend: str = "torch"
     #: why the model's forwards do not run flashmm's fused step (flashmm.targets.fused); None: they do
     unfused: str | None = "only a causal-LM target's text forwards are fused"

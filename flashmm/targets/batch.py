@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import cache as kv
-from ..graphs import SlotCache, prompt_mask
 from ..tree.token_tree import TokenTree, padded_trees
+from . import cache as kv
 from .base import select_hidden
+from .graphs import SlotCache, prompt_mask
 
 
 @dataclass
@@ -171,7 +171,7 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
 
 
 def graph_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[TokenTree], want_hidden: bool):
-    """forward_trees on the batch's SlotCache (CUDA graphs: flashmm.graphs): the padded trees at slots
+    """forward_trees on the batch's SlotCache (CUDA graphs: flashmm.targets.graphs): the padded trees at slots
     L .. L+W-1, each row seeing its valid slots and its tree's ancestry, the rest of the slots hidden."""
     cache, (batch, width), slots = state.cache, tokens.shape, state.num_slots
     if cache.grow(slots + width):

@@ -8,7 +8,7 @@ each step, mask building, rotary embeddings computed per call, five ops per RMSN
 runs the same arithmetic as the model's own layers with the overhead taken out:
 
 - q, k and v are one oneDNN matmul (their weights concatenated and packed once), gate and up another;
-  o, down and the LM head multiply packed weights (flashmm.onednn);
+  o, down and the LM head multiply packed weights (flashmm.targets.onednn);
 - RMSNorm is ``torch.rms_norm``; rotary embeddings come from the model's own ``rotary_emb`` (every rope
   type it implements) and are applied to q and k in one pass;
 - keys and values are written in place into room preallocated behind each cache layer's tensors
@@ -18,7 +18,7 @@ runs the same arithmetic as the model's own layers with the overhead taken out:
 - attention is one ``scaled_dot_product_attention`` per layer with the grouped heads given as they are.
 
 It computes the model's function to fp32 rounding, not bit for bit (as oneDNN's linears already
-do, see flashmm.onednn): greedy output is compared with ``generate`` by the tests. Only models
+do, see flashmm.targets.onednn): greedy output is compared with ``generate`` by the tests. Only models
 whose layers are exactly this computation are run here (``supports``); everything else keeps the
 model's own forward. torch.compile was measured on top of it (eval/results/compile_probe.md) and
 was not faster on this CPU than these eager packed matmuls.
@@ -31,9 +31,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .. import cache as kv
-from ..graphs import padded_causal
-from ..onednn import PACK_LIMIT_BYTES, PACK_ROWS, OneDNNLinears, can_pack, onednn_available, packed_weight
+from . import cache as kv
+from .graphs import padded_causal
+from .onednn import PACK_LIMIT_BYTES, PACK_ROWS, OneDNNLinears, can_pack, onednn_available, packed_weight
 
 #: causal LMs whose decoder layers are RMSNorm → attention (rotary, grouped heads, optional q/k/v bias
 #: and per-head q/k RMSNorm) → RMSNorm → SiLU-gated MLP, with nothing else in between

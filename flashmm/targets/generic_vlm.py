@@ -32,10 +32,10 @@ import warnings
 
 import torch
 
-from ..cache import cache_argument
 from ..tree.token_tree import TokenTree
 from . import register_adapter
 from .base import TargetOutput
+from .cache import cache_argument
 from .failures import MODEL_ERRORS, describe, raised_by_model
 from .support import UnsupportedModel, architecture, generate_position_ids, takes_position_ids
 from .text import CausalLMTarget

@@ -21,8 +21,8 @@ from collections.abc import Collection
 import torch
 from transformers import DynamicCache
 
-from .. import cache as kv
 from ..tree.token_tree import TokenTree
+from . import cache as kv
 from .layout import SLIDING, attention_layout
 
 #: model_type of the families whose layers LayerRunner composes (pre-norm attention + MLP, one final norm)

@@ -45,8 +45,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..cache import CACHE_ARGUMENTS
 from ..tree.token_tree import TokenTree
+from .cache import CACHE_ARGUMENTS
 from .failures import MODEL_ERRORS, describe, raised_by_model
 from .layout import longest_window
 from .recurrent import StateOutsideCache, continues_state, generate_cache_layers, recurrent_layer_kinds

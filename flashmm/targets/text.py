@@ -23,13 +23,13 @@ from contextlib import nullcontext
 
 import torch
 
-from .. import cache as kv
-from .. import graphs
-from ..onednn import OneDNNLinears, resolve_linear_backend
 from ..tree.token_tree import TokenTree
 from . import fused, recurrent
+from . import cache as kv
+from . import graphs
 from .base import Target, TargetOutput, select_hidden
 from .layout import CHUNKED, SLIDING, attention_layout
+from .onednn import OneDNNLinears, resolve_linear_backend
 from .support import derived_position_modules, generate_position_ids, positions_given, takes_position_ids
 
 
@@ -77,14 +77,14 @@ class CausalLMTarget(Target):
         self._tree_prefix_len = None
         #: why the model's forwards are not run by flashmm's fused step (flashmm.targets.fused), None when they are
         self.unfused = self._unfused()
-        #: verification on a SlotCache with CUDA-graph replays (use_cuda_graphs; flashmm.graphs)
+        #: verification on a SlotCache with CUDA-graph replays (use_cuda_graphs; flashmm.targets.graphs)
         self.cuda_graphs = False
         self._graphs: graphs.GraphedForwards | None = None        # single sequences
         self._batch_graphs: graphs.GraphedForwards | None = None  # padded batches (flashmm.targets.batch)
 
     def use_cuda_graphs(self) -> None:
         """Verify every step on a preallocated SlotCache, each step shape captured once as a CUDA graph and
-        replayed (flashmm.graphs; on a CPU the same cache runs eagerly): single sequences on one cache,
+        replayed (flashmm.targets.graphs; on a CPU the same cache runs eagerly): single sequences on one cache,
         padded batches (flashmm.targets.batch) on another. Raises ValueError for a model whose forwards cannot
         be replayed with fixed shapes."""
         why = ("keeps recurrent states" if self.recurrent else "derives its own positions" if self.derives_positions
@@ -136,7 +136,7 @@ class CausalLMTarget(Target):
         return None if self.cuda_graphs else self._cache
 
     def tree_started(self, prefix_len: int) -> None:
-        """A tree forward run outside forward_tree (ProPD, flashmm.verify_prune) appended its rows after
+        """A tree forward run outside forward_tree (ProPD, flashmm.targets.prune) appended its rows after
         prefix_len cached rows: commit keeps the accepted ones after it."""
         self._tree_prefix_len = prefix_len
 
@@ -171,7 +171,7 @@ class CausalLMTarget(Target):
 
     def start_sequence(self, prompt_len: int | None = None) -> None:
         """A fresh cache; with the oneDNN linear backend, the layers flashmm's forwards route (see
-        flashmm.onednn). The model's attention implementation is left as the user loaded it. With CUDA
+        flashmm.targets.onednn). The model's attention implementation is left as the user loaded it. With CUDA
         graphs and a prompt_len (single sequences), the SlotCache of the last sequence is reused when the
         prompt fits it, so its graphs replay again."""
         if self.cuda_graphs and prompt_len is not None:
@@ -266,7 +266,7 @@ class CausalLMTarget(Target):
 
     def _graph_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden) -> TargetOutput:
         """forward_tree on the SlotCache: the tree's rows at slots prefix .. prefix+N-1, seeing the prefix
-        and their ancestors (flashmm.graphs.GraphedForwards replays the step's graph on CUDA)."""
+        and their ancestors (flashmm.targets.graphs.GraphedForwards replays the step's graph on CUDA)."""
         cache, n, batch = self._cache, tree.num_nodes, tokens.shape[0]
         prefix_len = self._tree_prefix_len = cache.length
         if cache.grow(prefix_len + n):

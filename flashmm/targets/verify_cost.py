@@ -24,11 +24,11 @@ from typing import Sequence
 
 import torch
 
-from .. import cache as kv
 from .. import disk_cache
-from ..onednn import OneDNNLinears, packs, routable_layers
 from ..tree.cost import VerifyCost, VerifyCostUnmeasurable
+from . import cache as kv
 from .fused import FusedForward
+from .onednn import OneDNNLinears, packs, routable_layers
 from .recurrent import is_recurrent
 
 # every size up to 8 and the neighbours of 12 and 18: a CPU's sgemm works in blocks of rows (6 on
@@ -123,7 +123,7 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     for this identity (unreadable, a key missing, non-finite or non-positive seconds, another
     machine's) is measured again and overwritten, with a warning; an unwritable directory leaves
     the cost in this process only (flashmm.disk_cache warns once). ``linear="onednn"``
-    times the forwards with the model's linears on oneDNN (flashmm.onednn), as a text target's tree
+    times the forwards with the model's linears on oneDNN (flashmm.targets.onednn), as a text target's tree
     forwards run them; ``linear="fused"`` times the model's fused step (flashmm.targets.fused), which a
     target of the Llama families verifies on.
     Raises VerifyCostUnmeasurable when the model cannot be timed this way (a recurrent state, a

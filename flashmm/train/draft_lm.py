@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cache import cache_argument, output_cache
+from ..targets.cache import cache_argument, output_cache
 
 DIVERGENCES = ("fkl", "rkl", "tvd", "jsd")
 OBJECTIVES = ("ce",) + DIVERGENCES

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from flashmm.cache import cache_argument
+from flashmm.targets.cache import cache_argument
 
 
 @dataclass

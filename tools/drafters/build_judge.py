@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from flashmm import cache as kv
-from flashmm.cache import cache_argument
 from flashmm.paths import work_dir
+from flashmm.targets import cache as kv
+from flashmm.targets.cache import cache_argument
 from flashmm.train.corpus import read_info, token_pairs
 from flashmm.verify.judge import JudgeHead
 from tools.corpus.build import load_target

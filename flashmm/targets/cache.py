@@ -12,6 +12,8 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from .recurrent import RecurrentCache, is_recurrent
+
 # The names a forward has taken its cache under, newest first: transformers 5.24 renamed
 # past_key_values (and Mamba's cache_params) to cache, keeping the old names as deprecated aliases.
 CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
@@ -47,8 +49,6 @@ def output_cache(out):
 def new_cache(model: torch.nn.Module | None = None) -> DynamicCache:
     """An empty cache whose layers keep every row (masks, not eviction, enforce windows); for a
     recurrent or hybrid ``model``, a RecurrentCache (flashmm.targets.recurrent) that can be rewound."""
-    from .targets.recurrent import RecurrentCache, is_recurrent  # noqa: PLC0415 (targets import this module)
-
     if model is not None and is_recurrent(model):
         return RecurrentCache(model.config.get_text_config(decoder=True))
     return DynamicCache()
@@ -117,7 +117,7 @@ def move_rows(tensors: list[torch.Tensor], prefix_len: int, path: torch.Tensor, 
         return
     if kernel:
         try:
-            from .kernels import kv_keep  # noqa: PLC0415 (triton loads on first use)
+            from ..kernels import kv_keep  # noqa: PLC0415 (triton loads on first use)
 
             kv_keep(tensors, prefix_len, path.to(tensors[0].device))
             return

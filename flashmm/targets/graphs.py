@@ -192,7 +192,7 @@ class GraphedForwards:
         with self.linears():
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
                              output_hidden_states=bool(want_hidden), **{kv.cache_argument(self.model): self.cache})
-        from .targets.base import select_hidden  # noqa: PLC0415 (targets import this module)
+        from .base import select_hidden  # noqa: PLC0415 (targets import this module)
 
         return out.logits, select_hidden(out.hidden_states, want_hidden)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .targets.base import TargetOutput
-from .targets.layers import LayerRunner, check_supported
-from .targets.session import Scored, SequenceSession
-from .tree.draft import Draft
-from .tree.token_tree import TokenTree
+from ..tree.draft import Draft
+from ..tree.token_tree import TokenTree
+from .base import TargetOutput
+from .layers import LayerRunner, check_supported
+from .session import Scored, SequenceSession
 
 PRUNE_MODES = ("none", "propd")
 

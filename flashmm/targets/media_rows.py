@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .collate import COUNT_KEYS
-from .targets.generic_vlm import MEDIA_KEYS, PlaceholderVLMTarget
-from .targets.llava import LlavaNextTarget, LlavaOnevisionTarget, LlavaTarget
-from .targets.visual import VisualTarget
+from .generic_vlm import MEDIA_KEYS, PlaceholderVLMTarget
+from .llava import LlavaNextTarget, LlavaOnevisionTarget, LlavaTarget
+from .visual import VisualTarget
+
+#: per-item counts that need an entry (0) for an item without that media
+COUNT_KEYS = ("batch_num_images",)
 
 
 @dataclass
