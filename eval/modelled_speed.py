@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from text_speed import DEFAULT_QUESTIONS, load_questions, parse_drafter, prompt_ids  # noqa: E402
 
 import flashmm  # noqa: E402
-from flashmm import engine  # noqa: E402
+from flashmm.engine import loop as engine  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 

@@ -1,8 +1,8 @@
 """flashmm: lossless speculative decoding for Hugging Face multimodal and text models."""
 from . import drafters
-from .api import SpeculativeModel, wrap
 from .config import SamplingParams, SpecConfig
-from .engine import GenerationStats
+from .engine.api import SpeculativeModel, wrap
+from .engine.loop import GenerationStats
 from .pipelines import CaptionPipeline, CaptionResult
 from .tree.token_tree import TokenTree
 

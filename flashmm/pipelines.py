@@ -43,11 +43,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .api import wrap
 from .chat import chat_prompt, text_kwargs  # noqa: F401 (chat_prompt: public here too)
 from .collate import collate
 from .config import SpecConfig
-from .engine import GenerationStats
+from .engine.api import wrap
+from .engine.loop import GenerationStats
 from .resolve import UntrainedDrafterError, resolve_drafter, training_record  # noqa: F401 (public here too)
 from .vision.media import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoFrames, directory_error,  # noqa: F401 (public here too)
                            expand_paths, load_image, load_video, media_kind)

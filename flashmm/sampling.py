@@ -45,7 +45,7 @@ class SamplingParams:
     do_sample=False is greedy: argmax of the processed scores. temperature / top_k / top_p are
     the usual warpers (transformers' classes, its order); they apply only when sampling.
     processors: the complete processor list (a ``LogitsProcessorList``) when built from a
-      GenerationConfig (``flashmm.generation``: repetition penalty, min_p, bad words, ...); None
+      GenerationConfig (``flashmm.engine.generation``: repetition penalty, min_p, bad words, ...); None
       builds it from temperature / top_k / top_p. The same list is applied to the target's p and
       to a sampling drafter's q.
     row_prefix: LongTensor [P] or None; tokens every prefix handed to the processors starts with

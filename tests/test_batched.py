@@ -106,7 +106,7 @@ def test_batched_sampling_exact_per_row():
 def test_batch_width_by_hand():
     """One width for all rows: every row pays for the widest tree, so the width maximises the rows'
     expected tokens per unit of verify time (worked by hand below)."""
-    from flashmm.engine import batch_width
+    from flashmm.engine.loop import batch_width
     from flashmm.tree.draft import Draft
     from flashmm.tree.cost import VerifyCost
     from flashmm.tree.token_tree import TokenTree
@@ -144,7 +144,7 @@ def test_prompt_lookup_cut_learns_from_the_tokens_verified():
 def test_cut_drafts_stay_exact(models, monkeypatch):
     """Rows whose lookup drafts are cut to one width (forced to 2 nodes here, whatever the timings)
     still equal the model's own batched generate."""
-    import flashmm.engine
+    import flashmm.engine.loop
     import flashmm.targets.batch
 
     target, _ = models
@@ -158,7 +158,7 @@ def test_cut_drafts_stay_exact(models, monkeypatch):
         widths.append(tuple(tokens.shape))
         return forward(target, state, tokens, trees, want_hidden)
 
-    monkeypatch.setattr(flashmm.engine, "batch_width", lambda drafts, cost: 2)
+    monkeypatch.setattr(flashmm.engine.loop, "batch_width", lambda drafts, cost: 2)
     monkeypatch.setattr(flashmm.targets.batch, "forward_trees", recording)
     sm = flashmm.wrap(target, PromptLookup())
     out = sm.generate(ids, attention_mask=mask, max_new_tokens=25)

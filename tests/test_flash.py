@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashmm
-import flashmm.engine
+import flashmm.engine.loop
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.prompt_lookup import NgramIndex, PromptLookup
 from flashmm.drafters.flash_modules import (FlashConfig, FlashNet, VisualCompressor, build_units, merge_adjacent,
@@ -196,13 +196,13 @@ def test_draft_is_a_product_tree(text_target):
 
 def test_sampling_uses_tree_verifier_and_output_is_valid(text_target, monkeypatch):
     used = []
-    real = flashmm.engine.select_verifier
+    real = flashmm.engine.loop.select_verifier
 
     def recording(name, do_sample, tree=None, backend="torch", **options):
         used.append((name, do_sample))
         return real(name, do_sample, tree, backend=backend, **options)
 
-    monkeypatch.setattr(flashmm.engine, "select_verifier", recording)
+    monkeypatch.setattr(flashmm.engine.loop, "select_verifier", recording)
     drafter = drafter_for(text_target, 5, tree=STATIC_TREE)
     drafts = []
     original = drafter.propose

@@ -150,7 +150,7 @@ def test_processors_lossless_and_bias_detected(sharp_target, monkeypatch):
     p = chi_square_pvalue(second_third_histogram(sm), exact)
     assert p > 1e-3, f"sampled output deviates from the processed target distribution (p = {p:.2e})"
 
-    import flashmm.engine as engine
+    import flashmm.engine.loop as engine
 
     def root_prefix_only(sampling, logits, tokens, tree, committed):
         n = tree.num_nodes

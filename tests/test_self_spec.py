@@ -409,7 +409,7 @@ def test_propd_decodes_a_batch_row_by_row_as_batched_generate():
     assert sm.last_stats.pruned_tokens > 0
     calls = []
     model.register_forward_hook(lambda *args: calls.append(1))
-    decoding = flashmm.engine.Decoding(sampling=SamplingParams(), max_new_tokens=4)
+    decoding = flashmm.engine.loop.Decoding(sampling=SamplingParams(), max_new_tokens=4)
     with pytest.raises(ValueError, match="prune='propd'.*one by one"):
-        flashmm.engine.decode(sm.target, drafter, ids, [decoding] * 3, sm.spec, None, attention_mask=mask)
+        flashmm.engine.loop.decode(sm.target, drafter, ids, [decoding] * 3, sm.spec, None, attention_mask=mask)
     assert not calls

@@ -3,7 +3,7 @@
 ``open_session`` runs the prompts' prefill and returns, as values, the logits of every row's last
 prompt position, what each row's drafter starts from (``SequenceStart``: the prompt's hidden states,
 input embeddings and visual spans), and a ``Session`` that owns the call's cache until the last row
-finishes. The engine's loop (flashmm.engine.decode) is the same for every batch size and calls only
+finishes. The engine's loop (flashmm.engine.loop.decode) is the same for every batch size and calls only
 the three methods a Session declares; how the rows' caches are laid out is the session's business:
 
 - one row (``SequenceSession``): the target's single-sequence forwards on its own cache (dynamic,

@@ -20,7 +20,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
 
-from .sampling import PREFIX_DEPENDENT, PREFIX_FREE, SamplingParams
+from ..sampling import PREFIX_DEPENDENT, PREFIX_FREE, SamplingParams
 
 _MODE_ERRORS = {
     GenerationMode.ASSISTED_GENERATION: (

@@ -9,14 +9,14 @@ from typing import Iterable, Iterator
 import torch
 from transformers import GenerationConfig
 
-from .config import SpecConfig
-from .drafters.base import Drafter
-from .engine import Admission, Decoding, GenerationStats, decode, decode_rows
+from ..config import SpecConfig
+from ..drafters.base import Drafter
+from ..resolve import resolve_drafter
+from ..targets import make_target
+from ..targets.media_rows import holds_media_tensors, item_media
+from ..targets.prune import check_prunable
 from .generation import finish, prepare
-from .resolve import resolve_drafter
-from .targets import make_target
-from .targets.media_rows import holds_media_tensors, item_media
-from .targets.prune import check_prunable
+from .loop import Admission, Decoding, GenerationStats, decode, decode_rows
 
 _SPEC_FIELDS = {f.name for f in fields(SpecConfig)}
 
@@ -61,7 +61,7 @@ class SpeculativeModel:
                  custom_generate=None, generator: torch.Generator | None = None, **kwargs):
         """``model.generate``'s signature and return value, decoded speculatively.
 
-        Everything is prepared by transformers' own code (``flashmm.generation``): the checkpoint's
+        Everything is prepared by transformers' own code (``flashmm.engine.generation``): the checkpoint's
         generation config with ``generation_config`` / keyword overrides, the logits processors
         (repetition penalty, min_p, bad words, ...: applied to every drafted position with that
         position's own prefix), stopping criteria (EOS, stop strings, max time, yours), streamers,

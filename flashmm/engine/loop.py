@@ -13,14 +13,14 @@ from typing import Callable
 
 import torch
 
-from .config import SamplingParams, SpecConfig
-from .drafters.base import Drafter, StepResult, hidden_request
-from .sampling import sample
-from .targets.base import Target
-from .targets.prune import PruningSession
-from .targets.session import open_session
-from .tree.cost import batch_bucket, measured_verify_cost, price_for_batch
-from .verify import drafting_scheme_of, select_verifier
+from ..config import SamplingParams, SpecConfig
+from ..drafters.base import Drafter, StepResult, hidden_request
+from ..sampling import sample
+from ..targets.base import Target
+from ..targets.prune import PruningSession
+from ..targets.session import open_session
+from ..tree.cost import batch_bucket, measured_verify_cost, price_for_batch
+from ..verify import drafting_scheme_of, select_verifier
 
 
 @dataclass
@@ -89,7 +89,7 @@ class GenerationStats:
 
 @dataclass
 class Decoding:
-    """How one row decodes: what ``flashmm.generation`` prepared from transformers' own objects.
+    """How one row decodes: what ``flashmm.engine.generation`` prepared from transformers' own objects.
 
     sampling:       SamplingParams with the row's processors (row_prefix = its left padding).
     max_new_tokens: hard cap on new tokens.
