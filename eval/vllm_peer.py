@@ -92,7 +92,7 @@ def hf_folder(model, tokenizer) -> str:
 
 def exported_eagle3() -> str:
     """The shipped EAGLE-3 head in vLLM's speculators layout (written anew each run: a second)."""
-    from flashmm.export import export_drafter  # noqa: PLC0415
+    from flashmm.drafters.export import export_drafter  # noqa: PLC0415
 
     return str(export_drafter(EAGLE3, "speculators", work_dir("smollm2_eagle3_speculators")))
 

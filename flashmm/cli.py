@@ -89,7 +89,7 @@ def add_decoding_options(parser: argparse.ArgumentParser, max_new_tokens: int) -
 
 def build_parser() -> argparse.ArgumentParser:
     from .cli_generate import add_generate_command
-    from .export import add_export_command
+    from .drafters.export import add_export_command
 
     parser = argparse.ArgumentParser(
         prog="flashmm", description="Lossless speculative decoding for Hugging Face vision-language and text models.")

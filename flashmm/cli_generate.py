@@ -82,7 +82,7 @@ def run_generate(args) -> int:
 
     from . import wrap
     from .pipelines import plain_generate, plain_stats
-    from .resolve import resolve_drafter
+    from .drafters.resolve import resolve_drafter
 
     problem = check_decoding_options(args)
     if problem:

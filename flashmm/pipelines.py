@@ -46,9 +46,9 @@ from PIL import Image
 from .chat import chat_prompt, text_kwargs  # noqa: F401 (chat_prompt: public here too)
 from .collate import collate
 from .config import SpecConfig
+from .drafters.resolve import UntrainedDrafterError, resolve_drafter, training_record  # noqa: F401 (public here too)
 from .engine.api import wrap
 from .engine.loop import GenerationStats
-from .resolve import UntrainedDrafterError, resolve_drafter, training_record  # noqa: F401 (public here too)
 from .vision.media import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoFrames, directory_error,  # noqa: F401 (public here too)
                            expand_paths, load_image, load_video, media_kind)
 
@@ -157,7 +157,7 @@ class CaptionPipeline:
     drafter:      a Drafter, a registered name ("prompt_lookup", "flash"), a directory holding a
                   saved FlashDrafter (flash_config.json), or None: the model's own ``generate``.
                   A randomly initialised one ("flash", a directory without a training record) is
-                  refused unless ``allow_untrained=True`` (``flashmm.resolve.resolve_drafter``).
+                  refused unless ``allow_untrained=True`` (``flashmm.drafters.resolve.resolve_drafter``).
     processor:    the model's processor (None: AutoProcessor from model_or_dir).
     device, dtype: where / in what dtype to load a model given as a directory.
     attention, linear, cuda_graphs, **spec_config: passed to ``flashmm.wrap`` (SpecConfig fields: verifier,

@@ -20,10 +20,10 @@ from flashmm import disk_cache
 from flashmm.drafters import DrafterFileError, FlashDrafter, Rest, load
 from flashmm.drafters import rest as rest_module
 from flashmm.drafters.eagle3 import save_head
-from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
 from flashmm.drafters.head_base import save_heads
 from flashmm.drafters.medusa import MedusaHeads
+from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.train import draft_lm
 
 from text_models import VOCAB, tiny_lm

@@ -11,7 +11,7 @@ import torch
 import flashmm
 from flashmm.drafters import Eagle3Drafter, load
 from flashmm.drafters.base import Drafter, SequenceStart, root_only
-from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
+from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.tree.shapes import sequoia_tree
 from flashmm.train import eagle3 as E
 from flashmm.train import eagle3_batched as B
@@ -368,7 +368,7 @@ def test_fine_tuning_starts_from_the_shipped_head_with_the_targets_exact_rows(sm
 
 def test_flash_k1_eagle2_tree_equals_brute_force_and_is_exact():
     from flashmm.drafters import FlashDrafter  # noqa: PLC0415
-    from flashmm.drafters.flash_modules import head_logits  # noqa: PLC0415
+    from flashmm.drafters.nets.flash_modules import head_logits  # noqa: PLC0415
 
     target = tiny_lm("llama", seed=0)
     drafter = FlashDrafter.from_target(target, tokens_per_step=1, seed=3, tree="eagle2", depth=3, top_k=3)

@@ -11,9 +11,9 @@ from flashmm.cli import main
 from flashmm.drafters import load
 from flashmm.drafters.base import SequenceStart
 from flashmm.drafters.eagle3 import save_head
-from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
+from flashmm.drafters.export import check_state, expected_shapes, read_exported
+from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.targets import CausalLMTarget
-from flashmm.export import check_state, expected_shapes, read_exported
 
 from text_models import VOCAB, prompt, tiny_lm
 

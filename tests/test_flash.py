@@ -14,10 +14,10 @@ import flashmm
 import flashmm.engine.loop
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.prompt_lookup import NgramIndex, PromptLookup
-from flashmm.drafters.flash_modules import (FlashConfig, FlashNet, VisualCompressor, build_units, merge_adjacent,
-                                            unit_layout)
 from flashmm.sampling import warp_logits
 from flashmm.config import SamplingParams
+from flashmm.drafters.nets.flash_modules import (FlashConfig, FlashNet, VisualCompressor, build_units,
+                                                 merge_adjacent, unit_layout)
 from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
 from flashmm.tree.trie import best_first_paths

@@ -15,8 +15,8 @@ import torch
 import flashmm
 import mm_models as mm
 from flashmm.drafters import MTP, Eagle3Drafter, Hydra, Medusa
-from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.drafters.head_base import save_heads
+from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.train import heads as H
 from tools.reference.flash_build import item_inputs, make_items
 

@@ -179,7 +179,7 @@ def test_objective_matches_a_per_unit_brute_force(slot_decay):
     predictions from the full network forward of each record alone, slot i weighted decay**i."""
     import torch.nn.functional as F
 
-    from flashmm.drafters.flash_modules import build_units
+    from flashmm.drafters.nets.flash_modules import build_units
 
     model = tiny_lm("llama", seed=6)
     features = record_features(model, None, text_records(3, offset=20), max_new_tokens=9)

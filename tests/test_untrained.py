@@ -12,7 +12,7 @@ from flashmm.drafters.base import drafter_names
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.head_base import save_heads
 from flashmm.drafters.medusa import Medusa, MedusaHeads
-from flashmm.resolve import UntrainedDrafterError, resolve_drafter
+from flashmm.drafters.resolve import UntrainedDrafterError, resolve_drafter
 
 from text_models import prompt, tiny_lm
 

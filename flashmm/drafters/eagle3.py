@@ -48,9 +48,9 @@ from ..tree.draft import Draft
 from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.trie import DraftTrie, best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, register, root_only
-from .eagle3_net import Eagle3Config, Eagle3Net
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
 from .head_base import committed_embeds
+from .nets.eagle3_net import Eagle3Config, Eagle3Net
 from .saved import read_info
 from .suffix import LookupBranch
 

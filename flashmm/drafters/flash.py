@@ -52,7 +52,7 @@ from ..tree.token_tree import TokenTree
 from ..tree.trie import best_first_paths, best_paying_prefix, fit_chain
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors
-from .flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
+from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
 from .suffix import SuffixTrie, lookup_source
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from ..config import SpecConfig
 from ..drafters.base import Drafter
-from ..resolve import resolve_drafter
+from ..drafters.resolve import resolve_drafter
 from ..targets import make_target
 from ..targets.media_rows import holds_media_tensors, item_media
 from ..targets.prune import check_prunable
@@ -244,7 +244,7 @@ def wrap(model: torch.nn.Module, drafter: Drafter | str | os.PathLike, processor
     """Wrap ``model`` for speculative decoding with ``drafter``: an instance, a registered name, or the
     folder of a trained drafter (``flashmm.drafters.load``) or of a saved FLASH drafter.
 
-    A randomly initialised drafter raises ``flashmm.resolve.UntrainedDrafterError`` unless
+    A randomly initialised drafter raises ``flashmm.drafters.resolve.UntrainedDrafterError`` unless
     ``allow_untrained=True`` (as ``CaptionPipeline`` and ``--allow-untrained`` on the command line):
     the name "flash" (it builds a fresh FLASH head), a FlashDrafter without a network, a FLASH folder
     that records no training. Training-free drafters (prompt_lookup, suffix, lookahead, layerskip, ...)

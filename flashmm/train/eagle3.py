@@ -1,7 +1,7 @@
 """Training an EAGLE-3 head on cached target features, with training-time test (TTT).
 
 One sequence (ids x_0 .. x_{L-1}, target features f_t, the target's top-k logits per position)
-gives units t = 0 .. L-2 (see drafters/eagle3_net). TTT unrolls ``ttt_steps`` steps J:
+gives units t = 0 .. L-2 (see drafters/nets/eagle3_net). TTT unrolls ``ttt_steps`` steps J:
 
 - step 0: unit t reads (E(x_{t+1}), fc(f_t)) at position t and attends causally;
 - step j >= 1: unit t reads (E(x_{t+1+j}), its own step j-1 output) at position t + j and attends
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ..drafters.eagle3_net import Eagle3Net
+from ..drafters.nets.eagle3_net import Eagle3Net
 
 STYLES = ("plain", "hass", "griffin")
 

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from ..drafters.eagle3_net import Eagle3Net
+from ..drafters.nets.eagle3_net import Eagle3Net
 from .eagle3 import Example, TrainOptions, _ttt_mask
 
 

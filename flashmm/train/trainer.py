@@ -31,7 +31,7 @@ from torch import nn
 
 from ..distributed import launched_without_gpu
 from ..drafters.flash import FlashDrafter
-from ..drafters.flash_modules import COMPRESSIONS, FlashNet, build_units
+from ..drafters.nets.flash_modules import COMPRESSIONS, FlashNet, build_units
 from .data import FeatureDataset, FeatureRecord, collate_records, record_features
 
 

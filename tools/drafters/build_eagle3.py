@@ -56,7 +56,7 @@ import torch
 
 from flashmm.drafters import load
 from flashmm.drafters.eagle3 import Eagle3Drafter, save_head
-from flashmm.drafters.eagle3_net import Eagle3Config, Eagle3Net
+from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.paths import work_dir
 from flashmm.train import draft_lm as T
 from flashmm.train import eagle3 as E

@@ -6,12 +6,12 @@ import glob
 import json
 import os
 
-from .drafters.base import Drafter, drafter_names
-from .drafters.flash import CONFIG_NAME as FLASH_CONFIG_NAME
-from .drafters.flash import FlashDrafter
-from .drafters.flash import read_config as read_flash_config
-from .drafters.saved import CONFIG_FILE as SAVED_CONFIG
-from .drafters.saved import load, make_by_name
+from .base import Drafter, drafter_names
+from .flash import CONFIG_NAME as FLASH_CONFIG_NAME
+from .flash import FlashDrafter
+from .flash import read_config as read_flash_config
+from .saved import CONFIG_FILE as SAVED_CONFIG
+from .saved import load, make_by_name
 
 TRAINING_FILES = ("flash_build_info.json",)  # written by flashmm's reference drafter builds
 

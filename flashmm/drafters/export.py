@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .drafters.eagle3 import Eagle3Drafter
-from .drafters.eagle3_net import Eagle3Config, Eagle3Net
-from .drafters.saved import read_info
+from .eagle3 import Eagle3Drafter
+from .nets.eagle3_net import Eagle3Config, Eagle3Net
+from .saved import read_info
 
 FORMATS = ("sglang", "speculators")
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
