@@ -222,6 +222,7 @@ class Study:
 
     # ------------------------------------------------------------ one run
     def run(self, size: str, fraction: float) -> dict:
+        from flashmm.drafters.nets import distill  # noqa: PLC0415
         from flashmm.train import draft_lm as T  # noqa: PLC0415
 
         name = f"{size}_f{fraction:.4f}"
@@ -232,7 +233,7 @@ class Study:
         hidden, layers = SIZES[size]
         subset = nested_subset(self.sequences(self.train_records, "all"), fraction, self.args.seed)
         draft = self.new_draft(hidden, layers)
-        rows = T.target_rows(self.vocab(), draft.target_vocab)
+        rows = distill.target_rows(self.vocab(), draft.target_vocab)
         examples = T.examples_from_sequences(subset, rows, answers_only=False)
         log(f"{name}: {len(subset)} sequences, {trained_positions(subset)} tokens, "
             f"{sum(p.numel() for p in draft.lm.parameters())} params")

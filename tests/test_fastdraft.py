@@ -11,6 +11,7 @@ import flashmm
 from flashmm.drafters import FastDraft, load
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
 from flashmm.targets.onednn import onednn_available
+from flashmm.drafters.nets import distill
 from flashmm.train import draft_lm as T
 
 from stats_utils import chi_square_pvalue
@@ -39,7 +40,7 @@ def test_divergences_match_float64_reference():
         "jsd": 0.5 * (P * np.log(P / M)).sum(-1) + 0.5 * (Q * np.log(Q / M)).sum(-1),
     }
     for kind, want in reference.items():
-        got = T.divergence(kind, p, logits.log_softmax(-1)).double().numpy()
+        got = distill.divergence(kind, p, logits.log_softmax(-1)).double().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=kind)
 
 
@@ -48,7 +49,7 @@ def test_target_distribution_keeps_topk_mass_and_spreads_the_rest():
     lse = logits.logsumexp(-1)
     topk = logits.topk(3)
     draft_to_target = torch.tensor([0, 2, 4, 5])  # target id 1 is not in the draft vocabulary
-    p = T.target_distribution(topk.indices, topk.values, lse, T.target_rows(draft_to_target, 6), 4)
+    p = distill.target_distribution(topk.indices, topk.values, lse, distill.target_rows(draft_to_target, 6), 4)
     exact = logits.softmax(-1)[0].double()
     assert math.isclose(float(p.sum()), 1.0, rel_tol=1e-6)
     assert math.isclose(float(p[0, 0]), float(exact[0]), rel_tol=1e-6)  # top-k, in the vocabulary
@@ -147,7 +148,7 @@ def distilled_twin(target, rows: list[int]) -> ReducedVocabLM:
             out = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
             sequences.append((out[0].tolist(), 8))
     draft = reduced(target, rows, layers=2)
-    examples = T.examples_from_sequences(sequences, T.target_rows(torch.tensor(rows), VOCAB), answers_only=False)
+    examples = T.examples_from_sequences(sequences, distill.target_rows(torch.tensor(rows), VOCAB), answers_only=False)
     return draft, examples
 
 
@@ -155,7 +156,7 @@ def test_training_lowers_loss_and_drafts_exactly(tmp_path):
     target = tiny_lm("llama", seed=0)
     rows = list(range(VOCAB))
     draft, examples = distilled_twin(target, rows)
-    to_rows = T.target_rows(torch.tensor(rows), VOCAB)
+    to_rows = distill.target_rows(torch.tensor(rows), VOCAB)
     before = T.batch_loss(draft.lm, T.collate(examples[:8], 0), "ce", to_rows)[0].item()
     summary = T.train_draft(draft.lm, examples, objective="ce", target_to_draft=to_rows, work_dir=tmp_path / "w",
                             epochs=30, lr=1e-2, tokens_per_batch=256, checkpoint_every=100, log=lambda m: None)

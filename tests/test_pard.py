@@ -11,6 +11,7 @@ import flashmm
 from flashmm.drafters import Pard, load
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
 from flashmm.drafters.pard import PardLM
+from flashmm.drafters.nets import distill
 from flashmm.train import draft_lm as T
 from flashmm.train import pard as P
 from flashmm.tree.cost import AdaptiveDraftLength
@@ -95,7 +96,7 @@ def test_group_loss_is_the_mean_cross_entropy_and_training_learns_depth(tmp_path
             ids = prompt(6, seed=seed)
             out = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
             sequences.append((out[0].tolist(), 6))
-    examples = T.examples_from_sequences(sequences, T.target_rows(torch.tensor(rows), VOCAB), answers_only=True)
+    examples = T.examples_from_sequences(sequences, distill.target_rows(torch.tensor(rows), VOCAB), answers_only=True)
     pard = PardLM(reduced(target, rows, layers=2).lm)
     loss, metrics = P.group_loss(pard, examples[:3], depth=3, keep=1.0, rng=random.Random(0))
     logits, labels, _, _ = P.packed_logits(pard, examples[:3], depth=3, keep=1.0, rng=random.Random(0))

@@ -12,6 +12,7 @@ from flashmm.drafters import S2D, load
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm
 from flashmm.drafters.s2d import save_s2d
 from flashmm.targets.cache import output_cache
+from flashmm.drafters.nets import distill
 from flashmm.train import draft_lm as T
 from flashmm.train.sorted import SortedLoss, choose_thresholds, deepen, exit_confidences
 
@@ -97,7 +98,7 @@ def test_sorted_loss_is_the_sum_of_each_exits_cross_entropy():
     rows = list(range(VOCAB))
     draft = nested(target, rows, layers=3, seed=2)
     sequences = [(prompt(10 + i, seed=i)[0].tolist(), 4) for i in range(3)]
-    examples = T.examples_from_sequences(sequences, T.target_rows(torch.tensor(rows), VOCAB), answers_only=True)
+    examples = T.examples_from_sequences(sequences, distill.target_rows(torch.tensor(rows), VOCAB), answers_only=True)
     batch = T.collate(examples, 0)
     loss, metrics = SortedLoss((1, 3)).batch_loss(draft.lm, batch)
     want = 0.0
@@ -123,7 +124,7 @@ def test_sorted_training_makes_every_exit_a_draft_and_thresholds_follow_confiden
             ids = prompt(8, seed=seed)
             out = target.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
             sequences.append((out[0].tolist(), 8))
-    examples = T.examples_from_sequences(sequences, T.target_rows(torch.tensor(rows), VOCAB), answers_only=False)
+    examples = T.examples_from_sequences(sequences, distill.target_rows(torch.tensor(rows), VOCAB), answers_only=False)
     draft = nested(target, rows, layers=2, seed=1)
     exits = (1, 2)
     before = exit_confidences(draft.lm, examples[:4], exits)[1].float().mean(-1)

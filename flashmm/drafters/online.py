@@ -6,7 +6,7 @@ rejected: the last accepted node's logits, which chose the recovered token. ``On
 gather from the verification forward, no extra target forward) and keeps, in a replay buffer, the
 target's top-k logits and logsumexp there with the text the draft read. Every ``update_every``
 rejected positions it runs ``steps_per_update`` optimizer steps on the draft LM, distilling the
-target's distribution at the buffered positions (DistillSpec's divergences, flashmm.train.draft_lm:
+target's distribution at the buffered positions (DistillSpec's divergences, flashmm.drafters.nets.distill:
 "fkl" by default, "rkl", "tvd", "jsd"), and the draft's KV cache is dropped: it was computed with
 the old weights.
 
@@ -14,7 +14,7 @@ What is recorded: a position is "rejected" when the last accepted node has draft
 draft proposed something there and the target refused it). Steps that accept the whole draft, and
 steps where the inner drafter drafted nothing, record nothing. The target distribution is its raw
 logits' top ``top_k`` (exact probabilities) with the rest of the mass spread over the draft's other
-rows (``draft_lm.target_distribution``), on the draft's rows (a reduced vocabulary for FastDraft).
+rows (``distill.target_distribution``), on the draft's rows (a reduced vocabulary for FastDraft).
 
 The buffer holds the last ``capacity`` rejected positions (a FIFO, so a position is trained on in
 up to capacity / update_every updates; capacity == update_every is the paper's "update, then empty
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..train.draft_lm import DIVERGENCES, divergence, target_distribution, target_rows
 from .base import Drafter, StepResult
 from .draft_model import DraftModel
 from .fastdraft import ReducedVocabLM
+from .nets.distill import DIVERGENCES, divergence, target_distribution, target_rows
 
 
 @dataclass

@@ -31,6 +31,7 @@ import torch
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
 from flashmm.drafters.pard import PardLM
 from flashmm.paths import work_dir
+from flashmm.drafters.nets import distill
 from flashmm.train import draft_lm as T
 from flashmm.train import pard as PARD
 from flashmm.train.corpus import corpus_sequences, features, read_corpus, read_info
@@ -70,7 +71,7 @@ def parse_args(argv=None):
                     help="greedy answers whose target distributions are computed (kd, distillspec, adaspec)")
     ap.add_argument("--on-policy-prompts", type=int, default=800)
     ap.add_argument("--on-policy-tokens", type=int, default=128)
-    ap.add_argument("--divergence", default="tvd", choices=T.DIVERGENCES)
+    ap.add_argument("--divergence", default="tvd", choices=distill.DIVERGENCES)
     ap.add_argument("--select", type=float, default=0.4, help="AdaSPEC: fraction of tokens kept")
     ap.add_argument("--pard-depth", type=int, default=4, help="PARD: tokens predicted per forward")
     ap.add_argument("--pard-keep", type=float, default=0.7, help="PARD: conditional-drop keep fraction per depth")
@@ -139,7 +140,7 @@ class Build:
         return draft
 
     def rows(self) -> torch.Tensor:
-        return T.target_rows(self.vocab(), self.target[0].config.vocab_size)
+        return distill.target_rows(self.vocab(), self.target[0].config.vocab_size)
 
     def train(self, stage: str, draft: ReducedVocabLM, examples, objective: str, epochs: float, **extra) -> dict:
         left = self.seconds_left()

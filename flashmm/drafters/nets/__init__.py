@@ -1,2 +1,4 @@
-"""The drafters' networks (torch modules), apart from the methods that run them: ``eagle3_net`` (the
-EAGLE-3 head), ``flash_modules`` (FLASH's decoder, visual compressor and units)."""
+"""The drafters' networks (torch modules and what trains them), apart from the methods that run them:
+``eagle3_net`` (the EAGLE-3 head), ``flash_modules`` (FLASH's decoder, visual compressor and units),
+``distill`` (a draft LM's distillation objective: the target's distribution on the draft's rows and
+the divergences, shared by online drafting and offline training)."""
