@@ -6,7 +6,7 @@
 The multimodal counterpart of eval/batch_speed.py. Items are the benchmark's procedural scenes
 (tools.reference.flash_build: image captioning and VQA, seeds < 1000, formatted as CaptionPipeline
 formats them; ``--videos`` adds 8-frame clips), collated into left-padded batches
-(flashmm.collate). Per batch the methods run back to back in a rotating order, greedy: the model's
+(flashmm.serve.collate). Per batch the methods run back to back in a rotating order, greedy: the model's
 own batched ``generate`` (plain) and the same with every linear layer on oneDNN (plain_onednn, as
 flashmm routes its own forwards on CPU); flashmm with each drafter verifying all rows together (one
 target forward per step); and the same drafter decoding the items one after another (one
@@ -29,9 +29,9 @@ from common import (baseline_legend, machine, markdown_table, on_onednn, onednn_
                     speedup_lines, summarize_batches, timed_with_cpu, write_results)
 
 import flashmm  # noqa: E402
-from flashmm.collate import collate  # noqa: E402
 from flashmm.drafters.flash import FlashDrafter  # noqa: E402
 from flashmm.reference.load import default_assets_dir, load_reference_llava  # noqa: E402
+from flashmm.serve.collate import collate  # noqa: E402
 from tools.reference.flash_build import item_inputs, make_items  # noqa: E402
 
 

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from flashmm.pipelines import CaptionPipeline  # noqa: E402
+from flashmm.serve.pipelines import CaptionPipeline  # noqa: E402
 from flashmm.vision.media import VideoFrames  # noqa: E402
 from tools.reference.evaluate import invented_words, score, summarize  # noqa: E402
 from tools.reference.scenes import make_scene, make_video  # noqa: E402

@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 
-import flashmm.pipelines as pipelines
+import flashmm.serve.pipelines as pipelines
 from flashmm.targets.onednn import OneDNNLinears, resolve_linear_backend
 
 

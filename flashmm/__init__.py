@@ -3,7 +3,7 @@ from . import drafters
 from .config import SamplingParams, SpecConfig
 from .engine.api import SpeculativeModel, wrap
 from .engine.loop import GenerationStats
-from .pipelines import CaptionPipeline, CaptionResult
+from .serve.pipelines import CaptionPipeline, CaptionResult
 from .tree.token_tree import TokenTree
 
 __all__ = ["CaptionPipeline", "CaptionResult", "wrap", "SpeculativeModel", "GenerationStats", "SpecConfig", "SamplingParams", "TokenTree", "drafters"]

@@ -1,6 +1,6 @@
-"""``python -m flashmm ...``: the ``flashmm`` command line (flashmm.cli)."""
+"""``python -m flashmm ...``: the ``flashmm`` command line (flashmm.serve.cli)."""
 import sys
 
-from .cli import main
+from .serve.cli import main
 
 sys.exit(main())

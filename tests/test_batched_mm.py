@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import flashmm
-from flashmm.collate import collate
 from flashmm.drafters import DraftModel, PromptLookup
 from flashmm.drafters.base import Drafter, root_only
+from flashmm.serve.collate import collate
 from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
 
@@ -222,7 +222,7 @@ def media(tmp_path_factory):
 
 @pytest.mark.parametrize("drafter", ["prompt_lookup", None])
 def test_caption_pipeline_batches_decode_as_batch_size_one(media, drafter, monkeypatch):
-    from flashmm.pipelines import CaptionPipeline
+    from flashmm.serve.pipelines import CaptionPipeline
 
     model, processor = cached_tiny_llava()
     pipe = CaptionPipeline(model, drafter=drafter, processor=processor)
@@ -246,7 +246,7 @@ def test_caption_pipeline_batches_decode_as_batch_size_one(media, drafter, monke
 
 
 def test_cli_caption_batch_size(media, tmp_path, monkeypatch):
-    from flashmm import cli
+    from flashmm.serve import cli
     from mm_models import save_model_dir
 
     folder = save_model_dir(tmp_path / "model", *cached_tiny_llava())

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from flashmm import cli
 from flashmm.drafters import FlashDrafter
-from flashmm.pipelines import CaptionPipeline, UntrainedDrafterError, resolve_drafter, training_record
+from flashmm.serve import cli
+from flashmm.serve.pipelines import CaptionPipeline, UntrainedDrafterError, resolve_drafter, training_record
 from flashmm.targets.onednn import onednn_available
 from flashmm.vision import load_image, save_video
 
@@ -562,7 +562,7 @@ def test_second_run_on_the_same_out_is_refused(model_dir, media, tmp_path, monke
     before anything loads; killed, it blocks nothing."""
     import subprocess
 
-    from flashmm import caption_results
+    from flashmm.serve import caption_results
 
     out = tmp_path / "results.jsonl"
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, caption_results.__file__, str(out)],

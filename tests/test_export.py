@@ -7,12 +7,12 @@ import torch
 from safetensors.torch import load_file
 
 import flashmm
-from flashmm.cli import main
 from flashmm.drafters import load
 from flashmm.drafters.base import SequenceStart
 from flashmm.drafters.eagle3 import save_head
 from flashmm.drafters.export import check_state, expected_shapes, read_exported
 from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
+from flashmm.serve.cli import main
 from flashmm.targets import CausalLMTarget
 
 from text_models import VOCAB, prompt, tiny_lm

@@ -290,7 +290,7 @@ def test_qwen2_vl_mrope_batch_matches_generate(monkeypatch):
     from mm_models import tiny_vlm
     from test_batched_mm import Oracle, mixed_rows, unpadded_prompts
 
-    from flashmm.collate import collate
+    from flashmm.serve.collate import collate
 
     model, processor = tiny_vlm("qwen2_vl")
     model = model.to(DEVICE)

@@ -20,9 +20,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import flashmm
-from flashmm.collate import collate
 from flashmm.drafters import PromptLookup
 from flashmm.drafters.flash import FlashDrafter
+from flashmm.serve.collate import collate
 from flashmm.targets.media_rows import item_media
 from flashmm.targets.visual import MediaMismatchError
 

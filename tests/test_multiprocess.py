@@ -19,10 +19,10 @@ import time
 import pytest
 import torch
 
-from flashmm import cli
-from flashmm.caption_results import INDEX_FIELD, key_of, merge_shards, read_records, shard_files, shard_path
 from flashmm.distributed import ProcessInfo
-from flashmm.pipelines import expand_paths
+from flashmm.serve import cli
+from flashmm.serve.caption_results import INDEX_FIELD, key_of, merge_shards, read_records, shard_files, shard_path
+from flashmm.serve.pipelines import expand_paths
 from flashmm.vision import save_video
 
 from mm_models import cached_tiny_llava, random_image, random_video, save_model_dir
@@ -270,7 +270,7 @@ class OtherProcessGroup(NoGroup):
 def test_process_0_locks_out_for_the_launch(model_dir, tmp_path, monkeypatch, capsys, one_thread):
     """Under a launch only process 0 takes --out's lock (held until its merge is done); a launch
     meeting another run's lock stops every process with exit 2 before any model loads."""
-    from flashmm.caption_results import OutputLock, OutputLockedError
+    from flashmm.serve.caption_results import OutputLock, OutputLockedError
 
     folder = tmp_path / "media"
     folder.mkdir()

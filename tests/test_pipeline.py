@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from flashmm.drafters import FlashDrafter, PromptLookup
-from flashmm.pipelines import (CaptionPipeline, CaptionResult, UntrainedDrafterError, chat_prompt, expand_paths,
+from flashmm.serve.pipelines import (CaptionPipeline, CaptionResult, UntrainedDrafterError, chat_prompt, expand_paths,
                                resolve_drafter)
 from flashmm.vision import load_image, load_video, save_video
 
@@ -388,7 +388,7 @@ def test_batched_path_says_why_it_decodes_row_by_row_and_lets_bugs_through(media
                 results = pipe(items, max_new_tokens=3, batch_size=2, continuous=False)
         assert [r.token_ids for r in results] == single
     with monkeypatch.context() as patch:
-        patch.setattr("flashmm.pipelines.collate", lambda items, pad: (_ for _ in ()).throw(ValueError("ragged")))
+        patch.setattr("flashmm.serve.pipelines.collate", lambda items, pad: (_ for _ in ()).throw(ValueError("ragged")))
         with pytest.warns(UserWarning, match=r"cannot be collated into one batch \(ValueError: ragged\)"):
             assert [r.token_ids for r in pipe(items, max_new_tokens=3, batch_size=2, continuous=False)] == single
     with monkeypatch.context() as patch:  # a bug in the batched path is raised, not decoded around
@@ -501,7 +501,7 @@ def test_chat_template_failures(monkeypatch):
 def test_processor_load_errors(tmp_path, monkeypatch):
     from transformers import AutoProcessor
 
-    from flashmm.pipelines import load_processor
+    from flashmm.serve.pipelines import load_processor
 
     with pytest.raises(ValueError, match="cannot load the processor saved in .*nothing_here"):
         load_processor(tmp_path / "nothing_here")

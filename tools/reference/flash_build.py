@@ -99,7 +99,7 @@ def make_items(task: str, seeds, train: bool = False) -> list[dict]:
 def item_inputs(processor, images: list, prompt: str) -> dict:
     """Processor outputs (return_tensors="pt") for one prompt with its images, formatted as
     ``flashmm.CaptionPipeline`` formats it (chat template, one placeholder per image/frame)."""
-    from flashmm.pipelines import chat_prompt, text_kwargs  # noqa: PLC0415
+    from flashmm.serve.pipelines import chat_prompt, text_kwargs  # noqa: PLC0415
 
     text = chat_prompt(processor, prompt, images=len(images), frame_labels=len(images) > 1)
     return dict(processor(text=text, images=images, **text_kwargs(processor, text)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .targets.media_rows import COUNT_KEYS
+from ..targets.media_rows import COUNT_KEYS
 
 #: [1, T] tensors aligned with the prompt's tokens, and what pads them
 TOKEN_KEYS = {"input_ids": None, "attention_mask": 0, "mm_token_type_ids": 0, "token_type_ids": 0}

@@ -13,18 +13,18 @@ decides), so a rerun with another prompt, model, drafter or decoding setting cap
 Every input is accounted for: a file that cannot be read, a video cut short and a directory that
 cannot be listed each get an error line (and a rerun tries them again). One run at a time per
 --out: a second run on the same --out (also ``caption-merge``) exits 2 naming the first one's pid
-and the lock file ``--out`` + ``.lock`` (flashmm.caption_results.OutputLock).
+and the lock file ``--out`` + ``.lock`` (flashmm.serve.caption_results.OutputLock).
 
 Many processes (``accelerate launch -m flashmm caption ...``, ``torchrun -m flashmm caption ...``, any
 number of GPUs or machines): process r of n captions the items i with i % n == r (i: position
 in the expanded input list) into its own shard file beside --out (``results.rank{r}-of{n}.jsonl``,
-flashmm.caption_results); when every process is done, process 0 appends the shards to --out in
+flashmm.serve.caption_results); when every process is done, process 0 appends the shards to --out in
 input order and deletes them. A rerun after any process was killed skips what every shard
 already holds; ``flashmm caption-merge --out FILE`` merges shards by hand (after a killed run,
 or after copying shard files from machines without a shared file system). Under a launch on a
 CUDA machine, --device cuda (or no --device) means each process's own GPU, cuda:LOCAL_RANK.
 
-``generate`` (flashmm.cli_generate) answers one text prompt with any causal LM (or a
+``generate`` (flashmm.serve.cli_generate) answers one text prompt with any causal LM (or a
 vision-language model without media), streaming the answer to stdout as tokens commit and the
 stats to stderr.
 
@@ -44,53 +44,20 @@ import json
 import os
 import sys
 
+from ..distributed import ProcessGroup, ProcessInfo, local_device, process_info
 from .caption_results import (INDEX_FIELD, KEY_FIELDS, MergeSummary, OutputLock, OutputLockedError,  # noqa: F401
                               check_writable, key_of, merge_shards, open_for_append, read_done, read_records,
                               shard_files, shard_path)
-from .config import VERIFIERS
-from .distributed import ProcessGroup, ProcessInfo, local_device, process_info
+from .cli_export import add_export_command
+from .cli_generate import add_generate_command
+from .cli_options import (EXIT_ITEM_FAILED, EXIT_OK, EXIT_USAGE, add_decoding_options, check_decoding_options,
+                          drafter_arg, error, generation_kwargs, spec_kwargs, torch_dtype)
 from .pipelines import DEFAULT_PROMPTS, IMAGE_SUFFIXES, VIDEO_SUFFIXES, expand_paths, media_kind
 
-EXIT_OK, EXIT_ITEM_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_FRAMES = 8  # CaptionPipeline's default when neither --num-frames nor --fps is given
 
 
-def add_decoding_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    """Options shared by ``caption`` and ``generate``: model, drafter, decoding, speculation, device."""
-    parser.add_argument("--model", required=True, metavar="DIR", help="model directory (save_pretrained)")
-    parser.add_argument("--drafter", required=True, metavar="DIR|NAME",
-                        help="FlashDrafter directory (flash_config.json), a drafter name (prompt_lookup, flash), "
-                             "or 'none' for the model's own generate")
-    parser.add_argument("--allow-untrained", action="store_true",
-                        help="accept a randomly initialised drafter (the name 'flash', a FLASH directory that "
-                             "records no training)")
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
-                        help=f"new tokens at most ({max_new_tokens})")
-    parser.add_argument("--do-sample", action=argparse.BooleanOptionalAction,
-                        help="sample (--do-sample) or decode greedily (--no-do-sample); default: the model's "
-                             "generation_config")
-    parser.add_argument("--temperature", type=float, help="sampling temperature (default: generation_config)")
-    parser.add_argument("--top-k", type=int, help="sampling top-k (default: generation_config)")
-    parser.add_argument("--top-p", type=float, help="sampling top-p (default: generation_config)")
-    parser.add_argument("--seed", type=int, help="seed of the sampling generator")
-    parser.add_argument("--max-draft-tokens", type=int, metavar="N",
-                        help="drafted tokens per step at most (SpecConfig default)")
-    parser.add_argument("--verifier", choices=VERIFIERS, help="verification rule (auto); typical_lossy is NOT lossless")
-    parser.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
-                        help="tree attention: auto = Triton on CUDA, PyTorch elsewhere")
-    parser.add_argument("--linear", default="auto", choices=("auto", "onednn", "torch"),
-                        help="tree forwards' linear layers: auto = oneDNN for fp32 on x86-64 CPUs, "
-                             "the model's own elsewhere")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="verify on a preallocated cache with CUDA-graph replays (GPU; see flashmm.targets.graphs)")
-    parser.add_argument("--device", help="e.g. cuda, cpu (default: where the model loads)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="model dtype (as saved)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from .cli_generate import add_generate_command
-    from .drafters.export import add_export_command
-
     parser = argparse.ArgumentParser(
         prog="flashmm", description="Lossless speculative decoding for Hugging Face vision-language and text models.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -140,45 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     return args.run(args)
 
 
-def check_decoding_options(args) -> str | None:
-    """The first invalid shared option as an error message, or None."""
-    if args.max_new_tokens < 1:  # transformers' generate refuses 0 too
-        return "--max-new-tokens must be >= 1"
-    if args.max_draft_tokens is not None and args.max_draft_tokens < 0:
-        return "--max-draft-tokens must be >= 0"
-    if args.temperature is not None and not args.temperature > 0:
-        return "--temperature must be > 0"
-    if args.top_k is not None and args.top_k < 0:
-        return "--top-k must be >= 0"
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        return "--top-p must be in (0, 1]"
-    return None
-
-
-def generation_kwargs(args) -> dict:
-    """The decoding options given on the command line, as ``generate`` keywords (options left out
-    are left to the model's generation_config)."""
-    given = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p)
-    return {name: value for name, value in given.items() if value is not None}
-
-
-def spec_kwargs(args) -> dict:
-    return {k: v for k, v in (("max_draft_tokens", args.max_draft_tokens), ("verifier", args.verifier))
-            if v is not None}
-
-
-def torch_dtype(args):
-    import torch
-
-    return args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
-
-
-def drafter_arg(drafter: str) -> str | None:
-    """--drafter as CaptionPipeline / resolve_drafter take it (None for 'none')."""
-    return None if drafter.lower() == "none" else drafter
-
-
 # ----------------------------------------------------------------------------------- caption
 def _as_given(name: str) -> str:
     """A model / drafter argument as recorded: a local directory as its absolute path, a name as is."""
@@ -196,11 +124,6 @@ def item_key(path: str, args) -> dict:
     drafter = "none" if drafter_arg(args.drafter) is None else _as_given(args.drafter)
     return dict(path=os.path.abspath(path), prompt=args.prompt or DEFAULT_PROMPTS.get(kind), model=_as_given(args.model),
                 drafter=drafter, settings=settings)
-
-
-def error(command: str, message: str) -> int:
-    print(f"flashmm {command}: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
 
 
 def run_caption(args) -> int:

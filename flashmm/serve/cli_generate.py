@@ -14,8 +14,8 @@ import os
 import sys
 import time
 
-from .cli import (EXIT_OK, add_decoding_options, check_decoding_options, drafter_arg, error, generation_kwargs,
-                  spec_kwargs, torch_dtype)
+from .cli_options import (EXIT_OK, add_decoding_options, check_decoding_options, drafter_arg, error, generation_kwargs,
+                          spec_kwargs, torch_dtype)
 
 
 def add_generate_command(commands) -> None:
@@ -80,9 +80,9 @@ def run_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from . import wrap
+    from .. import wrap
     from .pipelines import plain_generate, plain_stats
-    from .drafters.resolve import resolve_drafter
+    from ..drafters.resolve import resolve_drafter
 
     problem = check_decoding_options(args)
     if problem:

@@ -14,7 +14,7 @@ processor) get the sampled frames as one video; LLaVA-1.5-class models (no video
 processors built without a video processor, get the frames as N images, one placeholder each.
 
 Batching: ``batch_size`` items are loaded and preprocessed, then decoded together: their processor
-outputs are collated into one left-padded batch (flashmm.collate) and decoded by one ``generate``
+outputs are collated into one left-padded batch (flashmm.serve.collate) and decoded by one ``generate``
 call (speculative: one target forward per step for all rows; drafter=None: the model's own batched
 ``generate``). Greedy captions equal batch_size=1's up to the model's own batched-vs-single
 floating-point differences (none on the tested models). A model that decodes batches with media
@@ -43,14 +43,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..config import SpecConfig
+from ..drafters.resolve import UntrainedDrafterError, resolve_drafter, training_record  # noqa: F401 (public here too)
+from ..engine.api import wrap
+from ..engine.loop import GenerationStats
+from ..vision.media import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoFrames, directory_error,  # noqa: F401 (public here too)
+                           expand_paths, load_image, load_video, media_kind)
 from .chat import chat_prompt, text_kwargs  # noqa: F401 (chat_prompt: public here too)
 from .collate import collate
-from .config import SpecConfig
-from .drafters.resolve import UntrainedDrafterError, resolve_drafter, training_record  # noqa: F401 (public here too)
-from .engine.api import wrap
-from .engine.loop import GenerationStats
-from .vision.media import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoFrames, directory_error,  # noqa: F401 (public here too)
-                           expand_paths, load_image, load_video, media_kind)
 
 DEFAULT_PROMPTS = {"image": "Describe the image.", "video": "Describe the video."}
 # What one item's loading / preprocessing raises for bad input (missing or unreadable file or directory,
