@@ -57,9 +57,9 @@ def on_onednn(model, fn):
     """``fn`` run on the step flashmm's own forwards of ``model`` run on a CPU: the model's fused step
     for the Llama families (flashmm.targets.fused.FusedForward), else every linear layer on oneDNN
     (flashmm.targets.onednn.OneDNNLinears). The plain_onednn baseline of the benchmarks: speculation alone."""
-    from flashmm.targets.onednn import OneDNNLinears  # noqa: PLC0415
     from flashmm.targets import fused  # noqa: PLC0415
     from flashmm.targets.layout import attention_layout  # noqa: PLC0415
+    from flashmm.targets.onednn import OneDNNLinears  # noqa: PLC0415
 
     fusable = fused.supports(model, attention_layout(model.config.get_text_config())) is None
 

@@ -107,8 +107,8 @@ def test_batch_width_by_hand():
     """One width for all rows: every row pays for the widest tree, so the width maximises the rows'
     expected tokens per unit of verify time (worked by hand below)."""
     from flashmm.engine.loop import batch_width
-    from flashmm.tree.draft import Draft
     from flashmm.tree.cost import VerifyCost
+    from flashmm.tree.draft import Draft
     from flashmm.tree.token_tree import TokenTree
 
     def chain(values, k=2):

@@ -10,8 +10,8 @@ import torch
 import flashmm
 from flashmm.drafters import FastDraft, load
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
-from flashmm.targets.onednn import onednn_available
 from flashmm.drafters.nets import distill
+from flashmm.targets.onednn import onednn_available
 from flashmm.train import draft_lm as T
 
 from stats_utils import chi_square_pvalue

@@ -10,9 +10,9 @@ import flashmm
 from flashmm.config import SamplingParams
 from flashmm.drafters import S2D, load
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm
+from flashmm.drafters.nets import distill
 from flashmm.drafters.s2d import save_s2d
 from flashmm.targets.cache import output_cache
-from flashmm.drafters.nets import distill
 from flashmm.train import draft_lm as T
 from flashmm.train.sorted import SortedLoss, choose_thresholds, deepen, exit_confidences
 

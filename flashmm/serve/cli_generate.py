@@ -80,9 +80,9 @@ def run_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from .. import wrap
-    from .pipelines import plain_generate, plain_stats
     from ..drafters.resolve import resolve_drafter
+    from ..engine.api import wrap
+    from .pipelines import plain_generate, plain_stats
 
     problem = check_decoding_options(args)
     if problem:

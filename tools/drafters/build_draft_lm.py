@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
+from flashmm.drafters.nets import distill
 from flashmm.drafters.pard import PardLM
 from flashmm.paths import work_dir
-from flashmm.drafters.nets import distill
 from flashmm.train import draft_lm as T
 from flashmm.train import pard as PARD
 from flashmm.train.corpus import corpus_sequences, features, read_corpus, read_info
