@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .sampling import SamplingParams  # noqa: F401 (re-exported: flashmm.config.SamplingParams)
-
-VERIFIERS = ("auto", "greedy", "chain", "tree", "typical_lossy", "rsd", "block", "traversal", "spectr", "judge_lossy")
+from .verify.registry import VERIFIERS
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ row-by-row float64 transcription of the multi-round rule (tree), chain/tree equi
 the documented random-draw contract, and edge cases."""
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,8 @@ from flashmm.config import SamplingParams, SpecConfig
 from flashmm.sampling import probs_from_logits
 from flashmm.tree.token_tree import TokenTree
 from flashmm.verify import (
-    VerifyResult, draw_uniforms, sample_inverse_cdf, select_verifier, verify_chain, verify_greedy,
-    verify_tree, verify_typical_lossy,
+    DRAFTING_SCHEMES, REGISTRY, VERIFIERS, VerifyResult, draw_uniforms, needs_hidden_states, sample_inverse_cdf,
+    select_verifier, verify_chain, verify_greedy, verify_tree, verify_typical_lossy,
 )
 
 torch.set_num_threads(1)
@@ -355,3 +357,31 @@ def test_select_verifier_mapping():
         select_verifier("chain", True)(tokens, tree, logits, None, sampling, None, None)
     with pytest.raises(ValueError, match="unknown"):
         select_verifier("nope", True)
+
+
+def test_registry_declares_every_verifier():
+    """One table: SpecConfig accepts exactly its names, the rules it declares lossy are the ones named so,
+    judge_lossy alone reads the target's states, every declared scheme is a drafting scheme, and the
+    typical rule without a config runs on SpecConfig's default thresholds."""
+    assert VERIFIERS == tuple(REGISTRY) and len(set(VERIFIERS)) == len(VERIFIERS)
+    for name in VERIFIERS:
+        assert SpecConfig(verifier=name, judge=object() if name == "judge_lossy" else None).verifier == name
+    with pytest.raises(ValueError, match="unknown verifier"):
+        SpecConfig(verifier="nope")
+    assert [n for n in VERIFIERS if not REGISTRY[n].lossless] == [n for n in VERIFIERS if n.endswith("_lossy")]
+    assert [n for n in VERIFIERS if needs_hidden_states(n)] == ["judge_lossy"]
+    for name, entry in REGISTRY.items():
+        assert entry.schemes is None or set(entry.schemes) <= set(DRAFTING_SCHEMES), name
+        assert set(entry.by_scheme) <= set(entry.schemes or ()), name
+    gen = torch.Generator().manual_seed(5)
+    tree = TokenTree.from_parents([-1, 0, 0, 1, 1, 2])
+    logits = torch.randn(3, tree.num_nodes, 12, generator=gen)
+    tokens = torch.randint(12, (3, tree.num_nodes), generator=gen)
+    sampling = SamplingParams(True, 0.7, None, None)
+    typical = select_verifier("typical_lossy", True)
+    bare = typical(tokens, tree, logits, None, sampling, torch.Generator().manual_seed(2), None)
+    configured = typical(tokens, tree, logits, None, sampling, torch.Generator().manual_seed(2), SpecConfig())
+    assert torch.equal(bare.path, configured.path) and torch.equal(bare.next_token, configured.next_token)
+    thresholds = inspect.signature(verify_typical_lossy).parameters
+    assert (thresholds["epsilon"].default, thresholds["delta"].default) == \
+        (SpecConfig().typical_epsilon, SpecConfig().typical_delta)

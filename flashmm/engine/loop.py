@@ -20,7 +20,7 @@ from ..targets.base import Target
 from ..targets.prune import PruningSession
 from ..targets.session import open_session
 from ..tree.cost import batch_bucket, measured_verify_cost, price_for_batch
-from ..verify import drafting_scheme_of, select_verifier
+from ..verify import drafting_scheme_of, needs_hidden_states, select_verifier
 
 
 @dataclass
@@ -208,7 +208,7 @@ def verify_row(verifier, spec: SpecConfig, draft, logits: torch.Tensor, row: Row
     Returns the accepted path [1, accepted + 1] (root first)."""
     sampling = row.decoding.sampling
     scores = node_scores(sampling, logits, draft.tokens, draft.tree, row.committed)
-    extra = {"hidden": hidden} if getattr(verifier, "needs_hidden_states", False) else {}
+    extra = {"hidden": hidden} if needs_hidden_states(spec.verifier) else {}
     result = verifier(draft.tokens, draft.tree, scores, draft.q_probs, sampling.plain(), generator, spec, **extra)
     accepted = int(result.accepted_len[0])
     path = result.path[:, : accepted + 1]
@@ -218,11 +218,11 @@ def verify_row(verifier, spec: SpecConfig, draft, logits: torch.Tensor, row: Row
     return path
 
 
-def forward_hidden(drafter: Drafter, verifier) -> bool | tuple[int, ...]:
+def forward_hidden(drafter: Drafter, spec: SpecConfig) -> bool | tuple[int, ...]:
     """What the target's forwards return as hidden states: the drafter's request
-    (drafters.base.hidden_request), or the last layer's states when the verifier reads them."""
+    (drafters.base.hidden_request), or the last layer's states when spec's verifier reads them."""
     want = hidden_request(drafter)
-    if not getattr(verifier, "needs_hidden_states", False):
+    if not needs_hidden_states(spec.verifier):
         return want
     if isinstance(want, tuple):
         raise ValueError(f"the verifier reads the target's last-layer states, but drafter {type(drafter).__name__} "
@@ -362,7 +362,7 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
         verifier = select_verifier(spec.verifier, decodings[0].sampling.do_sample,
                                    backend=getattr(target, "backend", "torch"),
                                    drafting_scheme=drafting_scheme_of(drafter))  # a mismatch is refused here
-        want_hidden = forward_hidden(drafter, verifier)
+        want_hidden = forward_hidden(drafter, spec)
 
         t0 = time.perf_counter()
         session, logits, sequence_start = open_session(target, input_ids, attention_mask, want_hidden,
