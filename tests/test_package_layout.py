@@ -50,3 +50,81 @@ def test_every_subpackage_is_listed_for_the_wheel():
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "flashmm").rglob("__init__.py")}
     assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
     assert {"flashmm.kernels", "flashmm.assets"} <= listed
+
+
+# The package's layers, bottom first (docs/development.md): a module imports its own package and the
+# layers below it, never one above, nor a peer (train and serve do not import each other).
+LAYERS = (
+    ("flashmm.sampling", "flashmm.paths", "flashmm.weights", "flashmm.disk_cache", "flashmm.distributed",
+     "flashmm.vision"),
+    ("flashmm.tree",),
+    ("flashmm.kernels",),
+    ("flashmm.verify",),
+    ("flashmm.config",),
+    ("flashmm.targets",),
+    ("flashmm.drafters",),
+    ("flashmm.engine",),
+    ("flashmm.train", "flashmm.serve", "flashmm.reference"),
+)
+# (importer, imported) let through, with why
+ALLOWED = {("flashmm.kernels.verification", "flashmm.verify.base"):
+           "the Triton verification kernels return verify's VerifyResult; verify loads them only when asked"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = ["flashmm", *parts] if parts[0] == "kernels" else parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports(path: Path, known: set[str]) -> list[tuple[int, str]]:
+    """(line, module) of every flashmm import in ``path``, lazy ones included, relative ones resolved;
+    ``from package import submodule`` names the submodule (``known``: every module of the package)."""
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "flashmm"]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            if module.split(".")[0] == "flashmm":
+                found += [(node.lineno, f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
+                          for alias in node.names]
+    return found
+
+
+def layer_of(module: str) -> tuple[int, str] | None:
+    matches = [(len(prefix), rank, prefix) for rank, group in enumerate(LAYERS) for prefix in group
+               if module == prefix or module.startswith(prefix + ".")]
+    return max(matches)[1:] if matches else None
+
+
+def test_no_module_imports_a_higher_layer():
+    files = [p for d in PACKAGE_DIRS for p in sorted(d.rglob("*.py")) if not p.is_relative_to(ROOT / "flashmm" / "kernels")]
+    known = {module_name(p) for p in files}
+    facade = {"flashmm", "flashmm.__main__"}  # the package's own face imports every layer
+    unplaced = sorted(m for m in known - facade if layer_of(m) is None)
+    assert not unplaced, f"place these modules in LAYERS: {unplaced}"
+    bad = []
+    for path in files:
+        importer = module_name(path)
+        if importer in facade:
+            continue
+        (rank, package) = layer_of(importer)
+        for line, imported in package_imports(path, known):
+            target = layer_of(imported)
+            if imported in facade or target is None:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: imports {imported}, which is no layer")
+            elif target[1] != package and target[0] >= rank and (importer, imported) not in ALLOWED:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {importer} imports {imported} (a higher or peer layer)")
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_layer_walker_resolves_relative_and_lazy_imports():
+    path = ROOT / "flashmm" / "engine" / "loop.py"
+    imports = dict((m, line) for line, m in package_imports(path, {"flashmm.verify", "flashmm.tree.cost"}))
+    assert {"flashmm.config", "flashmm.tree.cost", "flashmm.verify", "flashmm.targets.session"} <= set(imports)
+    assert layer_of("flashmm.tree.cost") == (1, "flashmm.tree") and layer_of("flashmm.serve.cli") == (8, "flashmm.serve")
+    assert layer_of("flashmm.configuration") is None

@@ -11,7 +11,7 @@ from ..drafters.export import FORMATS, export_drafter
 
 
 def add_export_command(commands) -> None:
-    """The ``flashmm export-drafter`` subcommand (flashmm.cli)."""
+    """The ``flashmm export-drafter`` subcommand (flashmm.serve.cli)."""
     cmd = commands.add_parser(
         "export-drafter", help="write a trained EAGLE-3 head in SGLang's or vLLM speculators' layout",
         description="Export a flashmm EAGLE-3 head folder (drafter.json + model.safetensors) to the layout "
