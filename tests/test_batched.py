@@ -165,3 +165,25 @@ def test_cut_drafts_stay_exact(models, monkeypatch):
     assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=25))
     shared = [width for rows, width in widths if rows > 1]
     assert max(shared) == 2 and sm.last_stats.accepted_tokens > 0  # cut, and cut drafts were accepted
+
+
+@torch.no_grad()
+def test_a_ragged_batch_keeps_each_rows_slots_in_one_run_and_drops_a_left_prompts():
+    """Rows prefilled one by one hold their slots as one run up to the end (holes in front), so attention
+    can start at a row's first real slot; when the long row leaves, its prompt's slots go with it."""
+    from flashmm.targets.session import open_session
+
+    model = tiny_lm("llama")
+    sm = flashmm.wrap(model, "prompt_lookup")
+    ids, attention = ragged_batch((40, 5, 12))
+    session, logits, _ = open_session(sm.target, ids, attention, False, {})
+    state = session.state
+    assert state.num_slots == 40 and state.valid.sum(1).tolist() == [40, 5, 12]
+    for row in state.valid:
+        first = int(row.int().argmax())
+        assert bool(row[first:].all())  # one run to the end
+    session.select([1, 2])
+    assert state.num_slots == 12 and state.valid.sum(1).tolist() == [5, 12]
+    assert state.cache.layers[0].keys.shape[2] == 12
+    reference = model(input_ids=ids[1:, -12:], attention_mask=attention[1:, -12:]).logits[:, -1]
+    torch.testing.assert_close(logits[1:], reference, rtol=1e-4, atol=1e-4)

@@ -89,6 +89,58 @@ def test_the_cache_room_is_reused_and_readopted():
         close(a, b)
 
 
+def group_cost(groups, first, slots):
+    return sum(fused.CALL_SLOTS + (end - start) * (slots - low) for start, end, low in groups)
+
+
+def test_row_groups_are_the_cheapest_runs_of_rows():
+    """row_groups against every split of the rows into runs (brute force): the same cost, and each run
+    starting at the first slot one of its rows sees."""
+    import itertools
+
+    slots = 900
+    for first in ([0, 700, 850, 860, 0, 880, 875, 10], [5, 5, 5], [800, 0], [600, 610, 620, 0, 0, 640]):
+        bias = torch.zeros(len(first), 1, 2, slots)
+        for b, f in enumerate(first):
+            bias[b, :, :, :f] = torch.finfo(torch.float32).min
+        groups = fused.row_groups(bias)
+        splits = []
+        for cuts in itertools.product([False, True], repeat=len(first) - 1):
+            edges = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [len(first)]
+            splits.append([(a, b, min(first[a:b])) for a, b in zip(edges, edges[1:])])
+        cheapest = min(group_cost(g, first, slots) for g in splits)
+        if groups is None:
+            assert group_cost([(0, len(first), 0)], first, slots) == cheapest
+        else:
+            assert group_cost(groups, first, slots) == cheapest
+            assert [g[:2] for g in groups] == sorted(g[:2] for g in groups) and groups[-1][1] == len(first)
+            assert all(low == min(first[a:b]) for a, b, low in groups)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@torch.no_grad()
+def test_rows_attending_from_different_slots_equal_the_models_own(arch):
+    """A batch whose rows see different leading slots (a batch's holes and a longer row's prompt) attends in
+    runs of rows (row_groups): logits equal the model's own forward under the same mask."""
+    model = tiny_lm(arch)
+    step = fused.fused_step(model)
+    lengths = (300, 12, 290, 20)
+    ids, attention = ragged_batch(lengths)
+    places = (attention.cumsum(-1) - 1).clamp(min=0)
+    mine, theirs = DynamicCache(), DynamicCache()
+    step(ids, places, mine, attention)
+    own(model, ids, theirs, attention_mask=attention, position_ids=places)
+    tree = TokenTree(torch.tensor([-1, 0, 0]))
+    nodes = torch.cat([prompt(3, seed=50 + b) for b in range(len(lengths))])
+    width = ids.shape[1]
+    allowed = torch.cat([attention.bool()[:, None, :].expand(-1, 3, -1),
+                         tree.attention_bias(0, torch.float32, torch.device("cpu"))[0, 0].eq(0)[None].expand(4, -1, -1)], 2)
+    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[:, None]
+    positions = attention.sum(1, keepdim=True) + tree.positions(0)[None]
+    assert fused.row_groups(bias) is not None
+    close(step(nodes, positions, mine, bias)[0], own(model, nodes, theirs, attention_mask=bias, position_ids=positions)[0])
+
+
 class StepCounter:
     def __init__(self, monkeypatch):
         self.calls = []

@@ -65,7 +65,7 @@ class Drafter:
     score_topk: ClassVar[int] = 0
     #: True: observe gets StepResult.path_logits, the target's raw logits at the accepted nodes
     score_path_logits: ClassVar[bool] = False
-    #: True: drafts through the target's own KV cache of one sequence (``target.kv_cache``, as
+    #: True: drafts through the target's own KV cache of one sequence (``target.drafting_cache()``, as
     #: self-speculation does), which batched verification does not keep per row: a batch then decodes
     #: row by row. A class or an instance attribute (a drafter wrapping others passes theirs on)
     needs_target_cache: bool = False

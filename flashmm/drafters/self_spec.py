@@ -1,11 +1,11 @@
 """Self-speculation: the target drafts for itself through a slice of its own layers.
 
 ``SelfDrafter`` is the chain-drafting loop shared by LayerSkip, SWIFT and Kangaroo. It works on
-the target's own KV cache (``target.kv_cache``): when a step starts, the engine has committed the
+the target's own KV cache, lent for each draft (``target.drafting_cache()``): when a step starts, the engine has committed the
 accepted tokens, so every layer's cache entry holds exactly the committed text but the root (the
 last committed token). A drafting step feeds one token through whichever layers the method runs,
-each appending its row to its own entry; when the chain is drafted those rows are cropped away, so
-the target's cache is back to what the engine left and the committed tokens' KV is never
+each appending its row to its own entry; when the chain is drafted the target crops those rows away, so
+its cache is back to what the engine left and the committed tokens' KV is never
 recomputed. Subclasses implement ``draft_logits`` (one token → next-token logits).
 
 Drafting stops at ``max_draft_tokens`` or, with ``confidence`` > 0, before the first token whose
@@ -23,7 +23,7 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import sample
-from ..targets.layers import LayerRunner, crop_layers, layer_len
+from ..targets.layers import LayerRunner, layer_len
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
@@ -34,7 +34,7 @@ class SelfDrafter(Drafter):
     """Chain drafting through the target's own layers (base class; see the module docstring)."""
 
     drafting_scheme = "chain"
-    needs_target_cache = True  # its chain runs on target.kv_cache: a batch decodes row by row
+    needs_target_cache = True  # its chain runs on target.drafting_cache(): a batch decodes row by row
 
     def __init__(self, max_draft_tokens: int = 4, confidence: float = 0.0, adaptive: bool = True):
         if max_draft_tokens < 0:
@@ -53,7 +53,7 @@ class SelfDrafter(Drafter):
         return [self.length]
 
     def bind(self, target) -> None:
-        if not hasattr(target, "kv_cache") or getattr(target, "recurrent", False):
+        if not hasattr(target, "drafting_cache") or getattr(target, "recurrent", False):
             raise ValueError(f"{type(self).__name__} drafts through the target's own attention layers and KV "
                              f"cache; {type(target).__name__} (recurrent or multimodal) has none it can share")
         if getattr(target, "cuda_graphs", False):
@@ -102,20 +102,18 @@ class SelfDrafter(Drafter):
         self.length.update(self._drafted, min(step.accepted_len, self._drafted))
 
     # ------------------------------------------------------------------ the loop
-    def shared_cache(self, committed: torch.Tensor):
-        cache = self.target.kv_cache if self.target is not None else None
-        if cache is None or committed.shape[0] != 1:
-            raise ValueError(f"{type(self).__name__} drafts on the target's own cache, one sequence at a time "
-                             "(needs_target_cache): flashmm.wrap decodes a batch with it row by row")
+    def check_shared(self, cache, committed: torch.Tensor) -> None:
+        """The target's cache must hold the committed text but its root."""
         held = layer_len(cache, 0)
         if held != committed.shape[1] - 1:
             raise RuntimeError(f"target cache holds {held} rows, expected {committed.shape[1] - 1} "
                                "(the committed text without its root)")
-        return cache
 
     @torch.no_grad()
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams, generator) -> Draft:
-        cache = self.shared_cache(committed)
+        if self.target is None or committed.shape[0] != 1:
+            raise ValueError(f"{type(self).__name__} drafts on the target's own cache, one sequence at a time "
+                             "(needs_target_cache): flashmm.wrap decodes a batch with it row by row")
         depth = min(max_tokens, self.max_draft_tokens)
         if self.adaptive and depth > 0:
             self.length.draft_token_cost = self.draft_token_cost()
@@ -125,26 +123,24 @@ class SelfDrafter(Drafter):
             return root_only(committed)
         prefix = committed.shape[1] - 1
         tokens, q_rows = [int(committed[0, -1])], []
-        try:
-            with self.target.linears():
-                for step in range(depth):
-                    logits = self.draft_logits(committed.new_tensor([[tokens[-1]]]), prefix + step, cache)
-                    if sampling.do_sample:  # q processed exactly as the target's p at this node
-                        context = [torch.cat([committed[0], committed.new_tensor(tokens[1:])])] \
-                            if sampling.needs_prefix else None
-                        q = sampling.probs(logits, context)[0]
-                        if self.confidence and float(q.max()) < self.confidence:
-                            break
-                        token = int(sample(q[None], generator)[0])
-                    else:
-                        q = None
-                        if self.confidence and float(logits[0].softmax(-1).max()) < self.confidence:
-                            break
-                        token = int(logits[0].argmax())
-                    q_rows.append(q)
-                    tokens.append(token)
-        finally:
-            crop_layers(cache, self.drafting_layers(), prefix)
+        with self.target.drafting_cache() as cache, self.target.linears():
+            self.check_shared(cache, committed)
+            for step in range(depth):
+                logits = self.draft_logits(committed.new_tensor([[tokens[-1]]]), prefix + step, cache)
+                if sampling.do_sample:  # q processed exactly as the target's p at this node
+                    context = [torch.cat([committed[0], committed.new_tensor(tokens[1:])])] \
+                        if sampling.needs_prefix else None
+                    q = sampling.probs(logits, context)[0]
+                    if self.confidence and float(q.max()) < self.confidence:
+                        break
+                    token = int(sample(q[None], generator)[0])
+                else:
+                    q = None
+                    if self.confidence and float(logits[0].softmax(-1).max()) < self.confidence:
+                        break
+                    token = int(logits[0].argmax())
+                q_rows.append(q)
+                tokens.append(token)
         self.after_chain()
         self._drafted = len(tokens) - 1
         q_probs = None

@@ -17,10 +17,13 @@ from .verify_cost import measure_verify_cost
 class TargetOutput:
     """logits: FloatTensor [B, N, V] (N = 1 after prefill: the last prompt position);
     hidden_states: FloatTensor [B, N', d] last-layer features or None (prefill: all T prompt
-    positions; tree step: the N tree nodes)."""
+    positions; tree step: the N tree nodes);
+    input_embeds: a multimodal prefill's (asked for hidden states): the embeddings its language model
+    consumed [B, T, d], visual features merged in, else None."""
 
     logits: torch.Tensor
     hidden_states: torch.Tensor | None = None
+    input_embeds: torch.Tensor | None = None
 
 
 @dataclass
@@ -60,7 +63,9 @@ class Target:
     """A wrapped model plus its KV cache for one generation.
 
     Lifecycle per sequence: prefill(...) once, then repeatedly forward_tree(tokens, tree)
-    (appends N nodes to the cache) and commit(path) (keeps only the accepted nodes).
+    (appends N nodes after the cache_len rows held before it) and commit(path, that cache_len)
+    (keeps only the accepted nodes). Each call returns what it computed; none leaves a value for a
+    later call to find.
     """
 
     model: torch.nn.Module
@@ -81,8 +86,9 @@ class Target:
         """Score tokens [B, N] laid out as ``tree`` after the cache; cache grows by N."""
         raise NotImplementedError
 
-    def commit(self, path: torch.Tensor) -> None:
-        """Keep the cache rows of the accepted nodes path [B, L] (root first) after the prefix."""
+    def commit(self, path: torch.Tensor, prefix_len: int) -> None:
+        """Keep the cache rows of the accepted nodes path [B, L] (root first) of the tree forwarded after
+        ``prefix_len`` cached rows (``cache_len`` before that forward)."""
         raise NotImplementedError
 
     @property
@@ -105,7 +111,8 @@ class Target:
         linear = "fused" if self.unfused is None else self.linear_backend
         return measure_verify_cost(self.model, linear=linear, batch=batch)
 
-    def prompt_features(self, input_ids: torch.Tensor, **model_inputs):
+    def prompt_features(self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None = None, **model_inputs):
         """(input_embeds [B,T,d] with visual features merged, visual_spans) for drafters that
-        need them; text targets return (embeddings, [])."""
+        need them; text targets return (embeddings, []). ``input_embeds``: what a prefill of this
+        prompt returned (``TargetOutput.input_embeds``), used instead of a second vision pass."""
         return self.input_embeddings()(input_ids), []

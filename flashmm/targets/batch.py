@@ -53,21 +53,28 @@ class BatchState:
         return self.valid.shape[1]
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (LongTensor [B'] of row indices), dropping the others' cache rows."""
+        """Keep only ``rows`` (LongTensor [B'] of row indices), dropping the others' cache rows, and the
+        leading slots none of them holds (a long prompt's, once its row has left)."""
         if isinstance(self.cache, SlotCache):
             self.cache.use_rows(rows)  # rows move within the preallocated tensors (graphs stay valid)
+            first = 0
         else:
+            held = self.valid[rows].any(0)
+            first = int(held.int().argmax()) if bool(held.any()) else 0
             for layer in self.cache.layers:
                 if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                    layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
-                    layer.values = layer.values.index_select(0, rows.to(layer.values.device))
-        self.valid, self.slot_pos, self.root_pos = self.valid[rows], self.slot_pos[rows], self.root_pos[rows]
+                    layer.keys = layer.keys[:, :, first:].index_select(0, rows.to(layer.keys.device))
+                    layer.values = layer.values[:, :, first:].index_select(0, rows.to(layer.values.device))
+        self.valid, self.slot_pos = self.valid[rows, first:], self.slot_pos[rows, first:]
+        self.root_pos = self.root_pos[rows]
         self.offset = self.offset[rows.to(self.offset.device)]
 
     def extend(self, other: "BatchState") -> None:
-        """Append ``other``'s rows (a prompt just prefilled) after this state's rows. Both are widened to the
-        larger slot count with holes (slots no row attends to) at their ends; masks and positions come from
-        ``valid`` and ``slot_pos``, so every row still attends exactly its own tokens."""
+        """Append ``other``'s rows (a prompt just prefilled) after this state's rows. The one with fewer slots
+        is widened to the other's count with holes (slots no row attends to) in front, so that every row's
+        slots stay one run from its first real token to the end (the fused step attends each group of rows
+        from there, flashmm.targets.fused); masks and positions come from ``valid`` and ``slot_pos``, so
+        every row still attends exactly its own tokens."""
         if isinstance(self.cache, SlotCache) or isinstance(other.cache, SlotCache):
             raise ValueError("rows cannot join a batch verified on CUDA-graph slots (cuda_graphs=True)")
         slots = max(self.num_slots, other.num_slots)
@@ -87,14 +94,14 @@ class BatchState:
 
 
 def _widened(tensor: torch.Tensor, slots: int) -> torch.Tensor:
-    """tensor [B, L] (valid / slot_pos) or [B, H, L, D] (keys / values) with zeros appended up to ``slots``."""
+    """tensor [B, L] (valid / slot_pos) or [B, H, L, D] (keys / values) with zeros put in front up to ``slots``."""
     dim = 1 if tensor.dim() == 2 else 2
     missing = slots - tensor.shape[dim]
     if missing == 0:
         return tensor
     shape = list(tensor.shape)
     shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
 def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_hidden, model_inputs: dict):

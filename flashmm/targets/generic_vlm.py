@@ -167,11 +167,11 @@ class PlaceholderVLMTarget(VisualTarget):
                 raise self._media_error(what, f"{given[kind][0]} was given but the prompt has no {kind} tokens "
                                         f"(id {token})")
 
-    def prompt_features(self, input_ids: torch.Tensor, **model_inputs):
+    def prompt_features(self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None = None, **model_inputs):
         """VisualTarget's; a cross-attention model (text only) gives its token embeddings and no spans."""
         if self.cross_attention:
             return self.input_embeddings()(input_ids), []
-        return super().prompt_features(input_ids, **model_inputs)
+        return super().prompt_features(input_ids, input_embeds, **model_inputs)
 
     def check_filled(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> None:
         """input_ids [B, T], embeds [B, T, d] (what the language model got): every placeholder must carry

@@ -107,7 +107,6 @@ def score_draft(target, draft: Draft, want_hidden, spec, sampling) -> tuple[Draf
         hidden = runner.run(hidden, split, runner.num_layers, cache, target.tree_attention_mask(tree, prefix),
                             target.tree_position_ids(tree, prefix, 1))
         logits = runner.logits(hidden)
-    target.tree_started(prefix)
     q_probs = draft.q_probs[:, kept] if draft.q_probs is not None else None
     verified = Draft(tokens=tokens, tree=tree, q_probs=q_probs)
     if early is None:  # nothing pruned
@@ -143,14 +142,17 @@ class PruningSession:
 
     def __init__(self, inner: SequenceSession, spec, sampling):
         self.inner, self.spec, self.sampling = inner, spec, sampling
+        self.prefix = None  # the cache's rows before the step's (pruned) tree
 
     def score(self, drafts: list[Draft], want_hidden) -> list[Scored]:
         (draft,) = drafts
+        self.prefix = self.inner.target.cache_len
         verified, output = score_draft(self.inner.target, draft, want_hidden, self.spec, self.sampling)
         return [PrunedScored(verified, output, pruned=draft.tree.num_nodes - verified.tree.num_nodes)]
 
     def keep(self, paths: list[torch.Tensor]) -> None:
-        self.inner.keep(paths)
+        (path,) = paths
+        self.inner.target.commit(path, self.prefix)
 
     def select(self, rows: list[int]) -> None:
         self.inner.select(rows)

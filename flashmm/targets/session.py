@@ -60,14 +60,16 @@ class SequenceSession:
 
     def __init__(self, target: Target):
         self.target = target
+        self.prefix = None  # the cache's rows before the step's tree (score), which keep keeps the path after
 
     def score(self, drafts, want_hidden) -> list[Scored]:
         (draft,) = drafts
+        self.prefix = self.target.cache_len
         return [Scored(draft, self.target.forward_tree(*draft.forward_layout(), want_hidden))]
 
     def keep(self, paths) -> None:
         (path,) = paths
-        self.target.commit(path)
+        self.target.commit(path, self.prefix)
 
     def select(self, rows) -> None:
         if list(rows) not in ([0], []):
@@ -135,7 +137,8 @@ def open_session(target: Target, input_ids: torch.Tensor, attention_mask: torch.
         out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
 
         def start(b: int) -> SequenceStart:
-            embeds, spans = target.prompt_features(input_ids, **model_inputs) if want_hidden else (None, [])
+            embeds, spans = target.prompt_features(input_ids, out.input_embeds, **model_inputs) if want_hidden \
+                else (None, [])
             return SequenceStart(input_ids=input_ids, hidden_states=out.hidden_states, input_embeds=embeds,
                                  visual_spans=spans, model_inputs=model_inputs)
 

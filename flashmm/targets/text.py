@@ -19,7 +19,7 @@ with one warning; so is any tree deeper than a sliding window (one warning per w
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -28,6 +28,7 @@ from . import fused, recurrent
 from . import cache as kv
 from . import graphs
 from .base import Target, TargetOutput, select_hidden
+from .layers import crop_layers, layer_len
 from .layout import CHUNKED, SLIDING, attention_layout
 from .onednn import OneDNNLinears, resolve_linear_backend
 from .support import derived_position_modules, generate_position_ids, positions_given, takes_position_ids
@@ -74,7 +75,6 @@ class CausalLMTarget(Target):
         if self.derives_positions:
             self.batchable = False  # batched tree forwards pass position_ids only; rows get the override
         self._cache = None
-        self._tree_prefix_len = None
         #: why the model's forwards are not run by flashmm's fused step (flashmm.targets.fused), None when they are
         self.unfused = self._unfused()
         #: verification on a SlotCache with CUDA-graph replays (use_cuda_graphs; flashmm.targets.graphs)
@@ -132,13 +132,24 @@ class CausalLMTarget(Target):
     @property
     def kv_cache(self):
         """The running sequence's DynamicCache (None before a prefill, on the batched path and with CUDA
-        graphs), for self-speculation that runs the model's own layers on it (flashmm.targets.layers)."""
+        graphs), for a verification forward split across the model's layers (ProPD, flashmm.targets.prune)."""
         return None if self.cuda_graphs else self._cache
 
-    def tree_started(self, prefix_len: int) -> None:
-        """A tree forward run outside forward_tree (ProPD, flashmm.targets.prune) appended its rows after
-        prefix_len cached rows: commit keeps the accepted ones after it."""
-        self._tree_prefix_len = prefix_len
+    @contextmanager
+    def drafting_cache(self):
+        """The running sequence's DynamicCache lent to a drafter that runs the model's own layers on it
+        (self-speculation, flashmm.targets.layers) for one draft: every row a layer gains inside is dropped
+        on exit, so the cache holds the committed text again. ValueError where there is none to lend."""
+        cache = None if self.cuda_graphs or self.recurrent else self._cache
+        if cache is None:
+            raise ValueError("the target has no single-sequence KV cache to draft on (before a prefill, on the "
+                             "batched path, with CUDA graphs or recurrent states)")
+        held = [layer_len(cache, index) for index in range(len(cache.layers))]
+        try:
+            yield cache
+        finally:
+            for index, rows in enumerate(held):
+                crop_layers(cache, [index], rows)
 
     def linears(self):
         """The context flashmm's forwards of the model (prefill and tree forwards) run its linear
@@ -254,7 +265,6 @@ class CausalLMTarget(Target):
         if self.cuda_graphs:
             return self._graph_tree(tokens, tree, want_hidden)
         prefix_len = self.cache_len
-        self._tree_prefix_len = prefix_len
         switch = self.kernel_attention(tree)
         use_kernel = switch is not None
         args = self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel)
@@ -268,7 +278,7 @@ class CausalLMTarget(Target):
         """forward_tree on the SlotCache: the tree's rows at slots prefix .. prefix+N-1, seeing the prefix
         and their ancestors (flashmm.targets.graphs.GraphedForwards replays the step's graph on CUDA)."""
         cache, n, batch = self._cache, tree.num_nodes, tokens.shape[0]
-        prefix_len = self._tree_prefix_len = cache.length
+        prefix_len = cache.length
         if cache.grow(prefix_len + n):
             self._graphs.reset()
         dtype = self.model.dtype
@@ -332,15 +342,15 @@ class CausalLMTarget(Target):
         return dict(attention_mask=self.tree_attention_mask(tree, prefix_len),
                     position_ids=self.tree_position_ids(tree, prefix_len, batch_size))
 
-    def commit(self, path: torch.Tensor) -> None:
+    def commit(self, path: torch.Tensor, prefix_len: int) -> None:
         if self._verification is not None:
             self._verification.commit(path)
         elif self.cuda_graphs:
-            self._cache.keep(self._tree_prefix_len, path)
+            self._cache.keep(prefix_len, path)
         elif self.backend == "triton":
-            kv.keep_rows_kernel(self._cache, self._tree_prefix_len, path)
+            kv.keep_rows_kernel(self._cache, prefix_len, path)
         else:
-            kv.keep_rows(self._cache, self._tree_prefix_len, path)
+            kv.keep_rows(self._cache, prefix_len, path)
 
     def release(self) -> None:
         """Drop the cache (the model's attention implementation is only ever switched inside a

@@ -58,7 +58,6 @@ class VisualTarget(CausalLMTarget):
         if self.visual_token_ids.numel() == 0:
             raise TypeError(f"{type(model).__name__}'s config names no image or video token id")
         self.processor = processor
-        self._prompt_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (input_ids, input_embeds)
         if processor is not None:
             self.check_processor(processor)
 
@@ -74,15 +73,11 @@ class VisualTarget(CausalLMTarget):
             raise ValueError(f"visual_spans takes one sequence [1, T], got {tuple(input_ids.shape)}")
         return token_runs(self.visual_token_mask(input_ids)[0])
 
-    def prompt_features(self, input_ids: torch.Tensor, **model_inputs):
+    def prompt_features(self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None = None, **model_inputs):
         """(input_embeds [B, T, d]: the embeddings the language model consumed, visual features
-        merged at the visual positions; visual_spans). Reuses what the last prefill captured
-        when it saw the same prompt; otherwise runs the model's vision path only."""
-        cached = self._prompt_cache
-        if cached is not None and cached[0].shape == input_ids.shape and torch.equal(cached[0], input_ids):
-            embeds = cached[1]
-        else:
-            embeds = self._capture_embeds(input_ids, model_inputs)
+        merged at the visual positions; visual_spans). ``input_embeds``: what this prompt's prefill
+        returned (``TargetOutput.input_embeds``); without them the model's vision path runs alone."""
+        embeds = input_embeds if input_embeds is not None else self._capture_embeds(input_ids, model_inputs)
         return embeds, self.visual_spans(input_ids)
 
     # ------------------------------------------------------------------ lifecycle
@@ -95,12 +90,11 @@ class VisualTarget(CausalLMTarget):
         """input_ids [1, T] with placeholders expanded, plus the processor's media tensors.
 
         Checks placeholders against media first. With want_hidden the merged input embeddings
-        are kept for prompt_features, so hidden-state drafters cost no second vision pass.
+        are returned (``input_embeds``), so hidden-state drafters cost no second vision pass.
         """
         self.check_media(input_ids, model_inputs)
         model_inputs = self.model_kwargs(input_ids, attention_mask, model_inputs)
         self.start_sequence(input_ids.shape[1])
-        self._prompt_cache = None
         attention_mask = self.prompt_attention(input_ids, attention_mask)
         with self.watching_prompt(input_ids, bool(want_hidden)) as captured, self._linears:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
@@ -109,14 +103,8 @@ class VisualTarget(CausalLMTarget):
         if self.recurrent:
             self._cache.counted = input_ids.shape[1]
         self.prompt_written(input_ids)
-        if captured:
-            self._prompt_cache = (input_ids, captured[0])
         hidden = select_hidden(out.hidden_states, want_hidden)
-        return TargetOutput(out.logits[:, -1:], hidden)
-
-    def release(self) -> None:
-        super().release()
-        self._prompt_cache = None
+        return TargetOutput(out.logits[:, -1:], hidden, captured[0] if captured and want_hidden else None)
 
     @contextlib.contextmanager
     def watching_prompt(self, input_ids: torch.Tensor, want_embeds: bool):
