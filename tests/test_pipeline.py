@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 
 from flashmm.drafters import FlashDrafter, PromptLookup
-from flashmm.serve.pipelines import (CaptionPipeline, CaptionResult, UntrainedDrafterError, chat_prompt, expand_paths,
-                               resolve_drafter)
+from flashmm.serve.pipelines import (CaptionPipeline, CaptionResult, UntrainedDrafterError, chat_prompt,
+                                     expand_paths, resolve_drafter)
 from flashmm.vision import load_image, load_video, save_video
 
 from mm_models import CLIP_SIDE, cached_tiny_llava, random_image, random_video, save_model_dir, tiny_llava

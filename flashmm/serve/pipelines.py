@@ -48,7 +48,7 @@ from ..drafters.resolve import UntrainedDrafterError, resolve_drafter, training_
 from ..engine.api import wrap
 from ..engine.loop import GenerationStats
 from ..vision.media import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoFrames, directory_error,  # noqa: F401 (public here too)
-                           expand_paths, load_image, load_video, media_kind)
+                            expand_paths, load_image, load_video, media_kind)
 from .chat import chat_prompt, text_kwargs  # noqa: F401 (chat_prompt: public here too)
 from .collate import collate
 

@@ -60,9 +60,9 @@ class VerifyCost:
 
 
 class VerifyCostUnmeasurable(RuntimeError):
-    """The model cannot be timed by ``measure_verify_cost`` (flashmm.targets.verify_cost): its state cannot be cropped back to the
-    prefix (recurrent layers), or it refuses a cached multi-token forward. Drafts are then priced
-    by the constants."""
+    """The model cannot be timed by ``measure_verify_cost`` (flashmm.targets.verify_cost): its state
+    cannot be cropped back to the prefix (recurrent layers), or it refuses a cached multi-token
+    forward. Drafts are then priced by the constants."""
 
 
 def price_with_target(target, lengths: Iterable["AdaptiveDraftLength"]) -> str:

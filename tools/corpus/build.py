@@ -288,7 +288,8 @@ def parse_args(argv=None):
                    help="processes sharing the build: run one per core with --worker 0..N-1 and the same --work")
     p.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
     p.add_argument("--linear", default="torch", choices=("torch", "onednn"),
-                   help="onednn: the model's linears through oneDNN (flashmm.targets.onednn), same fp32 products to rounding")
+                   help="onednn: the model's linears through oneDNN (flashmm.targets.onednn), same fp32 products "
+                        "to rounding")
     p.add_argument("--benchmark", nargs="+", default=[SPEC_BENCH], type=Path,
                    help="JSONL files of benchmark questions no prompt may share an 8-gram with")
     p.add_argument("--no-token-ngrams", dest="token_ngrams", action="store_false",
