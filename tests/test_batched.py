@@ -124,6 +124,35 @@ def test_batch_width_by_hand():
     assert batch_width(rows[:2] + [chain(None)], cost) == 3  # a draft without values is never cut
 
 
+def test_packed_cuts_against_every_choice_of_counts():
+    """Rows computed alone (the fused step's packed batch): each row keeps its own count, and the counts
+    chosen give the most expected tokens per unit of verify time of every choice of counts (brute force),
+    here with the cost of N nodes over B rows read at N / B nodes a row."""
+    import itertools
+
+    from flashmm.engine.loop import packed_cuts
+    from flashmm.tree.cost import VerifyCost
+    from flashmm.tree.draft import Draft
+    from flashmm.tree.token_tree import TokenTree
+
+    def chain(values):
+        return Draft(tokens=torch.zeros(1, len(values), dtype=torch.long), tree=TokenTree.chain(len(values) - 1),
+                     values=None if values is None else torch.tensor(values))
+
+    def rate(rows, counts, cost):
+        tokens = sum(sum(r[:c]) for r, c in zip(rows, counts))
+        return tokens / (cost.seconds_at(sum(counts) / len(rows)) / cost.seconds[0])
+
+    cost = VerifyCost((1, 2, 3, 4), (1.0, 1.3, 1.6, 1.9))
+    for rows in ([[1, 0.9, 0.81, 0.7], [1, 0.2], [1]], [[1, 0.5, 0.4], [1, 0.6, 0.3, 0.1], [1, 0.35]],
+                 [[1, 0.1, 0.05], [1, 0.2]]):
+        counts = packed_cuts([chain(r) for r in rows], cost)
+        best = max(rate(rows, c, cost) for c in itertools.product(*[range(1, len(r) + 1) for r in rows]))
+        assert rate(rows, counts, cost) == pytest.approx(best)
+    # by hand: [3, 1, 1] gives 4.71 tokens at t(5 / 3) = 1.2 (3.93 a unit); adding the 0.2 node, 4.91 at 1.3 (3.78)
+    assert packed_cuts([chain([1, 0.9, 0.81]), chain([1, 0.2]), chain([1])], cost) == [3, 1, 1]
+
+
 def test_prompt_lookup_cut_learns_from_the_tokens_verified():
     from flashmm.config import SamplingParams
     from flashmm.drafters.base import StepResult
@@ -159,6 +188,7 @@ def test_cut_drafts_stay_exact(models, monkeypatch):
         return forward(target, state, tokens, trees, want_hidden)
 
     monkeypatch.setattr(flashmm.engine.loop, "batch_width", lambda drafts, cost: 2)
+    monkeypatch.setattr(flashmm.engine.loop, "packed_cuts", lambda drafts, cost: [2] * len(drafts))
     monkeypatch.setattr(flashmm.targets.batch, "forward_trees", recording)
     sm = flashmm.wrap(target, PromptLookup())
     out = sm.generate(ids, attention_mask=mask, max_new_tokens=25)

@@ -6,6 +6,7 @@ draft and the target's scores (flashmm.verify); the loop knows no model or metho
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -273,13 +274,45 @@ def batch_width(drafts: list, verify_cost) -> int:
     return best
 
 
+def packed_cuts(drafts: list, verify_cost) -> list[int]:
+    """Each row's node count for one forward that computes every row's own nodes alone (the fused step's
+    packed batch, flashmm.targets.fused): N nodes over B rows cost about what B rows of N / B nodes each do,
+    t(N / B). Nodes are added most valuable first across the rows (each row's in its own order, a draft's
+    ``values``), and the counts kept are those with the most expected tokens per unit of verify time,
+    sum_b (sum_{i < n_b} values_b[i]) / (t(N / B) / t(1)). A draft without values is never cut and counts
+    its root only."""
+    rows = len(drafts)
+    gains = [None if d.values is None else d.values.float().cpu().tolist() for d in drafts]
+    counts = [d.tree.num_nodes if g is None else 1 for d, g in zip(drafts, gains)]
+    tokens = sum(1.0 if g is None else g[0] for g in gains)
+
+    def rate() -> float:
+        return tokens / (verify_cost.seconds_at(sum(counts) / rows) / verify_cost.seconds[0])
+
+    best, best_rate = list(counts), rate()
+    ahead = [(-g[1], b) for b, g in enumerate(gains) if g is not None and len(g) > 1]
+    heapq.heapify(ahead)
+    while ahead:
+        value, b = heapq.heappop(ahead)
+        counts[b] += 1
+        tokens -= value
+        if rate() > best_rate + 1e-12:
+            best, best_rate = list(counts), rate()
+        if counts[b] < len(gains[b]):
+            heapq.heappush(ahead, (-gains[b][counts[b]], b))
+    return best
+
+
 class BatchPricing:
     """What a step costs with ``rows`` rows verified together, for the drafters of a batch: each
     drafter prices its drafts for its row's share (tree.cost.price_for_batch), and drafts
-    with ``values`` are cut to one batch-wide width (``batch_width``) on the measured cost."""
+    with ``values`` are cut on the measured cost: each to its own count when the forward computes
+    each row's own nodes (``packed``, ``packed_cuts``), else to one batch-wide width (``batch_width``),
+    since every row then pays for the widest."""
 
-    def __init__(self, target: Target, drafters: list[Drafter]):
+    def __init__(self, target: Target, drafters: list[Drafter], packed: bool = False):
         self.target, self.bucket, self.costs = target, None, {}  # costs: bucket -> VerifyCost | None
+        self.packed = packed
         self.priced(drafters)
 
     def priced(self, drafters: list[Drafter]) -> None:
@@ -298,9 +331,9 @@ class BatchPricing:
         cost = self.costs[self.bucket]
         if cost is None:
             return drafts
-        cut = batch_width(drafts, cost)
+        cuts = packed_cuts(drafts, cost) if self.packed else [batch_width(drafts, cost)] * len(drafts)
         return [drafter.cut(d, cut) if d.values is not None and d.tree.num_nodes > cut else d
-                for drafter, d in zip(drafters, drafts)]
+                for drafter, d, cut in zip(drafters, drafts, cuts)]
 
 
 def check_batch(drafter: Drafter, spec: SpecConfig, batch: int) -> None:
@@ -377,7 +410,7 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
         yield from done
         capacity = capacity or batch
         more = admit is not None
-        pricing = None if alone else BatchPricing(target, [drafters[b] for b in active])
+        pricing = None if alone else BatchPricing(target, [drafters[b] for b in active], session.packs)
 
         while active or more:
             if more and len(active) < capacity:  # free rows take the next prompts

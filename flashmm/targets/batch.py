@@ -173,6 +173,7 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
                                           root_positions=state.root_pos)
     with nullcontext() if switch is None else switch:
         logits, hidden = target.forward_model(state.cache, want_hidden, input_ids=tokens, **mask_args,
+                                              nodes=[tree.num_nodes for tree in trees],
                                               position_ids=target.batch_position_ids(positions + state.offset[:, None]))
     return logits, select_hidden(hidden, want_hidden)
 

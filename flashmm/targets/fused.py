@@ -109,6 +109,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _unpacked(packed: torch.Tensor, real: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """packed [N, k], the values at positions ``real`` of ``rows`` → [rows, k], zeros elsewhere (as given
+    when nothing was packed)."""
+    if real is None:
+        return packed
+    return packed.new_zeros(rows, packed.shape[1]).index_copy_(0, real, packed)
+
+
 def append(cache, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Write one forward's keys / values [B, H, n, D] after layer ``index``'s cached rows and return all of
     its rows. The rows live in room preallocated behind the layer's tensors (``keys`` is a view of its
@@ -154,6 +162,7 @@ class FusedDecoder:
         self.scaling = first.scaling
         self.layers = [self._layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
         self.head = packed_weight(head)  # shared with OneDNNLinears' routing
+        self.head_rows = head.weight.shape[0]
 
     @staticmethod
     def _layer(layer) -> tuple:
@@ -173,13 +182,21 @@ class FusedDecoder:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, attention_mask=None,
-                 want_hidden=None, logits_to_keep: int = 0) -> tuple[torch.Tensor, tuple | None]:
+                 want_hidden=None, logits_to_keep: int = 0, nodes: list[int] | None = None) -> tuple[torch.Tensor, tuple | None]:
         """input_ids / position_ids [B, n] after the cache's rows; attention_mask: None (causal over the new
         rows, every cached row visible), [B, S + n] (1 = a real token, as ``generate`` passes it) or an
         additive [B or 1, 1, n, S + n] → (logits [B, n or logits_to_keep, V], the hidden states the
         model's ``output_hidden_states`` gives (embeddings, then each layer's output, the last normed), or
-        None when ``want_hidden`` is falsy)."""
+        None when ``want_hidden`` is falsy).
+
+        nodes: how many of each row's n positions are real (a batch of drafts padded to the widest): the
+        linear layers and the LM head run on those alone, packed; the padding positions still get keys and
+        values and attend (cheap), and their logits and hidden states are zeros."""
         batch, n = input_ids.shape
+        real = None
+        if nodes is not None and sum(nodes) < batch * n and not logits_to_keep:
+            real = torch.tensor([b * n + i for b, count in enumerate(nodes) for i in range(count)],
+                                device=input_ids.device)
         cached = cache.get_seq_length()
         x = self.embed(input_ids)
         hidden = [x] if want_hidden else None
@@ -191,8 +208,11 @@ class FusedDecoder:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         half = dim // 2
         x = x.reshape(batch * n, width)
+        if real is not None:
+            x = x[real]                                                    # [N, width]: the real positions
         for index, (norm1, eps1, qkv_w, qkv_b, qk_norm, o_w, o_b, norm2, eps2, gate_up, down) in enumerate(self.layers):
-            qkv = _linear(F.rms_norm(x, (width,), norm1, eps1), qkv_w, qkv_b).view(batch, n, heads + 2 * kv_heads, dim)
+            qkv = _unpacked(_linear(F.rms_norm(x, (width,), norm1, eps1), qkv_w, qkv_b), real, batch * n)
+            qkv = qkv.view(batch, n, heads + 2 * kv_heads, dim)
             qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads:]
             if qk_norm is not None:
                 qk = torch.cat([F.rms_norm(qk[:, :, :heads], (dim,), qk_norm[0], qk_norm[1]),
@@ -209,16 +229,18 @@ class FusedDecoder:
                     attended[start:end] = F.scaled_dot_product_attention(
                         q[start:end], keys[start:end, :, first:], values[start:end, :, first:],
                         attn_mask=mask[start:end, :, :, first:], scale=self.scaling, enable_gqa=heads != kv_heads)
-            x = x + _linear(attended.transpose(1, 2).reshape(batch * n, heads * dim), o_w, o_b)
+            attended = attended.transpose(1, 2).reshape(batch * n, heads * dim)
+            x = x + _linear(attended if real is None else attended[real], o_w, o_b)
             gated = _linear(F.rms_norm(x, (width,), norm2, eps2), gate_up)
             x = x + _linear(F.silu(gated[:, : gated.shape[1] // 2]) * gated[:, gated.shape[1] // 2:], down)
             if hidden is not None:
-                hidden.append(x.view(batch, n, width))
-        x = F.rms_norm(x.view(batch, n, width), (width,), *self.final_norm)
+                hidden.append(_unpacked(x, real, batch * n).view(batch, n, width))
+        x = F.rms_norm(x, (width,), *self.final_norm)
         if hidden is not None:
-            hidden[-1] = x
-        kept = x[:, -logits_to_keep:] if logits_to_keep else x
-        logits = _linear(kept.reshape(-1, width), self.head).view(batch, kept.shape[1], -1)
+            hidden[-1] = _unpacked(x, real, batch * n).view(batch, n, width)
+        if logits_to_keep:
+            x = x.view(batch, n, width)[:, -logits_to_keep:].reshape(-1, width)
+        logits = _unpacked(_linear(x, self.head), real, batch * n).view(batch, -1, self.head_rows)
         return logits, (tuple(hidden) if hidden is not None else None)
 
     @staticmethod
@@ -294,8 +316,9 @@ class FusedForward:
         self.step = fused_step(model)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
-                use_cache=True, logits_to_keep=0, output_hidden_states=False, **kwargs):
-        """The model's forward signature, computed by the fused step."""
+                use_cache=True, logits_to_keep=0, output_hidden_states=False, nodes=None, **kwargs):
+        """The model's forward signature, computed by the fused step (``nodes``: FusedDecoder's, flashmm's
+        batched verification passes it)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: PLC0415
 
         unused = {k: v for k, v in kwargs.items() if v is not None and k not in ("return_dict", "cache_position")}
@@ -312,7 +335,7 @@ class FusedForward:
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None].expand(input_ids.shape[0], -1)
         logits, hidden = self.step(input_ids, position_ids, cache, attention_mask, output_hidden_states,
-                                   logits_to_keep if isinstance(logits_to_keep, int) else 0)
+                                   logits_to_keep if isinstance(logits_to_keep, int) else 0, nodes)
         named = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"  # < 5.24
         return CausalLMOutputWithPast(logits=logits, hidden_states=hidden, **{named: cache})
 

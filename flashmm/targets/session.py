@@ -82,6 +82,13 @@ class BatchSession:
     def __init__(self, target: Target, state: padded.BatchState):
         self.target, self.state = target, state
 
+    @property
+    def packs(self) -> bool:
+        """Whether a step's forward computes each row's own nodes alone (the fused step, flashmm.targets.fused),
+        rather than every row at the widest row's count: then rows may draft different counts at no cost
+        to the others."""
+        return self.target.unfused is None and not isinstance(self.state.cache, padded.SlotCache)
+
     def score(self, drafts, want_hidden) -> list[Scored]:
         layouts = [draft.forward_layout() for draft in drafts]  # each row's tree, then its aux rows (if any)
         width = max(tree.num_nodes for _, tree in layouts)

@@ -106,13 +106,19 @@ class CausalLMTarget(Target):
             return "it is verified through the Triton kernel, recurrent states or derived positions"
         return fused.supports(self.model, self.layout)
 
-    def forward_model(self, cache, want_hidden=False, logits_to_keep: int = 0, **inputs):
+    def forward_model(self, cache, want_hidden=False, logits_to_keep: int = 0, nodes: list[int] | None = None,
+                      **inputs):
         """One forward of the model on ``cache`` (``inputs``: the model's keyword inputs) → (logits, the
         forward's hidden-states tuple or None). Text inputs (input_ids, position_ids, attention_mask) of a
         model flashmm fuses run its fused step as the model's forward (flashmm.targets.fused: the same
-        function to fp32 rounding); everything else runs the model's own forward inside ``linears()``."""
+        function to fp32 rounding); everything else runs the model's own forward inside ``linears()``.
+        nodes: a padded batch's real positions per row (the first nodes[b] of row b): the fused step computes
+        only those; elsewhere every position is computed. The padding positions' outputs are then not to be
+        read."""
         text = set(inputs) <= {"input_ids", "position_ids", "attention_mask"}
         fuse = self.unfused is None and not self.cuda_graphs and text and not isinstance(inputs.get("attention_mask"), dict)
+        if fuse and nodes is not None:
+            inputs["nodes"] = nodes
         with fused.FusedForward(self.model) if fuse else self._linears:
             out = self.model(use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=logits_to_keep,
                              **{self.cache_argument: cache}, **inputs)
