@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from .sampling import SamplingParams  # noqa: F401 (re-exported: flashmm.config.SamplingParams)
 from .verify.registry import VERIFIERS
 
+#: SpecConfig.prune: none, or ProPD's early-layer tree pruning (flashmm.targets.prune)
+PRUNE_MODES = ("none", "propd")
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -51,7 +54,7 @@ class SpecConfig:
         if (self.verifier == "judge_lossy") != (self.judge is not None):
             raise ValueError("verifier='judge_lossy' needs judge= (a JudgeHead or a judge directory), and a judge is "
                              f"only read by that verifier (got verifier={self.verifier!r}, judge={self.judge!r})")
-        if self.prune not in ("none", "propd"):
+        if self.prune not in PRUNE_MODES:
             raise ValueError(f"prune must be 'none' or 'propd' (ProPD early-layer tree pruning), got {self.prune!r}")
         if self.prune_layer < 0 or self.prune_top_k < 1:
             raise ValueError(f"prune_layer must be >= 0 (0: a quarter of the layers) and prune_top_k >= 1, "

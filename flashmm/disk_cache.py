@@ -1,5 +1,6 @@
 """flashmm's on-disk caches (the verify-cost timings of flashmm.targets.verify_cost, REST's suffix
-arrays): where they live, and writing an entry so that a cache can never make flashmm fail.
+arrays, both under flashmm.paths.cache_dir()): writing an entry so that a cache can never make
+flashmm fail.
 
 An entry is written to a temporary file of its own and renamed over the old one, so a concurrent
 reader sees the old entry or the new one, never half of one, and two writers never share a
@@ -17,11 +18,6 @@ from typing import IO, Callable
 
 # directories already warned about in this process: one warning each, not one per entry or per wrap
 _warned: set[Path] = set()
-
-
-def cache_dir() -> Path:
-    """$FLASHMM_CACHE_DIR, else ~/.cache/flashmm."""
-    return Path(os.environ.get("FLASHMM_CACHE_DIR", Path.home() / ".cache" / "flashmm"))
 
 
 def store(path: Path, write: Callable[[IO[bytes]], None]) -> bool:

@@ -22,7 +22,7 @@ from flashmm.drafters import rest as rest_module
 from flashmm.drafters.eagle3 import save_head
 from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
 from flashmm.drafters.head_base import save_heads
-from flashmm.drafters.medusa import MedusaHeads
+from flashmm.drafters.nets.medusa_net import MedusaHeads
 from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
 from flashmm.train import draft_lm
 

@@ -46,10 +46,14 @@ def test_greedy_matches_generate_across_cache_growth_and_calls(drafter, monkeypa
     assert sm.target._graphs.cache is cache                                  # reused, graphs kept
 
 
-def test_sampling_draws_what_the_ordinary_path_draws():
+def test_sampling_draws_what_the_ordinary_path_draws(monkeypatch):
     """Same seed, same drafter: the slot path samples the very tokens the DynamicCache path samples (its
     logits differ from them by fp32 rounding only), so its distribution is the one the verifier tests
-    (tests/test_verify_distribution.py) establish for the ordinary path."""
+    (tests/test_verify_distribution.py) establish for the ordinary path. The batch's drafts are cut to one
+    width on both (the fused DynamicCache path would cut each row to its own count, drawing other trees)."""
+    from flashmm.engine import loop
+
+    monkeypatch.setattr(loop, "packed_cuts", lambda drafts, cost: [loop.batch_width(drafts, cost)] * len(drafts))
     model, ids = tiny_lm("qwen2", seed=1), repetitive_prompt()
     outs = []
     for graphed in (False, True):

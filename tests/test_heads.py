@@ -13,9 +13,9 @@ from flashmm.drafters import Hydra, Medusa, MTP, load
 from flashmm.drafters.base import SequenceStart
 from flashmm.drafters.head_base import save_heads, static_tree
 from flashmm.drafters.suffix import LookupBranch
-from flashmm.drafters.hydra import HydraHeads
-from flashmm.drafters.medusa import MedusaHeads
-from flashmm.drafters.mtp import MTPModules
+from flashmm.drafters.nets.hydra_net import HydraHeads
+from flashmm.drafters.nets.medusa_net import MedusaHeads
+from flashmm.drafters.nets.mtp_net import MTPModules
 from flashmm.sampling import SamplingParams
 from flashmm.tree.shapes import expected_accepted
 from flashmm.train import head_replay as R

@@ -7,8 +7,8 @@ import torch
 import flashmm
 import flashmm.targets.onednn as onednn
 from flashmm.drafters import MTP, DraftModel, Eagle3Drafter, Hydra, Medusa, PromptLookup
-from flashmm.drafters.hydra import HydraHeads
-from flashmm.drafters.mtp import MTPModules
+from flashmm.drafters.nets.hydra_net import HydraHeads
+from flashmm.drafters.nets.mtp_net import MTPModules
 from flashmm.targets.onednn import OneDNNLinears, resolve_linear_backend
 
 from test_eagle3 import head_for

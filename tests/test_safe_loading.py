@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmm.drafters.medusa import MedusaHeads
+from flashmm.drafters.nets.medusa_net import MedusaHeads
 from flashmm.train import draft_lm as D
 from flashmm.train import eagle3 as E
 from flashmm.train import heads as H

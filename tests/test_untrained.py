@@ -11,7 +11,8 @@ import flashmm
 from flashmm.drafters.base import drafter_names
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.head_base import save_heads
-from flashmm.drafters.medusa import Medusa, MedusaHeads
+from flashmm.drafters.medusa import Medusa
+from flashmm.drafters.nets.medusa_net import MedusaHeads
 from flashmm.drafters.resolve import UntrainedDrafterError, resolve_drafter
 
 from text_models import prompt, tiny_lm

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .. import disk_cache
+from ..paths import cache_dir
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.trie import DraftTrie, TreeBudget, match_bucket
 from .base import Drafter, StepResult, register, root_only
@@ -178,7 +179,7 @@ class Datastore:
                 raise DrafterFileError(path, f"'suffix_array' {problem}")
             return cls(tokens, data["suffix_array"].numpy())
         digest = hashlib.sha256(tokens.tobytes()).hexdigest()[:20]
-        stored = Path(cache if cache is not None else disk_cache.cache_dir()) / f"suffix_array_{digest}.npz"
+        stored = Path(cache if cache is not None else cache_dir()) / f"suffix_array_{digest}.npz"
         if stored.is_file():
             array, problem = _read_cached_array(stored, len(tokens))
             if not problem:

@@ -26,9 +26,6 @@ from .base import TargetOutput
 from .layers import LayerRunner, check_supported
 from .session import Scored, SequenceSession
 
-PRUNE_MODES = ("none", "propd")
-
-
 def check_prunable(target) -> None:
     """Raise ValueError unless ProPD can split ``target``'s forward (a Llama-like text LM, PyTorch path)."""
     if not hasattr(target, "kv_cache") or getattr(target, "recurrent", False) or getattr(target, "backend", "torch") != "torch":

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from .. import disk_cache
+from ..paths import cache_dir
 from ..tree.cost import VerifyCost, VerifyCostUnmeasurable
 from . import cache as kv
 from .fused import FusedForward
@@ -131,7 +132,7 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    directory = Path(directory) if directory is not None else disk_cache.cache_dir()
+    directory = Path(directory) if directory is not None else cache_dir()
     packed = linear == "onednn" and packs(routable_layers(model))  # (packing itself waits for a measurement)
     identity = _cost_identity(model, grid, prefix_len, linear + "-packed" * packed, batch)
     path = _cost_path(directory, identity)

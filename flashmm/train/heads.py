@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ..drafters.hydra import HydraHeads
-from ..drafters.medusa import MedusaHeads
-from ..drafters.mtp import MTPModules
+from ..drafters.nets.hydra_net import HydraHeads
+from ..drafters.nets.medusa_net import MedusaHeads
+from ..drafters.nets.mtp_net import MTPModules
 
 
 @dataclass
