@@ -296,8 +296,9 @@ def packed_cuts(drafts: list, verify_cost) -> list[int]:
         value, b = heapq.heappop(ahead)
         counts[b] += 1
         tokens -= value
-        if rate() > best_rate + 1e-12:
-            best, best_rate = list(counts), rate()
+        now = rate()
+        if now > best_rate + 1e-12:
+            best, best_rate = list(counts), now
         if counts[b] < len(gains[b]):
             heapq.heappush(ahead, (-gains[b][counts[b]], b))
     return best

@@ -146,7 +146,7 @@ class CausalLMTarget(Target):
         """The running sequence's DynamicCache lent to a drafter that runs the model's own layers on it
         (self-speculation, flashmm.targets.layers) for one draft: every row a layer gains inside is dropped
         on exit, so the cache holds the committed text again. ValueError where there is none to lend."""
-        cache = None if self.cuda_graphs or self.recurrent else self._cache
+        cache = None if self.recurrent else self.kv_cache
         if cache is None:
             raise ValueError("the target has no single-sequence KV cache to draft on (before a prefill, on the "
                              "batched path, with CUDA graphs or recurrent states)")
