@@ -16,6 +16,7 @@ from .swift import Swift
 from .lookahead import Lookahead
 from .medusa import Medusa
 from .mtp import MTP
+from .native_mtp import NativeMTP
 from .online import OnlineSD
 from .pard import Pard
 from .prompt_lookup import PromptLookup
@@ -27,5 +28,5 @@ from .saved import load
 from .specdecpp import SpecDecPP
 
 __all__ = ["CrossTokenizerDraft", "Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
+           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]
