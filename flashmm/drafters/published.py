@@ -7,7 +7,9 @@ A speculators folder holds ``config.json`` with ``speculators_model_type`` (the 
 sharded ``model.safetensors.index.json``, or ``pytorch_model.bin`` read with ``weights_only=True``).
 One function per algorithm reads it; an algorithm flashmm has no drafter for is refused by name.
 
-Followed: speculators 0.9.0 (PyPI wheel, git tag v0.9.0; the wheel records no commit), read, not copied:
+Followed: speculators 0.9.0 (the PyPI wheel; it records no git commit, and its models/eagle3/config.py,
+core.py and model_definitions.py are byte-identical to commit c05b95b303f7d4f21e8d7624e0ffa1c2d9b4d73b,
+the one export.py was checked against), read, not copied:
 models/eagle3/config.py and core.py (the config fields; forward: ``fc`` over the concatenated aux
 states, layer 0 = ``cat(input_layernorm(embed), hidden_norm(h))`` into attention, residual ``h``,
 ``lm_head(norm(h))``; later train-time-test steps feed the pre-norm output back),
@@ -15,8 +17,8 @@ models/eagle3/model_definitions.py (layer classes for model_type llama and qwen3
 (DraftVocabMixin: ``embed_tokens`` [V, d] saved with the head, ``d2t`` / ``t2d`` only when the draft
 vocabulary is smaller), train/vocab_mapping.py (target id = row + d2t[row]) and models/utils.py
 (``eagle_aux_hidden_state_layer_ids`` default to (2, n/2, n-3) of the verifier's n layers, ids up to n).
-vLLM captures the aux state entering layer i (the residual stream), i.e. HF's ``output_hidden_states[i]``,
-flashmm's feature index; id n would be the last layer's output before the final norm, which HF's
+vLLM captures the aux state entering layer i (the residual stream; export.py names the vLLM files this was
+read in), i.e. HF's ``output_hidden_states[i]``, flashmm's feature index; id n would be the last layer's output before the final norm, which HF's
 ``hidden_states[n]`` is not (it is normed), so it is refused.
 
 What flashmm refuses from an EAGLE-3 speculator (its head is exactly one Llama layer): more than one
@@ -26,8 +28,8 @@ how they were made: tests/fixtures/speculators/README.md (tools/fixtures/specula
 """
 from __future__ import annotations
 
-import json
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -48,12 +50,10 @@ NO_DRAFTER_YET = {
     "peagle": "P-EAGLE's parallel drafter (all depths from mask tokens in one pass; issue 44)",
     "xpress": "XPress's drafter",
 }
-#: speculators' MTP layer is a Qwen3 decoder layer (q/k RMSNorm in attention) behind
-#: cat(token_layernorm(embed), hidden_layernorm(h)) and a final_layernorm; flashmm's MTP module is a
-#: Llama block behind [RMSNorm(h); RMSNorm(E)] without a final norm, so it cannot hold one exactly
-MTP_REASON = ("speculators' MTP layer is a Qwen3 decoder layer (q_norm / k_norm) fed cat(embedding, hidden) "
-              "with a final_layernorm, which flashmm's MTP module (a Llama block fed [hidden; embedding]) "
-              "cannot represent exactly")
+#: why speculators' mtp (speculators/models/mtp/core.py, model_definitions.py) is refused
+MTP_REASON = ("speculators' MTP layer is one Qwen3 decoder layer (q_norm / k_norm in its attention) run at "
+              "every step, its final_layernorm output fed to the next step and straight to the LM head; "
+              "flashmm's MTP modules are Llama blocks (no q/k norms), one per step, so they cannot hold it exactly")
 _IGNORED_KEYS = ("verifier_lm_head.weight", "verifier_norm.weight")   # training-only copies of the verifier's
 
 
@@ -112,7 +112,7 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
         if path.is_file():
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
-            except (RuntimeError, OSError, EOFError) as err:   # corrupt zip, or a pickle holding code
+            except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as err:  # code in the pickle, a corrupt file
                 raise DrafterFileError(path, f"cannot be read as plain tensors (weights_only=True): {err}") from err
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
                 raise DrafterFileError(path, "is not a {name: tensor} state dict")
