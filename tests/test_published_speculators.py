@@ -71,13 +71,18 @@ def test_eagle3_first_draft_is_speculators_argmax(target, reference):
 
 def test_wrap_folder_generates_exactly(target, reference):
     prompt = reference["target_token_ids"][:, :8]
-    want = target.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    want = target.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None)
     sm = flashmm.wrap(target, str(EAGLE3))
-    assert torch.equal(sm.generate(prompt, max_new_tokens=24, eos_token_id=[]), want)
-    # drafting every step (no adaptive pause), so every step verifies the head's chain
+    assert torch.equal(sm.generate(prompt, max_new_tokens=16, eos_token_id=[]), want)
+    # drafting every step (no adaptive pause), so every step verifies the head's chain; a left-padded
+    # batch of two rows, each drafted by its own fork of the drafter
+    ids = torch.cat([prompt, torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt[:, 2:].flip(1)], dim=1)])
+    mask = (torch.arange(8) >= torch.tensor([[0], [2]])).long()
+    want = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
     sm = flashmm.wrap(target, load(EAGLE3, tree="chain", depth=3, adaptive=False))
-    assert torch.equal(sm.generate(prompt, max_new_tokens=24, eos_token_id=[]), want)
-    assert sm.last_stats.drafted_tokens >= 3 * (sm.last_stats.verify_steps - 1)
+    assert torch.equal(sm.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0), want)
+    assert sm.last_stats.drafted_tokens >= 3 * 2 * 8
 
 
 @pytest.mark.parametrize("overrides, drafter_side, target_side", [
@@ -170,3 +175,9 @@ def test_flashmm_export_reads_back_through_the_same_loader(tmp_path):
     mine = load(head).net.state_dict()
     assert all(torch.equal(read.net.state_dict()[k], v.float() if v.is_floating_point() else v)
                for k, v in mine.items())
+
+
+def test_a_head_with_its_own_embeddings_is_not_saved_as_a_flashmm_folder(tmp_path):
+    with pytest.raises(ValueError, match="embed_tokens"):
+        load(EAGLE3).save(tmp_path / "saved", {"method": "eagle3", "target": "tiny"})
+    assert not (tmp_path / "saved").exists()

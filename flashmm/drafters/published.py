@@ -192,8 +192,10 @@ def eagle3_from_speculators(folder: Path, config: dict, **options) -> "Speculato
     net = Eagle3Net(cfg)
     load_weights(net, {("midlayer." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()},
                  where)
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     with blamed_on(config_path, "the drafting options", options):
-        return SpeculatorsEagle3Drafter(net, folder=folder, embedding=embedding, **options)
+        return SpeculatorsEagle3Drafter(net, folder=folder, embedding=embedding, verifier=verifier.get("name_or_path"),
+                                        **options)
 
 
 class SpeculatorsEagle3Drafter(Eagle3Drafter):
@@ -203,12 +205,13 @@ class SpeculatorsEagle3Drafter(Eagle3Drafter):
     embedding: the head's own ``embed_tokens`` [V, d] (speculators saves it; vLLM uses it when present),
                which it embeds drafted tokens with instead of the target's input embeddings; None: the
                target's (as flashmm's own heads).
+    verifier:  the target the config names (``speculators_config.verifier.name_or_path``), for the record.
     ``bind`` refuses a target the head was not made for, naming the folder and both values."""
 
     def __init__(self, net: Eagle3Net, *, folder: str | os.PathLike, embedding: torch.Tensor | None = None,
-                 **options):
-        super().__init__(net, info={"method": "eagle3", "target": "speculators", "source": os.fspath(folder)},
-                         **options)
+                 verifier: str | None = None, **options):
+        super().__init__(net, info={"method": "eagle3", "target": verifier, "source": os.fspath(folder),
+                                    "format": f"speculators {SPECULATORS_VERSION}"}, **options)
         self.folder = Path(folder)
         self.embedding = None if embedding is None else nn.Embedding.from_pretrained(embedding.float(), freeze=True)
 
@@ -228,6 +231,14 @@ class SpeculatorsEagle3Drafter(Eagle3Drafter):
         if self.embedding is not None:
             self.embedding = self.embedding.to(self._embed.weight.device)
             self._embed = self.embedding
+
+    def save(self, path, info: dict):
+        """A flashmm folder (drafter.json) has no place for the head's own embeddings, so a head that has them
+        is refused rather than saved as a different drafter; keep its speculators folder instead."""
+        if self.embedding is not None:
+            raise ValueError(f"{self.folder}: this speculators EAGLE-3 head embeds with its own embed_tokens, which "
+                             "a flashmm drafter folder cannot hold; load it from its speculators folder instead")
+        return super().save(path, info)
 
 
 __all__ = ["NO_DRAFTER_YET", "SPECULATORS_VERSION", "SpeculatorsEagle3Drafter", "UnsupportedDrafterFormat",
