@@ -56,16 +56,21 @@ def test_eagle3_logits_equal_speculators(reference):
             torch.testing.assert_close(net.logits(out), want[step][None], atol=1e-5, rtol=0)
 
 
-def test_eagle3_first_draft_is_speculators_argmax(target, reference):
-    """Through the drafter protocol (flashmm's positions from 0, its own vocabulary maps): the first drafted
-    token after every recorded unit is the target id of speculators' step-0 argmax at the last unit."""
+def test_eagle3_drafter_after_bind_matches_speculators(target, reference):
+    """Through the drafter protocol after bind (flashmm's positions from 0, the embedding bind chose, its
+    vocabulary maps): the head's output at the last recorded unit gives speculators' step-0 logits there, and
+    the first drafted token is the target id of their argmax. The fixture's embed_tokens is not the target's
+    (trained with embed_requires_grad), so embedding with the target's table would fail this."""
+    assert not torch.equal(load(EAGLE3).embedding.weight, target.get_input_embeddings().weight)
     drafter = load(EAGLE3, tree="chain", depth=1, adaptive=False)
     drafter.bind(CausalLMTarget(target))
     tokens, features = reference["target_token_ids"], reference["hidden_states"]
     n = features.shape[1]
     drafter.begin(SequenceStart(input_ids=tokens[:, :n], hidden_states=features))
     draft = drafter.propose(tokens[:, : n + 1], 4, None, None)
-    row = int(reference["logits"][0, -1].argmax())
+    want = reference["logits"][0, -1]
+    torch.testing.assert_close(drafter.net.logits(drafter._root_out), want, atol=1e-5, rtol=0)
+    row = int(want.argmax())
     assert int(draft.tokens[0, 1]) == row + int(drafter.net.d2t[row])
 
 
