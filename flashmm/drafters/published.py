@@ -17,9 +17,10 @@ models/eagle3/model_definitions.py (layer classes for model_type llama and qwen3
 (DraftVocabMixin: ``embed_tokens`` [V, d] saved with the head, ``d2t`` / ``t2d`` only when the draft
 vocabulary is smaller), train/vocab_mapping.py (target id = row + d2t[row]) and models/utils.py
 (``eagle_aux_hidden_state_layer_ids`` default to (2, n/2, n-3) of the verifier's n layers, ids up to n).
-vLLM captures the aux state entering layer i (the residual stream; export.py names the vLLM files this was
-read in), i.e. HF's ``output_hidden_states[i]``, flashmm's feature index; id n would be the last layer's output before the final norm, which HF's
-``hidden_states[n]`` is not (it is normed), so it is refused.
+vLLM captures the aux state entering layer i (the residual stream; export.py names the vLLM files this
+was read in), i.e. HF's ``output_hidden_states[i]``, flashmm's feature index; id n would be the last
+layer's output before the final norm, which HF's ``hidden_states[n]`` is not (it is normed), so it is
+refused.
 
 What flashmm refuses from an EAGLE-3 speculator (its head is exactly one Llama layer): more than one
 draft layer, a non-Llama layer (qwen3's q/k norms), attention or MLP biases, scaled RoPE, sliding
@@ -78,7 +79,9 @@ def load_speculators(path, **options):
     config_path = folder / CONFIG_FILE
     config = read_json(config_path)
     section = config.get("speculators_config") or {}
-    algorithm = config.get("speculators_model_type") or (section.get("algorithm") if isinstance(section, dict) else None)
+    algorithm = config.get("speculators_model_type")
+    if algorithm is None and isinstance(section, dict):
+        algorithm = section.get("algorithm")
     if not isinstance(algorithm, str):
         raise DrafterFileError(config_path, "names no speculators_model_type (nor speculators_config.algorithm)")
     if algorithm == "eagle3":
@@ -112,7 +115,7 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
         if path.is_file():
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
-            except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as err:  # code in the pickle, a corrupt file
+            except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as err:  # code in it, or corrupt
                 raise DrafterFileError(path, f"cannot be read as plain tensors (weights_only=True): {err}") from err
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
                 raise DrafterFileError(path, "is not a {name: tensor} state dict")
@@ -160,7 +163,8 @@ def eagle3_config(config_path: Path, config: dict) -> Eagle3Config:
             hidden_size=int(hidden), target_hidden_size=int(config.get("target_hidden_size") or hidden),
             num_attention_heads=int(heads), num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
             head_dim=int(layer.get("head_dim") or hidden // heads), intermediate_size=int(layer["intermediate_size"]),
-            vocab_size=int(layer["vocab_size"]), draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
+            vocab_size=int(layer["vocab_size"]),
+            draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
             feature_layers=tuple(layers), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             max_position_embeddings=int(layer.get("max_position_embeddings", 8192)))
 
