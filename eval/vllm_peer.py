@@ -2,9 +2,11 @@
 
 Configurations (greedy, SmolLM2-135M-Instruct fp32, Spec-Bench dev questions in the chat template):
 plain ``model.generate`` and plain_onednn (eval/text_speed.py's two baselines); vLLM with no
-speculation, with n-gram speculation and with flashmm's shipped EAGLE-3 head exported to vLLM's
-speculators layout (``flashmm export-drafter --format speculators``); flashmm prompt lookup and
-flashmm with the shipped EAGLE-3 folder. Per question (or batch of --batch questions, left-padded
+speculation, with n-gram speculation, with flashmm's shipped EAGLE-3 head exported to vLLM's
+speculators layout (``flashmm export-drafter --format speculators``) and with flashmm's shipped Medusa
+heads exported to vLLM's Medusa layout (``--format vllm-medusa --no-token-map``: vLLM 0.32 cannot load
+the heads' reduced-vocabulary token_map, so there they rank every token; vLLM drafts a chain of the
+heads' top-1 tokens); flashmm prompt lookup and flashmm with the shipped EAGLE-3 and Medusa folders. Per question (or batch of --batch questions, left-padded
 for transformers and flashmm, one ``llm.generate`` call of B prompts for vLLM) the configurations
 run back to back in a rotating order. Reported: tokens/s (median over questions and total), ×plain,
 ×plain_onednn, ×vLLM no-spec (total and median per-question ratios), vLLM's mean acceptance length
@@ -60,6 +62,7 @@ from flashmm.paths import assets_dir, work_dir  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 EAGLE3 = assets_dir("text_drafters", "smollm2", "eagle3")
+MEDUSA = assets_dir("text_drafters", "smollm2", "medusa")
 
 
 def pick_questions(path: Path, n: int) -> list[dict]:
@@ -97,6 +100,14 @@ def exported_eagle3() -> str:
     return str(export_drafter(EAGLE3, "speculators", work_dir("smollm2_eagle3_speculators")))
 
 
+def exported_medusa(model) -> str:
+    """The shipped Medusa heads in vLLM's Medusa layout, with SmolLM2's whole LM head (no token_map)."""
+    from flashmm.drafters.export_medusa import export_medusa  # noqa: PLC0415
+
+    lm_head = model.get_output_embeddings().weight
+    return str(export_medusa(MEDUSA, lm_head, work_dir("smollm2_medusa_vllm"), token_map=False))
+
+
 def trim(row: list[int], eos: set[int]) -> list[int]:
     """The generated tokens up to and including the first EOS."""
     for i, t in enumerate(row):
@@ -120,7 +131,7 @@ def spec_counts(llm) -> tuple[float, float] | None:
             total(prom.spec_decoding_prom.counter_spec_decode_num_accepted_tokens))
 
 
-def vllm_engines(args, folder: str) -> dict:
+def vllm_engines(args, folder: str, model) -> dict:
     """{name: LLM} of the vLLM configurations, all in this process."""
     from vllm import LLM  # noqa: PLC0415
     from vllm.platforms import current_platform  # noqa: PLC0415
@@ -129,6 +140,8 @@ def vllm_engines(args, folder: str) -> dict:
                                           "prompt_lookup_max": args.ngram_max, "prompt_lookup_min": args.ngram_min}}
     if not args.skip_vllm_eagle3:
         specs["vllm:eagle3"] = {"method": "eagle3", "model": exported_eagle3(), "num_speculative_tokens": args.eagle3_k}
+    if not args.skip_medusa:
+        specs["vllm:medusa"] = {"method": "medusa", "model": exported_medusa(model), "num_speculative_tokens": 4}
     engines = {}
     for name, spec in specs.items():
         engines[name] = LLM(model=folder, dtype="float32", seed=0, max_model_len=args.max_model_len,
@@ -155,7 +168,7 @@ def make_methods(args, model, tokenizer, eos: set[int]):
     missing = onednn_baseline_missing(model, args.plain_onednn)
     if missing is None:
         methods["plain_onednn"] = on_onednn(model, methods["plain"])
-    engines = {} if args.skip_vllm else vllm_engines(args, hf_folder(model, tokenizer))
+    engines = {} if args.skip_vllm else vllm_engines(args, hf_folder(model, tokenizer), model)
     for name, llm in engines.items():
         def run(ids, mask, n, llm=llm):
             from vllm import SamplingParams  # noqa: PLC0415
@@ -165,6 +178,8 @@ def make_methods(args, model, tokenizer, eos: set[int]):
         methods[name] = run
     wrapped = {"flashmm:prompt_lookup": flashmm.wrap(model, "prompt_lookup", max_draft_tokens=args.max_draft_tokens),
                "flashmm:eagle3": flashmm.wrap(model, str(EAGLE3), max_draft_tokens=args.max_draft_tokens)}
+    if not args.skip_medusa:
+        wrapped["flashmm:medusa"] = flashmm.wrap(model, str(MEDUSA), max_draft_tokens=args.max_draft_tokens)
     for name, sm in wrapped.items():
         methods[name] = hf(sm.generate)
     return methods, wrapped, engines, missing
@@ -222,6 +237,9 @@ def report(args, records, names, missing, info) -> str:
           f"{len(records)} timed units (each a {unit}), configurations interleaved in a rotating order in one "
           f"process. vLLM n-gram: k={args.ngram_k}, lookup {args.ngram_min}..{args.ngram_max}; vLLM EAGLE-3: k="
           f"{args.eagle3_k}, flashmm's shipped head exported with `flashmm export-drafter --format speculators`; "
+          + ("" if args.skip_medusa else "vLLM Medusa: k=4 (a chain of the 4 heads' top-1 tokens), flashmm's shipped "
+             "heads exported with `--format vllm-medusa --no-token-map` (whole vocabulary; flashmm drafts from "
+             "the heads' 8,192-token vocabulary, a static tree); ") +
           f"vLLM {'eager' if args.eager else 'torch.compile'}d. tok/s median = median over units of that unit's "
           "tokens / seconds; tok/s total = all tokens / all seconds; ×X = total tok/s over X's, ×X median = median "
           "per-unit ratio; vLLM mean acc. len = 1 + accepted / drafts (its spec-decode counters over the timed "
@@ -243,6 +261,7 @@ def main(argv=None):
     ap.add_argument("--eagle3-k", type=int, default=5, help="vLLM EAGLE-3 num_speculative_tokens")
     ap.add_argument("--max-draft-tokens", type=int, default=16, help="flashmm's SpecConfig.max_draft_tokens")
     ap.add_argument("--skip-vllm-eagle3", action="store_true")
+    ap.add_argument("--skip-medusa", action="store_true", help="neither engine runs the Medusa heads")
     ap.add_argument("--skip-vllm", action="store_true", help="no vLLM at all (transformers and flashmm only)")
     ap.add_argument("--eager", action="store_true", help="vLLM enforce_eager (no torch.compile)")
     ap.add_argument("--plain-onednn", action=argparse.BooleanOptionalAction, default=True)

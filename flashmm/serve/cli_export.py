@@ -1,33 +1,66 @@
-"""``flashmm export-drafter``: a trained EAGLE-3 head written in a serving engine's layout
-(flashmm.drafters.export).
+"""``flashmm export-drafter``: a trained drafter written in a serving engine's layout: EAGLE-3 heads for
+SGLang or vLLM's speculators format (flashmm.drafters.export), Medusa heads for vLLM
+(flashmm.drafters.export_medusa; they read the target's LM head, so ``--target`` names the target).
 
     flashmm export-drafter assets/text_drafters/smollm2/eagle3 --format sglang --out OUT
+    flashmm export-drafter assets/text_drafters/smollm2/medusa --format vllm-medusa --target smollm2 --out OUT
 """
 from __future__ import annotations
 
 import sys
 
 from ..drafters.export import FORMATS, export_drafter
+from ..drafters.export_medusa import export_medusa
 
 
 def add_export_command(commands) -> None:
     """The ``flashmm export-drafter`` subcommand (flashmm.serve.cli)."""
     cmd = commands.add_parser(
-        "export-drafter", help="write a trained EAGLE-3 head in SGLang's or vLLM speculators' layout",
+        "export-drafter", help="write a trained EAGLE-3 head or Medusa heads in a serving engine's layout",
         description="Export a flashmm EAGLE-3 head folder (drafter.json + model.safetensors) to the layout "
                     "SGLang / SpecForge load (--format sglang: LlamaForCausalLMEagle3) or vLLM's speculators "
-                    "format (--format speculators). Keys and shapes are checked before writing.")
+                    "format (--format speculators), or Medusa heads to vLLM's Medusa layout (--format "
+                    "vllm-medusa, with --target). Keys and shapes are checked before writing.")
     cmd.add_argument("dir", metavar="DIR", help="the trained head's folder (e.g. assets/text_drafters/smollm2/eagle3)")
-    cmd.add_argument("--format", required=True, choices=FORMATS, dest="export_format")
+    cmd.add_argument("--format", required=True, choices=(*FORMATS, "vllm-medusa"), dest="export_format")
+    cmd.add_argument("--target", metavar="MODEL", help="vllm-medusa: the target whose LM head the heads read (a "
+                                                       "Hugging Face model folder, 'smollm2' or 'gemma3')")
+    cmd.add_argument("--no-token-map", action="store_true",
+                     help="vllm-medusa: write the whole LM head, no token_map (vLLM 0.32 cannot load a token_map; "
+                          "the heads then rank every token, not only their trained vocabulary)")
     cmd.add_argument("--out", required=True, metavar="OUT", help="folder to write config.json + model.safetensors to")
     cmd.set_defaults(run=run_export)
 
 
 def run_export(args) -> int:
     try:
-        out = export_drafter(args.dir, args.export_format, args.out)
+        if args.export_format == "vllm-medusa":
+            if not args.target:
+                raise ValueError("--format vllm-medusa needs --target (the heads read the target's LM head)")
+            out = export_medusa(args.dir, target_lm_head(args.target), args.out,
+                                token_map=not args.no_token_map)
+        else:
+            out = export_drafter(args.dir, args.export_format, args.out)
     except (FileNotFoundError, ValueError) as err:
         print(f"flashmm export-drafter: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out}/config.json and {out}/model.safetensors ({args.export_format})")
     return 0
+
+
+def target_lm_head(spec: str):
+    """The LM head weight [V, d] of --target: a Hugging Face causal-LM folder, or 'smollm2' / 'gemma3' (the GGUF
+    reference weights, flashmm.weights)."""
+    import os  # noqa: PLC0415
+
+    if spec in ("smollm2", "gemma3"):
+        from ..weights import load_gguf_lm  # noqa: PLC0415
+
+        model, _ = load_gguf_lm(spec)
+    elif os.path.isdir(spec):
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+        model = AutoModelForCausalLM.from_pretrained(spec)
+    else:
+        raise ValueError(f"--target {spec!r}: not a model folder, 'smollm2' or 'gemma3'")
+    return model.get_output_embeddings().weight.detach()
