@@ -15,10 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flashmm
-from flashmm.config import SamplingParams
 from flashmm.drafters import DrafterFileError, NativeMTP
-from flashmm.sampling import warp_logits
-from stats_utils import chi_square_pvalue
+from stats_utils import chi_square_pvalue, two_token_histogram, two_token_joint
 from tools.arch.tiny_configs import tiny_model
 
 FAMILIES = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
@@ -193,19 +191,10 @@ def test_sampling_distribution(tmp_path):
     save_file({**state, **mtp_tensors(small, 1)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
     target = type(small).from_pretrained(tmp_path, dtype=torch.float32).eval()
     prompt = torch.tensor([[3, 7, 3, 7, 3]])
-    params = SamplingParams(**SAMPLING)
-    with torch.no_grad():
-        first = warp_logits(target(prompt).logits[0, -1].double(), params).softmax(-1)
-        ext = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], dim=1)
-        second = warp_logits(target(ext).logits[:, -1].double(), params).softmax(-1)
-    joint = (first[:, None] * second).flatten()
+    joint = two_token_joint(target, prompt, SAMPLING)
 
     def histogram(sm):
-        counts, g = torch.zeros(V, V), torch.Generator().manual_seed(1234)
-        for _ in range(300):
-            a, b = sm.generate(prompt, max_new_tokens=2, generator=g, **SAMPLING)[0, -2:].tolist()
-            counts[a, b] += 1
-        return counts.flatten()
+        return two_token_histogram(sm, prompt, SAMPLING, 300, V)
 
     assert chi_square_pvalue(histogram(flashmm.wrap(target, NativeMTP(max_draft_tokens=2))), joint) > 1e-3
     biased = flashmm.wrap(target, NativeMTP(max_draft_tokens=2), verifier="typical_lossy", typical_epsilon=0.05, typical_delta=0.05)

@@ -4,6 +4,7 @@ from ..tree.draft import Draft
 from .base import Drafter, SequenceStart, StepResult, drafter_names, make_drafter, register
 from .cross_tokenizer import CrossTokenizerDraft
 from .cascade import HorizontalCascade, VerticalCascade
+from .dflash import DFlash
 from .draft_model import DraftModel
 from .eagle3 import Eagle3Drafter
 from .fastdraft import FastDraft
@@ -27,6 +28,6 @@ from .token_recycling import TokenRecycling
 from .saved import load
 from .specdecpp import SpecDecPP
 
-__all__ = ["CrossTokenizerDraft", "Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
+__all__ = ["CrossTokenizerDraft", "DFlash", "Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
            "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]

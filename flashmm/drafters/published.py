@@ -45,7 +45,6 @@ SPECULATORS_VERSION = "0.9.0"
 CONFIG_FILE = "config.json"
 #: speculators algorithms flashmm has no drafter for yet, with what each one is
 NO_DRAFTER_YET = {
-    "dflash": "DFlash's block drafter (one pass drafts a block of masked positions; issue 44)",
     "dflash2": "DFlash-2's block drafter (issue 44)",
     "dspark": "DSpark's block drafter with a Markov head (issue 44)",
     "peagle": "P-EAGLE's parallel drafter (all depths from mask tokens in one pass; issue 44)",
@@ -86,6 +85,10 @@ def load_speculators(path, **options):
         raise DrafterFileError(config_path, "names no speculators_model_type (nor speculators_config.algorithm)")
     if algorithm == "eagle3":
         return eagle3_from_speculators(folder, config, **options)
+    if algorithm == "dflash":
+        from .dflash import DFlash  # noqa: PLC0415
+
+        return DFlash.from_speculators(folder, **options)
     if algorithm == "mtp":
         raise UnsupportedDrafterFormat(f"{folder}: a speculators 'mtp' drafter; {MTP_REASON}")
     what = NO_DRAFTER_YET.get(algorithm, "an algorithm speculators added after 0.9.0")

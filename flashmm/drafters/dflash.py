@@ -1,0 +1,132 @@
+"""DFlash (arXiv 2602.06036): a block drafter that drafts ``block_size - 1`` tokens in one forward.
+
+The drafter keeps, per layer, the keys and values of the committed context (the target's hidden states at
+``feature_layers``, projected: flashmm.drafters.nets.dflash_net). A step embeds the block [root, mask, ...,
+mask] at positions R .. R + block_size - 1, runs it once over that context, and drafts the chain of each
+mask position's most likely token (position j predicts the token at R + j). Verification keeps the output
+exact: drafts are deterministic (q = None), so greedy output equals the target's and sampled output has the
+target's distribution (flashmm.verify).
+
+Checkpoints: vLLM's speculators ``dflash`` folders (config.json with ``speculators_model_type: "dflash"``,
+model.safetensors; the embedding table is the target's) load with ``flashmm.drafters.load(dir)``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import SamplingParams
+from ..tree.draft import Draft
+from ..tree.token_tree import TokenTree
+from .base import Drafter, SequenceStart, StepResult, register, root_only
+from .files import DrafterFileError, read_json, read_safetensors
+from .nets.dflash_net import DFlashConfig, DFlashNet
+
+
+@register
+class DFlash(Drafter):
+    """A DFlash block drafter. max_draft_tokens caps the chain (at most block_size - 1)."""
+
+    name = "dflash"
+    needs_hidden_states = True
+
+    def __init__(self, net: DFlashNet, max_draft_tokens: int | None = None):
+        if not isinstance(net, DFlashNet):
+            raise TypeError(f"DFlash needs a DFlashNet, got {type(net).__name__}")
+        self.net = net.eval().requires_grad_(False)
+        self.feature_layers = tuple(net.config.feature_layers)
+        self.max_draft_tokens = net.config.block_size - 1 if max_draft_tokens is None else max_draft_tokens
+        if not 1 <= self.max_draft_tokens <= net.config.block_size - 1:
+            raise ValueError(f"max_draft_tokens must be 1 .. {net.config.block_size - 1} (block_size - 1), got "
+                             f"{max_draft_tokens!r}")
+
+    def bind(self, target) -> None:
+        config = target.model.config.get_text_config()
+        layers, width = config.num_hidden_layers, config.hidden_size
+        c = self.net.config
+        if self.net.fc.weight.shape[1] != len(c.feature_layers) * width:
+            raise ValueError(f"this DFlash drafter reads {self.net.fc.weight.shape[1]} feature values "
+                             f"({len(c.feature_layers)} layers); the target's hidden size is {width}")
+        if max(c.feature_layers) > layers:
+            raise ValueError(f"this DFlash drafter reads target layers {list(c.feature_layers)}; the target has "
+                             f"{layers} layers")
+        vocab = target.output_embeddings().weight.shape[0]
+        if int(self.net.draft_to_target.max()) >= vocab or c.mask_token_id >= vocab:
+            raise ValueError(f"this DFlash drafter names token ids up to "
+                             f"{max(int(self.net.draft_to_target.max()), c.mask_token_id)}; the target has {vocab}")
+        self._embed = target.input_embeddings()
+        self.net.to(target.output_embeddings().weight.device)
+
+    def begin(self, start: SequenceStart) -> None:
+        self._features = start.hidden_states[0]                       # [T, F]: positions 0 .. T-1
+        self._context = None                                          # per layer (k, v) over positions 0 .. fed-1
+        self._fed = 0
+
+    def observe(self, step: StepResult) -> None:
+        self._features = torch.cat([self._features, step.hidden_states[0].to(self._features.dtype)])
+
+    def _extend_context(self, upto: int) -> None:
+        """Project the features of positions fed .. upto - 1 into every layer's context keys / values."""
+        if upto <= self._fed:
+            return
+        positions = torch.arange(self._fed, upto, device=self._features.device)
+        new = self.net.context(self._features[self._fed:upto], positions)
+        self._context = new if self._context is None else [
+            (torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1)) for (k, v), (nk, nv) in zip(self._context, new)]
+        self._fed = upto
+
+    @torch.no_grad()
+    def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        if committed.shape[0] != 1:
+            raise NotImplementedError("DFlash drafts one sequence at a time (batches fork it per row)")
+        root = committed.shape[1] - 1
+        n = min(self.max_draft_tokens, max_tokens)
+        if n < 1 or root < 1:
+            return root_only(committed)
+        self._extend_context(root)                                    # the context: positions 0 .. R-1
+        size = self.net.config.block_size
+        block = torch.full((size,), self.net.config.mask_token_id, dtype=torch.long, device=committed.device)
+        block[0] = committed[0, -1]
+        positions = torch.arange(root, root + size, device=committed.device)
+        logits = self.net.block_logits(self._embed(block), positions, self._context)          # [size, Vd]
+        drafted = self.net.draft_to_target[logits[1: n + 1].argmax(-1)]
+        return Draft(tokens=torch.cat([committed[0, -1:], drafted.to(committed.device)])[None],
+                     tree=TokenTree.chain(n), q_probs=None)
+
+    @classmethod
+    def from_speculators(cls, folder, **options) -> "DFlash":
+        """A speculators ``dflash`` folder (config.json + model.safetensors) as a drafter."""
+        folder = Path(folder)
+        config = read_json(folder / "config.json")
+        layer = config.get("transformer_layer_config") or {}
+        try:
+            rope = layer.get("rope_parameters") or {}
+            c = DFlashConfig(hidden_size=layer["hidden_size"], num_layers=layer["num_hidden_layers"],
+                             num_attention_heads=layer["num_attention_heads"],
+                             num_key_value_heads=layer["num_key_value_heads"],
+                             head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+                             intermediate_size=layer["intermediate_size"],
+                             feature_layers=tuple(config["aux_hidden_state_layer_ids"]),
+                             draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"],
+                             block_size=config["block_size"], mask_token_id=config["mask_token_id"],
+                             rms_norm_eps=layer["rms_norm_eps"],
+                             rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
+        except KeyError as missing:
+            raise DrafterFileError(folder / "config.json", f"a speculators dflash config needs {missing}") from None
+        unsupported = [k for k in ("sample_from_anchor", "sliding_window_non_causal") if config.get(k)]
+        if unsupported or layer.get("layer_types") and set(layer["layer_types"]) != {"full_attention"} \
+                or layer.get("attention_bias") or (rope.get("rope_type") or "default") != "default":
+            raise DrafterFileError(folder / "config.json", f"a dflash variant flashmm does not run exactly "
+                                                           f"({unsupported or 'sliding windows, biases or scaled rope'})")
+        tensors = read_safetensors(folder / "model.safetensors")
+        net = DFlashNet(c)
+        state = DFlashNet.state_from_speculators(tensors)
+        missing, unexpected = net.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DrafterFileError(folder / "model.safetensors", f"does not match its config: missing {missing}, "
+                                                                 f"unexpected {unexpected}")
+        if "d2t" in tensors:  # speculators: target id = draft id + d2t[draft id]
+            net.draft_to_target = torch.arange(c.draft_vocab_size) + tensors["d2t"].long()
+        return cls(net.float(), **options)

@@ -1,0 +1,139 @@
+"""DFlash's block drafter (arXiv 2602.06036) as a torch module, in the layout of vLLM's speculators format.
+
+The committed context enters as the target's hidden states from a few layers, concatenated and projected:
+c = RMSNorm(fc([h_l1 ; h_l2 ; ...])). A block of ``block_size`` positions (the anchor: the last committed
+token, then ``mask_token_id``) is embedded with the target's table and run through decoder layers whose
+attention reads keys and values of the context c (every layer the same c, its own projections) followed by
+the block's own, bidirectionally inside the block; an RMSNorm and the draft LM head give every block
+position's logits at once. Each layer is Qwen3's (q / k RMSNorm per head before rotary; the block's queries
+and both key sets rotated by their positions). Position j > 0 of a block anchored at position p predicts the
+token at p + j.
+
+Read from speculators 0.9.0 (models/dflash/model_definitions.py, core.py): not copied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    feature_layers: tuple[int, ...]      # the target's output_hidden_states indices, concatenated in this order
+    draft_vocab_size: int
+    block_size: int
+    mask_token_id: int
+    rms_norm_eps: float
+    rope_theta: float
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [H, n, hd] rotated by cos / sin [n, hd]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        d, hd = c.hidden_size, c.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.eps = c.num_attention_heads, c.num_key_value_heads, hd, c.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(d))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(d))
+        self.q_proj = nn.Linear(d, c.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, c.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, c.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * hd, d, bias=False)
+        self.q_norm = nn.Parameter(torch.ones(hd))
+        self.k_norm = nn.Parameter(torch.ones(hd))
+        self.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, d] at positions whose rotary tables are cos / sin [n, hd] → (k, v) [Hkv, n, hd]."""
+        n = x.shape[0]
+        k = rms_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim), self.k_norm, self.eps).transpose(0, 1)
+        return rotate(k, cos, sin), self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+
+    def forward(self, x: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], cos, sin, mask) -> torch.Tensor:
+        """x [n, d] (the block) attending to context_kv ([Hkv, m, hd] each) and itself → [n, d]; mask: None (every
+        block position sees the whole context and block) or an additive [n, m + n]."""
+        n = x.shape[0]
+        h = rms_norm(x, self.input_layernorm, self.eps)
+        q = rms_norm(self.q_proj(h).view(n, self.heads, self.head_dim), self.q_norm, self.eps).transpose(0, 1)
+        q = rotate(q, cos, sin)
+        k_block, v_block = self.keys_values(h, cos, sin)
+        k = torch.cat([context_kv[0], k_block], dim=1)
+        v = torch.cat([context_kv[1], v_block], dim=1)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                             scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads)[0]
+        x = x + self.o_proj(out.transpose(0, 1).reshape(n, -1))
+        h = rms_norm(x, self.post_attention_layernorm, self.eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DFlashNet(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.config = c
+        self.fc = nn.Linear(len(c.feature_layers) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size), persistent=False)
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float()[:, None] * self.inv_freq[None]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The target's features [m, F] at positions [m] → each layer's context keys and values [Hkv, m, hd]."""
+        c = rms_norm(self.fc(features.to(self.fc.weight.dtype)), self.hidden_norm, self.config.rms_norm_eps)
+        cos, sin = self.rope(positions, c.dtype)
+        return [layer.keys_values(c, cos, sin) for layer in self.layers]
+
+    def block_logits(self, embeds: torch.Tensor, positions: torch.Tensor, context: list, mask=None) -> torch.Tensor:
+        """The block's embeddings [n, d] at positions [n] over ``context`` (``context``'s result) → draft-vocabulary
+        logits [n, Vd]."""
+        x = embeds.to(self.fc.weight.dtype)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer, kv in zip(self.layers, context):
+            x = layer(x, kv, cos, sin, mask)
+        return self.lm_head(rms_norm(x, self.norm, self.config.rms_norm_eps))
+
+    #: speculators' parameter names → this module's
+    RENAMES = (("hidden_norm.weight", "hidden_norm"), ("norm.weight", "norm"), (".input_layernorm.weight", ".input_layernorm"),
+               (".post_attention_layernorm.weight", ".post_attention_layernorm"), (".self_attn.q_norm.weight", ".q_norm"),
+               (".self_attn.k_norm.weight", ".k_norm"), (".self_attn.", "."), (".mlp.", "."))
+
+    @classmethod
+    def state_from_speculators(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """speculators' dflash state (``layers.0.self_attn.q_proj.weight`` ...) → this module's."""
+        out = {}
+        for name, tensor in state.items():
+            if name in ("d2t", "t2d", "embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"):
+                continue
+            for old, new in cls.RENAMES:
+                if name == old or (old.startswith(".") and old in name):
+                    name = name.replace(old, new) if old.startswith(".") else new
+            out[name] = tensor
+        return out

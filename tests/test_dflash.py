@@ -1,0 +1,114 @@
+"""DFlash: the block drafter against speculators' own DFlashDraftModel, and exact decoding with it.
+
+tests/fixtures/speculators/dflash holds a tiny random DFlash checkpoint saved by speculators 0.9.0 and the
+logits its training forward computed (tools/fixtures/speculators_fixtures.py), with the anchors that forward
+picked. Rebuilding each anchor's block (the anchor token, then mask tokens, at the anchor's position onward,
+over the context of the positions before it) flashmm's network must give the same logits. Then greedy
+decoding of the fixture's target with the drafter equals the target's own generate, and a sampled run has
+the target's distribution (χ², the lossy typical verifier failing the same test).
+"""
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+import flashmm
+from flashmm.drafters import DrafterFileError
+from flashmm.drafters.dflash import DFlash
+
+FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LlamaForCausalLM.from_pretrained(FIXTURES / "target", dtype=torch.float32).eval()
+
+
+def test_block_logits_equal_speculators(target):
+    drafter = DFlash.from_speculators(FIXTURES / "dflash")
+    ref = load_file(FIXTURES / "dflash" / "reference_logits.safetensors")
+    embed = target.get_input_embeddings()
+    net, size = drafter.net, drafter.net.config.block_size
+    ours = []
+    with torch.no_grad():
+        for anchor in ref["anchor_positions"][0].tolist():
+            positions = ref["position_ids"][0]
+            context = net.context(ref["hidden_states"][0, :anchor], positions[:anchor])
+            block = torch.full((size,), net.config.mask_token_id)
+            block[0] = ref["input_ids"][0, anchor]
+            ours.append(net.block_logits(embed(block), positions[anchor] + torch.arange(size), context))
+    torch.testing.assert_close(torch.cat(ours), ref["logits"][0], atol=1e-4, rtol=1e-4)
+
+
+def test_loads_by_folder_and_decodes_exactly(target):
+    drafter = flashmm.drafters.load(FIXTURES / "dflash")
+    assert isinstance(drafter, DFlash) and drafter.max_draft_tokens == 3
+    for seed in (0, 1):
+        prompt = torch.randint(3, 120, (1, 10), generator=torch.Generator().manual_seed(seed))
+        expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+        sm = flashmm.wrap(target, FIXTURES / "dflash")
+        assert torch.equal(sm.generate(prompt, max_new_tokens=24, do_sample=False), expected)
+    batch = torch.randint(3, 120, (2, 8), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(sm.generate(batch, max_new_tokens=12, do_sample=False),
+                       target.generate(batch, max_new_tokens=12, do_sample=False))
+
+
+def test_drafts_what_the_block_predicts(target):
+    """A step's draft is the chain of the block's argmaxes, mapped through d2t."""
+    drafter = DFlash.from_speculators(FIXTURES / "dflash", max_draft_tokens=2)
+    sm = flashmm.wrap(target, drafter)
+    prompt = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden = target(prompt, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[i] for i in drafter.feature_layers], -1)[0]
+    from flashmm.drafters.base import SequenceStart
+    drafter.begin(SequenceStart(input_ids=prompt, hidden_states=features[None]))
+    committed = torch.cat([prompt, torch.tensor([[77]])], dim=1)
+    draft = drafter.propose(committed, 8, None, None)
+    net = drafter.net
+    with torch.no_grad():
+        context = net.context(features, torch.arange(9))
+        block = torch.tensor([77, *[net.config.mask_token_id] * 3])
+        logits = net.block_logits(sm.target.input_embeddings()(block), torch.arange(9, 13), context)
+    assert draft.tokens[0].tolist() == [77, *net.draft_to_target[logits[1:3].argmax(-1)].tolist()]
+
+
+def test_refusals(tmp_path, target):
+    small = LlamaForCausalLM(type(target.config)(**{**target.config.to_dict(), "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="reads target layers"):
+        flashmm.wrap(small, FIXTURES / "dflash")
+    with pytest.raises(ValueError, match="max_draft_tokens must be 1 .. 3"):
+        DFlash.from_speculators(FIXTURES / "dflash", max_draft_tokens=4)
+    (tmp_path / "config.json").write_text('{"speculators_model_type": "dflash", "transformer_layer_config": {}}')
+    with pytest.raises(DrafterFileError, match="needs"):
+        DFlash.from_speculators(tmp_path)
+
+
+SAMPLING = dict(do_sample=True, temperature=0.9, top_k=6, top_p=0.95)
+
+
+def test_sampling_distribution():
+    """Sampled with a random DFlash drafter on an 8-token target: the first two tokens' histogram matches the
+    exact joint (χ²); the lossy typical verifier fails the same test. Each drafted token is the argmax of its
+    block position (a point mass: q = None), so the verifier's residual rule keeps the target's distribution."""
+    from flashmm.drafters.nets.dflash_net import DFlashConfig, DFlashNet
+    from stats_utils import chi_square_pvalue, two_token_histogram, two_token_joint
+    from text_models import tiny_lm
+
+    vocab = 8
+    target = tiny_lm("llama", seed=1, vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.15)
+    torch.manual_seed(0)
+    config = DFlashConfig(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                          intermediate_size=64, feature_layers=(1, 2), draft_vocab_size=vocab, block_size=3,
+                          mask_token_id=vocab - 1, rms_norm_eps=1e-6, rope_theta=10000.0)
+    prompt = torch.tensor([[3, 5, 3, 5, 3]])
+    joint = two_token_joint(target, prompt, SAMPLING)
+    exact = flashmm.wrap(target, DFlash(DFlashNet(config)))
+    assert chi_square_pvalue(two_token_histogram(exact, prompt, SAMPLING, 300, vocab), joint) > 1e-3
+    biased = flashmm.wrap(target, DFlash(DFlashNet(config)), verifier="typical_lossy", typical_epsilon=0.05,
+                          typical_delta=0.05)
+    assert chi_square_pvalue(two_token_histogram(biased, prompt, SAMPLING, 300, vocab), joint) < 1e-3
