@@ -112,3 +112,48 @@ def test_sampling_distribution():
     biased = flashmm.wrap(target, DFlash(DFlashNet(config)), verifier="typical_lossy", typical_epsilon=0.05,
                           typical_delta=0.05)
     assert chi_square_pvalue(two_token_histogram(biased, prompt, SAMPLING, 300, vocab), joint) < 1e-3
+
+
+def test_training_forward_equals_speculators(target):
+    """All of the fixture's blocks in one masked forward (what training runs) give speculators' logits."""
+    from flashmm.drafters.nets.dflash_net import anchored_logits
+
+    net = DFlash.from_speculators(FIXTURES / "dflash").net
+    ref = load_file(FIXTURES / "dflash" / "reference_logits.safetensors")
+    with torch.no_grad():
+        logits = anchored_logits(net, target.get_input_embeddings(), ref["hidden_states"][0], ref["input_ids"][0],
+                                 ref["anchor_positions"][0], ref["position_ids"][0])
+    torch.testing.assert_close(logits.flatten(0, 1), ref["logits"][0], atol=1e-4, rtol=1e-4)
+
+
+def test_training_learns_and_the_folder_decodes_exactly(tmp_path):
+    """A few hundred steps on a tiny target's own greedy continuations raise block accuracy above chance;
+    the saved folder loads by path, decodes token-identically to generate, and training resumes."""
+    from flashmm.train.dflash import DFlashTrainOptions, new_net, save_dflash, train
+    from flashmm.train.eagle3 import Example
+    from text_models import tiny_lm
+
+    target = tiny_lm("llama", seed=0)
+    examples = []
+    for seed in range(6):
+        prompt = torch.randint(3, 120, (1, 6), generator=torch.Generator().manual_seed(seed))
+        ids = target.generate(prompt, max_new_tokens=40, do_sample=False)[0]
+        with torch.no_grad():
+            out = target(ids[None], output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i][0] for i in (1, 2)], -1)
+        top = out.logits[0].topk(4, -1)
+        examples.append(Example(ids, features, top.indices, top.values, out.logits[0].logsumexp(-1), 6))
+    torch.manual_seed(0)
+    net = new_net(target, (1, 2), block_size=4, mask_token_id=127)
+    opts = DFlashTrainOptions(steps=150, anchors=8, lr=3e-3, warmup=10, checkpoint_every=75)
+    history = train(net, target.get_input_embeddings(), examples, opts, tmp_path / "work")
+    assert history[-1]["accuracy"][0] > 0.5 and history[-1]["loss"] < history[0]["loss"]
+    folder = save_dflash(tmp_path / "dflash", net, {"method": "dflash", "target": {"name": "tiny"}})
+    sm = flashmm.wrap(target, folder)
+    prompt = torch.randint(3, 120, (1, 6), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sm.generate(prompt, max_new_tokens=30, do_sample=False),
+                       target.generate(prompt, max_new_tokens=30, do_sample=False))
+    assert sm.last_stats.tau > 1.5  # it learned the target's continuations of this prompt
+    again = train(new_net(target, (1, 2), block_size=4, mask_token_id=127), target.get_input_embeddings(),
+                  examples, opts, tmp_path / "work")
+    assert again == history  # resumed at the end: nothing retrained

@@ -96,6 +96,27 @@ class DFlash(Drafter):
                      tree=TokenTree.chain(n), q_probs=None)
 
     @classmethod
+    def from_dir(cls, path, **options) -> "DFlash":
+        """A flashmm DFlash folder (drafter.json with ``dflash_config`` + model.safetensors;
+        flashmm.train.dflash.save_dflash writes it)."""
+        path = Path(path)
+        info = read_json(path / "drafter.json")
+        try:
+            config = DFlashConfig(**{**info["dflash_config"], "feature_layers": tuple(info["dflash_config"]["feature_layers"])})
+        except (KeyError, TypeError) as err:
+            raise DrafterFileError(path / "drafter.json", f"its 'dflash_config' is not a DFlash config ({err})") from None
+        tensors = read_safetensors(path / "model.safetensors")
+        net = DFlashNet(config)
+        vocab = tensors.pop("draft_to_target", None)
+        missing, unexpected = net.load_state_dict(tensors, strict=False)
+        if missing or unexpected or vocab is None:
+            raise DrafterFileError(path / "model.safetensors", f"does not match its config: missing "
+                                                               f"{missing + ([] if vocab is not None else ['draft_to_target'])}, "
+                                                               f"unexpected {unexpected}")
+        net.draft_to_target = vocab.long()
+        return cls(net.float(), **{**info.get("drafting", {}), **options})
+
+    @classmethod
     def from_speculators(cls, folder, **options) -> "DFlash":
         """A speculators ``dflash`` folder (config.json + model.safetensors) as a drafter."""
         folder = Path(folder)

@@ -137,3 +137,25 @@ class DFlashNet(nn.Module):
                     name = name.replace(old, new) if old.startswith(".") else new
             out[name] = tensor
         return out
+
+
+def anchored_logits(net: DFlashNet, embed: nn.Module, features: torch.Tensor, ids: torch.Tensor,
+                    anchors: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Many blocks of one sequence in one forward, as training sees them: the sequence's features [T, F],
+    tokens ids [T] and positions [T] (default 0 .. T-1); a block per anchor index a (its token ids[a], then
+    masks, at positions[a] ..) reading the context of indices < a and its own block → logits [A, block_size, Vd]."""
+    c, size = net.config, net.config.block_size
+    length, count = features.shape[0], anchors.shape[0]
+    if positions is None:
+        positions = torch.arange(length, device=features.device)
+    context = net.context(features, positions)
+    block = torch.full((count, size), c.mask_token_id, dtype=torch.long, device=ids.device)
+    block[:, 0] = ids[anchors]
+    block_positions = (positions[anchors][:, None] + torch.arange(size, device=ids.device)).flatten()  # [A * size]
+    owner = torch.arange(count, device=ids.device).repeat_interleave(size)                  # block of each row
+    sees_context = torch.arange(length, device=ids.device)[None] < anchors[owner][:, None]  # [A*size, T]
+    sees_block = owner[:, None] == owner[None]                                             # [A*size, A*size]
+    allowed = torch.cat([sees_context, sees_block], dim=1)
+    dtype = net.fc.weight.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return net.block_logits(embed(block.flatten()), block_positions, context, mask[None, None]).view(count, size, -1)

@@ -1,0 +1,152 @@
+"""Training a DFlash block drafter on cached target features (flashmm.train.corpus.features).
+
+One sequence (ids x_0 .. x_{L-1}, the target's features f_t at ``feature_layers`` and its top-k logits per
+position) gives blocks at random anchors a inside the answer: the block [x_a, mask, ..., mask] at positions
+a .. a + B - 1 reads the context f_0 .. f_{a-1} and its own block (flashmm.drafters.nets.dflash_net
+.anchored_logits, every anchor in one forward); block position j >= 1 learns the target's argmax at position
+a + j - 1 (the token at a + j; the corpus answers are the target's greedy tokens), by cross-entropy over the
+draft vocabulary weighted exp(-(j - 1) / gamma) (DFlash's decaying position weights). A token outside the
+draft vocabulary is not a label. Checkpoints every ``checkpoint_every`` steps into ``work_dir``; a second call
+with the same work_dir resumes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.nn import functional as F
+
+from ..drafters.nets.dflash_net import DFlashConfig, DFlashNet, anchored_logits
+
+
+@dataclass(frozen=True)
+class DFlashTrainOptions:
+    lr: float = 1e-3
+    warmup: int = 50
+    steps: int = 1000                # optimizer steps, one sequence each
+    anchors: int = 16                # blocks per sequence
+    gamma: float = 4.0               # position weight exp(-(j - 1) / gamma)
+    seed: int = 0
+    checkpoint_every: int = 100
+
+
+def new_net(target, feature_layers: tuple[int, ...], block_size: int, mask_token_id: int,
+            draft_vocab: torch.Tensor | None = None, num_layers: int = 1) -> DFlashNet:
+    """A DFlash network sized like ``target``'s layers, its LM head started from the target's rows of
+    ``draft_vocab`` (default: every token)."""
+    config = target.config.get_text_config()
+    width = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or width // config.num_attention_heads
+    head = target.get_output_embeddings().weight.detach()
+    vocab = torch.arange(head.shape[0]) if draft_vocab is None else draft_vocab.long()
+    rope = getattr(config, "rope_parameters", None) or {}
+    c = DFlashConfig(hidden_size=width, num_layers=num_layers, num_attention_heads=config.num_attention_heads,
+                     num_key_value_heads=config.num_key_value_heads, head_dim=head_dim,
+                     intermediate_size=config.intermediate_size, feature_layers=tuple(feature_layers),
+                     draft_vocab_size=int(vocab.numel()), block_size=block_size, mask_token_id=mask_token_id,
+                     rms_norm_eps=config.rms_norm_eps,
+                     rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    net = DFlashNet(c)
+    with torch.no_grad():
+        net.lm_head.weight.copy_(head[vocab].float())
+    net.draft_to_target = vocab.clone()
+    return net
+
+
+def _labels(net: DFlashNet, topk_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """[A, B - 1] draft-vocabulary rows of the target's argmax at positions a .. a + B - 2 (-1: not in it)."""
+    rows = torch.full((int(net.draft_to_target.max()) + 1,), -1, dtype=torch.long)
+    rows[net.draft_to_target] = torch.arange(net.config.draft_vocab_size)
+    size = net.config.block_size
+    wanted = topk_ids[:, 0][anchors[:, None] + torch.arange(size - 1)]                    # [A, B-1] target ids
+    inside = wanted < rows.shape[0]
+    return torch.where(inside, rows[wanted.clamp(max=rows.shape[0] - 1)], torch.full_like(wanted, -1))
+
+
+def block_loss(net: DFlashNet, embed, example, opts: DFlashTrainOptions,
+               generator: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(loss, correct [B - 1], counted [B - 1]) of one sequence's anchored blocks, or None when its answer is
+    shorter than a block."""
+    size, length = net.config.block_size, example.ids.shape[0]
+    first, last = max(example.prompt_len - 1, 1), length - size
+    if last < first:
+        return None
+    anchors = torch.tensor(sorted(generator.sample(range(first, last + 1), min(opts.anchors, last - first + 1))))
+    logits = anchored_logits(net, embed, example.features.float(), example.ids, anchors)[:, 1:]   # [A, B-1, Vd]
+    labels = _labels(net, example.topk_ids, anchors)
+    weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / opts.gamma).expand_as(labels)
+    valid = labels >= 0
+    losses = F.cross_entropy(logits[valid], labels[valid], reduction="none")
+    loss = (losses * weights[valid]).sum() / weights[valid].sum().clamp(min=1e-6)
+    correct = ((logits.argmax(-1) == labels) & valid).sum(0)
+    return loss, correct, valid.sum(0)
+
+
+def train(net: DFlashNet, embed, examples: list, opts: DFlashTrainOptions, work_dir, log=None) -> list[dict]:
+    """Train ``net`` in place on ``examples`` (flashmm.train.eagle3.Example rows); resumable from work_dir."""
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = work_dir / "dflash_checkpoint.pt"
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.0)
+    step, history = 0, []
+    if checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=True)
+        net.load_state_dict(saved["net"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step, history = int(saved["step"]), json.loads(saved["history"])
+    embed.requires_grad_(False)
+    net.train()
+    slots = net.config.block_size - 1
+    losses, correct_sum, counted_sum = [], torch.zeros(slots), torch.zeros(slots)
+    while step < opts.steps:
+        generator = random.Random(opts.seed * 1_000_003 + step)  # a resumed run draws what it would have drawn
+        example = examples[generator.randrange(len(examples))]
+        found = block_loss(net, embed, example, opts, generator)
+        step += 1
+        if found is None:
+            continue
+        loss, correct, counted = found
+        for group in optimizer.param_groups:
+            group["lr"] = opts.lr * min(1.0, step / max(opts.warmup, 1)) * 0.5 * (1 + math.cos(math.pi * step / opts.steps))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        correct_sum += correct
+        counted_sum += counted
+        if step % opts.checkpoint_every == 0 or step == opts.steps:
+            accuracy = (correct_sum / counted_sum.clamp(min=1)).tolist()  # per block position 1 .. B-1
+            history.append({"step": step, "loss": sum(losses) / max(len(losses), 1),
+                            "accuracy": [round(a, 4) for a in accuracy]})
+            losses, correct_sum, counted_sum = [], torch.zeros(slots), torch.zeros(slots)
+            if log is not None:
+                log(f"dflash step {step}/{opts.steps}: {history[-1]}")
+            tmp = checkpoint.with_name(checkpoint.name + ".tmp")
+            torch.save({"net": net.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "history": json.dumps(history)}, tmp)
+            tmp.replace(checkpoint)
+    net.eval()
+    return history
+
+
+def save_dflash(path, net: DFlashNet, info: dict) -> Path:
+    """Write ``net`` (fp16) as a folder flashmm.drafters.load reads: model.safetensors + drafter.json
+    (``info`` must name method and target; it records the rebuild command)."""
+    for key in ("method", "target"):
+        if key not in info:
+            raise ValueError(f"drafter info needs {key!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in net.state_dict().items()}
+    state["draft_to_target"] = net.draft_to_target.long().contiguous()
+    save_file(state, str(path / "model.safetensors"))
+    config = asdict(net.config)
+    config["feature_layers"] = list(config["feature_layers"])
+    (path / "drafter.json").write_text(json.dumps({**info, "drafter": "dflash", "dflash_config": config}, indent=1) + "\n")
+    return path
