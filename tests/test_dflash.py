@@ -148,12 +148,17 @@ def test_training_learns_and_the_folder_decodes_exactly(tmp_path):
     opts = DFlashTrainOptions(steps=150, anchors=8, lr=3e-3, warmup=10, checkpoint_every=75)
     history = train(net, target.get_input_embeddings(), examples, opts, tmp_path / "work")
     assert history[-1]["accuracy"][0] > 0.5 and history[-1]["loss"] < history[0]["loss"]
-    folder = save_dflash(tmp_path / "dflash", net, {"method": "dflash", "target": {"name": "tiny"}})
-    sm = flashmm.wrap(target, folder)
+    accept = history[-1]["accept"]
+    assert len(accept) == 3 and all(len(row) == 8 for row in accept)
+    folder = save_dflash(tmp_path / "dflash", net, {"method": "dflash", "target": {"name": "tiny"}, "accept": accept})
     prompt = torch.randint(3, 120, (1, 6), generator=torch.Generator().manual_seed(1))
-    assert torch.equal(sm.generate(prompt, max_new_tokens=30, do_sample=False),
-                       target.generate(prompt, max_new_tokens=30, do_sample=False))
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    sm = flashmm.wrap(target, folder)
+    assert torch.equal(sm.generate(prompt, max_new_tokens=30, do_sample=False), expected)
     assert sm.last_stats.tau > 1.5  # it learned the target's continuations of this prompt
+    tree = flashmm.wrap(target, flashmm.drafters.load(folder, tree=True, max_draft_tokens=6))
+    assert torch.equal(tree.generate(prompt, max_new_tokens=30, do_sample=False), expected)
+    assert tree.last_stats.tau >= sm.last_stats.tau - 0.5
     again = train(new_net(target, (1, 2), block_size=4, mask_token_id=127), target.get_input_embeddings(),
                   examples, opts, tmp_path / "work")
     assert again == history  # resumed at the end: nothing retrained

@@ -12,6 +12,8 @@ model.safetensors; the embedding table is the target's) load with ``flashmm.draf
 """
 from __future__ import annotations
 
+import json
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -21,25 +23,45 @@ from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, read_json, read_safetensors
+from .head_base import static_tree
 from .nets.dflash_net import DFlashConfig, DFlashNet
+
+
+@lru_cache(maxsize=32)
+def planned_tree(accept_json: str, nodes: int) -> TokenTree:
+    """The static tree of ``nodes`` drafted nodes for the acceptance table ``accept_json`` (cached)."""
+    return static_tree(json.loads(accept_json), nodes)
 
 
 @register
 class DFlash(Drafter):
-    """A DFlash block drafter. max_draft_tokens caps the chain (at most block_size - 1)."""
+    """A DFlash block drafter.
+
+    max_draft_tokens: the most drafted nodes a step proposes (default block_size - 1; a chain holds at most
+    block_size - 1). tree: draft a tree instead of a chain: block position j's r-th most likely token is a
+    child at depth j wherever Medusa's static-tree rule (flashmm.drafters.head_base.static_tree) finds it
+    among the ``max_draft_tokens`` most likely paths, by ``accept`` [position][rank] (the rate at which the
+    target's token was the block's r-th at position j once the chain before it was accepted; measured in
+    training and stored in drafter.json). Every position's distribution is read from the one forward."""
 
     name = "dflash"
     needs_hidden_states = True
 
-    def __init__(self, net: DFlashNet, max_draft_tokens: int | None = None):
+    def __init__(self, net: DFlashNet, max_draft_tokens: int | None = None, tree: bool = False,
+                 accept: list[list[float]] | None = None):
         if not isinstance(net, DFlashNet):
             raise TypeError(f"DFlash needs a DFlashNet, got {type(net).__name__}")
         self.net = net.eval().requires_grad_(False)
         self.feature_layers = tuple(net.config.feature_layers)
-        self.max_draft_tokens = net.config.block_size - 1 if max_draft_tokens is None else max_draft_tokens
-        if not 1 <= self.max_draft_tokens <= net.config.block_size - 1:
-            raise ValueError(f"max_draft_tokens must be 1 .. {net.config.block_size - 1} (block_size - 1), got "
-                             f"{max_draft_tokens!r}")
+        chain = net.config.block_size - 1
+        self.max_draft_tokens = chain if max_draft_tokens is None else max_draft_tokens
+        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 1 or \
+                (not tree and self.max_draft_tokens > chain):
+            raise ValueError(f"max_draft_tokens must be 1 .. {chain} (block_size - 1) for a chain, >= 1 for a tree; "
+                             f"got {max_draft_tokens!r}")
+        if tree and not accept:
+            raise ValueError("tree=True needs accept (the per-position, per-rank acceptance rates training measured)")
+        self.tree, self.accept = bool(tree), [list(row) for row in accept[:chain]] if accept else None
 
     def bind(self, target) -> None:
         config = target.model.config.get_text_config()
@@ -91,9 +113,15 @@ class DFlash(Drafter):
         block[0] = committed[0, -1]
         positions = torch.arange(root, root + size, device=committed.device)
         logits = self.net.block_logits(self._embed(block), positions, self._context)          # [size, Vd]
-        drafted = self.net.draft_to_target[logits[1: n + 1].argmax(-1)]
+        tree = planned_tree(json.dumps(self.accept), n) if self.tree else TokenTree.from_choices(
+            [tuple([0] * d) for d in range(1, n + 1)])
+        if tree.num_nodes < 2:
+            return root_only(committed)
+        depth, ranks = tree.depth[1:], tree.ranks[1:]                                       # [N-1]
+        top = logits[1: int(depth.max()) + 1].topk(int(ranks.max()) + 1, dim=-1).indices    # [D, r]
+        drafted = self.net.draft_to_target[top[depth - 1, ranks]]
         return Draft(tokens=torch.cat([committed[0, -1:], drafted.to(committed.device)])[None],
-                     tree=TokenTree.chain(n), q_probs=None)
+                     tree=tree, q_probs=None)
 
     @classmethod
     def from_dir(cls, path, **options) -> "DFlash":
@@ -114,7 +142,7 @@ class DFlash(Drafter):
                                                                f"{missing + ([] if vocab is not None else ['draft_to_target'])}, "
                                                                f"unexpected {unexpected}")
         net.draft_to_target = vocab.long()
-        return cls(net.float(), **{**info.get("drafting", {}), **options})
+        return cls(net.float(), **{"accept": info.get("accept"), **info.get("drafting", {}), **options})
 
     @classmethod
     def from_speculators(cls, folder, **options) -> "DFlash":

@@ -68,10 +68,15 @@ def _labels(net: DFlashNet, topk_ids: torch.Tensor, anchors: torch.Tensor) -> to
     return torch.where(inside, rows[wanted.clamp(max=rows.shape[0] - 1)], torch.full_like(wanted, -1))
 
 
+RANKS = 8  # ranks per block position whose acceptance the tree planner reads
+
+
 def block_loss(net: DFlashNet, embed, example, opts: DFlashTrainOptions,
                generator: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(loss, correct [B - 1], counted [B - 1]) of one sequence's anchored blocks, or None when its answer is
-    shorter than a block."""
+    """(loss, rank counts [B - 1, RANKS + 1], counted [B - 1]) of one sequence's anchored blocks, or None when its
+    answer is shorter than a block. Rank counts: at block position j, over the blocks whose positions before j
+    were all top-1 (a chain drafted from the block accepted so far), how often the label was the r-th most
+    likely token (r < RANKS; column RANKS: further down)."""
     size, length = net.config.block_size, example.ids.shape[0]
     first, last = max(example.prompt_len - 1, 1), length - size
     if last < first:
@@ -83,8 +88,17 @@ def block_loss(net: DFlashNet, embed, example, opts: DFlashTrainOptions,
     valid = labels >= 0
     losses = F.cross_entropy(logits[valid], labels[valid], reduction="none")
     loss = (losses * weights[valid]).sum() / weights[valid].sum().clamp(min=1e-6)
-    correct = ((logits.argmax(-1) == labels) & valid).sum(0)
-    return loss, correct, valid.sum(0)
+    with torch.no_grad():
+        label_logit = logits.gather(-1, labels.clamp(min=0)[..., None])
+        ranks = (logits > label_logit).sum(-1).clamp(max=RANKS)                               # [A, B-1]
+        ranks[~valid] = RANKS
+        top1 = ranks == 0
+        before_ok = torch.cat([torch.ones_like(top1[:, :1]), top1[:, :-1].cumprod(1).bool()], dim=1)
+        counted = valid & before_ok
+        counts = torch.zeros(size - 1, RANKS + 1)
+        counts.index_put_((torch.arange(size - 1).expand_as(ranks)[counted], ranks[counted]),
+                          torch.ones(int(counted.sum())), accumulate=True)
+    return loss, counts, counted.sum(0)
 
 
 def train(net: DFlashNet, embed, examples: list, opts: DFlashTrainOptions, work_dir, log=None) -> list[dict]:
@@ -102,7 +116,7 @@ def train(net: DFlashNet, embed, examples: list, opts: DFlashTrainOptions, work_
     embed.requires_grad_(False)
     net.train()
     slots = net.config.block_size - 1
-    losses, correct_sum, counted_sum = [], torch.zeros(slots), torch.zeros(slots)
+    losses, rank_sum, counted_sum = [], torch.zeros(slots, RANKS + 1), torch.zeros(slots)
     while step < opts.steps:
         generator = random.Random(opts.seed * 1_000_003 + step)  # a resumed run draws what it would have drawn
         example = examples[generator.randrange(len(examples))]
@@ -110,7 +124,7 @@ def train(net: DFlashNet, embed, examples: list, opts: DFlashTrainOptions, work_
         step += 1
         if found is None:
             continue
-        loss, correct, counted = found
+        loss, counts, counted = found
         for group in optimizer.param_groups:
             group["lr"] = opts.lr * min(1.0, step / max(opts.warmup, 1)) * 0.5 * (1 + math.cos(math.pi * step / opts.steps))
         optimizer.zero_grad()
@@ -118,13 +132,14 @@ def train(net: DFlashNet, embed, examples: list, opts: DFlashTrainOptions, work_
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
-        correct_sum += correct
+        rank_sum += counts
         counted_sum += counted
         if step % opts.checkpoint_every == 0 or step == opts.steps:
-            accuracy = (correct_sum / counted_sum.clamp(min=1)).tolist()  # per block position 1 .. B-1
+            rates = rank_sum[:, :RANKS] / counted_sum.clamp(min=1)[:, None]  # [B-1, RANKS], given the chain so far
             history.append({"step": step, "loss": sum(losses) / max(len(losses), 1),
-                            "accuracy": [round(a, 4) for a in accuracy]})
-            losses, correct_sum, counted_sum = [], torch.zeros(slots), torch.zeros(slots)
+                            "accuracy": [round(a, 4) for a in rates[:, 0].tolist()],
+                            "accept": [[round(a, 4) for a in row] for row in rates.tolist()]})
+            losses, rank_sum, counted_sum = [], torch.zeros(slots, RANKS + 1), torch.zeros(slots)
             if log is not None:
                 log(f"dflash step {step}/{opts.steps}: {history[-1]}")
             tmp = checkpoint.with_name(checkpoint.name + ".tmp")
