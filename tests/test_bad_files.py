@@ -20,7 +20,8 @@ from flashmm import disk_cache
 from flashmm.drafters import DrafterFileError, FlashDrafter, Rest, load
 from flashmm.drafters import rest as rest_module
 from flashmm.drafters.eagle3 import save_head
-from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
+from flashmm.drafters.fastdraft import save_reduced_lm
+from flashmm.drafters.nets.reduced_vocab import ReducedVocabLM, build_lm
 from flashmm.drafters.head_base import save_heads
 from flashmm.drafters.nets.medusa_net import MedusaHeads
 from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net

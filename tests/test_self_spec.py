@@ -6,7 +6,8 @@ import torch
 
 import flashmm
 from flashmm.config import SamplingParams
-from flashmm.drafters.kangaroo import Kangaroo, KangarooAdapter
+from flashmm.drafters.kangaroo import Kangaroo
+from flashmm.drafters.nets.kangaroo_net import KangarooAdapter
 from flashmm.drafters.layerskip import LayerSkip, chain_tau, choose_exit_layer
 from flashmm.drafters.swift import Swift
 from flashmm.sampling import warp_logits
