@@ -10,10 +10,12 @@ import torch
 import flashmm
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 from flashmm.config import SamplingParams
-from flashmm.drafters import (AdaptiveDraftLength, Draft, DraftModel, Drafter, HorizontalCascade, PromptLookup,
-                              TokenRecycling, VerticalCascade, make_drafter)
+from flashmm.drafters import (DraftModel, Drafter, HorizontalCascade, PromptLookup, TokenRecycling, VerticalCascade,
+                              make_drafter)
 from flashmm.drafters import cascade
 from flashmm.sampling import warp_logits
+from flashmm.tree.cost import AdaptiveDraftLength
+from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
 
 from stats_utils import chi_square_pvalue
