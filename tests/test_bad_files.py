@@ -47,7 +47,7 @@ def folders(target, tmp_path_factory):
     (flash / "flash_build_info.json").write_text(json.dumps({"epoch_losses": [1.0]}))
     heads = MedusaHeads(target.config.hidden_size, 2)
     save_heads(root / "medusa", "medusa", heads, heads.config(), None,
-               {"method": "medusa", "target": TARGET_INFO, "drafting": {"tree_nodes": 3}})
+               {"method": "medusa", "target": TARGET_INFO, "drafting": {"tree": "static", "max_draft_tokens": 3}})
     torch.manual_seed(0)
     net = Eagle3Net(Eagle3Config.for_target(target.config, 64, (1, 1, 0)))
     net.set_vocab(torch.arange(VOCAB - 64, VOCAB))

@@ -331,8 +331,8 @@ def test_bad_compositions_refused(drafts):
         VerticalCascade(OwnStop(draft))
     with pytest.raises(ValueError, match="must be a PromptLookup"):
         VerticalCascade(DraftModel(draft), TwoGuesses())
-    with pytest.raises(ValueError, match="max_lookup_tokens"):
-        VerticalCascade(DraftModel(draft), max_lookup_tokens=0)
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        VerticalCascade(DraftModel(draft), lookup_tokens=0)
     lookup = PromptLookup()
     with pytest.raises(ValueError, match="two drafter instances"):
         HorizontalCascade(lookup, lookup)

@@ -14,6 +14,7 @@ from ..targets.base import SequenceStart, Target  # noqa: F401 (SequenceStart: p
 from ..targets.onednn import OneDNNLinears
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
+from .files import refuse_renamed
 
 
 @dataclass
@@ -186,4 +187,7 @@ def drafter_class(name: str) -> type[Drafter]:
 
 
 def make_drafter(name: str, **kwargs) -> Drafter:
+    """The drafter registered as ``name``, built with ``kwargs`` (an old option spelling is refused,
+    naming the new one)."""
+    refuse_renamed(kwargs, f"drafter {name!r}")
     return drafter_class(name)(**kwargs)

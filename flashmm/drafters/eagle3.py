@@ -65,7 +65,7 @@ class Eagle3Drafter(Drafter):
     accept[r] = P(the target's token is the head's r-th choice), measured on held-out text by
     eval/sequoia_vector.py and saved with the head). depth: deepest drafted token.
     top_k: children per expanded node and nodes expanded per depth ("dynamic").
-    max_nodes: cap on drafted tokens (None: the engine's budget, i.e. max_draft_tokens).
+    max_draft_tokens: most drafted tokens per step (None: the engine's SpecConfig.max_draft_tokens).
     adaptive: verify only the best-paying prefix of the grown tree (nodes by cumulative draft
     probability, times a calibration learned online: accepted / predicted), priced by
     AdaptiveDraftLength's verify cost; when even the best prefix does not repay the head's own passes
@@ -86,7 +86,7 @@ class Eagle3Drafter(Drafter):
     needs_hidden_states = True
 
     def __init__(self, net: Eagle3Net, *, tree: str = "dynamic", depth: int = 6, top_k: int = 8,
-                 max_nodes: int | None = None, info: dict | None = None, adaptive: bool = True,
+                 max_draft_tokens: int | None = None, info: dict | None = None, adaptive: bool = True,
                  accept: Sequence[float] | None = None, acceptance=None, threshold: float = 0.7,
                  lookup: str | None = None, lookup_tokens: int = 8, context_vocab: bool = False):
         if not isinstance(net, Eagle3Net):
@@ -113,7 +113,7 @@ class Eagle3Drafter(Drafter):
         self._unembed = None                    # bind, with context_vocab: the target's LM head [V, d]
         self.acceptance, self.threshold = (None if acceptance is None else acceptance.eval()), threshold
         self.net = net.eval()
-        self.tree, self.depth, self.top_k, self.max_nodes = tree, depth, top_k, max_nodes
+        self.tree, self.depth, self.top_k, self.max_draft_tokens = tree, depth, top_k, max_draft_tokens
         self.accept = None if accept is None else [float(a) for a in accept]
         self._shapes: dict[int, list[tuple[int, ...]]] = {}     # budget -> Sequoia rank paths
         self.feature_layers = tuple(net.cfg.feature_layers)
@@ -247,7 +247,7 @@ class Eagle3Drafter(Drafter):
     def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams) -> Draft:
         self._sync(committed)
         self._head_nodes = []
-        budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
         chain, bucket = self.branch.chain(committed, budget) if self.branch is not None else ([], 0)
         if budget <= 0 or self._pause > 0:
             self._pause = max(0, self._pause - 1)

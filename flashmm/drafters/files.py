@@ -16,7 +16,7 @@ import json
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,6 +81,35 @@ def load_weights(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], p
 
 
 # ---------------------------------------------------------------------------------------- sections
+#: drafting options renamed so that each meaning has one spelling across every drafter: the old
+#: spelling -> what to write instead. ``max_draft_tokens`` is the most drafted tokens (tree nodes
+#: besides the root) a drafter proposes per step, as SpecConfig.max_draft_tokens is the engine's cap
+#: on the same count; ``lookup_tokens`` / ``first_tokens`` cap one part of a draft (a lookup chain,
+#: a horizontal cascade's first drafter).
+RENAMED_OPTIONS = {
+    "max_nodes": "max_draft_tokens",
+    "tree_nodes": "tree='static' with max_draft_tokens=N (tree_nodes=0 was tree='chain')",
+    "max_lookup_tokens": "lookup_tokens",
+    "max_first_tokens": "first_tokens",
+}
+
+
+def renamed_message(names) -> str | None:
+    """Why the options ``names`` include old spellings, naming each one's new spelling; None when none do."""
+    old = [name for name in names if name in RENAMED_OPTIONS]
+    if not old:
+        return None
+    return "; ".join(f"option {name!r} was renamed: use {RENAMED_OPTIONS[name]}" for name in old)
+
+
+def refuse_renamed(options: Iterable[str], where: str) -> None:
+    """TypeError naming ``where`` (a drafter, "flashmm.wrap") when the option names ``options`` (a
+    mapping's keys) include an old spelling."""
+    message = renamed_message(options)
+    if message:
+        raise TypeError(f"{where}: {message}")
+
+
 def parameters_of(*factories, skip: Sequence[str] = ()) -> tuple[dict[str, object], set[str]]:
     """({name: type hint}, required names) of the keyword parameters of ``factories`` (classes,
     whose __init__ is read, dataclasses, whose fields are, or functions), the first one's hint
@@ -121,6 +150,9 @@ def check_section(path: str | os.PathLike, where: str, section, hints: Mapping[s
     if missing:
         raise DrafterFileError(path, f"{where} lacks the required key{'s' * (len(missing) > 1)} {missing}")
     unknown = sorted(set(section) - set(hints))
+    renamed = renamed_message(unknown)
+    if renamed:   # refused even where unknown keys are let through: an old spelling would be ignored
+        raise DrafterFileError(path, f"{where}: {renamed}")
     if unknown and not unknown_ok:
         raise DrafterFileError(path, f"{where} has unknown key{'s' * (len(unknown) > 1)} {unknown} "
                                      f"(known: {sorted(hints)})")

@@ -51,7 +51,8 @@ from ..tree.dynamic import TreeUnits, grow
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_first_paths, best_paying_prefix, fit_chain
 from .base import Drafter, SequenceStart, StepResult, register, root_only
-from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors
+from .files import (DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors,
+                    refuse_renamed)
 from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
 from .suffix import SuffixTrie, lookup_source
 
@@ -84,15 +85,15 @@ class FlashDrafter(Drafter):
     net:          a FlashNet, a directory written by ``save_pretrained``, or None (an untrained
                   net sized for the target is built at ``bind``, with a warning).
     compression:  "learned" | "prune" | "merge" | "none" (visual tokens; see flash_modules).
-    tree:         "dynamic" (best-first by cumulative probability, budget = the engine's token
-                  budget or ``max_nodes``), "chain", a list of rank paths (static shape),
+    tree:         "dynamic" (best-first by cumulative probability, up to the engine's
+                  SpecConfig.max_draft_tokens or ``max_draft_tokens``), "chain", a list of rank paths (static shape),
                   "sequoia" (the Sequoia tree of ``accept``), or
                   "eagle2" (K = 1 heads: EAGLE-2 trees, every node expanded on its own path; see
                   flashmm.tree.dynamic).
     depth:        deepest drafted position for "dynamic"/"chain" (default: the smallest multiple
                   of K that is >= 5, i.e. one SAR pass for K = 5, five for K = 1).
     top_k:        most children per node ("dynamic").
-    max_nodes:    extra cap on drafted tokens per step (None: the engine's budget).
+    max_draft_tokens: most drafted tokens per step (None: the engine's SpecConfig.max_draft_tokens).
     min_path_prob: "dynamic" stops adding nodes whose cumulative probability is below this.
     draft_vocab:  token ids the drafter may propose (None: the whole vocabulary). The draft head
                   then scores only these rows of the target's LM head: K x |draft_vocab| instead
@@ -114,7 +115,7 @@ class FlashDrafter(Drafter):
 
     def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, compression: str = "learned",
                  tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
-                 max_nodes: int | None = None, min_path_prob: float = 0.0,
+                 max_draft_tokens: int | None = None, min_path_prob: float = 0.0,
                  draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0, pool_spans: int = 1,
                  accept: Sequence[float] | None = None, budget: str = "fixed", calibration: float = 1.0,
                  lookup: str = "ngram"):
@@ -161,7 +162,7 @@ class FlashDrafter(Drafter):
                 raise ValueError("draft_vocab must be a non-empty list of non-negative token ids (or None)")
         self.net = net
         self.compression, self.tree, self.depth, self.top_k = compression, tree, depth, top_k
-        self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
+        self.max_draft_tokens, self.min_path_prob = max_draft_tokens, min_path_prob
         self.draft_vocab = draft_vocab
         self.lookup_tokens, self.pool_spans, self.lookup = lookup_tokens, pool_spans, lookup
         self._outputs = SuffixTrie() if lookup == "suffix" else None   # earlier outputs, kept across calls
@@ -188,7 +189,8 @@ class FlashDrafter(Drafter):
 
     def drafting_options(self) -> dict:
         return dict(compression=self.compression, tree=self.tree, depth=self.depth, top_k=self.top_k,
-                    max_nodes=self.max_nodes, min_path_prob=self.min_path_prob, draft_vocab=self.draft_vocab,
+                    max_draft_tokens=self.max_draft_tokens, min_path_prob=self.min_path_prob,
+                    draft_vocab=self.draft_vocab,
                     lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans, accept=self.accept,
                     budget=self.budget, calibration=self.calibration, lookup=self.lookup)
 
@@ -209,6 +211,7 @@ class FlashDrafter(Drafter):
         """Load what ``save_pretrained`` wrote; ``options`` override the saved drafting options. A
         malformed flash_config.json or a truncated / corrupt / mismatched weights file raises
         DrafterFileError naming the file and what is wrong (see ``read_config``)."""
+        refuse_renamed(options, f"FlashDrafter.from_pretrained({os.fspath(directory)!r})")
         meta = read_config(directory)
         config_path = os.path.join(directory, CONFIG_NAME)
         with blamed_on(config_path, "'config'"):
@@ -383,7 +386,7 @@ class FlashDrafter(Drafter):
 
     def _shape_for(self, max_tokens: int):
         """(kind, depth, budget or paths) for this step, or None when nothing can be drafted."""
-        budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
         if budget <= 0:
             return None
         if isinstance(self.tree, list):
@@ -452,7 +455,7 @@ class FlashDrafter(Drafter):
         if self.net.tokens_per_step != 1:
             raise ValueError(f"tree='eagle2' needs a K = 1 FLASH head (tokens_per_step = 1), this one has "
                              f"K = {self.net.tokens_per_step}; use tree='dynamic' for K > 1")
-        budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
         if budget <= 0:
             return root_only(committed)
         softcap = self.net.cfg.final_logit_softcapping

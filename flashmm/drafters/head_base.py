@@ -95,10 +95,13 @@ class HeadDrafter(Drafter):
     heads:       the trained module (MedusaHeads, HydraHeads, MTPModules); ``heads.num_heads`` deep.
     vocab:       LongTensor [Vd] of target ids the heads predict (a reduced vocabulary), or None for all.
     accuracy:    [K][S] held-out per-head rank accuracies (shape the static tree), or None for a guess.
-    tree_nodes:  drafted nodes of the static tree; 0 drafts a chain (each head's top-1).
+    tree:        "chain" (each head's top-1) or "static" (the tree of rank paths with the largest
+                 products of ``accuracy``, static_tree).
+    max_draft_tokens: most drafted nodes per step (None: the engine's SpecConfig.max_draft_tokens);
+                 a chain is also at most K deep.
     info:        the drafter.json of a trained folder (kept for reporting).
     adaptive:    size the draft each step (``planned_tree``): among the trees of 1, 2, 4, 8 and
-                 ``tree_nodes`` nodes (chain prefixes for chains), the one maximising expected tokens per
+                 ``max_draft_tokens`` nodes (chain prefixes for chains), the one maximising expected tokens per
                  unit of cost, where the expected accepted tokens are the accuracy table's path products
                  times a calibration learned online (accepted / predicted, forgetting old steps), and the
                  cost is AdaptiveDraftLength's verify cost plus the heads' own (the weights they read
@@ -119,16 +122,18 @@ class HeadDrafter(Drafter):
     sequential = False
 
     def __init__(self, heads: nn.Module, vocab: torch.Tensor | None = None, accuracy=None,
-                 tree_nodes: int = 0, top_s: int = 4, info: dict | None = None, adaptive: bool = True,
-                 lookup: str | None = None, lookup_tokens: int = 8):
-        if tree_nodes < 0:
-            raise ValueError(f"tree_nodes must be >= 0 (0 = a chain), got {tree_nodes}")
-        if tree_nodes and self.chain_only:
-            raise ValueError(f"{type(self).__name__} drafts chains only: use tree_nodes=0")
+                 tree: str = "chain", max_draft_tokens: int | None = None, top_s: int = 4, info: dict | None = None,
+                 adaptive: bool = True, lookup: str | None = None, lookup_tokens: int = 8):
+        if tree not in ("chain", "static"):
+            raise ValueError(f"tree must be 'chain' or 'static', got {tree!r}")
+        if max_draft_tokens is not None and max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0 or None, got {max_draft_tokens}")
+        if tree != "chain" and self.chain_only:
+            raise ValueError(f"{type(self).__name__} drafts chains only: use tree='chain'")
         self.heads = heads.eval()
         self.vocab = None if vocab is None else vocab.long()
         self.accuracy = accuracy or default_accuracy(heads.num_heads, top_s)
-        self.tree_nodes = tree_nodes
+        self.tree, self.max_draft_tokens = tree, max_draft_tokens
         self.info = info or {}
         self._embed = None
         self._lm_head: nn.Linear | None = None      # bind: the target's LM head rows the heads predict [Vd, d]
@@ -260,12 +265,13 @@ class HeadDrafter(Drafter):
 
     def tree_for(self, max_tokens: int) -> TokenTree | None:
         """The static tree (or chain) of at most ``max_tokens`` drafted nodes; None drafts nothing."""
-        depth = self.heads.num_heads
+        if self.max_draft_tokens is not None:
+            max_tokens = min(max_tokens, self.max_draft_tokens)
         if max_tokens < 1:
             return None
-        if not self.tree_nodes:
-            return chain_tree(min(depth, max_tokens))
-        return _cached_tree(json.dumps(self.accuracy), min(self.tree_nodes, max_tokens))
+        if self.tree == "chain":
+            return chain_tree(min(self.heads.num_heads, max_tokens))
+        return _cached_tree(json.dumps(self.accuracy), max_tokens)
 
     def path_products(self, tree: TokenTree) -> list[float]:
         """Per node (root first, 1.0): the accuracy table's product along the node's path."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import _REGISTRY, Drafter, drafter_names, make_drafter
-from .files import DrafterFileError, check_section, read_json
+from .files import DrafterFileError, check_section, read_json, refuse_renamed
 
 CONFIG_FILE = "drafter.json"
 # the keys every drafter.json holds; the rest is the method's own sections (checked by its from_dir)
@@ -33,6 +33,7 @@ def read_info(path) -> dict:
 def load(path, **options) -> Drafter:
     """The trained drafter stored in folder ``path``; ``options`` go to its constructor
     (e.g. ``max_draft_tokens=6``)."""
+    refuse_renamed(options, f"flashmm.drafters.load({str(path)!r})")
     info = read_info(path)
     cls = _REGISTRY.get(info["drafter"])
     if cls is None or not hasattr(cls, "from_dir"):
