@@ -337,7 +337,7 @@ def main(argv=None):
                          "compression='none', training-free)")
     ap.add_argument("--tree", default=None, help="override the drafters' tree: chain | dynamic")
     ap.add_argument("--drafter-max-draft-tokens", type=int, default=None,
-                    help="override the FLASH drafters' own max_draft_tokens (their per-step cap under --max-draft-tokens)")
+                    help="override the FLASH drafters' own max_draft_tokens (their cap under --max-draft-tokens)")
     ap.add_argument("--depth", type=int, default=None, help="override the drafters' deepest drafted position")
     ap.add_argument("--lookup-tokens", type=int, default=None,
                     help="override the drafters' n-gram lookup branch length (0: off)")
@@ -378,8 +378,8 @@ def main(argv=None):
     else:
         from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
         model, processor = load_reference_llava()
-    overrides = dict(tree=args.tree, max_draft_tokens=args.drafter_max_draft_tokens, depth=args.depth, lookup_tokens=args.lookup_tokens,
-                     pool_spans=args.pool_spans)
+    overrides = dict(tree=args.tree, max_draft_tokens=args.drafter_max_draft_tokens, depth=args.depth,
+                     lookup_tokens=args.lookup_tokens, pool_spans=args.pool_spans)
     options = {k: v for k, v in overrides.items() if v is not None}
     if args.full_draft_head:
         options["draft_vocab"] = None

@@ -21,12 +21,12 @@ def test_wrap_refuses_old_spellings(old, new):
 
 
 def test_load_refuses_old_spellings_before_reading_the_folder(tmp_path):
-    with pytest.raises(TypeError, match=r"flashmm.drafters.load\(.*\): option 'max_nodes' was renamed: use max_draft_tokens"):
+    with pytest.raises(TypeError, match=r"drafters.load\(.*\): option 'max_nodes' was renamed: use max_draft_tokens"):
         load(tmp_path, max_nodes=4)
 
 
 def test_registered_name_refuses_old_spellings():
-    with pytest.raises(TypeError, match="drafter 'vertical_cascade': option 'max_lookup_tokens' was renamed: use lookup_tokens"):
+    with pytest.raises(TypeError, match="'vertical_cascade': option 'max_lookup_tokens' was renamed: use lookup_"):
         make_drafter("vertical_cascade", max_lookup_tokens=4)
 
 
@@ -34,8 +34,8 @@ def test_drafter_json_with_an_old_spelling_is_refused_naming_the_file(tmp_path):
     heads = MedusaHeads(8, 2)
     folder = save_heads(tmp_path / "medusa", "medusa", heads, heads.config(), None,
                         {"method": "medusa", "target": "tiny", "drafting": {"tree_nodes": 4}})
-    with pytest.raises(DrafterFileError, match=r"drafter.json: 'drafting': option 'tree_nodes' was renamed: use tree='static' "
-                                               r"with max_draft_tokens=N"):
+    with pytest.raises(DrafterFileError, match=r"drafter.json: 'drafting': option 'tree_nodes' was renamed: use "
+                                               r"tree='static' with max_draft_tokens=N"):
         load(folder)
     info = json.loads((folder / "drafter.json").read_text())
     info["drafting"] = {"tree": "static", "max_draft_tokens": 4}
@@ -63,3 +63,75 @@ def test_shipped_folders_use_the_new_spellings():
         used = {key for section in sections if isinstance(section, dict) for key in section}
         assert not used & set(RENAMED_OPTIONS), (path, used & set(RENAMED_OPTIONS))
 
+
+# ------------------------------------------------------------------ options as frozen dataclasses
+def _options_cases():
+    from flashmm.drafters import DraftModel, Eagle3Drafter, FlashDrafter, Medusa, PromptLookup, SuffixDecoding
+    from flashmm.drafters.draft_model import DraftModelOptions
+    from flashmm.drafters.eagle3 import Eagle3Options
+    from flashmm.drafters.flash import FlashOptions
+    from flashmm.drafters.head_base import HeadOptions
+    from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
+    from flashmm.drafters.prompt_lookup import PromptLookupOptions
+    from flashmm.drafters.suffix import SuffixOptions
+    from text_models import tiny_lm
+
+    lm = tiny_lm("llama", seed=0)
+    eagle3_net = Eagle3Net(Eagle3Config.for_target(lm.config, 64, (1, 1, 0)))
+    return [  # (make(**options), its options class, a valid option and value)
+        (lambda **o: PromptLookup(**o), PromptLookupOptions, ("max_ngram", 2)),
+        (lambda **o: SuffixDecoding(**o), SuffixOptions, ("merge", False)),
+        (lambda **o: DraftModel(lm, **o), DraftModelOptions, ("tree_width", 2)),
+        (lambda **o: Medusa(MedusaHeads(lm.config.hidden_size, 2), **o), HeadOptions, ("tree", "static")),
+        (lambda **o: Eagle3Drafter(eagle3_net, **o), Eagle3Options, ("top_k", 4)),
+        (lambda **o: FlashDrafter(None, **o), FlashOptions, ("top_k", 4)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def options_cases():
+    return _options_cases()
+
+
+def test_each_drafter_keeps_its_frozen_options(options_cases):
+    import dataclasses
+
+    for make, options_class, (name, value) in options_cases:
+        drafter = make(**{name: value})
+        assert isinstance(drafter.options, options_class), options_class
+        assert getattr(drafter.options, name) == value
+        assert drafter.options == options_class(**{name: value})       # defaults: the class's own
+        assert make().options == options_class()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(drafter.options, name, value)
+        with pytest.raises(AttributeError):
+            drafter.options = options_class()                             # read-only on the drafter
+        # a built options object is taken as it is; with keyword options too it is refused
+        assert make(options=options_class(**{name: value})).options == drafter.options
+        with pytest.raises(TypeError, match="not both"):
+            make(options=options_class(), **{name: value})
+
+
+def test_unknown_and_ill_typed_options_fail_in_one_place_naming_them(options_cases):
+    import dataclasses
+
+    for make, options_class, (name, value) in options_cases:
+        valid = [f.name for f in dataclasses.fields(options_class)]
+        with pytest.raises(TypeError, match=r"unknown option \['no_such_option'\]; its options are") as caught:
+            make(no_such_option=1)
+        assert str(valid) in str(caught.value)
+        with pytest.raises(TypeError, match=f"option '{name}' should be"):
+            make(**{name: object()})
+
+
+def test_drafting_section_is_checked_against_the_options_class(tmp_path):
+    heads = MedusaHeads(8, 2)
+    folder = save_heads(tmp_path / "medusa", "medusa", heads, heads.config(), None,
+                        {"method": "medusa", "target": "tiny", "drafting": {"tree": "static", "top_s": "4"}})
+    with pytest.raises(DrafterFileError, match=r"'drafting'\['top_s'\] should be an integer"):
+        load(folder)
+    info = json.loads((folder / "drafter.json").read_text())
+    info["drafting"] = {"tree": "static", "lookahead": 3}
+    (folder / "drafter.json").write_text(json.dumps(info))
+    with pytest.raises(DrafterFileError, match=r"'drafting' has unknown key \['lookahead'\]"):
+        load(folder)

@@ -75,6 +75,13 @@ class Drafter:
     #: with AdaptiveDraftLength's linear model; ``cost_source`` says which one is in use
     budget: str = "auto"
     cost_source: str = "constants"
+    _options = None
+
+    @property
+    def options(self):
+        """The drafting options this drafter was built with (its method's frozen DrafterOptions,
+        flashmm.drafters.options), or None for a method that declares none yet; read-only."""
+        return self._options
 
     def bind(self, target: Target) -> None:
         """Check this drafter can serve ``target``; raise ValueError naming the mismatch."""

@@ -6,7 +6,8 @@ error without the path.
 Every folder reader (``flashmm.drafters.load``, ``FlashDrafter.from_pretrained``, each drafter's
 ``from_dir``, REST's datastore) reads through ``read_json`` / ``read_safetensors`` and checks each
 section it passes to a constructor with ``check_section``, whose expected keys and types come from
-the constructor itself (``parameters_of``), so a new option needs no second list here.
+the method's options dataclass (flashmm.drafters.options) or the constructor itself
+(``parameters_of``), so a new option needs no second list here.
 """
 from __future__ import annotations
 
@@ -158,8 +159,8 @@ def check_section(path: str | os.PathLike, where: str, section, hints: Mapping[s
                                      f"(known: {sorted(hints)})")
     for name, value in section.items():
         hint = hints.get(name, object)
-        if not _matches(value, hint):
-            raise DrafterFileError(path, f"{where}[{name!r}] should be {_describe(hint)}, got "
+        if not matches_hint(value, hint):
+            raise DrafterFileError(path, f"{where}[{name!r}] should be {describe_hint(hint)}, got "
                                          f"{_json_type(value)} {_short(value)}")
     return section
 
@@ -201,14 +202,14 @@ def _short(value) -> str:
     return f"({text if len(text) <= 40 else text[:37] + '...'})"
 
 
-def _matches(value, hint) -> bool:
+def matches_hint(value, hint) -> bool:
     """Whether the JSON value fits ``hint`` (a type hint of a constructor parameter); hints a JSON
     value cannot be checked against (a callable, a type variable) accept anything."""
     if hint is object or hint is typing.Any:
         return True
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in args)
+        return any(matches_hint(value, arg) for arg in args)
     if hint is type(None):
         return value is None
     if hint is bool:
@@ -218,10 +219,10 @@ def _matches(value, hint) -> bool:
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if origin is tuple and args and args[-1] is not Ellipsis:
-        return isinstance(value, list) and len(value) == len(args) and all(map(_matches, value, args))
+        return isinstance(value, list) and len(value) == len(args) and all(map(matches_hint, value, args))
     if origin in (list, tuple, Sequence, typing.Sequence) or hint in (list, tuple):
         element = args[0] if args else object
-        return isinstance(value, list) and all(_matches(v, element) for v in value)
+        return isinstance(value, list) and all(matches_hint(v, element) for v in value)
     if origin in (dict, Mapping) or hint in (dict, Mapping):
         return isinstance(value, dict)
     if isinstance(hint, type):
@@ -229,14 +230,14 @@ def _matches(value, hint) -> bool:
     return True
 
 
-def _describe(hint) -> str:
+def describe_hint(hint) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(arg) for arg in args)
+        return " or ".join(describe_hint(arg) for arg in args)
     if hint is type(None):
         return "null"
     if origin in (list, tuple, Sequence, typing.Sequence):
-        return f"an array of {_describe(args[0])}" if args else "an array"
+        return f"an array of {describe_hint(args[0])}" if args else "an array"
     if origin in (dict, Mapping):
         return "an object"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",

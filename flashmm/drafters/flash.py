@@ -39,6 +39,7 @@ import json
 import math
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -51,9 +52,10 @@ from ..tree.dynamic import TreeUnits, grow
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_first_paths, best_paying_prefix, fit_chain
 from .base import Drafter, SequenceStart, StepResult, register, root_only
-from .files import (DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors,
-                    refuse_renamed)
+from .files import (DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json,
+                    read_safetensors, refuse_renamed)
 from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
+from .options import DrafterOptions, check_at_least, check_choice
 from .suffix import SuffixTrie, lookup_source
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
@@ -74,8 +76,60 @@ def read_config(directory: str | os.PathLike) -> dict:
         raise DrafterFileError(path, f"'format' is {meta['format']!r}, not 'flashmm-flash': not a flashmm FLASH "
                                      "drafter config")
     check_section(path, "'config'", meta["config"], *parameters_of(FlashConfig))
-    check_section(path, "'drafting'", meta.get("drafting", {}), *parameters_of(FlashDrafter, skip=("net",)))
+    check_section(path, "'drafting'", meta.get("drafting", {}), *parameters_of(FlashOptions))
     return meta
+
+
+@dataclass(frozen=True)
+class FlashOptions(DrafterOptions):
+    """FlashDrafter's options (see the class); rank paths, ``draft_vocab`` and ``accept`` are kept as
+    tuples (``draft_vocab`` sorted, without repeats)."""
+
+    compression: str = "learned"
+    tree: str | Sequence[Sequence[int]] = "dynamic"
+    depth: int | None = None
+    top_k: int = 8
+    max_draft_tokens: int | None = None
+    min_path_prob: float = 0.0
+    draft_vocab: Sequence[int] | None = None
+    lookup_tokens: int = 0
+    pool_spans: int = 1
+    accept: Sequence[float] | None = None
+    budget: str = "fixed"
+    calibration: float = 1.0
+    lookup: str = "ngram"
+
+    def __post_init__(self):
+        check_choice(self, "compression", COMPRESSIONS)
+        if isinstance(self.tree, str):
+            if self.tree not in ("dynamic", "chain", "eagle2", "sequoia"):
+                raise ValueError(f"tree must be 'dynamic', 'chain', 'eagle2', 'sequoia' or a list of rank paths, "
+                                 f"got {self.tree!r}")
+        else:
+            object.__setattr__(self, "tree", tuple(tuple(map(int, p)) for p in self.tree))
+            if not self.tree or any(len(p) == 0 for p in self.tree):
+                raise ValueError("a static tree needs at least one non-empty rank path")
+            TokenTree.from_choices([list(p) for p in self.tree])  # validates ranks
+        check_at_least(self, 1, "depth", allow_none=True)
+        check_at_least(self, 1, "top_k", "pool_spans")
+        check_at_least(self, 0, "lookup_tokens")
+        check_at_least(self, 0, "max_draft_tokens", allow_none=True)
+        check_choice(self, "lookup", ("ngram", "suffix"))
+        check_choice(self, "budget", ("fixed", "auto"))
+        if not self.calibration > 0:
+            raise ValueError(f"calibration must be > 0, got {self.calibration}")
+        if self.accept is not None:
+            object.__setattr__(self, "accept", tuple(float(a) for a in self.accept))
+            if not self.accept or min(self.accept) < 0 or sum(self.accept) > 1 + 1e-6:
+                raise ValueError(f"accept must be non-negative rank acceptance rates summing to at most 1, "
+                                 f"got {list(self.accept)!r}")
+        if self.tree == "sequoia" and self.accept is None:
+            raise ValueError("tree='sequoia' needs the drafter's positional acceptance vector `accept` "
+                             "(measure it with eval/flash_sequoia_vector.py)")
+        if self.draft_vocab is not None:
+            object.__setattr__(self, "draft_vocab", tuple(sorted({int(t) for t in self.draft_vocab})))
+            if not self.draft_vocab or self.draft_vocab[0] < 0:
+                raise ValueError("draft_vocab must be a non-empty list of non-negative token ids (or None)")
 
 
 @register
@@ -108,65 +162,29 @@ class FlashDrafter(Drafter):
     pool_spans:   consecutive visual spans compressed together (a video given frame by frame as
                   images: C units for every ``pool_spans`` frames instead of C per frame; see
                   ``build_units``). 1: each span alone.
+    Options: FlashOptions, as keywords or ``options=``; ``net`` is an argument of its own.
     """
 
     name = "flash"
     needs_hidden_states = True
 
-    def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, compression: str = "learned",
-                 tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
-                 max_draft_tokens: int | None = None, min_path_prob: float = 0.0,
-                 draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0, pool_spans: int = 1,
-                 accept: Sequence[float] | None = None, budget: str = "fixed", calibration: float = 1.0,
-                 lookup: str = "ngram"):
+    def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, options: FlashOptions | None = None,
+                 **given):
         if isinstance(net, (str, os.PathLike)):
             net = FlashDrafter.from_pretrained(net).net
         if net is not None and not isinstance(net, FlashNet):
             raise TypeError(f"net must be a FlashNet, a checkpoint directory or None, got {type(net).__name__}")
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
-        if isinstance(tree, str):
-            if tree not in ("dynamic", "chain", "eagle2", "sequoia"):
-                raise ValueError(f"tree must be 'dynamic', 'chain', 'eagle2', 'sequoia' or a list of rank paths, "
-                                 f"got {tree!r}")
-        else:
-            tree = [list(map(int, p)) for p in tree]
-            if not tree or any(len(p) == 0 for p in tree):
-                raise ValueError("a static tree needs at least one non-empty rank path")
-            TokenTree.from_choices(tree)  # validates ranks
-        if depth is not None and depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        if lookup_tokens < 0:
-            raise ValueError(f"lookup_tokens must be >= 0, got {lookup_tokens}")
-        if lookup not in ("ngram", "suffix"):
-            raise ValueError(f"lookup must be 'ngram' or 'suffix', got {lookup!r}")
-        if pool_spans < 1:
-            raise ValueError(f"pool_spans must be >= 1, got {pool_spans}")
-        if budget not in ("fixed", "auto"):
-            raise ValueError(f"budget must be 'fixed' or 'auto', got {budget!r}")
-        if not calibration > 0:
-            raise ValueError(f"calibration must be > 0, got {calibration}")
-        if accept is not None:
-            accept = [float(a) for a in accept]
-            if not accept or min(accept) < 0 or sum(accept) > 1 + 1e-6:
-                raise ValueError(f"accept must be non-negative rank acceptance rates summing to at most 1, "
-                                 f"got {accept!r}")
-        if tree == "sequoia" and accept is None:
-            raise ValueError("tree='sequoia' needs the drafter's positional acceptance vector `accept` "
-                             "(measure it with eval/flash_sequoia_vector.py)")
-        if draft_vocab is not None:
-            draft_vocab = sorted({int(t) for t in draft_vocab})
-            if not draft_vocab or draft_vocab[0] < 0:
-                raise ValueError("draft_vocab must be a non-empty list of non-negative token ids (or None)")
+        self._options = options = FlashOptions.build(type(self).__name__, given, options)
         self.net = net
-        self.compression, self.tree, self.depth, self.top_k = compression, tree, depth, top_k
-        self.max_draft_tokens, self.min_path_prob = max_draft_tokens, min_path_prob
-        self.draft_vocab = draft_vocab
-        self.lookup_tokens, self.pool_spans, self.lookup = lookup_tokens, pool_spans, lookup
-        self._outputs = SuffixTrie() if lookup == "suffix" else None   # earlier outputs, kept across calls
-        self.accept, self.budget, self.calibration = accept, budget, float(calibration)
+        # the options as the drafting code reads them: rank paths, draft_vocab and accept as lists
+        self.tree = options.tree if isinstance(options.tree, str) else [list(p) for p in options.tree]
+        self.compression, self.depth, self.top_k = options.compression, options.depth, options.top_k
+        self.max_draft_tokens, self.min_path_prob = options.max_draft_tokens, options.min_path_prob
+        self.draft_vocab = None if options.draft_vocab is None else list(options.draft_vocab)
+        self.lookup_tokens, self.pool_spans, self.lookup = options.lookup_tokens, options.pool_spans, options.lookup
+        self._outputs = SuffixTrie() if self.lookup == "suffix" else None   # earlier outputs, kept across calls
+        self.accept = None if options.accept is None else list(options.accept)
+        self.budget, self.calibration = options.budget, float(options.calibration)
         self.verify_cost, self.cost_source = None, "fixed budget"   # set at bind with budget="auto"
         self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # budget -> rank paths
         self._head = self._embed = None
