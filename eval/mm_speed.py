@@ -336,7 +336,8 @@ def main(argv=None):
                     help="a drafter trained with compression none (default: the --flash drafter run with "
                          "compression='none', training-free)")
     ap.add_argument("--tree", default=None, help="override the drafters' tree: chain | dynamic")
-    ap.add_argument("--max-nodes", type=int, default=None, help="override the drafters' per-step node cap")
+    ap.add_argument("--drafter-max-draft-tokens", type=int, default=None,
+                    help="override the FLASH drafters' own max_draft_tokens (their cap under --max-draft-tokens)")
     ap.add_argument("--depth", type=int, default=None, help="override the drafters' deepest drafted position")
     ap.add_argument("--lookup-tokens", type=int, default=None,
                     help="override the drafters' n-gram lookup branch length (0: off)")
@@ -377,8 +378,8 @@ def main(argv=None):
     else:
         from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
         model, processor = load_reference_llava()
-    overrides = dict(tree=args.tree, max_nodes=args.max_nodes, depth=args.depth, lookup_tokens=args.lookup_tokens,
-                     pool_spans=args.pool_spans)
+    overrides = dict(tree=args.tree, max_draft_tokens=args.drafter_max_draft_tokens, depth=args.depth,
+                     lookup_tokens=args.lookup_tokens, pool_spans=args.pool_spans)
     options = {k: v for k, v in overrides.items() if v is not None}
     if args.full_draft_head:
         options["draft_vocab"] = None
@@ -389,7 +390,7 @@ def main(argv=None):
     notes = [f"FLASH drafter: {args.flash} (K={flash.net.tokens_per_step}, num_queries="
              f"{flash.net.cfg.num_queries}, compression={flash.compression}, tree={flash.tree}, "
              f"depth={flash.depth}, lookup_tokens={flash.lookup_tokens}, pool_spans={flash.pool_spans}, "
-             f"max_nodes={flash.max_nodes}, "
+             f"drafter max_draft_tokens={flash.max_draft_tokens}, "
              f"min_path_prob={flash.min_path_prob}); "
              f"max_draft_tokens={args.max_draft_tokens}.", vocab_note]
     if args.model == "qwen2vl":
@@ -424,13 +425,13 @@ def main(argv=None):
                      "its visual-unit layer was trained on the learned compressor's outputs).")
     if "flash_auto" in wanted:
         drafters["flash_auto"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "tree": "dynamic",
-                                                             "budget": "auto", "max_nodes": None})
+                                                             "budget": "auto", "max_draft_tokens": None})
         notes.append("flash_auto = the FLASH drafter's dynamic tree with budget='auto': each step keeps the "
                      "prefix of its best-first nodes maximising (1 + Σ path probabilities) / (t(n)/t(1)), t the "
                      f"target's measured verify time, up to max_draft_tokens={args.max_draft_tokens}.")
     if "flash_sequoia" in wanted and flash.accept:
         drafters["flash_sequoia"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "tree": "sequoia",
-                                                                "budget": "auto", "max_nodes": None})
+                                                                "budget": "auto", "max_draft_tokens": None})
         notes.append("flash_sequoia = the Sequoia tree of the FLASH drafter's positional acceptance vector "
                      f"(accept = {', '.join(f'{a:.3f}' for a in flash.accept[:4])}, ...: "
                      "eval/flash_sequoia_vector.py, held-out seeds) with the node count maximising expected "

@@ -207,7 +207,7 @@ class Study:
         return torch.load(path, weights_only=True)
 
     def new_draft(self, hidden: int, layers: int):
-        from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm  # noqa: PLC0415
+        from flashmm.drafters.nets.reduced_vocab import ReducedVocabLM, build_lm  # noqa: PLC0415
         from flashmm.train.draft_lm import draft_lm_config  # noqa: PLC0415
 
         model = self.target[0]

@@ -102,7 +102,7 @@ def hf_assisted(model, tokenizer, assistant: str, sampling: dict):
 
 
 def reduced_assistant(reduced):
-    """A ReducedVocabLM (flashmm.drafters.fastdraft) as a transformers model assisted generation can
+    """A ReducedVocabLM (flashmm.drafters.nets.reduced_vocab) as a transformers model assisted generation can
     drive: the same weights, reading target ids and answering logits over the target vocabulary
     (-inf outside its rows), its config declaring the target's vocabulary size."""
     class ReducedAssistant(type(reduced.lm)):

@@ -20,7 +20,8 @@ from flashmm import disk_cache
 from flashmm.drafters import DrafterFileError, FlashDrafter, Rest, load
 from flashmm.drafters import rest as rest_module
 from flashmm.drafters.eagle3 import save_head
-from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
+from flashmm.drafters.fastdraft import save_reduced_lm
+from flashmm.drafters.nets.reduced_vocab import ReducedVocabLM, build_lm
 from flashmm.drafters.head_base import save_heads
 from flashmm.drafters.nets.medusa_net import MedusaHeads
 from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
@@ -46,7 +47,7 @@ def folders(target, tmp_path_factory):
     (flash / "flash_build_info.json").write_text(json.dumps({"epoch_losses": [1.0]}))
     heads = MedusaHeads(target.config.hidden_size, 2)
     save_heads(root / "medusa", "medusa", heads, heads.config(), None,
-               {"method": "medusa", "target": TARGET_INFO, "drafting": {"tree_nodes": 3}})
+               {"method": "medusa", "target": TARGET_INFO, "drafting": {"tree": "static", "max_draft_tokens": 3}})
     torch.manual_seed(0)
     net = Eagle3Net(Eagle3Config.for_target(target.config, 64, (1, 1, 0)))
     net.set_vocab(torch.arange(VOCAB - 64, VOCAB))

@@ -10,10 +10,12 @@ import torch
 import flashmm
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 from flashmm.config import SamplingParams
-from flashmm.drafters import (AdaptiveDraftLength, Draft, DraftModel, Drafter, HorizontalCascade, PromptLookup,
-                              TokenRecycling, VerticalCascade, make_drafter)
+from flashmm.drafters import (DraftModel, Drafter, HorizontalCascade, PromptLookup, TokenRecycling, VerticalCascade,
+                              make_drafter)
 from flashmm.drafters import cascade
 from flashmm.sampling import warp_logits
+from flashmm.tree.cost import AdaptiveDraftLength
+from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
 
 from stats_utils import chi_square_pvalue
@@ -329,8 +331,8 @@ def test_bad_compositions_refused(drafts):
         VerticalCascade(OwnStop(draft))
     with pytest.raises(ValueError, match="must be a PromptLookup"):
         VerticalCascade(DraftModel(draft), TwoGuesses())
-    with pytest.raises(ValueError, match="max_lookup_tokens"):
-        VerticalCascade(DraftModel(draft), max_lookup_tokens=0)
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        VerticalCascade(DraftModel(draft), lookup_tokens=0)
     lookup = PromptLookup()
     with pytest.raises(ValueError, match="two drafter instances"):
         HorizontalCascade(lookup, lookup)

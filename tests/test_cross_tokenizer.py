@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 import flashmm
-from flashmm.drafters import CrossTokenizerDraft, Draft
+from flashmm.drafters import CrossTokenizerDraft
+from flashmm.tree.draft import Draft
 from flashmm.drafters.cross_tokenizer import token_surfaces, vocabulary_intersection
 
 from stats_utils import chi_square_pvalue

@@ -9,7 +9,8 @@ import torch
 
 import flashmm
 from flashmm.drafters import FastDraft, load
-from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
+from flashmm.drafters.fastdraft import save_reduced_lm
+from flashmm.drafters.nets.reduced_vocab import ReducedVocabLM, build_lm
 from flashmm.drafters.nets import distill
 from flashmm.targets.onednn import onednn_available
 from flashmm.train import draft_lm as T

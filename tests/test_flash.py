@@ -439,7 +439,7 @@ def token_paths(draft):
 def test_lookup_chain_merges_into_the_flash_tree(chain, budget):
     """The draft holds every prefix of the (budget-trimmed) chain, otherwise only FLASH nodes, and the
     FLASH nodes it keeps are the highest-priority ones; siblings are distinct; within budget."""
-    drafter = FlashDrafter(None, top_k=2, max_nodes=8, lookup_tokens=8)
+    drafter = FlashDrafter(None, top_k=2, max_draft_tokens=8, lookup_tokens=8)
     vocab, depth = 12, 3
     g = torch.Generator().manual_seed(1)
     dists = torch.rand(depth, vocab, generator=g)

@@ -80,9 +80,9 @@ def trained(corpus):
 
 DRAFTERS = {
     "medusa_chain": lambda t: Medusa(t["medusa"][0], adaptive=False, accuracy=t["medusa"][3]),
-    "medusa_tree": lambda t: Medusa(t["medusa"][0], adaptive=False, accuracy=t["medusa"][3], tree_nodes=10),
+    "medusa_tree": lambda t: Medusa(t["medusa"][0], adaptive=False, accuracy=t["medusa"][3], tree="static", max_draft_tokens=10),
     "hydra_chain": lambda t: Hydra(t["hydra"][0], adaptive=False, accuracy=t["hydra"][3]),
-    "hydra_tree": lambda t: Hydra(t["hydra"][0], adaptive=False, accuracy=t["hydra"][3], tree_nodes=10),
+    "hydra_tree": lambda t: Hydra(t["hydra"][0], adaptive=False, accuracy=t["hydra"][3], tree="static", max_draft_tokens=10),
     "mtp_chain": lambda t: MTP(t["mtp"][0], adaptive=False),
 }
 
@@ -177,12 +177,12 @@ def test_budget_drafts_only_what_pays(corpus):
     target, data, _ = corpus
     ids = data.ids[:8][None]
     reference = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)
-    hopeless = Medusa(random_medusa(target), tree_nodes=6, accuracy=[[0.01] * 4] * 3)
+    hopeless = Medusa(random_medusa(target), tree="static", max_draft_tokens=6, accuracy=[[0.01] * 4] * 3)
     hopeless.budget = "constants"  # a tiny model's measured verify cost is flat: drafting would be free
     sm = flashmm.wrap(target, hopeless)
     assert torch.equal(sm.generate(ids, max_new_tokens=12, eos_token_id=[]), reference)
     assert sm.last_stats.drafted_tokens == 0
-    sure = Medusa(random_medusa(target), tree_nodes=6, accuracy=[[0.95, 0.6, 0.3, 0.1]] * 3)
+    sure = Medusa(random_medusa(target), tree="static", max_draft_tokens=6, accuracy=[[0.95, 0.6, 0.3, 0.1]] * 3)
     sure.budget = "constants"
     flashmm.wrap(target, sure)
     tree = sure.planned_tree(6)
@@ -205,10 +205,10 @@ def tree_path(tree, node):
 
 def test_medusa_sampling_is_exact_and_typical_lossy_is_not(models):  # noqa: F811 (fixture)
     target, _ = models
-    exact = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4, adaptive=False))
+    exact = flashmm.wrap(target, Medusa(random_medusa(target), tree="static", max_draft_tokens=4, adaptive=False))
     p = chi_square_pvalue(histogram(exact), exact_joint(target))
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
-    lossy = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4, adaptive=False), verifier="typical_lossy",
+    lossy = flashmm.wrap(target, Medusa(random_medusa(target), tree="static", max_draft_tokens=4, adaptive=False), verifier="typical_lossy",
                          typical_epsilon=0.05, typical_delta=0.05)
     assert "lossy" in lossy.spec.verifier
     p = chi_square_pvalue(histogram(lossy), exact_joint(target))
@@ -246,7 +246,7 @@ def test_lookup_branch_stays_greedy_exact(corpus, trained, kind, lookup):
 def test_lookup_branch_alone_while_the_heads_do_not_pay(corpus):
     """Heads whose table says they are never right draft nothing; the chain still drafts when it pays."""
     target, data, _ = corpus
-    hopeless = chain_counting(Medusa(random_medusa(target), tree_nodes=6, accuracy=[[0.01] * 4] * 3,
+    hopeless = chain_counting(Medusa(random_medusa(target), tree="static", max_draft_tokens=6, accuracy=[[0.01] * 4] * 3,
                                      lookup="ngram", lookup_tokens=4))
     hopeless.budget = "constants"
     sm = flashmm.wrap(target, hopeless)
@@ -263,11 +263,11 @@ def test_medusa_with_lookup_samples_the_target_distribution(models):  # noqa: F8
     the same drafts verified by typical acceptance (lossy) are caught by the same test."""
     target, _ = models
     joint = exact_joint(target, LOOKUP_PROMPT)
-    drafter = chain_counting(Medusa(random_medusa(target), tree_nodes=4, adaptive=False, lookup="ngram"))
+    drafter = chain_counting(Medusa(random_medusa(target), tree="static", max_draft_tokens=4, adaptive=False, lookup="ngram"))
     p = chi_square_pvalue(histogram(flashmm.wrap(target, drafter), LOOKUP_PROMPT), joint)
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
     assert drafter.with_chain
-    lossy = flashmm.wrap(target, Medusa(random_medusa(target), tree_nodes=4, adaptive=False, lookup="ngram"),
+    lossy = flashmm.wrap(target, Medusa(random_medusa(target), tree="static", max_draft_tokens=4, adaptive=False, lookup="ngram"),
                          verifier="typical_lossy", typical_epsilon=0.05, typical_delta=0.05)
     assert chi_square_pvalue(histogram(lossy, LOOKUP_PROMPT), joint) < 1e-3
 
@@ -278,9 +278,10 @@ def test_folder_round_trip(tmp_path, corpus, trained):
         heads = trained[method][0]
         save_heads(tmp_path / method, cls.name, heads, heads.config(), torch.arange(0, 128, 2),
                    {"method": method, "target": {"vocab_size": 128}, "accuracy": trained[method][3],
-                    "drafting": {"tree_nodes": 0 if method == "mtp" else 5}})
+                    "drafting": {"tree": "chain"} if method == "mtp" else {"tree": "static", "max_draft_tokens": 5}})
         drafter = load(tmp_path / method)
-        assert isinstance(drafter, cls) and drafter.tree_nodes == (0 if method == "mtp" else 5)
+        assert isinstance(drafter, cls) and drafter.tree == ("chain" if method == "mtp" else "static")
+        assert drafter.max_draft_tokens == (None if method == "mtp" else 5)
         ids = data.ids[:8][None]
         out = flashmm.wrap(target, drafter).generate(ids, max_new_tokens=20, eos_token_id=[])
         assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))

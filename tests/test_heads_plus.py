@@ -56,7 +56,7 @@ def node_path(tree, node):
 def test_mtp_tree_children_follow_each_nodes_own_path(corpus, trained_plus):  # noqa: F811
     target, data, _ = corpus
     modules = trained_plus["mtp"]
-    drafter = MTP(modules, adaptive=False, accuracy=BRANCHY, tree_nodes=14)
+    drafter = MTP(modules, adaptive=False, accuracy=BRANCHY, tree="static", max_draft_tokens=14)
     drafter.bind(R.ModelFacts(target))
     _, embeds, _ = tools(target)
     lm = target.get_output_embeddings().weight.detach()
@@ -96,7 +96,7 @@ def test_mtp_catches_up_after_steps_without_drafts(corpus, trained_plus, monkeyp
     ids, h = data.ids[a:a + 30], data.hidden[a:a + 30].float()
 
     def drafts(skip_first: bool):
-        drafter = MTP(trained_plus["mtp"], adaptive=False, accuracy=BRANCHY, tree_nodes=6)
+        drafter = MTP(trained_plus["mtp"], adaptive=False, accuracy=BRANCHY, tree="static", max_draft_tokens=6)
         drafter.bind(R.ModelFacts(target))
         drafter.begin(SequenceStart(input_ids=ids[None, :11], hidden_states=h[None, :11]))
         planned = drafter.planned_tree
@@ -116,17 +116,18 @@ def test_mtp_catches_up_after_steps_without_drafts(corpus, trained_plus, monkeyp
     assert caught_up.tokens.tolist() == kept_up.tokens.tolist()
 
 
-@pytest.mark.parametrize("tree_nodes", [0, 6, 14])
-def test_mtp_tree_greedy_identical_to_generate(corpus, trained_plus, tree_nodes):  # noqa: F811
+@pytest.mark.parametrize("shape", [{"tree": "chain"}, {"tree": "static", "max_draft_tokens": 6},
+                                   {"tree": "static", "max_draft_tokens": 14}])
+def test_mtp_tree_greedy_identical_to_generate(corpus, trained_plus, shape):  # noqa: F811
     target, data, _ = corpus
     for s in range(3):
         ids = data.ids[int(data.starts[s]):int(data.starts[s]) + 8][None]
-        sm = flashmm.wrap(target, MTP(trained_plus["mtp"], adaptive=False, accuracy=BRANCHY, tree_nodes=tree_nodes))
+        sm = flashmm.wrap(target, MTP(trained_plus["mtp"], adaptive=False, accuracy=BRANCHY, **shape))
         out = sm.generate(ids, max_new_tokens=30, eos_token_id=[])
         assert torch.equal(out, target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None))
     assert sm.last_stats.tau > 1.1
     ids = prompt(2, seed=5)  # a prompt shorter than the tree's depth: drafting waits until the text is long enough
-    out = flashmm.wrap(target, MTP(trained_plus["mtp"], adaptive=False, accuracy=BRANCHY, tree_nodes=tree_nodes)) \
+    out = flashmm.wrap(target, MTP(trained_plus["mtp"], adaptive=False, accuracy=BRANCHY, **shape)) \
         .generate(ids, max_new_tokens=10, eos_token_id=[])
     assert torch.equal(out, target.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None))
 
@@ -171,16 +172,16 @@ def test_hydra_pp_trains_and_decodes_exactly(corpus, trained_plus):  # noqa: F81
     before, after = trained_plus["hydra_pp_accuracy"]
     assert after[0][0] > before[0][0] + 0.05 and after[0][0] > 0.1, (before[0][0], after[0][0])
     heads = trained_plus["hydra_pp"]
-    for tree_nodes in (0, 8):
+    for shape in ({"tree": "chain"}, {"tree": "static", "max_draft_tokens": 8}):
         for s in range(2):
             ids = data.ids[int(data.starts[s]):int(data.starts[s]) + 8][None]
-            sm = flashmm.wrap(target, Hydra(heads, adaptive=False, accuracy=after, tree_nodes=tree_nodes))
+            sm = flashmm.wrap(target, Hydra(heads, adaptive=False, accuracy=after, **shape))
             out = sm.generate(ids, max_new_tokens=30, eos_token_id=[])
             assert torch.equal(out, target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None))
             # the offline replay (no target forward) reproduces the engine's steps exactly
             one = H.HeadData(**{k: getattr(data, k) for k in ("hidden", "ids", "topk_ids", "topk_logits", "lse")},
                              starts=data.starts[s:s + 2], prompt_lens=data.prompt_lens[s:s + 1])
-            replay = Hydra(heads, adaptive=False, accuracy=after, tree_nodes=tree_nodes)
+            replay = Hydra(heads, adaptive=False, accuracy=after, **shape)
             replay.bind(R.ModelFacts(target))
             got = R.replay_tau(replay, one, max_new_tokens=30)
             assert got["steps"] == sm.last_stats.verify_steps and got["tau"] == pytest.approx(sm.last_stats.tau)
@@ -188,7 +189,7 @@ def test_hydra_pp_trains_and_decodes_exactly(corpus, trained_plus):  # noqa: F81
     mask = torch.ones_like(ids)
     ids[1, :3], mask[1, :3] = 0, 0
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = flashmm.wrap(target, Hydra(heads, adaptive=False, accuracy=after, tree_nodes=8)).generate(
+    out = flashmm.wrap(target, Hydra(heads, adaptive=False, accuracy=after, tree="static", max_draft_tokens=8)).generate(
         ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[], pad_token_id=0)
     assert torch.equal(out, ref)
 
@@ -197,9 +198,9 @@ def test_hydra_pp_folder_round_trip(tmp_path, corpus, trained_plus):  # noqa: F8
     target, data, _ = corpus
     heads = trained_plus["hydra_pp"]
     save_heads(tmp_path / "pp", "hydra", heads, heads.config(), None,
-               {"method": "hydra", "target": {"vocab_size": 128}, "drafting": {"tree_nodes": 6}})
+               {"method": "hydra", "target": {"vocab_size": 128}, "drafting": {"tree": "static", "max_draft_tokens": 6}})
     drafter = load(tmp_path / "pp", adaptive=False)
-    assert isinstance(drafter, Hydra) and drafter.heads.prefix_layer is not None and drafter.tree_nodes == 6
+    assert isinstance(drafter, Hydra) and drafter.heads.prefix_layer is not None and drafter.max_draft_tokens == 6
     saved = {k: v.half().float() for k, v in heads.state_dict().items()}  # the folder holds fp16
     for name, value in drafter.heads.state_dict().items():
         assert torch.equal(value, saved[name]), name
@@ -211,7 +212,7 @@ def test_hydra_pp_folder_round_trip(tmp_path, corpus, trained_plus):  # noqa: F8
 SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2"
 
 
-@pytest.mark.parametrize("name,options", [("mtp", {}), ("mtp", {"tree_nodes": 0}), ("hydra", {}),
+@pytest.mark.parametrize("name,options", [("mtp", {}), ("mtp", {"tree": "chain"}), ("hydra", {}),
                                           ("hydra_pp", {})])
 def test_shipped_folders_on_smollm2(request, name, options):
     """The shipped MTP folder drafts its 16-node tree by default and chains on request; the plain
@@ -221,7 +222,7 @@ def test_shipped_folders_on_smollm2(request, name, options):
     model, tokenizer = request.getfixturevalue("smollm2")
     drafter = load(SHIPPED / name, adaptive=False, **options)
     if name == "mtp":
-        assert drafter.tree_nodes == options.get("tree_nodes", drafter.info["drafting"]["tree_nodes"])
+        assert drafter.tree == options.get("tree", drafter.info["drafting"]["tree"])
     else:
         assert (drafter.heads.prefix_layer is not None) == (name == "hydra_pp")
     ids = chat_prompt(tokenizer, "List three primary colours.")

@@ -51,13 +51,13 @@ def eagle3_head(model, seed: int = 1) -> Eagle3Net:
 def drafter(kind: str, model):
     text = model.config.get_text_config()
     if kind == "medusa_tree":
-        return Medusa(randomized(H.build_heads("medusa", text, 3), 0), tree_nodes=8, adaptive=False)
+        return Medusa(randomized(H.build_heads("medusa", text, 3), 0), tree="static", max_draft_tokens=8, adaptive=False)
     if kind == "hydra_chain":
         return Hydra(randomized(H.build_heads("hydra", text, 3), 1), adaptive=False)
     if kind == "hydra_pp_tree":
-        return Hydra(randomized(H.build_heads("hydra", text, 3, prefix_layer=True), 2), tree_nodes=6, adaptive=False)
+        return Hydra(randomized(H.build_heads("hydra", text, 3, prefix_layer=True), 2), tree="static", max_draft_tokens=6, adaptive=False)
     if kind == "mtp_tree":
-        return MTP(randomized(H.build_heads("mtp", text, 2, 96), 3), tree_nodes=6, adaptive=False)
+        return MTP(randomized(H.build_heads("mtp", text, 2, 96), 3), tree="static", max_draft_tokens=6, adaptive=False)
     if kind == "eagle3_dynamic":
         return Eagle3Drafter(eagle3_head(model), tree="dynamic", depth=3, top_k=3, adaptive=False)
     return Eagle3Drafter(eagle3_head(model), tree="chain", depth=4, adaptive=False)
@@ -153,15 +153,15 @@ def test_mm_speed_runs_a_head_folder_as_its_own_row(tiny, tmp_path):
     spec.loader.exec_module(bench)
     heads = randomized(H.build_heads("medusa", model.config.get_text_config(), 3), 0)
     folder = save_heads(tmp_path / "medusa", "medusa", heads, heads.config(), None,
-                        {"method": "medusa", "target": "tiny llava", "drafting": {"tree_nodes": 6}})
+                        {"method": "medusa", "target": "tiny llava", "drafting": {"tree": "static", "max_draft_tokens": 6}})
     with pytest.raises(SystemExit, match="exists already"):
         bench.folder_drafters([str(folder)], {"medusa"})
-    with_options = bench.folder_drafters([f"{folder}:adaptive=False,tree_nodes=4"], set())[0]
-    assert list(with_options) == ["medusa:adaptive=False,tree_nodes=4"]
-    assert not with_options["medusa:adaptive=False,tree_nodes=4"].adaptive
-    assert with_options["medusa:adaptive=False,tree_nodes=4"].tree_nodes == 4
+    with_options = bench.folder_drafters([f"{folder}:adaptive=False,max_draft_tokens=4"], set())[0]
+    assert list(with_options) == ["medusa:adaptive=False,max_draft_tokens=4"]
+    assert not with_options["medusa:adaptive=False,max_draft_tokens=4"].adaptive
+    assert with_options["medusa:adaptive=False,max_draft_tokens=4"].max_draft_tokens == 4
     loaded, notes = bench.folder_drafters([str(folder)], set(bench.METHODS))
-    assert list(loaded) == ["medusa"] and "tiny llava" in notes[0] and loaded["medusa"].tree_nodes == 6
+    assert list(loaded) == ["medusa"] and "tiny llava" in notes[0] and loaded["medusa"].max_draft_tokens == 6
     methods, wrapped = bench.build_methods(model, processor, loaded, max_draft_tokens=8)
     items = make_items("image", [0]) + make_items("vqa", [1])
     records = bench.run_benchmark(model, processor, items, methods, wrapped, 6, progress=False)

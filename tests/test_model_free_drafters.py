@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import flashmm
-from flashmm.drafters import AdaptiveDraftLength, Draft, Drafter, Lookahead, PromptLookup, Rest, SuffixDecoding, TokenRecycling
+from flashmm.drafters import Drafter, Lookahead, PromptLookup, Rest, SuffixDecoding, TokenRecycling
+from flashmm.tree.cost import AdaptiveDraftLength
+from flashmm.tree.draft import Draft
 from flashmm.drafters.rest import Datastore
 from flashmm.tree.draft import AuxRows
 

@@ -145,8 +145,8 @@ def test_heads_multiply_as_the_target_does(family, monkeypatch):
     reference = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
     for linear in ("onednn", "torch"):
         torch.manual_seed(0)
-        drafter = {"medusa": lambda: Medusa(random_medusa(model), tree_nodes=6, adaptive=False),
-                   "hydra": lambda: Hydra(HydraHeads(d, 3), tree_nodes=6, adaptive=False),
+        drafter = {"medusa": lambda: Medusa(random_medusa(model), tree="static", max_draft_tokens=6, adaptive=False),
+                   "hydra": lambda: Hydra(HydraHeads(d, 3), tree="static", max_draft_tokens=6, adaptive=False),
                    "mtp": lambda: MTP(MTPModules(d, 3, num_attention_heads=model.config.num_attention_heads,
                                                  num_key_value_heads=model.config.num_key_value_heads,
                                                  intermediate_size=model.config.intermediate_size),

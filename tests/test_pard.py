@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 import flashmm
 from flashmm.drafters import Pard, load
-from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
+from flashmm.drafters.fastdraft import save_reduced_lm
+from flashmm.drafters.nets.reduced_vocab import ReducedVocabLM, build_lm
 from flashmm.drafters.nets import distill
-from flashmm.drafters.pard import PardLM
+from flashmm.drafters.nets.pard_net import PardLM
 from flashmm.train import draft_lm as T
 from flashmm.train import pard as P
 from flashmm.tree.cost import AdaptiveDraftLength

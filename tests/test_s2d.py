@@ -9,7 +9,7 @@ import torch
 import flashmm
 from flashmm.config import SamplingParams
 from flashmm.drafters import S2D, load
-from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm
+from flashmm.drafters.nets.reduced_vocab import ReducedVocabLM, build_lm
 from flashmm.drafters.nets import distill
 from flashmm.drafters.s2d import save_s2d
 from flashmm.targets.cache import output_cache

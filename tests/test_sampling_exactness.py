@@ -72,9 +72,9 @@ def histogram(sm, prompt: torch.Tensor = PROMPT) -> torch.Tensor:
     lambda t, d: DraftModel(d, max_draft_tokens=4, tree_width=2, adaptive=False),  # i.i.d. siblings
     lambda t, d: DraftModel(padded(d, V + 4), max_draft_tokens=2, adaptive=False),  # padded LM head
     lambda t, d: PromptLookup(),                                                   # deterministic, q None
-    lambda t, d: FlashDrafter.from_target(t, num_queries=2, tokens_per_step=2, seed=0, top_k=2, max_nodes=3,
+    lambda t, d: FlashDrafter.from_target(t, num_queries=2, tokens_per_step=2, seed=0, top_k=2, max_draft_tokens=3,
                                           lookup_tokens=3),                        # FLASH tree + lookup path
-    lambda t, d: FlashDrafter.from_target(t, num_queries=2, tokens_per_step=2, seed=0, top_k=2, max_nodes=3,
+    lambda t, d: FlashDrafter.from_target(t, num_queries=2, tokens_per_step=2, seed=0, top_k=2, max_draft_tokens=3,
                                           lookup_tokens=3, lookup="suffix"),       # ... from the suffix tries
 ], ids=["draft_chain", "draft_tree", "draft_padded_vocab", "prompt_lookup", "flash_lookup", "flash_suffix_lookup"])
 def test_lossless(models, make):

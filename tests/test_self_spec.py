@@ -6,7 +6,8 @@ import torch
 
 import flashmm
 from flashmm.config import SamplingParams
-from flashmm.drafters.kangaroo import Kangaroo, KangarooAdapter
+from flashmm.drafters.kangaroo import Kangaroo
+from flashmm.drafters.nets.kangaroo_net import KangarooAdapter
 from flashmm.drafters.layerskip import LayerSkip, chain_tau, choose_exit_layer
 from flashmm.drafters.swift import Swift
 from flashmm.sampling import warp_logits
@@ -14,6 +15,7 @@ from flashmm.targets.cache import cache_argument
 from flashmm.targets.layers import LayerRunner, check_supported
 from flashmm.targets.onednn import can_pack, onednn_available
 from flashmm.targets.prune import score_draft, unprune
+from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
 from stats_utils import chi_square_pvalue
 from text_models import prompt, ragged_batch, tiny_lm
@@ -274,7 +276,7 @@ def test_propd_scores_only_the_surviving_subtree_exactly():
     sm = flashmm.wrap(model, "prompt_lookup", prune="propd", prune_layer=2, prune_top_k=3)
     target = sm.target
     target.prefill(ids[:, :-1], None, False)
-    draft = flashmm.drafters.Draft(tokens=tokens, tree=tree)
+    draft = Draft(tokens=tokens, tree=tree)
     verified, scored = score_draft(target, draft, False, spec, SamplingParams())
     # reference: the whole tree through the model, and its early exit after layer 2
     full_cache = flashmm.targets.cache.new_cache()

@@ -13,7 +13,8 @@ from flashmm.drafters import SpecDecPP, load
 from flashmm.drafters import Eagle3Drafter
 from flashmm.drafters.base import SequenceStart
 from flashmm.drafters.eagle3 import save_head
-from flashmm.drafters.specdecpp import AcceptanceHead, RankAcceptanceHead, save_specdecpp
+from flashmm.drafters.nets.specdecpp_net import AcceptanceHead, RankAcceptanceHead
+from flashmm.drafters.specdecpp import save_specdecpp
 from flashmm.drafters.fastdraft import save_reduced_lm
 from flashmm.train import acceptance as A
 from flashmm.train import eagle3 as E

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import flashmm
-from flashmm.drafters import Draft, Drafter, DraftModel, PromptLookup
+from flashmm.drafters import Drafter, DraftModel, PromptLookup
+from flashmm.tree.draft import Draft
 from flashmm.tree.token_tree import TokenTree
 
 from text_models import ARCHS, VOCAB, prompt, tiny_lm

@@ -61,7 +61,7 @@ def test_sampled_runs_time_every_baseline_as_named(monkeypatch):
 
 def test_the_draft_budget_reaches_every_wrapped_drafter():
     """--max-draft-tokens sets the engine's budget of every flashmm method (a drafter's own cap,
-    such as EAGLE-3's max_nodes, is then min'd with it); the output stays plain greedy's."""
+    such as EAGLE-3's own max_draft_tokens, is then min'd with it); the output stays plain greedy's."""
     sys.path.insert(0, str(ROOT / "tests"))
     from text_models import prompt, tiny_lm  # noqa: PLC0415
 

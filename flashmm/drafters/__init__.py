@@ -1,6 +1,5 @@
-"""Drafting methods, one class each, behind the Drafter protocol."""
-from ..tree.cost import AdaptiveDraftLength
-from ..tree.draft import Draft
+"""Drafting methods, one class each, behind the Drafter protocol. What a drafter returns (Draft) and
+the adaptive draft length live in flashmm.tree (tree.draft, tree.cost), not here."""
 from .base import Drafter, SequenceStart, StepResult, drafter_names, make_drafter, register
 from .cross_tokenizer import CrossTokenizerDraft
 from .cascade import HorizontalCascade, VerticalCascade
@@ -28,6 +27,6 @@ from .token_recycling import TokenRecycling
 from .saved import load
 from .specdecpp import SpecDecPP
 
-__all__ = ["CrossTokenizerDraft", "DFlash", "Draft", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "AdaptiveDraftLength", "SpecDecPP",
+__all__ = ["CrossTokenizerDraft", "DFlash", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
+           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]

@@ -14,6 +14,7 @@ from ..targets.base import SequenceStart, Target  # noqa: F401 (SequenceStart: p
 from ..targets.onednn import OneDNNLinears
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
+from .files import refuse_renamed
 
 
 @dataclass
@@ -74,6 +75,13 @@ class Drafter:
     #: with AdaptiveDraftLength's linear model; ``cost_source`` says which one is in use
     budget: str = "auto"
     cost_source: str = "constants"
+    _options = None
+
+    @property
+    def options(self):
+        """The drafting options this drafter was built with (its method's frozen DrafterOptions,
+        flashmm.drafters.options), or None for a method that declares none yet; read-only."""
+        return self._options
 
     def bind(self, target: Target) -> None:
         """Check this drafter can serve ``target``; raise ValueError naming the mismatch."""
@@ -186,4 +194,7 @@ def drafter_class(name: str) -> type[Drafter]:
 
 
 def make_drafter(name: str, **kwargs) -> Drafter:
+    """The drafter registered as ``name``, built with ``kwargs`` (an old option spelling is refused,
+    naming the new one)."""
+    refuse_renamed(kwargs, f"drafter {name!r}")
     return drafter_class(name)(**kwargs)

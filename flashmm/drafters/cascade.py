@@ -62,7 +62,7 @@ class CascadeCounts:
 class VerticalCascade(Drafter):
     """A DraftModel whose chain is sped up by prompt lookup, verified by the draft LM itself.
 
-    Each draft-LM forward feeds the tokens its cache lacks plus up to ``max_lookup_tokens`` lookup
+    Each draft-LM forward feeds the tokens its cache lacks plus up to ``lookup_tokens`` lookup
     guesses (the lookup's per-n AdaptiveDraftLength, priced with the draft LM's own measured forward
     costs, picks how many); the logits at every fed position give the draft LM's distribution after
     each guess. Greedy: guesses are kept while they equal the draft LM's argmax, then its own
@@ -87,7 +87,7 @@ class VerticalCascade(Drafter):
 
     name = "vertical_cascade"
 
-    def __init__(self, draft=None, lookup="prompt_lookup", max_lookup_tokens: int = 8, reprice: bool = False,
+    def __init__(self, draft=None, lookup="prompt_lookup", lookup_tokens: int = 8, reprice: bool = False,
                  budget: str = "auto"):
         if draft is None:
             raise ValueError("vertical_cascade needs draft=: a DraftModel or a trained draft LM's folder "
@@ -95,12 +95,12 @@ class VerticalCascade(Drafter):
         self.draft = resolve_part(draft, "draft")
         self.lookup = resolve_part(lookup, "lookup")
         check_vertical(self.draft, self.lookup)
-        if max_lookup_tokens < 1:
-            raise ValueError(f"max_lookup_tokens must be >= 1, got {max_lookup_tokens}")
+        if lookup_tokens < 1:
+            raise ValueError(f"lookup_tokens must be >= 1, got {lookup_tokens}")
         if budget not in ("auto", "constants"):
             raise ValueError(f"budget must be 'auto' or 'constants', got {budget!r}")
         # the option is kept apart from Drafter.reprice (batched decoding's repricing), which it once shadowed
-        self.max_lookup_tokens, self.price_by_spent, self.budget = max_lookup_tokens, reprice, budget
+        self.lookup_tokens, self.price_by_spent, self.budget = lookup_tokens, reprice, budget
         self.counts = CascadeCounts()
         self._draft_cost = None             # VerifyCost of the draft LM's forwards, when measured
         self._token_cost = 0.0              # draft.length.draft_token_cost as bound (one draft forward)
@@ -170,7 +170,7 @@ class VerticalCascade(Drafter):
 
     def _guess(self, context: list[int], room: int) -> tuple[list[int], int]:
         """(lookup tokens to score after context, matched n), at most ``room`` of them."""
-        room = min(room, self.max_lookup_tokens)
+        room = min(room, self.lookup_tokens)
         if room <= 0:
             return [], 0
         found, n = self.lookup.find(context, room)
@@ -257,7 +257,7 @@ def accept_or_resample(q: torch.Tensor, guess: int, generator) -> int:
 class HorizontalCascade(Drafter):
     """A chain drafted by ``first`` for its first positions and continued by ``second``.
 
-    ``first`` (e.g. a DraftModel, FastDraft) drafts up to ``max_first_tokens`` tokens, its own
+    ``first`` (e.g. a DraftModel, FastDraft) drafts up to ``first_tokens`` tokens, its own
     adaptive length choosing h; ``second`` (default: prompt lookup) then drafts from the committed
     text plus those h tokens, capped at the length that maximises the whole chain's expected tokens
     per verify cost: the tail only counts when all h head tokens are accepted, so with acceptance
@@ -280,7 +280,7 @@ class HorizontalCascade(Drafter):
 
     name = "horizontal_cascade"
 
-    def __init__(self, first=None, second="prompt_lookup", max_first_tokens: int | None = None,
+    def __init__(self, first=None, second="prompt_lookup", first_tokens: int | None = None,
                  length: AdaptiveDraftLength | None = None, budget: str = "auto"):
         if first is None:
             raise ValueError("horizontal_cascade needs first=: the costlier drafter of the first positions (a "
@@ -288,11 +288,11 @@ class HorizontalCascade(Drafter):
         self.first, self.second = resolve_part(first, "first drafter"), resolve_part(second, "second drafter")
         check_horizontal(self.first, self.second)
         self.needs_target_cache = self.first.needs_target_cache or self.second.needs_target_cache
-        if max_first_tokens is not None and max_first_tokens < 0:
-            raise ValueError(f"max_first_tokens must be >= 0 or None, got {max_first_tokens}")
+        if first_tokens is not None and first_tokens < 0:
+            raise ValueError(f"first_tokens must be >= 0 or None, got {first_tokens}")
         if budget not in ("auto", "constants"):
             raise ValueError(f"budget must be 'auto' or 'constants', got {budget!r}")
-        self.max_first_tokens, self.budget = max_first_tokens, budget
+        self.first_tokens, self.budget = first_tokens, budget
         self.pricing = length or AdaptiveDraftLength()   # verify cost of the whole chain (its alpha unused)
         self.head_rate = AdaptiveDraftLength()           # acceptance of first's tokens
         self.tail_rate = AdaptiveDraftLength()           # acceptance of second's tokens, given the head's
@@ -322,7 +322,7 @@ class HorizontalCascade(Drafter):
         if committed.shape[0] != 1:
             raise NotImplementedError("HorizontalCascade drafts one sequence at a time (fork() it per row)")
         self._last = (0, 0)
-        cap = max_tokens if self.max_first_tokens is None else min(max_tokens, self.max_first_tokens)
+        cap = max_tokens if self.first_tokens is None else min(max_tokens, self.first_tokens)
         head = checked_chain(self.first.propose(committed, cap, sampling, generator), "first", cap)
         h = head.num_draft_tokens
         room = self.tail_room(h, max_tokens - h)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -15,8 +16,37 @@ from ..tree.draft import Draft
 from ..tree.scheme_trees import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
+from .options import DrafterOptions
 
 DRAFTINGS = ("sibling", "rsd_c", "rsd_s", "chains")
+
+
+@dataclass(frozen=True)
+class DraftModelOptions(DrafterOptions):
+    """DraftModel's options (see the class)."""
+
+    max_draft_tokens: int = 8
+    tree_width: int = 1
+    confidence: float = 0.0
+    adaptive: bool = True
+    drafting: str = "sibling"
+    branching: tuple[int, ...] = (4, 2, 1)
+    beam_width: int = 4
+    num_chains: int = 3
+    budget: str = "auto"
+
+    def __post_init__(self):
+        object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
+        if self.tree_width < 1:
+            raise ValueError(f"tree_width must be >= 1, got {self.tree_width}")
+        if self.drafting not in DRAFTINGS:
+            raise ValueError(f"drafting must be one of {DRAFTINGS}, got {self.drafting!r}")
+        if min(self.branching, default=0) < 1 or min(self.beam_width, self.num_chains) < 1:
+            raise ValueError(f"branching entries, beam_width and num_chains must be >= 1, got {self.branching}, "
+                             f"{self.beam_width}, {self.num_chains}")
+        if self.budget not in ("auto", "constants"):
+            raise ValueError(f"budget must be 'auto' (measure the target's verify cost) or 'constants', "
+                             f"got {self.budget!r}")
 
 
 @register
@@ -49,34 +79,27 @@ class DraftModel(Drafter):
                 budget); scheme "without_replacement".
       "chains": ``num_chains`` i.i.d. chains (chains x depth within the budget); scheme
                 "iid_chains" (verifier "spectr" or "tree").
+
+    Options: DraftModelOptions, as keywords or ``options=``; ``model`` and ``length`` are arguments
+    of their own.
     """
 
     name = "draft_model"
 
-    def __init__(self, model: torch.nn.Module, max_draft_tokens: int = 8, tree_width: int = 1,
-                 confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None,
-                 drafting: str = "sibling", branching: tuple[int, ...] = (4, 2, 1), beam_width: int = 4,
-                 num_chains: int = 3, budget: str = "auto"):
-        if tree_width < 1:
-            raise ValueError(f"tree_width must be >= 1, got {tree_width}")
-        if drafting not in DRAFTINGS:
-            raise ValueError(f"drafting must be one of {DRAFTINGS}, got {drafting!r}")
-        if min(branching, default=0) < 1 or min(beam_width, num_chains) < 1:
-            raise ValueError(f"branching entries, beam_width and num_chains must be >= 1, got {branching}, "
-                             f"{beam_width}, {num_chains}")
-        if budget not in ("auto", "constants"):
-            raise ValueError(f"budget must be 'auto' (measure the target's verify cost) or 'constants', got {budget!r}")
-        self.budget = budget
+    def __init__(self, model: torch.nn.Module, length: AdaptiveDraftLength | None = None,
+                 options: DraftModelOptions | None = None, **given):
+        self._options = options = DraftModelOptions.build(type(self).__name__, given, options)
+        self.budget = options.budget
         self.cost_source = "constants"
-        self.drafting = drafting
-        self.branching = tuple(int(b) for b in branching)
-        self.beam_width = beam_width
-        self.num_chains = num_chains
+        self.drafting = options.drafting
+        self.branching = options.branching
+        self.beam_width = options.beam_width
+        self.num_chains = options.num_chains
         self.model = model
-        self.max_draft_tokens = max_draft_tokens
-        self.tree_width = tree_width
-        self.confidence = confidence
-        self.adaptive = adaptive
+        self.max_draft_tokens = options.max_draft_tokens
+        self.tree_width = options.tree_width
+        self.confidence = options.confidence
+        self.adaptive = options.adaptive
         self.length = length or AdaptiveDraftLength()
         self._cache = None
         self._cached_ids: list[int] = []

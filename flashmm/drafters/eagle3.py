@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -49,12 +50,44 @@ from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.trie import DraftTrie, best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
+from .options import DrafterOptions, check_at_least, check_choice
 from .head_base import committed_embeds
 from .nets.eagle3_net import Eagle3Config, Eagle3Net
 from .saved import read_info
 from .suffix import LookupBranch
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Eagle3Options(DrafterOptions):
+    """Eagle3Drafter's options (see the class)."""
+
+    tree: str = "dynamic"
+    depth: int = 6
+    top_k: int = 8
+    max_draft_tokens: int | None = None
+    adaptive: bool = True
+    accept: Sequence[float] | None = None
+    threshold: float = 0.7
+    lookup: str | None = None
+    lookup_tokens: int = 8
+    context_vocab: bool = False
+
+    def __post_init__(self):
+        if self.accept is not None:
+            object.__setattr__(self, "accept", tuple(float(a) for a in self.accept))
+        check_choice(self, "tree", ("chain", "dynamic", "sequoia"))
+        accept = self.accept
+        if self.tree == "sequoia" and not (accept and all(0 <= a <= 1 for a in accept) and sum(accept) <= 1 + 1e-6):
+            raise ValueError("tree='sequoia' needs accept=[P(rank 0), P(rank 1), ...], probabilities summing to at "
+                             f"most 1 (measure them with eval/sequoia_vector.py), got {self.accept!r}")
+        if self.depth < 1 or self.top_k < 1:
+            raise ValueError(f"depth and top_k must be >= 1, got {self.depth}, {self.top_k}")
+        check_at_least(self, 0, "max_draft_tokens", allow_none=True)
+        check_choice(self, "lookup", (None, "suffix", "ngram"))
+        if self.lookup is not None:
+            check_at_least(self, 1, "lookup_tokens")
 
 
 @register
@@ -65,7 +98,7 @@ class Eagle3Drafter(Drafter):
     accept[r] = P(the target's token is the head's r-th choice), measured on held-out text by
     eval/sequoia_vector.py and saved with the head). depth: deepest drafted token.
     top_k: children per expanded node and nodes expanded per depth ("dynamic").
-    max_nodes: cap on drafted tokens (None: the engine's budget, i.e. max_draft_tokens).
+    max_draft_tokens: most drafted tokens per step (None: the engine's SpecConfig.max_draft_tokens).
     adaptive: verify only the best-paying prefix of the grown tree (nodes by cumulative draft
     probability, times a calibration learned online: accepted / predicted), priced by
     AdaptiveDraftLength's verify cost; when even the best prefix does not repay the head's own passes
@@ -80,25 +113,20 @@ class Eagle3Drafter(Drafter):
     (see the module docstring); with adaptive drafting its nodes are priced beside the head's,
     without it the whole chain is drafted within the budget.
     context_vocab: add the committed text's tokens to the head's vocabulary for the sequence (see
-    the module docstring); needs a head whose LM head rows are the target's."""
+    the module docstring); needs a head whose LM head rows are the target's.
+    Options: Eagle3Options, as keywords or ``options=``; ``net``, ``info`` and ``acceptance`` are
+    arguments of their own."""
 
     name = "eagle3"
     needs_hidden_states = True
 
-    def __init__(self, net: Eagle3Net, *, tree: str = "dynamic", depth: int = 6, top_k: int = 8,
-                 max_nodes: int | None = None, info: dict | None = None, adaptive: bool = True,
-                 accept: Sequence[float] | None = None, acceptance=None, threshold: float = 0.7,
-                 lookup: str | None = None, lookup_tokens: int = 8, context_vocab: bool = False):
+    def __init__(self, net: Eagle3Net, *, info: dict | None = None, acceptance=None,
+                 options: Eagle3Options | None = None, **given):
         if not isinstance(net, Eagle3Net):
             raise TypeError(f"net must be an Eagle3Net (flashmm.drafters.load(dir) reads a trained one), "
                             f"got {type(net).__name__}")
-        if tree not in ("chain", "dynamic", "sequoia"):
-            raise ValueError(f"tree must be 'chain', 'dynamic' or 'sequoia', got {tree!r}")
-        if tree == "sequoia" and not (accept and all(0 <= a <= 1 for a in accept) and sum(accept) <= 1 + 1e-6):
-            raise ValueError("tree='sequoia' needs accept=[P(rank 0), P(rank 1), ...], probabilities summing to at "
-                             f"most 1 (measure them with eval/sequoia_vector.py), got {accept!r}")
-        if depth < 1 or top_k < 1:
-            raise ValueError(f"depth and top_k must be >= 1, got {depth}, {top_k}")
+        self._options = options = Eagle3Options.build(type(self).__name__, given, options)
+        tree, top_k, threshold = options.tree, options.top_k, options.threshold
         if acceptance is not None:
             if tree == "sequoia":
                 raise ValueError("a SpecDec++ acceptance head scores dynamic trees and chains; tree='sequoia' is fixed")
@@ -108,19 +136,21 @@ class Eagle3Drafter(Drafter):
                                  f"{net.cfg.hidden_size}")
             if not 0.0 < threshold < 1.0:
                 raise ValueError(f"threshold must be in (0, 1), got {threshold}")
-        self.branch = None if lookup is None else LookupBranch(lookup, lookup_tokens)  # kept across calls
-        self.context_vocab = context_vocab
+        # the lookup branch (its calibration, the suffix lookup's earlier outputs) is kept across calls
+        self.branch = None if options.lookup is None else LookupBranch(options.lookup, options.lookup_tokens)
+        self.context_vocab = options.context_vocab
         self._unembed = None                    # bind, with context_vocab: the target's LM head [V, d]
         self.acceptance, self.threshold = (None if acceptance is None else acceptance.eval()), threshold
         self.net = net.eval()
-        self.tree, self.depth, self.top_k, self.max_nodes = tree, depth, top_k, max_nodes
-        self.accept = None if accept is None else [float(a) for a in accept]
+        self.tree, self.depth, self.top_k = tree, options.depth, top_k
+        self.max_draft_tokens = options.max_draft_tokens
+        self.accept = None if options.accept is None else list(options.accept)
         self._shapes: dict[int, list[tuple[int, ...]]] = {}     # budget -> Sequoia rank paths
         self.feature_layers = tuple(net.cfg.feature_layers)
         self.info = info or {}
         self._embed = None
         self._linears = nullcontext()           # bind: OneDNNLinears when the target multiplies through oneDNN
-        self.adaptive, self.length = adaptive, AdaptiveDraftLength()
+        self.adaptive, self.length = options.adaptive, AdaptiveDraftLength()
         self.evidence = [0.0, 0.0]              # forgetting sums of accepted and predicted tokens
         self._predicted, self._pause, self._backoff = 0.0, 0, 0
         self._pass_cost = 0.0                   # bind: one head pass, in target forwards (the weights it reads)
@@ -136,8 +166,7 @@ class Eagle3Drafter(Drafter):
         info = check_section(config, "drafter.json (an EAGLE-3 head folder)", read_info(path),
                              {"eagle3_config": dict, "drafting": dict}, required=("eagle3_config",), unknown_ok=True)
         sizes = check_section(config, "'eagle3_config'", info["eagle3_config"], *parameters_of(Eagle3Config))
-        drafting = check_section(config, "'drafting'", info.get("drafting", {}),
-                                 *parameters_of(cls, skip=("net", "info", "acceptance")))
+        drafting = check_section(config, "'drafting'", info.get("drafting", {}), *parameters_of(Eagle3Options))
         with blamed_on(config, "'eagle3_config'"):
             net = Eagle3Net(Eagle3Config.from_dict(sizes))
         missing, unexpected = load_weights(net, read_safetensors(weights), weights, strict=False)
@@ -247,7 +276,7 @@ class Eagle3Drafter(Drafter):
     def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams) -> Draft:
         self._sync(committed)
         self._head_nodes = []
-        budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
         chain, bucket = self.branch.chain(committed, budget) if self.branch is not None else ([], 0)
         if budget <= 0 or self._pause > 0:
             self._pause = max(0, self._pause - 1)

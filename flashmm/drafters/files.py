@@ -6,7 +6,8 @@ error without the path.
 Every folder reader (``flashmm.drafters.load``, ``FlashDrafter.from_pretrained``, each drafter's
 ``from_dir``, REST's datastore) reads through ``read_json`` / ``read_safetensors`` and checks each
 section it passes to a constructor with ``check_section``, whose expected keys and types come from
-the constructor itself (``parameters_of``), so a new option needs no second list here.
+the method's options dataclass (flashmm.drafters.options) or the constructor itself
+(``parameters_of``), so a new option needs no second list here.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import json
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,6 +82,35 @@ def load_weights(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], p
 
 
 # ---------------------------------------------------------------------------------------- sections
+#: drafting options renamed so that each meaning has one spelling across every drafter: the old
+#: spelling -> what to write instead. ``max_draft_tokens`` is the most drafted tokens (tree nodes
+#: besides the root) a drafter proposes per step, as SpecConfig.max_draft_tokens is the engine's cap
+#: on the same count; ``lookup_tokens`` / ``first_tokens`` cap one part of a draft (a lookup chain,
+#: a horizontal cascade's first drafter).
+RENAMED_OPTIONS = {
+    "max_nodes": "max_draft_tokens",
+    "tree_nodes": "tree='static' with max_draft_tokens=N (tree_nodes=0 was tree='chain')",
+    "max_lookup_tokens": "lookup_tokens",
+    "max_first_tokens": "first_tokens",
+}
+
+
+def renamed_message(names) -> str | None:
+    """Why the options ``names`` include old spellings, naming each one's new spelling; None when none do."""
+    old = [name for name in names if name in RENAMED_OPTIONS]
+    if not old:
+        return None
+    return "; ".join(f"option {name!r} was renamed: use {RENAMED_OPTIONS[name]}" for name in old)
+
+
+def refuse_renamed(options: Iterable[str], where: str) -> None:
+    """TypeError naming ``where`` (a drafter, "flashmm.wrap") when the option names ``options`` (a
+    mapping's keys) include an old spelling."""
+    message = renamed_message(options)
+    if message:
+        raise TypeError(f"{where}: {message}")
+
+
 def parameters_of(*factories, skip: Sequence[str] = ()) -> tuple[dict[str, object], set[str]]:
     """({name: type hint}, required names) of the keyword parameters of ``factories`` (classes,
     whose __init__ is read, dataclasses, whose fields are, or functions), the first one's hint
@@ -121,13 +151,16 @@ def check_section(path: str | os.PathLike, where: str, section, hints: Mapping[s
     if missing:
         raise DrafterFileError(path, f"{where} lacks the required key{'s' * (len(missing) > 1)} {missing}")
     unknown = sorted(set(section) - set(hints))
+    renamed = renamed_message(unknown)
+    if renamed:   # refused even where unknown keys are let through: an old spelling would be ignored
+        raise DrafterFileError(path, f"{where}: {renamed}")
     if unknown and not unknown_ok:
         raise DrafterFileError(path, f"{where} has unknown key{'s' * (len(unknown) > 1)} {unknown} "
                                      f"(known: {sorted(hints)})")
     for name, value in section.items():
         hint = hints.get(name, object)
-        if not _matches(value, hint):
-            raise DrafterFileError(path, f"{where}[{name!r}] should be {_describe(hint)}, got "
+        if not matches_hint(value, hint):
+            raise DrafterFileError(path, f"{where}[{name!r}] should be {describe_hint(hint)}, got "
                                          f"{_json_type(value)} {_short(value)}")
     return section
 
@@ -169,14 +202,14 @@ def _short(value) -> str:
     return f"({text if len(text) <= 40 else text[:37] + '...'})"
 
 
-def _matches(value, hint) -> bool:
+def matches_hint(value, hint) -> bool:
     """Whether the JSON value fits ``hint`` (a type hint of a constructor parameter); hints a JSON
     value cannot be checked against (a callable, a type variable) accept anything."""
     if hint is object or hint is typing.Any:
         return True
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in args)
+        return any(matches_hint(value, arg) for arg in args)
     if hint is type(None):
         return value is None
     if hint is bool:
@@ -186,10 +219,10 @@ def _matches(value, hint) -> bool:
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if origin is tuple and args and args[-1] is not Ellipsis:
-        return isinstance(value, list) and len(value) == len(args) and all(map(_matches, value, args))
+        return isinstance(value, list) and len(value) == len(args) and all(map(matches_hint, value, args))
     if origin in (list, tuple, Sequence, typing.Sequence) or hint in (list, tuple):
         element = args[0] if args else object
-        return isinstance(value, list) and all(_matches(v, element) for v in value)
+        return isinstance(value, list) and all(matches_hint(v, element) for v in value)
     if origin in (dict, Mapping) or hint in (dict, Mapping):
         return isinstance(value, dict)
     if isinstance(hint, type):
@@ -197,14 +230,14 @@ def _matches(value, hint) -> bool:
     return True
 
 
-def _describe(hint) -> str:
+def describe_hint(hint) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(arg) for arg in args)
+        return " or ".join(describe_hint(arg) for arg in args)
     if hint is type(None):
         return "null"
     if origin in (list, tuple, Sequence, typing.Sequence):
-        return f"an array of {_describe(args[0])}" if args else "an array"
+        return f"an array of {describe_hint(args[0])}" if args else "an array"
     if origin in (dict, Mapping):
         return "an object"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -51,8 +52,10 @@ from ..tree.dynamic import TreeUnits, grow
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_first_paths, best_paying_prefix, fit_chain
 from .base import Drafter, SequenceStart, StepResult, register, root_only
-from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json, read_safetensors
+from .files import (DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json,
+                    read_safetensors, refuse_renamed)
 from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
+from .options import DrafterOptions, check_at_least, check_choice
 from .suffix import SuffixTrie, lookup_source
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
@@ -73,8 +76,60 @@ def read_config(directory: str | os.PathLike) -> dict:
         raise DrafterFileError(path, f"'format' is {meta['format']!r}, not 'flashmm-flash': not a flashmm FLASH "
                                      "drafter config")
     check_section(path, "'config'", meta["config"], *parameters_of(FlashConfig))
-    check_section(path, "'drafting'", meta.get("drafting", {}), *parameters_of(FlashDrafter, skip=("net",)))
+    check_section(path, "'drafting'", meta.get("drafting", {}), *parameters_of(FlashOptions))
     return meta
+
+
+@dataclass(frozen=True)
+class FlashOptions(DrafterOptions):
+    """FlashDrafter's options (see the class); rank paths, ``draft_vocab`` and ``accept`` are kept as
+    tuples (``draft_vocab`` sorted, without repeats)."""
+
+    compression: str = "learned"
+    tree: str | Sequence[Sequence[int]] = "dynamic"
+    depth: int | None = None
+    top_k: int = 8
+    max_draft_tokens: int | None = None
+    min_path_prob: float = 0.0
+    draft_vocab: Sequence[int] | None = None
+    lookup_tokens: int = 0
+    pool_spans: int = 1
+    accept: Sequence[float] | None = None
+    budget: str = "fixed"
+    calibration: float = 1.0
+    lookup: str = "ngram"
+
+    def __post_init__(self):
+        check_choice(self, "compression", COMPRESSIONS)
+        if isinstance(self.tree, str):
+            if self.tree not in ("dynamic", "chain", "eagle2", "sequoia"):
+                raise ValueError(f"tree must be 'dynamic', 'chain', 'eagle2', 'sequoia' or a list of rank paths, "
+                                 f"got {self.tree!r}")
+        else:
+            object.__setattr__(self, "tree", tuple(tuple(map(int, p)) for p in self.tree))
+            if not self.tree or any(len(p) == 0 for p in self.tree):
+                raise ValueError("a static tree needs at least one non-empty rank path")
+            TokenTree.from_choices([list(p) for p in self.tree])  # validates ranks
+        check_at_least(self, 1, "depth", allow_none=True)
+        check_at_least(self, 1, "top_k", "pool_spans")
+        check_at_least(self, 0, "lookup_tokens")
+        check_at_least(self, 0, "max_draft_tokens", allow_none=True)
+        check_choice(self, "lookup", ("ngram", "suffix"))
+        check_choice(self, "budget", ("fixed", "auto"))
+        if not self.calibration > 0:
+            raise ValueError(f"calibration must be > 0, got {self.calibration}")
+        if self.accept is not None:
+            object.__setattr__(self, "accept", tuple(float(a) for a in self.accept))
+            if not self.accept or min(self.accept) < 0 or sum(self.accept) > 1 + 1e-6:
+                raise ValueError(f"accept must be non-negative rank acceptance rates summing to at most 1, "
+                                 f"got {list(self.accept)!r}")
+        if self.tree == "sequoia" and self.accept is None:
+            raise ValueError("tree='sequoia' needs the drafter's positional acceptance vector `accept` "
+                             "(measure it with eval/flash_sequoia_vector.py)")
+        if self.draft_vocab is not None:
+            object.__setattr__(self, "draft_vocab", tuple(sorted({int(t) for t in self.draft_vocab})))
+            if not self.draft_vocab or self.draft_vocab[0] < 0:
+                raise ValueError("draft_vocab must be a non-empty list of non-negative token ids (or None)")
 
 
 @register
@@ -84,15 +139,15 @@ class FlashDrafter(Drafter):
     net:          a FlashNet, a directory written by ``save_pretrained``, or None (an untrained
                   net sized for the target is built at ``bind``, with a warning).
     compression:  "learned" | "prune" | "merge" | "none" (visual tokens; see flash_modules).
-    tree:         "dynamic" (best-first by cumulative probability, budget = the engine's token
-                  budget or ``max_nodes``), "chain", a list of rank paths (static shape),
+    tree:         "dynamic" (best-first by cumulative probability, up to the engine's
+                  SpecConfig.max_draft_tokens or ``max_draft_tokens``), "chain", a list of rank paths (static shape),
                   "sequoia" (the Sequoia tree of ``accept``), or
                   "eagle2" (K = 1 heads: EAGLE-2 trees, every node expanded on its own path; see
                   flashmm.tree.dynamic).
     depth:        deepest drafted position for "dynamic"/"chain" (default: the smallest multiple
                   of K that is >= 5, i.e. one SAR pass for K = 5, five for K = 1).
     top_k:        most children per node ("dynamic").
-    max_nodes:    extra cap on drafted tokens per step (None: the engine's budget).
+    max_draft_tokens: most drafted tokens per step (None: the engine's SpecConfig.max_draft_tokens).
     min_path_prob: "dynamic" stops adding nodes whose cumulative probability is below this.
     draft_vocab:  token ids the drafter may propose (None: the whole vocabulary). The draft head
                   then scores only these rows of the target's LM head: K x |draft_vocab| instead
@@ -107,65 +162,29 @@ class FlashDrafter(Drafter):
     pool_spans:   consecutive visual spans compressed together (a video given frame by frame as
                   images: C units for every ``pool_spans`` frames instead of C per frame; see
                   ``build_units``). 1: each span alone.
+    Options: FlashOptions, as keywords or ``options=``; ``net`` is an argument of its own.
     """
 
     name = "flash"
     needs_hidden_states = True
 
-    def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, compression: str = "learned",
-                 tree: str | Sequence[Sequence[int]] = "dynamic", depth: int | None = None, top_k: int = 8,
-                 max_nodes: int | None = None, min_path_prob: float = 0.0,
-                 draft_vocab: Sequence[int] | None = None, lookup_tokens: int = 0, pool_spans: int = 1,
-                 accept: Sequence[float] | None = None, budget: str = "fixed", calibration: float = 1.0,
-                 lookup: str = "ngram"):
+    def __init__(self, net: FlashNet | str | os.PathLike | None = None, *, options: FlashOptions | None = None,
+                 **given):
         if isinstance(net, (str, os.PathLike)):
             net = FlashDrafter.from_pretrained(net).net
         if net is not None and not isinstance(net, FlashNet):
             raise TypeError(f"net must be a FlashNet, a checkpoint directory or None, got {type(net).__name__}")
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
-        if isinstance(tree, str):
-            if tree not in ("dynamic", "chain", "eagle2", "sequoia"):
-                raise ValueError(f"tree must be 'dynamic', 'chain', 'eagle2', 'sequoia' or a list of rank paths, "
-                                 f"got {tree!r}")
-        else:
-            tree = [list(map(int, p)) for p in tree]
-            if not tree or any(len(p) == 0 for p in tree):
-                raise ValueError("a static tree needs at least one non-empty rank path")
-            TokenTree.from_choices(tree)  # validates ranks
-        if depth is not None and depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        if lookup_tokens < 0:
-            raise ValueError(f"lookup_tokens must be >= 0, got {lookup_tokens}")
-        if lookup not in ("ngram", "suffix"):
-            raise ValueError(f"lookup must be 'ngram' or 'suffix', got {lookup!r}")
-        if pool_spans < 1:
-            raise ValueError(f"pool_spans must be >= 1, got {pool_spans}")
-        if budget not in ("fixed", "auto"):
-            raise ValueError(f"budget must be 'fixed' or 'auto', got {budget!r}")
-        if not calibration > 0:
-            raise ValueError(f"calibration must be > 0, got {calibration}")
-        if accept is not None:
-            accept = [float(a) for a in accept]
-            if not accept or min(accept) < 0 or sum(accept) > 1 + 1e-6:
-                raise ValueError(f"accept must be non-negative rank acceptance rates summing to at most 1, "
-                                 f"got {accept!r}")
-        if tree == "sequoia" and accept is None:
-            raise ValueError("tree='sequoia' needs the drafter's positional acceptance vector `accept` "
-                             "(measure it with eval/flash_sequoia_vector.py)")
-        if draft_vocab is not None:
-            draft_vocab = sorted({int(t) for t in draft_vocab})
-            if not draft_vocab or draft_vocab[0] < 0:
-                raise ValueError("draft_vocab must be a non-empty list of non-negative token ids (or None)")
+        self._options = options = FlashOptions.build(type(self).__name__, given, options)
         self.net = net
-        self.compression, self.tree, self.depth, self.top_k = compression, tree, depth, top_k
-        self.max_nodes, self.min_path_prob = max_nodes, min_path_prob
-        self.draft_vocab = draft_vocab
-        self.lookup_tokens, self.pool_spans, self.lookup = lookup_tokens, pool_spans, lookup
-        self._outputs = SuffixTrie() if lookup == "suffix" else None   # earlier outputs, kept across calls
-        self.accept, self.budget, self.calibration = accept, budget, float(calibration)
+        # the options as the drafting code reads them: rank paths, draft_vocab and accept as lists
+        self.tree = options.tree if isinstance(options.tree, str) else [list(p) for p in options.tree]
+        self.compression, self.depth, self.top_k = options.compression, options.depth, options.top_k
+        self.max_draft_tokens, self.min_path_prob = options.max_draft_tokens, options.min_path_prob
+        self.draft_vocab = None if options.draft_vocab is None else list(options.draft_vocab)
+        self.lookup_tokens, self.pool_spans, self.lookup = options.lookup_tokens, options.pool_spans, options.lookup
+        self._outputs = SuffixTrie() if self.lookup == "suffix" else None   # earlier outputs, kept across calls
+        self.accept = None if options.accept is None else list(options.accept)
+        self.budget, self.calibration = options.budget, float(options.calibration)
         self.verify_cost, self.cost_source = None, "fixed budget"   # set at bind with budget="auto"
         self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # budget -> rank paths
         self._head = self._embed = None
@@ -188,7 +207,8 @@ class FlashDrafter(Drafter):
 
     def drafting_options(self) -> dict:
         return dict(compression=self.compression, tree=self.tree, depth=self.depth, top_k=self.top_k,
-                    max_nodes=self.max_nodes, min_path_prob=self.min_path_prob, draft_vocab=self.draft_vocab,
+                    max_draft_tokens=self.max_draft_tokens, min_path_prob=self.min_path_prob,
+                    draft_vocab=self.draft_vocab,
                     lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans, accept=self.accept,
                     budget=self.budget, calibration=self.calibration, lookup=self.lookup)
 
@@ -209,6 +229,7 @@ class FlashDrafter(Drafter):
         """Load what ``save_pretrained`` wrote; ``options`` override the saved drafting options. A
         malformed flash_config.json or a truncated / corrupt / mismatched weights file raises
         DrafterFileError naming the file and what is wrong (see ``read_config``)."""
+        refuse_renamed(options, f"FlashDrafter.from_pretrained({os.fspath(directory)!r})")
         meta = read_config(directory)
         config_path = os.path.join(directory, CONFIG_NAME)
         with blamed_on(config_path, "'config'"):
@@ -383,7 +404,7 @@ class FlashDrafter(Drafter):
 
     def _shape_for(self, max_tokens: int):
         """(kind, depth, budget or paths) for this step, or None when nothing can be drafted."""
-        budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
         if budget <= 0:
             return None
         if isinstance(self.tree, list):
@@ -452,7 +473,7 @@ class FlashDrafter(Drafter):
         if self.net.tokens_per_step != 1:
             raise ValueError(f"tree='eagle2' needs a K = 1 FLASH head (tokens_per_step = 1), this one has "
                              f"K = {self.net.tokens_per_step}; use tree='dynamic' for K > 1")
-        budget = max_tokens if self.max_nodes is None else min(max_tokens, self.max_nodes)
+        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
         if budget <= 0:
             return root_only(committed)
         softcap = self.net.cfg.final_logit_softcapping

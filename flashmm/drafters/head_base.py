@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from ..tree.token_tree import TokenTree
 from ..tree.trie import DraftTrie, best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, root_only
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
+from .options import DrafterOptions, check_at_least, check_choice
 from .saved import CONFIG_FILE, read_info
 from .suffix import LookupBranch
 
@@ -89,16 +91,42 @@ def chain_tree(depth: int) -> TokenTree:
     return TokenTree.from_choices([[0] * j for j in range(1, depth + 1)]) if depth else TokenTree.chain(0)
 
 
+@dataclass(frozen=True)
+class HeadOptions(DrafterOptions):
+    """The options of Medusa, Hydra and MTP (see HeadDrafter)."""
+
+    tree: str = "chain"
+    max_draft_tokens: int | None = None
+    top_s: int = 4
+    adaptive: bool = True
+    lookup: str | None = None
+    lookup_tokens: int = 8
+
+    def __post_init__(self):
+        check_choice(self, "tree", ("chain", "static"))
+        check_choice(self, "lookup", (None, "suffix", "ngram"))
+        check_at_least(self, 0, "max_draft_tokens", allow_none=True)
+        check_at_least(self, 1, "top_s")
+        if self.lookup is not None:
+            check_at_least(self, 1, "lookup_tokens")
+
+
 class HeadDrafter(Drafter):
     """Base of the drafters that run trained heads on the target's final hidden state.
+
+    Options: HeadOptions, as keywords or ``options=``; ``heads``, ``vocab``, ``accuracy`` and ``info``
+    are arguments of their own.
 
     heads:       the trained module (MedusaHeads, HydraHeads, MTPModules); ``heads.num_heads`` deep.
     vocab:       LongTensor [Vd] of target ids the heads predict (a reduced vocabulary), or None for all.
     accuracy:    [K][S] held-out per-head rank accuracies (shape the static tree), or None for a guess.
-    tree_nodes:  drafted nodes of the static tree; 0 drafts a chain (each head's top-1).
+    tree:        "chain" (each head's top-1) or "static" (the tree of rank paths with the largest
+                 products of ``accuracy``, static_tree).
+    max_draft_tokens: most drafted nodes per step (None: the engine's SpecConfig.max_draft_tokens);
+                 a chain is also at most K deep.
     info:        the drafter.json of a trained folder (kept for reporting).
     adaptive:    size the draft each step (``planned_tree``): among the trees of 1, 2, 4, 8 and
-                 ``tree_nodes`` nodes (chain prefixes for chains), the one maximising expected tokens per
+                 ``max_draft_tokens`` nodes (chain prefixes for chains), the one maximising expected tokens per
                  unit of cost, where the expected accepted tokens are the accuracy table's path products
                  times a calibration learned online (accepted / predicted, forgetting old steps), and the
                  cost is AdaptiveDraftLength's verify cost plus the heads' own (the weights they read
@@ -118,29 +146,28 @@ class HeadDrafter(Drafter):
     #: heads run one after another (Hydra, MTP: one LM-head pass per depth) rather than in one pass
     sequential = False
 
-    def __init__(self, heads: nn.Module, vocab: torch.Tensor | None = None, accuracy=None,
-                 tree_nodes: int = 0, top_s: int = 4, info: dict | None = None, adaptive: bool = True,
-                 lookup: str | None = None, lookup_tokens: int = 8):
-        if tree_nodes < 0:
-            raise ValueError(f"tree_nodes must be >= 0 (0 = a chain), got {tree_nodes}")
-        if tree_nodes and self.chain_only:
-            raise ValueError(f"{type(self).__name__} drafts chains only: use tree_nodes=0")
+    def __init__(self, heads: nn.Module, vocab: torch.Tensor | None = None, accuracy=None, info: dict | None = None,
+                 options: HeadOptions | None = None, **given):
+        self._options = options = HeadOptions.build(type(self).__name__, given, options)
+        if options.tree != "chain" and self.chain_only:
+            raise ValueError(f"{type(self).__name__} drafts chains only: use tree='chain'")
         self.heads = heads.eval()
         self.vocab = None if vocab is None else vocab.long()
-        self.accuracy = accuracy or default_accuracy(heads.num_heads, top_s)
-        self.tree_nodes = tree_nodes
+        self.accuracy = accuracy or default_accuracy(heads.num_heads, options.top_s)
+        self.tree, self.max_draft_tokens = options.tree, options.max_draft_tokens
         self.info = info or {}
         self._embed = None
         self._lm_head: nn.Linear | None = None      # bind: the target's LM head rows the heads predict [Vd, d]
         self._linears = nullcontext()                # bind: OneDNNLinears when the target multiplies through oneDNN
         self._feature = None                         # [d]: target feature at the root's parent
         self._prompt_embeds = None                   # [T, d]: what the target consumed for the prompt
-        self.adaptive, self.length = adaptive, AdaptiveDraftLength()
+        self.adaptive, self.length = options.adaptive, AdaptiveDraftLength()
         self.evidence = [0.0, 0.0]                   # forgetting sums of accepted and predicted tokens
         self._predicted = 0.0                        # predicted accepted tokens of the last draft
         self._target_weights = 0
         self._sizes: dict = {}                       # n -> (tree, expected accepted, draft cost)
-        self.branch = None if lookup is None else LookupBranch(lookup, lookup_tokens)  # kept across calls
+        # the lookup branch (its calibration, the suffix lookup's earlier outputs) is kept across calls
+        self.branch = None if options.lookup is None else LookupBranch(options.lookup, options.lookup_tokens)
         self._head_nodes = None                      # with a lookup branch: per node of the last draft, by the heads
 
     # ------------------------------------------------------------------ binding and state
@@ -260,12 +287,13 @@ class HeadDrafter(Drafter):
 
     def tree_for(self, max_tokens: int) -> TokenTree | None:
         """The static tree (or chain) of at most ``max_tokens`` drafted nodes; None drafts nothing."""
-        depth = self.heads.num_heads
+        if self.max_draft_tokens is not None:
+            max_tokens = min(max_tokens, self.max_draft_tokens)
         if max_tokens < 1:
             return None
-        if not self.tree_nodes:
-            return chain_tree(min(depth, max_tokens))
-        return _cached_tree(json.dumps(self.accuracy), min(self.tree_nodes, max_tokens))
+        if self.tree == "chain":
+            return chain_tree(min(self.heads.num_heads, max_tokens))
+        return _cached_tree(json.dumps(self.accuracy), max_tokens)
 
     def path_products(self, tree: TokenTree) -> list[float]:
         """Per node (root first, 1.0): the accuracy table's product along the node's path."""
@@ -319,8 +347,7 @@ class HeadDrafter(Drafter):
         info = check_section(config, "drafter.json", read_info(path), {"heads": dict, "drafting": dict},
                              required=("heads",), unknown_ok=True)
         sizes = check_section(config, "'heads'", info["heads"], *parameters_of(cls.heads_class))
-        drafting = check_section(config, "'drafting'", info.get("drafting", {}),
-                                 *parameters_of(cls, skip=("heads", "vocab", "accuracy", "info")))
+        drafting = check_section(config, "'drafting'", info.get("drafting", {}), *parameters_of(HeadOptions))
         tensors = read_safetensors(weights)
         vocab = tensors.pop("vocab", None)
         with blamed_on(config, "'heads'"):

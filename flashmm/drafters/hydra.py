@@ -35,7 +35,7 @@ from .nets.hydra_net import HydraHeads
 @register
 class Hydra(HeadDrafter):
     """Hydra heads as a drafter; trained ones load with ``flashmm.drafters.load(dir)``.
-    ``tree_nodes``: drafted nodes of the static tree (0 = a chain of K)."""
+    ``tree``: "chain" (a chain of K) or "static" (the static tree of ``max_draft_tokens`` nodes)."""
 
     sequential = True
 

@@ -4,7 +4,7 @@ Head k (k = 1..K) is a residual SiLU block, z_k = h + SiLU(W_k h + b_k) (W_k zer
 untrained head repeats the LM head's guess), read by the target's own LM head; it predicts token
 t + k + 1 from h_t. All heads run once per step on the feature of the last accepted node.
 Candidates are the product of each head's top-s tokens pruned to a static sparse tree chosen from
-the heads' measured rank accuracies (head_base.static_tree); a chain (``tree_nodes=0``) takes each
+the heads' measured rank accuracies (head_base.static_tree); a chain (``tree="chain"``) takes each
 head's top-1.
 
 Drafts are deterministic functions of the context (q_probs None), so every exact verifier applies:
@@ -27,8 +27,9 @@ from .nets.medusa_net import MedusaHeads
 class Medusa(HeadDrafter):
     """Medusa-1 heads as a drafter; trained ones load with ``flashmm.drafters.load(dir)``.
 
-    Options: ``tree_nodes`` (drafted nodes of the static tree; 0 = a chain of K), ``top_s`` (ranks
-    per head the default tree guess considers when no accuracy was measured).
+    Options: ``tree`` ("chain": a chain of K; "static": the static tree), ``max_draft_tokens`` (its
+    drafted nodes), ``top_s`` (ranks per head the default tree guess considers when no accuracy was
+    measured).
     """
 
     name = "medusa"

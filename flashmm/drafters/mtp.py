@@ -14,7 +14,7 @@ committed tokens only; drafting runs module k at positions R-k+1..R-1, whose inp
 modules 1..k-1 just drafted, and keeps nothing of them. Token R + k comes from module k at
 position R - 1. Drafts are deterministic, verification exact.
 
-Trees (``tree_nodes`` > 0; the static tree of head_base.static_tree from the modules' measured rank
+Trees (``tree="static"``; the static tree of head_base.static_tree from the modules' measured rank
 accuracies, as Hydra's). A node n at depth j (tokens d_1..d_j on its path, d_j at position R + j)
 gets its children from module j + 1 at position R - 1 run on *n's own path*: module j + 1 runs at
 positions R-j..R-1, reading h^j at R-j from its committed states and h^j at R-j+1..R-1 from module
@@ -38,7 +38,7 @@ from .nets.mtp_net import MTPModules
 @register
 class MTP(HeadDrafter):
     """MTP modules as a drafter; trained ones load with ``flashmm.drafters.load(dir)``.
-    ``tree_nodes``: drafted nodes of the static tree (0 = a chain of D)."""
+    ``tree``: "chain" (a chain of D) or "static" (the static tree of ``max_draft_tokens`` nodes)."""
 
     name = "mtp"
     heads_class = MTPModules
@@ -78,7 +78,7 @@ class MTP(HeadDrafter):
         root = committed.shape[1] - 1
         if self._lm_head is None or min(self.heads.num_heads, max_tokens, root) < 1:
             return root_only(committed)
-        tree = self.planned_tree(max_tokens if self.tree_nodes else min(self.heads.num_heads, max_tokens, root))
+        tree = self.planned_tree(max_tokens if self.tree == "static" else min(self.heads.num_heads, max_tokens, root))
         if tree is None or tree.num_nodes < 2 or tree.max_depth > root:
             return root_only(committed)  # the modules' caches catch up when a step drafts again
         self._sync(committed)  # one run per module over every position committed since it last drafted

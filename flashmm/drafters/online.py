@@ -38,7 +38,7 @@ import torch
 
 from .base import Drafter, StepResult
 from .draft_model import DraftModel
-from .fastdraft import ReducedVocabLM
+from .nets.reduced_vocab import ReducedVocabLM
 from .nets.distill import DIVERGENCES, divergence, target_distribution, target_rows
 
 

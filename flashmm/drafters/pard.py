@@ -19,7 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ..config import SamplingParams
 from ..sampling import sample
@@ -29,30 +28,11 @@ from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import register, root_only
 from .draft_model import DraftModel
-from .fastdraft import ReducedVocabLM, load_reduced_lm
+from .fastdraft import load_reduced_lm
 from .files import blamed_on, check_section
+from .nets.pard_net import PardLM
+from .nets.reduced_vocab import ReducedVocabLM
 from .saved import CONFIG_FILE
-
-
-class PardLM(nn.Module):
-    """A draft LM (any causal LM over draft rows) plus the learned embedding of the mask token.
-
-    The mask is an input-only row, never an output: the draft's (tied) LM head keeps its
-    vocabulary and cannot draft it.
-    """
-
-    def __init__(self, lm: nn.Module, mask_embedding: torch.Tensor | None = None):
-        super().__init__()
-        self.lm = lm
-        if mask_embedding is None:  # start from the mean input embedding: a "typical token"
-            mask_embedding = lm.get_input_embeddings().weight.detach().mean(0)
-        weight = lm.get_input_embeddings().weight
-        self.mask_embedding = nn.Parameter(mask_embedding.detach().clone().to(weight.dtype))
-
-    def embed(self, rows: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
-        """Input embeddings [..., H] of draft rows, the mask embedding where ``is_mask``."""
-        embeds = self.lm.get_input_embeddings()(rows)
-        return torch.where(is_mask[..., None], self.mask_embedding.to(embeds.dtype), embeds)
 
 
 @register

@@ -1,12 +1,15 @@
 """Prompt lookup decoding: draft the continuation of the latest earlier n-gram match."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
+from .options import DrafterOptions, check_at_least
 
 
 def ngram_continuation(ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
@@ -63,6 +66,21 @@ class NgramIndex:
         return [], 0
 
 
+@dataclass(frozen=True)
+class PromptLookupOptions(DrafterOptions):
+    """max_ngram / min_ngram: the longest and shortest tail of the committed text searched for;
+    max_draft_tokens: most drafted tokens per step (the continuation's length at most)."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    max_draft_tokens: int = 10
+
+    def __post_init__(self):
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        check_at_least(self, 0, "max_draft_tokens")
+
+
 @register
 class PromptLookup(Drafter):
     """Deterministic n-gram lookup over prompt + output (Saxena 2023; HF ``prompt_lookup_num_tokens``).
@@ -72,22 +90,24 @@ class PromptLookup(Drafter):
     draft (a plain step). How far to trust a match is learned per matched length n: each n has
     its own acceptance estimate (AdaptiveDraftLength, prior favouring longer matches), which picks
     the draft length, or no draft when drafting would not pay for its verification.
+
+    Options: PromptLookupOptions, as keywords or ``options=``; ``length``: the template of the
+    per-n AdaptiveDraftLength (its costs and prior).
     """
 
     name = "prompt_lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft_tokens: int = 10,
-                 length: AdaptiveDraftLength | None = None):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.max_draft_tokens = max_draft_tokens
+    def __init__(self, length: AdaptiveDraftLength | None = None, options: PromptLookupOptions | None = None,
+                 **given):
+        self._options = PromptLookupOptions.build(type(self).__name__, given, options)
+        self.max_ngram, self.min_ngram = self.options.max_ngram, self.options.min_ngram
+        self.max_draft_tokens = self.options.max_draft_tokens
         template = length or AdaptiveDraftLength()
         # prior acceptance 1/4 for a 1-gram match, 1/3 for 2-grams, 1/2 from 3-grams on
         self.lengths = {n: AdaptiveDraftLength(**{**template.__dict__, "prior_reject": max(1.0, 4.0 - n)})
-                        for n in range(min_ngram, max_ngram + 1)}
+                        for n in range(self.min_ngram, self.max_ngram + 1)}
         self._last = (0, 0)  # (matched n, drafted tokens) of the last proposal
-        self._index = NgramIndex(max_ngram, min_ngram)
+        self._index = NgramIndex(self.max_ngram, self.min_ngram)
 
     def cost_models(self) -> list:
         return list(self.lengths.values())

@@ -42,7 +42,8 @@ from ..tree.cost import AdaptiveDraftLength
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import register, root_only
-from .fastdraft import FastDraft, ReducedVocabLM, save_reduced_lm
+from .fastdraft import FastDraft, save_reduced_lm
+from .nets.reduced_vocab import ReducedVocabLM
 
 
 @register

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import _REGISTRY, Drafter, drafter_names, make_drafter
-from .files import DrafterFileError, check_section, read_json
+from .files import DrafterFileError, check_section, read_json, refuse_renamed
 
 CONFIG_FILE = "drafter.json"
 # the keys every drafter.json holds; the rest is the method's own sections (checked by its from_dir)
@@ -36,6 +36,7 @@ def load(path, **options) -> Drafter:
     ``speculators_model_type``, no drafter.json) is read by flashmm.drafters.published."""
     from .published import is_speculators_folder, load_speculators  # noqa: PLC0415 (published imports eagle3, which imports this module)
 
+    refuse_renamed(options, f"flashmm.drafters.load({str(path)!r})")
     if not (Path(path) / CONFIG_FILE).is_file() and is_speculators_folder(path):
         return load_speculators(path, **options)
     info = read_info(path)

@@ -12,10 +12,12 @@ are merged into one (shared prefixes verified once), and TreeBudget drafts only 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.trie import ChainCalibration, DraftTrie, TreeBudget, match_bucket
 from .base import Drafter, StepResult, register, root_only
+from .options import DrafterOptions, check_at_least
 from .prompt_lookup import NgramIndex
 from .rest import Rest
 
@@ -185,6 +187,25 @@ class LookupBranch:
         kinds += [False] * (len(trie) - len(kinds))
 
 
+@dataclass(frozen=True)
+class SuffixOptions(DrafterOptions):
+    """SuffixDecoding's options (see the class)."""
+
+    max_match: int = 12
+    max_depth: int = 24
+    budget_per_match: float = 2.0
+    max_draft_tokens: int = 24
+    max_global_tokens: int = 200_000
+    merge: bool = True
+    corpus_below: int = 0
+
+    def __post_init__(self):
+        check_at_least(self, 1, "max_match", "max_depth")
+        check_at_least(self, 0, "max_draft_tokens", "max_global_tokens", "corpus_below")
+        if not self.budget_per_match > 0:
+            raise ValueError(f"budget_per_match must be > 0, got {self.budget_per_match}")
+
+
 @register
 class SuffixDecoding(Drafter):
     """SuffixDecoding over earlier outputs (kept across calls) and the current prompt + output.
@@ -195,17 +216,22 @@ class SuffixDecoding(Drafter):
     (rest.Datastore or its safetensors file) whose retrieved continuations join the tree as a
     third source, consulted only while the context's own match (prompt and outputs) is shorter
     than ``corpus_below`` tokens (0: always): where the prompt already holds the continuation
-    (extraction, summarization) the corpus only adds nodes to verify.
+    (extraction, summarization) the corpus only adds nodes to verify. max_draft_tokens: most drafted
+    tokens per step; max_global_tokens: tokens of earlier outputs kept. Options: SuffixOptions, as
+    keywords or ``options=``; ``datastore`` and ``cost`` (the TreeBudget's AdaptiveDraftLength) are
+    arguments of their own.
     """
 
     name = "suffix"
 
-    def __init__(self, max_match: int = 12, max_depth: int = 24, budget_per_match: float = 2.0,
-                 max_draft_tokens: int = 24, max_global_tokens: int = 200_000, merge: bool = True,
-                 datastore=None, corpus_below: int = 0, cost: AdaptiveDraftLength | None = None):
-        self.max_match, self.max_depth, self.corpus_below = max_match, max_depth, corpus_below
-        self.budget_per_match, self.max_draft_tokens, self.merge = budget_per_match, max_draft_tokens, merge
-        self.outputs = SuffixTrie(max_depth, max_global_tokens)  # shared by forks
+    def __init__(self, datastore=None, cost: AdaptiveDraftLength | None = None, options: SuffixOptions | None = None,
+                 **given):
+        self._options = SuffixOptions.build(type(self).__name__, given, options)
+        max_match, max_depth = self.options.max_match, self.options.max_depth
+        self.max_match, self.max_depth, self.corpus_below = max_match, max_depth, self.options.corpus_below
+        self.budget_per_match, self.max_draft_tokens = self.options.budget_per_match, self.options.max_draft_tokens
+        self.merge = self.options.merge
+        self.outputs = SuffixTrie(max_depth, self.options.max_global_tokens)  # shared by forks
         # a REST datastore (Datastore or its file) as a third source: text the target wrote before
         self.corpus = None if datastore is None else Rest(datastore, max_match=max_match, max_depth=max_depth // 2)
         self.sizer = TreeBudget(cost=cost)

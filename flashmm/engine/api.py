@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 
 from ..config import SpecConfig
 from ..drafters.base import Drafter
+from ..drafters.files import refuse_renamed
 from ..drafters.resolve import resolve_drafter
 from ..targets import make_target
 from ..targets.media_rows import holds_media_tensors, item_media
@@ -33,6 +34,7 @@ class SpeculativeModel:
                  attention: str = "auto", linear: str = "auto", cuda_graphs: bool = False,
                  allow_untrained: bool = False, **config):
         unknown = set(config) - _SPEC_FIELDS
+        refuse_renamed(unknown, "flashmm.wrap")
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; SpecConfig fields are {sorted(_SPEC_FIELDS)}")
         if attention not in ("auto", "triton", "torch"):

@@ -44,6 +44,7 @@ import torch
 from PIL import Image
 
 from ..config import SpecConfig
+from ..drafters.files import refuse_renamed
 from ..drafters.resolve import UntrainedDrafterError, resolve_drafter, training_record  # noqa: F401 (public here too)
 from ..engine.api import wrap
 from ..engine.loop import GenerationStats
@@ -178,6 +179,7 @@ class CaptionPipeline:
         if processor is None:
             raise ValueError("a model given as an object needs its processor: CaptionPipeline(model, processor=...)")
         unknown = set(spec_config) - {f.name for f in fields(SpecConfig)}
+        refuse_renamed(unknown, "CaptionPipeline")
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; SpecConfig fields are "
                             f"{sorted(f.name for f in fields(SpecConfig))}")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters.specdecpp import AcceptanceHead, RankAcceptanceHead, output_layer
+from ..drafters.nets.specdecpp_net import AcceptanceHead, RankAcceptanceHead, output_layer
 
 
 @torch.no_grad()

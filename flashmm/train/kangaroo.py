@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters.kangaroo import KangarooAdapter
+from ..drafters.nets.kangaroo_net import KangarooAdapter
 from .corpus import CorpusFeatures
 
 

@@ -19,7 +19,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from ..drafters.pard import PardLM
+from ..drafters.nets.pard_net import PardLM
 
 
 def layout(n: int, first_trained: int, depth: int, keep: float, rng: random.Random) -> dict:

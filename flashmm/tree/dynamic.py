@@ -16,7 +16,7 @@ itself). Growth, per depth:
 Children of a node are distinct tokens chosen deterministically (top-k), so a draft built from the
 tree has ``q_probs = None`` and is verified exactly by the deterministic-children rules.
 
-SpecDec++ (flashmm.drafters.specdecpp.RankAcceptanceHead) plugs in through ``score``: children are
+SpecDec++ (flashmm.drafters.nets.specdecpp_net.RankAcceptanceHead) plugs in through ``score``: children are
 still the head's top-k tokens, but each is scored by a trained prediction of P(the target accepts
 it | its parent was accepted) instead of its draft probability, so a score is the node's predicted
 probability of being accepted; and with ``stop_below`` no node whose score is below it is kept or

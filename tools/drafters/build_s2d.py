@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from flashmm.drafters.fastdraft import ReducedVocabLM, load_reduced_lm
+from flashmm.drafters.fastdraft import load_reduced_lm
+from flashmm.drafters.nets.reduced_vocab import ReducedVocabLM
 from flashmm.drafters.s2d import save_s2d
 from flashmm.paths import work_dir
 from flashmm.train import draft_lm as T

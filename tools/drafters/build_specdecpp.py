@@ -27,7 +27,8 @@ import torch
 
 from eval.specdecpp_policy import cpu_cost_model, greedy_replay, summarize
 from flashmm.drafters import load
-from flashmm.drafters.specdecpp import AcceptanceHead, SpecDecPP, save_specdecpp
+from flashmm.drafters.nets.specdecpp_net import AcceptanceHead
+from flashmm.drafters.specdecpp import SpecDecPP, save_specdecpp
 from flashmm.paths import work_dir
 from flashmm.train.acceptance import acceptance_examples, head_metrics, train_head
 from flashmm.train.corpus import corpus_sequences, read_corpus

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from flashmm.drafters import load
-from flashmm.drafters.specdecpp import RankAcceptanceHead, save_specdecpp
+from flashmm.drafters.nets.specdecpp_net import RankAcceptanceHead
+from flashmm.drafters.specdecpp import save_specdecpp
 from flashmm.paths import work_dir
 from flashmm.targets.verify_cost import measure_verify_cost
 from flashmm.train import eagle3 as E

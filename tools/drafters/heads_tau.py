@@ -22,7 +22,7 @@ from tools.drafters.build_heads import LAYERS, corpus_features, log
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="+")
-    ap.add_argument("--tree-nodes", type=int, nargs="+", default=[None], help="drafting option values (default: the folder's)")
+    ap.add_argument("--tree-nodes", type=int, nargs="+", default=[None], help="static tree sizes (0: a chain; default: the folder's drafting options)")
     ap.add_argument("--fixed", action="store_true", help="adaptive=False: draft the whole tree every step")
     ap.add_argument("--corpus", default="assets/corpus/smollm2")
     ap.add_argument("--features-cache", default=str(work_dir("head_work", "features")))
@@ -39,13 +39,15 @@ def main(argv=None) -> None:
     rows = []
     for folder in args.folders:
         for nodes in args.tree_nodes:
-            options = {} if nodes is None else {"tree_nodes": nodes}
+            options = {} if nodes is None else \
+                {"tree": "static", "max_draft_tokens": nodes} if nodes else {"tree": "chain"}
             if args.fixed:
                 options["adaptive"] = False
             drafter = load_drafter(folder, **options)
             drafter.bind(H.ModelFacts(model))
             got = H.replay_tau(drafter, held, max_new_tokens=args.max_new_tokens)
-            rows.append({"folder": folder, "tree_nodes": drafter.tree_nodes, "adaptive": drafter.adaptive, **got})
+            nodes = drafter.max_draft_tokens if drafter.tree == "static" else 0
+            rows.append({"folder": folder, "tree_nodes": nodes, "adaptive": drafter.adaptive, **got})
             log(json.dumps(rows[-1]))
     print(json.dumps(rows, indent=1))
 

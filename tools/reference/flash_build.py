@@ -216,7 +216,7 @@ class FlashBuildConfig:
     with other jobs two OpenMP threads stall each other).
     num_queries: learned-compressor vectors per visual span (an image or a video frame: 64
     tokens -> 8 units).
-    tree / top_k / max_nodes: drafting options saved with the drafter (on the 2-core CPU a
+    tree / top_k / max_draft_tokens: drafting options saved with the drafter (on the 2-core CPU a
     verification forward costs about the same for 4 to 12 drafted tokens and more beyond, so
     12 nodes, under the engine's default budget of 16). They do not affect training.
     lookup_tokens: the n-gram lookup branch merged into each FLASH tree (drafting option: the
@@ -251,7 +251,7 @@ class FlashBuildConfig:
     draft_vocab_common: int = 4096
     tree: str = "dynamic"
     top_k: int = 4
-    max_nodes: int | None = 12
+    max_draft_tokens: int | None = 12
     lookup_tokens: int = 8
     pool_spans: int = 4
 
@@ -315,7 +315,7 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
     drafter = FlashDrafter.from_target(model, num_queries=cfg.num_queries, tokens_per_step=cfg.tokens_per_step,
                                        sar_hidden_mult=cfg.sar_hidden_mult, seed=cfg.seed,
                                        compression=cfg.compression, tree=cfg.tree, top_k=cfg.top_k,
-                                       max_nodes=cfg.max_nodes, lookup_tokens=cfg.lookup_tokens,
+                                       max_draft_tokens=cfg.max_draft_tokens, lookup_tokens=cfg.lookup_tokens,
                                        pool_spans=cfg.pool_spans)
     result = train_flash(model, processor, features=features, drafter=drafter, epochs=cfg.epochs, lr=cfg.lr,
                          batch_size=cfg.batch_size, compression=cfg.compression, ce_weight=cfg.ce_weight,
@@ -366,7 +366,7 @@ def main(argv=None) -> None:
     defaults = FlashBuildConfig()
     for field in dataclasses.fields(FlashBuildConfig):
         default = getattr(defaults, field.name)
-        kind = int if field.name == "max_nodes" else type(default)
+        kind = int if field.name == "max_draft_tokens" else type(default)
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=default)
     args = vars(parser.parse_args(argv))
     out, work = args.pop("out"), args.pop("work")

@@ -1,0 +1,137 @@
+"""Drafting options have one spelling per meaning: the old spellings of the draft size are refused
+wherever a user can give them (flashmm.wrap, flashmm.drafters.load, a registered name, a drafter.json
+section), each error naming the old option and its new name."""
+import json
+
+import pytest
+import torch
+
+import flashmm
+from flashmm.drafters import DrafterFileError, load, make_drafter
+from flashmm.drafters.files import RENAMED_OPTIONS, check_section
+from flashmm.drafters.head_base import save_heads
+from flashmm.drafters.nets.medusa_net import MedusaHeads
+
+
+@pytest.mark.parametrize("old,new", [("max_nodes", "max_draft_tokens"), ("tree_nodes", "tree='static'"),
+                                     ("max_lookup_tokens", "lookup_tokens"), ("max_first_tokens", "first_tokens")])
+def test_wrap_refuses_old_spellings(old, new):
+    with pytest.raises(TypeError, match=f"flashmm.wrap: option '{old}' was renamed: use {new}"):
+        flashmm.wrap(torch.nn.Linear(2, 2), "prompt_lookup", **{old: 4})
+
+
+def test_load_refuses_old_spellings_before_reading_the_folder(tmp_path):
+    with pytest.raises(TypeError, match=r"drafters.load\(.*\): option 'max_nodes' was renamed: use max_draft_tokens"):
+        load(tmp_path, max_nodes=4)
+
+
+def test_registered_name_refuses_old_spellings():
+    with pytest.raises(TypeError, match="'vertical_cascade': option 'max_lookup_tokens' was renamed: use lookup_"):
+        make_drafter("vertical_cascade", max_lookup_tokens=4)
+
+
+def test_drafter_json_with_an_old_spelling_is_refused_naming_the_file(tmp_path):
+    heads = MedusaHeads(8, 2)
+    folder = save_heads(tmp_path / "medusa", "medusa", heads, heads.config(), None,
+                        {"method": "medusa", "target": "tiny", "drafting": {"tree_nodes": 4}})
+    with pytest.raises(DrafterFileError, match=r"drafter.json: 'drafting': option 'tree_nodes' was renamed: use "
+                                               r"tree='static' with max_draft_tokens=N"):
+        load(folder)
+    info = json.loads((folder / "drafter.json").read_text())
+    info["drafting"] = {"tree": "static", "max_draft_tokens": 4}
+    (folder / "drafter.json").write_text(json.dumps(info))
+    drafter = load(folder)
+    assert (drafter.tree, drafter.max_draft_tokens) == ("static", 4)
+
+
+def test_old_spellings_are_refused_even_where_unknown_keys_pass(tmp_path):
+    """A section read with unknown_ok (provenance keys let through) must not ignore a renamed option."""
+    for old in RENAMED_OPTIONS:
+        with pytest.raises(DrafterFileError, match=f"'{old}' was renamed"):
+            check_section(tmp_path / "drafter.json", "'options'", {old: 3}, {"max_draft_tokens": int}, unknown_ok=True)
+
+
+def test_shipped_folders_use_the_new_spellings():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "assets"
+    files = sorted(root.rglob("drafter.json")) + sorted(root.rglob("flash_config.json"))
+    assert files
+    for path in files:
+        info = json.loads(path.read_text())
+        sections = [info, info.get("drafting", {}), info.get("options", {})]
+        used = {key for section in sections if isinstance(section, dict) for key in section}
+        assert not used & set(RENAMED_OPTIONS), (path, used & set(RENAMED_OPTIONS))
+
+
+# ------------------------------------------------------------------ options as frozen dataclasses
+def _options_cases():
+    from flashmm.drafters import DraftModel, Eagle3Drafter, FlashDrafter, Medusa, PromptLookup, SuffixDecoding
+    from flashmm.drafters.draft_model import DraftModelOptions
+    from flashmm.drafters.eagle3 import Eagle3Options
+    from flashmm.drafters.flash import FlashOptions
+    from flashmm.drafters.head_base import HeadOptions
+    from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
+    from flashmm.drafters.prompt_lookup import PromptLookupOptions
+    from flashmm.drafters.suffix import SuffixOptions
+    from text_models import tiny_lm
+
+    lm = tiny_lm("llama", seed=0)
+    eagle3_net = Eagle3Net(Eagle3Config.for_target(lm.config, 64, (1, 1, 0)))
+    return [  # (make(**options), its options class, a valid option and value)
+        (lambda **o: PromptLookup(**o), PromptLookupOptions, ("max_ngram", 2)),
+        (lambda **o: SuffixDecoding(**o), SuffixOptions, ("merge", False)),
+        (lambda **o: DraftModel(lm, **o), DraftModelOptions, ("tree_width", 2)),
+        (lambda **o: Medusa(MedusaHeads(lm.config.hidden_size, 2), **o), HeadOptions, ("tree", "static")),
+        (lambda **o: Eagle3Drafter(eagle3_net, **o), Eagle3Options, ("top_k", 4)),
+        (lambda **o: FlashDrafter(None, **o), FlashOptions, ("top_k", 4)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def options_cases():
+    return _options_cases()
+
+
+def test_each_drafter_keeps_its_frozen_options(options_cases):
+    import dataclasses
+
+    for make, options_class, (name, value) in options_cases:
+        drafter = make(**{name: value})
+        assert isinstance(drafter.options, options_class), options_class
+        assert getattr(drafter.options, name) == value
+        assert drafter.options == options_class(**{name: value})       # defaults: the class's own
+        assert make().options == options_class()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(drafter.options, name, value)
+        with pytest.raises(AttributeError):
+            drafter.options = options_class()                             # read-only on the drafter
+        # a built options object is taken as it is; with keyword options too it is refused
+        assert make(options=options_class(**{name: value})).options == drafter.options
+        with pytest.raises(TypeError, match="not both"):
+            make(options=options_class(), **{name: value})
+
+
+def test_unknown_and_ill_typed_options_fail_in_one_place_naming_them(options_cases):
+    import dataclasses
+
+    for make, options_class, (name, value) in options_cases:
+        valid = [f.name for f in dataclasses.fields(options_class)]
+        with pytest.raises(TypeError, match=r"unknown option \['no_such_option'\]; its options are") as caught:
+            make(no_such_option=1)
+        assert str(valid) in str(caught.value)
+        with pytest.raises(TypeError, match=f"option '{name}' should be"):
+            make(**{name: object()})
+
+
+def test_drafting_section_is_checked_against_the_options_class(tmp_path):
+    heads = MedusaHeads(8, 2)
+    folder = save_heads(tmp_path / "medusa", "medusa", heads, heads.config(), None,
+                        {"method": "medusa", "target": "tiny", "drafting": {"tree": "static", "top_s": "4"}})
+    with pytest.raises(DrafterFileError, match=r"'drafting'\['top_s'\] should be an integer"):
+        load(folder)
+    info = json.loads((folder / "drafter.json").read_text())
+    info["drafting"] = {"tree": "static", "lookahead": 3}
+    (folder / "drafter.json").write_text(json.dumps(info))
+    with pytest.raises(DrafterFileError, match=r"'drafting' has unknown key \['lookahead'\]"):
+        load(folder)
