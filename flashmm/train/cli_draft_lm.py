@@ -1,0 +1,204 @@
+"""``python -m flashmm.train fastdraft|distillspec|adaspec|pard|s2d|specdecpp``: small draft LMs.
+
+Every recipe starts like FastDraft (flashmm.train.draft_lm_stages): a reduced vocabulary, next-token
+pretraining on the corpus (the target's greedy answers to --data, with their prompts), alignment on
+the answers; then the method's own stage:
+  fastdraft    (alias draft_lm) the aligned draft
+  distillspec  a divergence to the target's distributions on the draft's own continuations
+  adaspec      forward KL on the tokens the draft can still learn (gap to a distilled reference)
+  pard         a mask token and K tokens per forward
+  s2d          the aligned draft grown to --s2d-layers, sorted-trained over --exits, confidence
+               thresholds per exit chosen on held-out answers
+  specdecpp    an acceptance head on --draft (a FastDraft folder; default: the aligned draft, written
+               to --out/draft) that stops drafting at --threshold
+Each stage is checkpointed under --out/work/<method>; a rerun resumes.
+"""
+from __future__ import annotations
+
+from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
+
+DIVERGENCES = ("fkl", "rkl", "tvd", "jsd")   # flashmm.drafters.nets.distill.DIVERGENCES
+STAGES = {"fastdraft": ("pretrain", "align"),
+          "distillspec": ("pretrain", "align", "distillspec"),
+          "adaspec": ("pretrain", "align", "features", "kd", "adaspec"),
+          "pard": ("pretrain", "align", "pard")}
+
+
+def arguments_for(method: str):
+    def add_arguments(p) -> None:
+        add_text_arguments(p)
+        p.add_argument("--vocab", type=int, default=8192, help="draft vocabulary: most frequent corpus tokens")
+        p.add_argument("--hidden", type=int, default=384)
+        p.add_argument("--layers", type=int, default=2)
+        p.add_argument("--heads", type=int, default=6)
+        p.add_argument("--intermediate", type=int, default=1024)
+        p.add_argument("--init-layers", default="", help="start from the target: its width, these decoder layers "
+                       "(e.g. 0,1), its embedding rows and final norm (--hidden, --layers, --heads, --intermediate "
+                       "then do not apply)")
+        p.add_argument("--pretrain-epochs", type=float, default=2.0)
+        p.add_argument("--align-epochs", type=float, default=1.0)
+        p.add_argument("--lr", type=float, default=2e-3)
+        p.add_argument("--tokens-per-batch", type=int, default=8192)
+        p.add_argument("--max-minutes", type=float, default=None, help="stop (checkpointed) after this long")
+        if method in ("distillspec", "adaspec"):
+            p.add_argument("--distill-epochs", type=float, default=1.0)
+            p.add_argument("--distill-sequences", type=int, default=800,
+                           help="greedy answers whose target distributions are computed")
+        if method == "distillspec":
+            p.add_argument("--on-policy-prompts", type=int, default=800)
+            p.add_argument("--on-policy-tokens", type=int, default=128)
+            p.add_argument("--divergence", default="tvd", choices=DIVERGENCES)
+        if method == "adaspec":
+            p.add_argument("--select", type=float, default=0.4, help="fraction of tokens kept")
+        if method == "pard":
+            p.add_argument("--pard-depth", type=int, default=4, help="tokens predicted per forward")
+            p.add_argument("--pard-keep", type=float, default=0.7, help="conditional-drop keep fraction per depth")
+            p.add_argument("--pard-epochs", type=float, default=1.0)
+        if method == "s2d":
+            p.add_argument("--s2d-layers", type=int, default=4, help="layers of the nested draft")
+            p.add_argument("--exits", default="1,2,4", help="exits trained and drafted from")
+            p.add_argument("--s2d-epochs", type=float, default=0.5)
+            p.add_argument("--heldout", type=int, default=160, help="answers kept out of sorted training to "
+                           "choose the thresholds (at most half the corpus)")
+            p.add_argument("--tolerance", type=float, default=0.02)
+        if method == "specdecpp":
+            p.add_argument("--draft", default=None, help="a FastDraft folder (default: train one into --out/draft)")
+            p.add_argument("--threshold", type=float, default=0.7,
+                           help="stop before the token that makes P(a rejection) exceed this")
+            p.add_argument("--max-draft-tokens", type=int, default=8)
+            p.add_argument("--width", type=int, default=128, help="the acceptance head's hidden width")
+            p.add_argument("--head-epochs", type=int, default=1)
+            p.add_argument("--head-lr", type=float, default=2e-3)
+        p.epilog = SINGLE_PROCESS
+
+    return add_arguments
+
+
+def run(args, argv: list[str]) -> int:
+    from ..drafters.fastdraft import save_reduced_lm  # noqa: PLC0415
+    from .cli_common import text_setup  # noqa: PLC0415
+    from .draft_lm_stages import DraftLMStages  # noqa: PLC0415
+
+    method = args.method
+    for name in ("distill_epochs", "distill_sequences", "on_policy_prompts", "on_policy_tokens", "divergence",
+                 "select", "pard_depth", "pard_keep", "pard_epochs"):
+        if not hasattr(args, name):
+            setattr(args, name, None)   # options of the other recipes (DraftLMStages reads them by name)
+    if method == "specdecpp" and args.draft is not None:
+        from ..drafters.saved import read_info  # noqa: PLC0415
+
+        if read_info(args.draft)["drafter"] != "fastdraft":
+            raise SystemExit(f"--draft {args.draft}: holds a {read_info(args.draft)['drafter']!r} drafter; "
+                             "SpecDec++ heads sit on a FastDraft folder")
+    s = text_setup(args, method, method_settings(args))
+    trained = {}
+
+    def export(name, draft, summary, notes, drafter="fastdraft", extra=None, **more):
+        trained[name] = (draft, summary)
+        if name != method:
+            return
+        info = {"method": name, "target": target_info(args.target, s.model),
+                "training": {**summary, "options": method_settings(args)}, "notes": notes,
+                "command": command_line(argv), **more}
+        save_reduced_lm(s.out, draft, info, drafter=drafter, extra=extra)
+        log(f"{name} written to {s.out}")
+
+    stages = DraftLMStages(s.records, args, s.work, lambda: (s.model, s.tokenizer), export, log=log)
+    needs = () if method == "specdecpp" and args.draft else STAGES.get(method, ("pretrain", "align"))
+    for stage in needs:
+        getattr(stages, f"stage_{stage}")()
+    if method == "s2d":
+        train_s2d(args, argv, s, stages, trained["fastdraft"][0])
+    elif method == "specdecpp":
+        train_specdecpp(args, argv, s, trained.get("fastdraft"))
+    return 0
+
+
+def train_s2d(args, argv, s, stages, aligned) -> None:
+    """S2D (flashmm.train.sorted): the aligned draft deepened, sorted-trained, thresholds chosen."""
+    import json  # noqa: PLC0415
+
+    from ..drafters.fastdraft import ReducedVocabLM  # noqa: PLC0415
+    from ..drafters.s2d import save_s2d  # noqa: PLC0415
+    from .sorted import SortedLoss, choose_thresholds, deepen, exit_confidences  # noqa: PLC0415
+
+    try:
+        exits = tuple(int(e) for e in args.exits.split(","))
+    except ValueError:
+        raise SystemExit(f"--exits {args.exits!r}: give comma-separated layer counts, e.g. 1,2,4") from None
+    if not exits or exits != tuple(sorted(set(exits))) or exits[0] < 1 or exits[-1] > args.s2d_layers:
+        raise SystemExit(f"--exits {args.exits!r}: increasing layer counts within 1..--s2d-layers ({args.s2d_layers})")
+    draft = ReducedVocabLM(deepen(aligned.lm, args.s2d_layers), aligned.draft_to_target, aligned.target_vocab)
+    examples = stages.greedy_examples()
+    held = min(args.heldout, len(examples) // 2)
+    train, heldout = examples[held:], examples[:held] or examples
+    summary = stages.train("sorted", draft, train, "sorted", args.s2d_epochs, checkpoint_every=10,
+                           group_loss=SortedLoss(exits))
+    chosen_path = s.work / "thresholds.json"
+    if not chosen_path.exists():
+        top, right = exit_confidences(draft.lm, heldout, exits)
+        chosen_path.write_text(json.dumps({**choose_thresholds(top, right, tolerance=args.tolerance),
+                                           "positions": top.shape[1]}, indent=1) + "\n")
+    chosen = json.loads(chosen_path.read_text())
+    log(f"s2d thresholds {chosen['thresholds']} (agreement per exit {chosen['agreement_per_exit']})")
+    info = {"method": "s2d", "target": target_info(args.target, s.model),
+            "training": {**summary, "options": method_settings(args), "heldout_answers": held},
+            "thresholds_heldout": chosen, "command": command_line(argv),
+            "notes": "S2D: nested draft, every exit drafts; per drafted token the first exit whose top-1 "
+                     "probability reaches its threshold answers (deepest always)"}
+    save_s2d(s.out, draft, info, exits, tuple(chosen["thresholds"]))
+    log(f"s2d written to {s.out}")
+
+
+def train_specdecpp(args, argv, s, aligned) -> None:
+    """SpecDec++ (flashmm.train.acceptance): an acceptance head on the draft's states."""
+    from pathlib import Path  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from ..drafters import load  # noqa: PLC0415
+    from ..drafters.fastdraft import save_reduced_lm  # noqa: PLC0415
+    from ..drafters.specdecpp import AcceptanceHead, save_specdecpp  # noqa: PLC0415
+    from .acceptance import acceptance_examples, head_metrics, train_head  # noqa: PLC0415
+    from .corpus import corpus_sequences  # noqa: PLC0415
+
+    if args.draft is None:
+        draft_dir = s.out / "draft"
+        draft, summary = aligned
+        save_reduced_lm(draft_dir, draft, {"method": "fastdraft", "target": target_info(args.target, s.model),
+                                           "training": summary, "command": command_line(argv),
+                                           "notes": "the draft of the SpecDec++ folder above"})
+    else:
+        draft_dir = Path(args.draft)
+    draft_lm = load(draft_dir).model
+    path = s.work / "acceptance_examples.pt"
+    if not path.exists():
+        examples = acceptance_examples(draft_lm, corpus_sequences(s.records, "greedy", s.end_id()), log=log)
+        torch.save(examples, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    examples = torch.load(path, weights_only=True)
+    torch.manual_seed(args.seed)
+    head = AcceptanceHead(examples["hidden"].shape[1], args.width)
+    summary = train_head(head, examples, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
+                         log=log)
+    info = {"method": "specdecpp", "target": target_info(args.target, s.model), "threshold": args.threshold,
+            "max_draft_tokens": args.max_draft_tokens,
+            "training": {**summary, "options": method_settings(args), "metrics_on_training_answers":
+                         head_metrics(head, examples)},
+            "notes": "SpecDec++: stop drafting before the token that makes P(at least one rejection) exceed "
+                     "threshold (given, not calibrated by replay as tools/drafters/build_specdecpp does)",
+            "command": command_line(argv)}
+    save_specdecpp(s.out, head, draft_dir, info)
+    log(f"specdecpp written to {s.out} (draft: {draft_dir})")
+
+
+COMMANDS = {
+    "fastdraft": Command("train a FastDraft draft LM (pretrain on the corpus, align on the target's answers)",
+                         arguments_for("fastdraft"), run, aliases=("draft_lm",)),
+    "distillspec": Command("train a DistillSpec draft LM (on-policy distillation)", arguments_for("distillspec"), run),
+    "adaspec": Command("train an AdaSPEC draft LM (selective distillation)", arguments_for("adaspec"), run),
+    "pard": Command("train a PARD draft LM (K tokens per forward)", arguments_for("pard"), run),
+    "s2d": Command("train an S2D nested draft LM (sorted fine-tuning, exits with thresholds)", arguments_for("s2d"),
+                   run),
+    "specdecpp": Command("train a SpecDec++ acceptance head on a FastDraft draft", arguments_for("specdecpp"), run),
+}
