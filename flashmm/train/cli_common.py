@@ -141,7 +141,10 @@ def text_setup(args, method: str, settings: dict) -> TextSetup:
     from .self_corpus import build_self_corpus, read_prompts  # noqa: PLC0415
 
     refuse_multi_process(method)
-    conversations = read_prompts(args.data)
+    try:
+        conversations = read_prompts(args.data)
+    except (FileNotFoundError, ValueError) as err:  # the messages name --data, the file and the line
+        raise SystemExit(f"python -m flashmm.train {method}: {err}") from None
     out = Path(args.out)
     work = out / "work" / method
     check_settings(work, {"method": method, **settings})

@@ -35,7 +35,10 @@ def run(args, argv: list[str]) -> int:
 
     if args.num_frames is not None and args.fps is not None:
         raise SystemExit("give --num-frames or --fps, not both")
-    records = read_jsonl(args.data)
+    try:
+        records = read_jsonl(args.data)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"python -m flashmm.train flash: --data: {err}") from None
     model, processor = load_target(args.target, args.dtype)
     result = train_flash(model, processor, records, out_dir=args.out, epochs=args.epochs, lr=args.lr,
                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
