@@ -171,3 +171,21 @@ def test_other_options_on_the_same_out_are_refused(prompts, corpus, tmp_path, mo
     assert train_cli(args_for("mtp", prompts, out)) == 0
     with pytest.raises(SystemExit, match=r"other options \(lr\)"):
         train_cli(args_for("mtp", prompts, out, "--lr", "0.5"))
+
+
+def test_specdecpp_on_an_eagle3_head(prompts, corpus, tmp_path, monkeypatch):
+    """specdecpp --draft EAGLE3_DIR: a rank acceptance head over the head's trees, pointing at its folder."""
+    for name in ("eagle3", "specdecpp"):
+        shutil.copytree(corpus, tmp_path / name / "corpus")
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    assert train_cli(args_for("eagle3", prompts, tmp_path / "eagle3")) == 0
+    assert train_cli(args_for("specdecpp", prompts, tmp_path / "specdecpp", "--draft", str(tmp_path / "eagle3"),
+                              "--depth", "3", "--ranks", "8", "--width", "8", "--threshold", "0.9")) == 0
+    info = json.loads((tmp_path / "specdecpp" / "drafter.json").read_text())
+    assert info["head"]["ranks"] == 8 and info["draft"] == "../eagle3" and info["threshold"] == 0.9
+    drafter = flashmm.drafters.load(tmp_path / "specdecpp")
+    assert type(drafter).name == "eagle3" and drafter.acceptance is not None
+    model, _ = tiny_target()
+    ids = torch.tensor([[1, 5, 9, 200, 300, 41, 7]])
+    expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(flashmm.wrap(model, drafter).generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False), expected)

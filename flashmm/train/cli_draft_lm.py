@@ -9,8 +9,9 @@ the answers; then the method's own stage:
   pard         a mask token and K tokens per forward
   s2d          the aligned draft grown to --s2d-layers, sorted-trained over --exits, confidence
                thresholds per exit chosen on held-out answers
-  specdecpp    an acceptance head on --draft (a FastDraft folder; default: the aligned draft, written
-               to --out/draft) that stops drafting at --threshold
+  specdecpp    an acceptance head on --draft (a FastDraft folder, default: the aligned draft, written
+               to --out/draft; or an EAGLE-3 folder: a head over its trees' ranks) that stops drafting
+               at --threshold
 Each stage is checkpointed under --out/work/<method>; a rerun resumes.
 """
 from __future__ import annotations
@@ -62,11 +63,15 @@ def arguments_for(method: str):
                            "choose the thresholds (at most half the corpus)")
             p.add_argument("--tolerance", type=float, default=0.02)
         if method == "specdecpp":
-            p.add_argument("--draft", default=None, help="a FastDraft folder (default: train one into --out/draft)")
+            p.add_argument("--draft", default=None, help="a FastDraft folder (default: train one into --out/draft), "
+                           "or an EAGLE-3 head folder (a head over its trees' ranks)")
             p.add_argument("--threshold", type=float, default=0.7,
                            help="stop before the token that makes P(a rejection) exceed this")
             p.add_argument("--max-draft-tokens", type=int, default=8)
-            p.add_argument("--width", type=int, default=128, help="the acceptance head's hidden width")
+            p.add_argument("--width", type=int, default=None,
+                           help="the acceptance head's hidden width (default 128; 64 on an EAGLE-3 head)")
+            p.add_argument("--depth", type=int, default=6, help="EAGLE-3: tree depths the rank head learns")
+            p.add_argument("--ranks", type=int, default=8, help="EAGLE-3: children ranks the rank head tells apart")
             p.add_argument("--head-epochs", type=int, default=1)
             p.add_argument("--head-lr", type=float, default=2e-3)
         p.epilog = SINGLE_PROCESS
@@ -87,9 +92,9 @@ def run(args, argv: list[str]) -> int:
     if method == "specdecpp" and args.draft is not None:
         from ..drafters.saved import read_info  # noqa: PLC0415
 
-        if read_info(args.draft)["drafter"] != "fastdraft":
+        if read_info(args.draft)["drafter"] not in ("fastdraft", "eagle3"):
             raise SystemExit(f"--draft {args.draft}: holds a {read_info(args.draft)['drafter']!r} drafter; "
-                             "SpecDec++ heads sit on a FastDraft folder")
+                             "SpecDec++ heads sit on a FastDraft or an EAGLE-3 folder")
     s = text_setup(args, method, method_settings(args))
     trained = {}
 
@@ -151,16 +156,13 @@ def train_s2d(args, argv, s, stages, aligned) -> None:
 
 
 def train_specdecpp(args, argv, s, aligned) -> None:
-    """SpecDec++ (flashmm.train.acceptance): an acceptance head on the draft's states."""
+    """SpecDec++ (flashmm.train.acceptance): an acceptance head on the draft's states (a FastDraft's
+    chains), or over an EAGLE-3 head's tree ranks."""
     from pathlib import Path  # noqa: PLC0415
 
-    import torch  # noqa: PLC0415
-
-    from ..drafters import load  # noqa: PLC0415
     from ..drafters.fastdraft import save_reduced_lm  # noqa: PLC0415
-    from ..drafters.specdecpp import AcceptanceHead, save_specdecpp  # noqa: PLC0415
-    from .acceptance import acceptance_examples, head_metrics, train_head  # noqa: PLC0415
-    from .corpus import corpus_sequences  # noqa: PLC0415
+    from ..drafters.saved import read_info  # noqa: PLC0415
+    from ..drafters.specdecpp import save_specdecpp  # noqa: PLC0415
 
     if args.draft is None:
         draft_dir = s.out / "draft"
@@ -170,26 +172,76 @@ def train_specdecpp(args, argv, s, aligned) -> None:
                                            "notes": "the draft of the SpecDec++ folder above"})
     else:
         draft_dir = Path(args.draft)
-    draft_lm = load(draft_dir).model
-    path = s.work / "acceptance_examples.pt"
-    if not path.exists():
-        examples = acceptance_examples(draft_lm, corpus_sequences(s.records, "greedy", s.end_id()), log=log)
-        torch.save(examples, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
-    examples = torch.load(path, weights_only=True)
-    torch.manual_seed(args.seed)
-    head = AcceptanceHead(examples["hidden"].shape[1], args.width)
-    summary = train_head(head, examples, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
-                         log=log)
+    ranks = read_info(draft_dir)["drafter"] == "eagle3"
+    head, summary, metrics = (rank_head if ranks else chain_head)(args, s, draft_dir)
     info = {"method": "specdecpp", "target": target_info(args.target, s.model), "threshold": args.threshold,
-            "max_draft_tokens": args.max_draft_tokens,
-            "training": {**summary, "options": method_settings(args), "metrics_on_training_answers":
-                         head_metrics(head, examples)},
-            "notes": "SpecDec++: stop drafting before the token that makes P(at least one rejection) exceed "
-                     "threshold (given, not calibrated by replay as tools/drafters/build_specdecpp does)",
+            **({} if ranks else {"max_draft_tokens": args.max_draft_tokens}),
+            "training": {**summary, "options": method_settings(args), "metrics_on_training_answers": metrics},
+            "notes": ("SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; no node below 1 - threshold"
+                      if ranks else "SpecDec++: stop drafting before the token that makes P(at least one rejection) "
+                      "exceed threshold") + " (the threshold is given, not calibrated by replay as "
+                      "tools/drafters/build_specdecpp*.py do)",
             "command": command_line(argv)}
     save_specdecpp(s.out, head, draft_dir, info)
     log(f"specdecpp written to {s.out} (draft: {draft_dir})")
+
+
+def _cached(path, make):
+    """torch.load(path), written first by ``make()`` (atomically) when missing."""
+    import torch  # noqa: PLC0415
+
+    if not path.exists():
+        torch.save(make(), path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    return torch.load(path, weights_only=True)
+
+
+def chain_head(args, s, draft_dir):
+    """An AcceptanceHead on a draft LM: P(the draft's greedy token is the target's), teacher-forced."""
+    import torch  # noqa: PLC0415
+
+    from ..drafters import load  # noqa: PLC0415
+    from ..drafters.specdecpp import AcceptanceHead  # noqa: PLC0415
+    from .acceptance import acceptance_examples, head_metrics, train_head  # noqa: PLC0415
+    from .corpus import corpus_sequences  # noqa: PLC0415
+
+    draft_lm = load(draft_dir).model
+    sequences = corpus_sequences(s.records, "greedy", s.end_id())
+    examples = _cached(s.work / "acceptance_examples.pt", lambda: acceptance_examples(draft_lm, sequences, log=log))
+    torch.manual_seed(args.seed)
+    head = AcceptanceHead(examples["hidden"].shape[1], args.width or 128)
+    summary = train_head(head, examples, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
+                         log=log)
+    return head, summary, head_metrics(head, examples)
+
+
+def rank_head(args, s, draft_dir):
+    """A RankAcceptanceHead on an EAGLE-3 head: per tree depth, the rank of the target's token among
+    the head's children (the head unrolled on its own outputs along the corpus answers)."""
+    import torch  # noqa: PLC0415
+
+    from ..drafters import load  # noqa: PLC0415
+    from ..drafters.specdecpp import RankAcceptanceHead  # noqa: PLC0415
+    from . import eagle3 as E  # noqa: PLC0415
+    from .acceptance import rank_examples, rank_loss, rank_metrics, train_head  # noqa: PLC0415
+    from .corpus import features  # noqa: PLC0415
+
+    head_drafter = load(draft_dir)
+    if args.ranks < head_drafter.top_k:
+        raise SystemExit(f"--ranks {args.ranks}: the EAGLE-3 head in {draft_dir} drafts top_k={head_drafter.top_k} "
+                         "children per node, and the rank head must tell each apart: give --ranks >= that")
+    net = head_drafter.net.float()
+    layers = tuple(net.cfg.feature_layers)
+    cached = features(s.model, s.records, layers=layers, top_k=args.top_k, cache_dir=s.features_dir, log=log)
+    examples = [E.example_from(seq, list(range(len(layers)))) for seq in cached]
+    embed = E.frozen_embedding(s.model)
+    data = _cached(s.work / "rank_examples.pt",
+                   lambda: rank_examples(net, embed, examples, args.depth, args.ranks, log=log))
+    torch.manual_seed(args.seed)
+    head = RankAcceptanceHead(net.cfg.hidden_size, args.ranks, max(args.depth, 8), args.width or 64)
+    summary = train_head(head, data, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
+                         loss=rank_loss, log=log)
+    return head, summary, rank_metrics(head, data)
 
 
 COMMANDS = {
@@ -200,5 +252,5 @@ COMMANDS = {
     "pard": Command("train a PARD draft LM (K tokens per forward)", arguments_for("pard"), run),
     "s2d": Command("train an S2D nested draft LM (sorted fine-tuning, exits with thresholds)", arguments_for("s2d"),
                    run),
-    "specdecpp": Command("train a SpecDec++ acceptance head on a FastDraft draft", arguments_for("specdecpp"), run),
+    "specdecpp": Command("train a SpecDec++ acceptance head on a FastDraft draft or an EAGLE-3 head", arguments_for("specdecpp"), run),
 }
