@@ -121,11 +121,9 @@ def run(args, argv: list[str]) -> int:
 
 def train_s2d(args, argv, s, stages, aligned) -> None:
     """S2D (flashmm.train.sorted): the aligned draft deepened, sorted-trained, thresholds chosen."""
-    import json  # noqa: PLC0415
-
     from ..drafters.fastdraft import ReducedVocabLM  # noqa: PLC0415
     from ..drafters.s2d import save_s2d  # noqa: PLC0415
-    from .sorted import SortedLoss, choose_thresholds, deepen, exit_confidences  # noqa: PLC0415
+    from .sorted import deepen, train_nested  # noqa: PLC0415
 
     try:
         exits = tuple(int(e) for e in args.exits.split(","))
@@ -137,14 +135,11 @@ def train_s2d(args, argv, s, stages, aligned) -> None:
     examples = stages.greedy_examples()
     held = min(args.heldout, len(examples) // 2)
     train, heldout = examples[held:], examples[:held] or examples
-    summary = stages.train("sorted", draft, train, "sorted", args.s2d_epochs, checkpoint_every=10,
-                           group_loss=SortedLoss(exits))
-    chosen_path = s.work / "thresholds.json"
-    if not chosen_path.exists():
-        top, right = exit_confidences(draft.lm, heldout, exits)
-        chosen_path.write_text(json.dumps({**choose_thresholds(top, right, tolerance=args.tolerance),
-                                           "positions": top.shape[1]}, indent=1) + "\n")
-    chosen = json.loads(chosen_path.read_text())
+    summary, chosen = train_nested(draft.lm, train, heldout, exits, s.work, target_to_draft=stages.rows(),
+                                   epochs=args.s2d_epochs, lr=args.lr, tokens_per_batch=args.tokens_per_batch,
+                                   seed=args.seed, tolerance=args.tolerance, max_seconds=stages.seconds_left(), log=log)
+    if not summary["finished"]:
+        raise SystemExit(f"sorted training stopped at step {summary['step']}/{summary['total']}: run again to resume")
     log(f"s2d thresholds {chosen['thresholds']} (agreement per exit {chosen['agreement_per_exit']})")
     info = {"method": "s2d", "target": target_info(args.target, s.model),
             "training": {**summary, "options": method_settings(args), "heldout_answers": held},
