@@ -177,5 +177,5 @@ def check_settings(work: Path, settings: dict) -> None:
 
 def method_settings(args, skip: tuple[str, ...] = ()) -> dict:
     """The options that shape a run's training (what check_settings compares)."""
-    ignored = {"target", "data", "out", "threads", "method", "command", "no_progress", *skip}
+    ignored = {"target", "data", "out", "threads", "max_minutes", "method", "command", "no_progress", *skip}
     return {k: v for k, v in sorted(vars(args).items()) if k not in ignored and not callable(v)}

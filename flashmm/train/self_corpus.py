@@ -134,7 +134,7 @@ def build_self_corpus(model, tokenizer, conversations: list[list[dict]], folder,
     stops = stop_ids(model, tokenizer)
     records = []
     with answers_path.open("a") as fh:
-        if not done:
+        if fh.tell() == 0:  # a new file: its first line says what it answers
             fh.write(json.dumps({"settings": settings}) + "\n")
         for index, conversation in enumerate(conversations):
             every_turn = all(m["role"] == "user" for m in conversation)  # "turns": each answered in order
@@ -170,7 +170,14 @@ def _read_answers(path: Path, settings: dict) -> dict[str, dict]:
     if not path.is_file():
         return {}
     lines = path.read_text().splitlines()
-    if not lines or json.loads(lines[0]).get("settings") != settings:
+    if not lines:
+        return {}
+    try:
+        header = json.loads(lines[0])
+    except json.JSONDecodeError:
+        header = {}  # a kill while the header was written: nothing answered yet
+        lines = []
+    if lines and header.get("settings") != settings:
         raise ValueError(f"{path} was written for other prompts or settings; use another --out, or delete "
                          f"{path.parent} to rebuild it")
     done = {}
