@@ -130,6 +130,7 @@ def test_an_interrupted_corpus_continues_where_it_stopped(prompts, tmp_path, mon
 
     monkeypatch.setattr(self_corpus, "greedy_answer", killed_after_two)
     build = dict(max_new_tokens=8, target="t", log=lambda m: None)
+    (tmp_path / self_corpus.ANSWERS_FILE).write_text('{"settin')  # killed while writing its first line
     with pytest.raises(KeyboardInterrupt):
         self_corpus.build_self_corpus(model, tokenizer, conversations, tmp_path, **build)
     with (tmp_path / self_corpus.ANSWERS_FILE).open("a") as fh:
