@@ -79,22 +79,28 @@ def arguments_for(method: str):
     return add_arguments
 
 
+RECIPE_OPTIONS = ("distill_epochs", "distill_sequences", "on_policy_prompts", "on_policy_tokens", "divergence",
+                  "select", "pard_depth", "pard_keep", "pard_epochs")
+
+
 def run(args, argv: list[str]) -> int:
+    from types import SimpleNamespace  # noqa: PLC0415
+
     from ..drafters.fastdraft import save_reduced_lm  # noqa: PLC0415
     from .cli_common import text_setup  # noqa: PLC0415
     from .draft_lm_stages import DraftLMStages  # noqa: PLC0415
 
     method = args.method
-    for name in ("distill_epochs", "distill_sequences", "on_policy_prompts", "on_policy_tokens", "divergence",
-                 "select", "pard_depth", "pard_keep", "pard_epochs"):
-        if not hasattr(args, name):
-            setattr(args, name, None)   # options of the other recipes (DraftLMStages reads them by name)
     if method == "specdecpp" and args.draft is not None:
         from ..drafters.saved import read_info  # noqa: PLC0415
 
-        if read_info(args.draft)["drafter"] not in ("fastdraft", "eagle3"):
-            raise SystemExit(f"--draft {args.draft}: holds a {read_info(args.draft)['drafter']!r} drafter; "
-                             "SpecDec++ heads sit on a FastDraft or an EAGLE-3 folder")
+        try:
+            kind = read_info(args.draft)["drafter"]
+        except (FileNotFoundError, ValueError) as err:
+            raise SystemExit(f"--draft {args.draft}: {err}") from None
+        if kind not in ("fastdraft", "eagle3"):
+            raise SystemExit(f"--draft {args.draft}: holds a {kind!r} drafter; SpecDec++ heads sit on a FastDraft "
+                             "or an EAGLE-3 folder")
     s = text_setup(args, method, method_settings(args))
     trained = {}
 
@@ -108,7 +114,9 @@ def run(args, argv: list[str]) -> int:
         save_reduced_lm(s.out, draft, info, drafter=drafter, extra=extra)
         log(f"{name} written to {s.out}")
 
-    stages = DraftLMStages(s.records, args, s.work, lambda: (s.model, s.tokenizer), export, log=log)
+    # DraftLMStages reads every recipe's options by name; the other recipes' are None here
+    options = SimpleNamespace(**{**dict.fromkeys(RECIPE_OPTIONS), **vars(args)})
+    stages = DraftLMStages(s.records, options, s.work, lambda: (s.model, s.tokenizer), export, log=log)
     needs = () if method == "specdecpp" and args.draft else STAGES.get(method, ("pretrain", "align"))
     for stage in needs:
         getattr(stages, f"stage_{stage}")()
