@@ -190,3 +190,38 @@ def test_specdecpp_on_an_eagle3_head(prompts, corpus, tmp_path, monkeypatch):
     ids = torch.tensor([[1, 5, 9, 200, 300, 41, 7]])
     expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert torch.equal(flashmm.wrap(model, drafter).generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False), expected)
+
+
+def test_a_killed_training_resumes_from_its_checkpoint(prompts, corpus, tmp_path, monkeypatch):
+    """medusa killed after its step-2 checkpoint: the rerun starts at step 2 and ends with the weights of
+    an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from flashmm.train import heads
+
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    extra = ["--steps", "4", "--checkpoint-every", "2"]
+    for name in ("straight", "killed"):
+        shutil.copytree(corpus, tmp_path / name / "corpus")
+    assert train_cli(args_for("medusa", prompts, tmp_path / "straight", *extra)) == 0
+    real, calls = heads.batch_loss, []
+
+    def killed_at_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(heads, "batch_loss", killed_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train_cli(args_for("medusa", prompts, tmp_path / "killed", *extra))
+    assert not (tmp_path / "killed" / "drafter.json").exists()
+    calls.clear()
+    monkeypatch.setattr(heads, "batch_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert train_cli(args_for("medusa", prompts, tmp_path / "killed", *extra)) == 0
+    assert len(calls) == 2  # steps 3 and 4 only
+    straight = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "killed" / "model.safetensors"))
+    assert straight.keys() == resumed.keys()
+    for key, value in straight.items():
+        torch.testing.assert_close(resumed[key], value)
