@@ -20,6 +20,7 @@ DRAFT_LM = ["--vocab", "64", "--hidden", "32", "--heads", "2", "--intermediate",
             "--pretrain-epochs", "1"]
 METHODS = {
     "eagle3": ["--steps", "3", "--vocab", "64", "--checkpoint-every", "2"],
+    "dflash": ["--steps", "3", "--vocab", "64", "--block-size", "4", "--anchors", "4", "--checkpoint-every", "2"],
     "medusa": ["--steps", "3", "--batch", "16", "--vocab", "64"],
     "hydra": ["--steps", "3", "--batch", "16", "--vocab", "64", "--prefix-attention", "--objective", "distill",
               "--intermediate", "32"],
@@ -32,7 +33,7 @@ METHODS = {
     "specdecpp": DRAFT_LM + ["--width", "16"],
     "kangaroo": ["--exit-layer", "1", "--epochs", "1", "--batch", "2"],
 }
-DRAFTER = {"draft_lm": "fastdraft", "distillspec": "fastdraft", "adaspec": "fastdraft", "eagle3": "eagle3",
+DRAFTER = {"dflash": "dflash", "draft_lm": "fastdraft", "distillspec": "fastdraft", "adaspec": "fastdraft", "eagle3": "eagle3",
            "medusa": "medusa", "hydra": "hydra", "mtp": "mtp", "pard": "pard", "s2d": "s2d", "specdecpp": "specdecpp",
            "kangaroo": "kangaroo"}
 
