@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ..drafters.nets.eagle3_net import Eagle3Net
+from ..drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
 
 STYLES = ("plain", "hass", "griffin")
 
@@ -306,6 +306,23 @@ def init_from_target(net: Eagle3Net, target, feature_scale: list[float] | None =
     if freeze_head:
         net.lm_head.weight.requires_grad_(False)
         net.norm.weight.requires_grad_(False)
+
+
+def new_head(model, sequences: list[tuple[list[int], int]], vocab: int, layers: tuple[int, ...], examples,
+             seed: int, always: tuple[int, ...] = ()) -> Eagle3Net:
+    """A fresh head for ``model`` reading its features at ``layers``: the ``vocab`` target ids most
+    frequent over ``sequences`` (draft_lm.choose_vocab, ``always`` first), seeded weights, and the
+    target's LM head rows and final norm (init_from_target, fc scaled by the RMS of ``examples``'
+    features)."""
+    from .draft_lm import choose_vocab  # noqa: PLC0415
+
+    chosen = choose_vocab(sequences, vocab, always=always)
+    cfg = Eagle3Config.for_target(model.config, len(chosen), layers)
+    torch.manual_seed(seed)
+    net = Eagle3Net(cfg)
+    net.set_vocab(chosen)
+    init_from_target(net, model, feature_rms(examples, len(layers)))
+    return net
 
 
 def feature_rms(examples, layers: int, count: int = 8) -> list[float]:

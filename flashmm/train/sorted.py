@@ -12,11 +12,13 @@ threshold on held-out sequences.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .draft_lm import collate
+from .draft_lm import collate, train_draft
 
 
 def exit_hidden(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -139,3 +141,25 @@ def choose_thresholds(top: torch.Tensor, right: torch.Tensor, tolerance: float =
     return dict(thresholds=thresholds, answered=answered, agreement_rule=float(chosen_right.float().mean()),
                 agreement_deepest=float(deepest.mean()),
                 agreement_per_exit=[float(r.float().mean()) for r in right])
+
+
+def train_nested(lm, examples: list[dict], heldout: list[dict], exits: tuple[int, ...], work_dir, *,
+                 target_to_draft: torch.Tensor, epochs: float, lr: float, tokens_per_batch: int, seed: int,
+                 tolerance: float = 0.02, max_seconds: float | None = None, log=print) -> tuple[dict, dict]:
+    """S2D's recipe on a (deepened) draft LM ``lm``: sorted training over ``exits`` on ``examples``
+    (draft_lm.train_draft with a SortedLoss, checkpointed in ``work_dir/sorted``), then each exit's
+    confidence threshold chosen on ``heldout`` (choose_thresholds; cached in work_dir/thresholds.json).
+    Returns (training summary, the thresholds' record); the summary has ``finished: False`` (and no
+    thresholds are chosen) when ``max_seconds`` ran out first: run again to resume."""
+    work = Path(work_dir)
+    summary = train_draft(lm, examples, objective="sorted", target_to_draft=target_to_draft, work_dir=work / "sorted",
+                          epochs=epochs, lr=lr, tokens_per_batch=tokens_per_batch, seed=seed, checkpoint_every=10,
+                          max_seconds=max_seconds, log=lambda m: log(f"sorted: {m}"), group_loss=SortedLoss(exits))
+    if not summary["finished"]:
+        return summary, {}
+    chosen_path = work / "thresholds.json"
+    if not chosen_path.exists():
+        top, right = exit_confidences(lm, heldout, exits)
+        chosen = choose_thresholds(top, right, tolerance=tolerance)
+        chosen_path.write_text(json.dumps({**chosen, "positions": top.shape[1]}, indent=1) + "\n")
+    return summary, json.loads(chosen_path.read_text())

@@ -56,9 +56,8 @@ import torch
 
 from flashmm.drafters import load
 from flashmm.drafters.eagle3 import Eagle3Drafter, save_head
-from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
+from flashmm.drafters.nets.eagle3_net import Eagle3Net
 from flashmm.paths import work_dir
-from flashmm.train import draft_lm as T
 from flashmm.train import eagle3 as E
 from flashmm.train import eagle3_batched as B
 from flashmm.train.corpus import CorpusFeatures, corpus_sequences, features
@@ -128,13 +127,7 @@ def start_from(path: str, model) -> Eagle3Net:
 
 def new_head(model, tokenizer, corpora: list[str], vocab: int, layers, train, seed: int) -> Eagle3Net:
     sequences = [s for corpus in corpora for s in corpus_sequences(corpus)]
-    chosen = T.choose_vocab(sequences, vocab, always=tuple(sorted(stop_ids(model, tokenizer))))
-    cfg = Eagle3Config.for_target(model.config, vocab, layers)
-    torch.manual_seed(seed)
-    net = Eagle3Net(cfg)
-    net.set_vocab(chosen)
-    E.init_from_target(net, model, E.feature_rms(train, len(layers)))
-    return net
+    return E.new_head(model, sequences, vocab, layers, train, seed, always=tuple(sorted(stop_ids(model, tokenizer))))
 
 
 def device_examples(model, corpora: list[str], layers, device: str, limit: int = 0) -> tuple[B.PaddedExamples, list]:

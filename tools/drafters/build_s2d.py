@@ -16,7 +16,6 @@ Steps (checkpointed under --work; a killed or time-limited run resumes where it 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from flashmm.drafters.s2d import save_s2d
 from flashmm.paths import work_dir
 from flashmm.train import draft_lm as T
 from flashmm.train.corpus import corpus_sequences, read_corpus, read_info
-from flashmm.train.sorted import SortedLoss, choose_thresholds, deepen, exit_confidences
+from flashmm.train.sorted import deepen, train_nested
 
 
 def log(msg: str) -> None:
@@ -76,21 +75,13 @@ def main(argv=None) -> None:
     log(f"{len(train)} training records ({sum(len(e['input_ids']) for e in examples)} tokens), "
         f"{len(heldout)} held out; exits {exits} of {a.layers} layers")
 
+    held = T.examples_from_sequences(corpus_sequences(heldout, "greedy", end_id), rows, answers_only=True)
     left = None if a.max_minutes is None else a.max_minutes * 60 - (time.time() - start)
-    summary = T.train_draft(draft.lm, examples, objective="sorted", target_to_draft=rows, work_dir=work / "sorted",
-                            epochs=a.epochs, lr=a.lr, tokens_per_batch=a.tokens_per_batch, seed=a.seed,
-                            checkpoint_every=10, max_seconds=left, log=lambda m: log(f"sorted: {m}"),
-                            group_loss=SortedLoss(exits))
+    summary, chosen = train_nested(draft.lm, examples, held, exits, work, target_to_draft=rows, epochs=a.epochs, lr=a.lr,
+                                   tokens_per_batch=a.tokens_per_batch, seed=a.seed, tolerance=a.tolerance,
+                                   max_seconds=left, log=log)
     if not summary["finished"]:
         raise SystemExit(f"sorted training stopped at step {summary['step']}/{summary['total']}: run again to resume")
-
-    chosen_path = work / "thresholds.json"
-    if not chosen_path.exists():
-        held = T.examples_from_sequences(corpus_sequences(heldout, "greedy", end_id), rows, answers_only=True)
-        top, right = exit_confidences(draft.lm, held, exits)
-        chosen = choose_thresholds(top, right, tolerance=a.tolerance)
-        chosen_path.write_text(json.dumps({**chosen, "positions": top.shape[1]}, indent=1) + "\n")
-    chosen = json.loads(chosen_path.read_text())
     log(f"thresholds {chosen['thresholds']}: exits answer {[round(x, 3) for x in chosen['answered']]} of held-out "
         f"positions; agreement per exit {[round(x, 3) for x in chosen['agreement_per_exit']]}, "
         f"rule {chosen['agreement_rule']:.3f} vs deepest {chosen['agreement_deepest']:.3f}")

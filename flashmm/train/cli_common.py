@@ -1,0 +1,181 @@
+"""What every ``python -m flashmm.train <method>`` command shares: the target, the prompt file, the
+self-distillation corpus under --out, one process or refusal, and the drafter.json provenance.
+
+A text method's --out folder holds, besides the drafter (drafter.json + weights):
+  corpus/    the target's greedy answers to --data (flashmm.train.self_corpus; resumable)
+  features/  the target's cached features over them (flashmm.train.corpus.features; resumable)
+  work/      the training checkpoints and settings.json (a rerun with the same options resumes;
+             with other options it is refused)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``add_arguments(parser)`` declares its options, ``run(args, argv)`` trains
+    and returns the exit status; ``aliases`` are other names for it."""
+
+    help: str
+    add_arguments: Callable
+    run: Callable
+    aliases: tuple[str, ...] = ()
+
+
+def load_target(spec: str, dtype: str = "float32"):
+    """(model, processor or tokenizer) for a --target value: a Hugging Face model directory (a
+    vision-language model when its config has a vision part, else a causal LM), "smollm2" or
+    "gemma3" (the GGUF reference weights, flashmm.weights), or "package.module:function" naming a
+    callable that returns (model, processor)."""
+    import torch  # noqa: PLC0415
+
+    torch_dtype = getattr(torch, dtype)
+    if os.path.isdir(spec):
+        from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,  # noqa: PLC0415
+                                  AutoProcessor, AutoTokenizer)
+
+        config = AutoConfig.from_pretrained(spec)
+        if getattr(config, "vision_config", None) is not None:
+            model = AutoModelForImageTextToText.from_pretrained(spec, dtype=torch_dtype)
+            processor = AutoProcessor.from_pretrained(spec)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+            processor = AutoTokenizer.from_pretrained(spec)
+        return model.eval(), processor
+    if spec in ("smollm2", "gemma3"):
+        from ..weights import load_gguf_lm  # noqa: PLC0415
+
+        return load_gguf_lm(spec)
+    if ":" in spec:
+        module_name, attr = spec.split(":", 1)
+        factory = getattr(importlib.import_module(module_name), attr)
+        model, processor = factory()
+        return model.eval(), processor
+    raise SystemExit(f"--target {spec!r}: not a directory, 'smollm2', 'gemma3' or 'module:function'")
+
+
+def add_target_arguments(p: argparse.ArgumentParser, data_help: str) -> None:
+    p.add_argument("--target", required=True, help="model directory, 'smollm2', 'gemma3' or module:function")
+    p.add_argument("--data", required=True, help=data_help)
+    p.add_argument("--out", required=True, help="output directory: the drafter, and its corpus, features and "
+                   "checkpoints (a rerun with the same options resumes there)")
+    p.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16, float16)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+TEXT_DATA = ('JSONL of prompts: {"prompt": str}, {"turns": [str, ...]} (Spec-Bench: each turn asked after the '
+             'target\'s answer to the last) or {"messages": [{"role", "content"}, ...]}')
+SINGLE_PROCESS = ("One process: multi-process data parallel is not implemented for this method, and "
+                  "a launch with WORLD_SIZE > 1 is refused.")
+
+
+def add_text_arguments(p: argparse.ArgumentParser) -> None:
+    """--target / --data / --out and the corpus options of every text method."""
+    add_target_arguments(p, TEXT_DATA)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer the target writes per prompt")
+    p.add_argument("--top-k", type=int, default=32, help="target logits cached per position")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def log(message: str) -> None:
+    print(time.strftime("%H:%M:%S"), message, flush=True)
+
+
+def refuse_multi_process(method: str) -> None:
+    from ..distributed import process_info  # noqa: PLC0415
+
+    info = process_info()
+    if info.is_distributed:
+        raise SystemExit(f"python -m flashmm.train {method}: runs in one process (WORLD_SIZE={info.world_size}); "
+                         "multi-process data parallel is implemented for flash only: launch it without "
+                         "accelerate launch / torchrun")
+
+
+def command_line(argv: list[str]) -> str:
+    """The exact command that rebuilds a drafter (drafter.json's "command")."""
+    return "python -m flashmm.train " + shlex.join(argv)
+
+
+def target_info(spec: str, model) -> dict:
+    """drafter.json's "target": what the drafter was trained for."""
+    text = model.config.get_text_config()
+    return {"name": spec, "architectures": list(getattr(model.config, "architectures", None) or
+                                                [type(model).__name__]),
+            "vocab_size": int(text.vocab_size), "hidden_size": int(text.hidden_size),
+            "num_hidden_layers": int(text.num_hidden_layers)}
+
+
+@dataclass
+class TextSetup:
+    """A text method's inputs, ready to train: target, tokenizer, corpus records and folders."""
+
+    model: object
+    tokenizer: object
+    records: list
+    out: Path
+    work: Path
+
+    @property
+    def features_dir(self) -> Path:
+        return self.out / "features"
+
+    def end_id(self) -> int | None:
+        eos = self.model.generation_config.eos_token_id
+        return eos[0] if isinstance(eos, list) else eos
+
+
+def text_setup(args, method: str, settings: dict) -> TextSetup:
+    """Check the inputs before anything heavy (one process, --data readable, --out's earlier options),
+    load the target, and build or read the self-distillation corpus."""
+    import torch  # noqa: PLC0415
+
+    from .self_corpus import build_self_corpus, read_prompts  # noqa: PLC0415
+
+    refuse_multi_process(method)
+    try:
+        conversations = read_prompts(args.data)
+    except (FileNotFoundError, ValueError) as err:  # the messages name --data, the file and the line
+        raise SystemExit(f"python -m flashmm.train {method}: {err}") from None
+    out = Path(args.out)
+    work = out / "work" / method
+    check_settings(work, {"method": method, **settings})
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, processor = load_target(args.target, args.dtype)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if tokenizer is None:
+        raise SystemExit(f"--target {args.target}: gives no tokenizer; a text method renders --data with it")
+    records = build_self_corpus(model, tokenizer, conversations, out / "corpus", max_new_tokens=args.max_new_tokens,
+                                target=args.target, log=log)
+    return TextSetup(model, tokenizer, records, out, work)
+
+
+def check_settings(work: Path, settings: dict) -> None:
+    """Record ``settings`` in work/settings.json; refuse a rerun whose settings differ (its
+    checkpoints belong to other options)."""
+    path = work / "settings.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+        if changed:
+            raise SystemExit(f"{work} holds a run with other options ({', '.join(changed)}); use another --out "
+                             f"or delete {work}")
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=1) + "\n")
+
+
+def method_settings(args, skip: tuple[str, ...] = ()) -> dict:
+    """The options that shape a run's training (what check_settings compares)."""
+    ignored = {"target", "data", "out", "threads", "max_minutes", "method", "command", "no_progress", *skip}
+    return {k: v for k, v in sorted(vars(args).items()) if k not in ignored and not callable(v)}

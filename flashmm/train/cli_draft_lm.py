@@ -1,0 +1,259 @@
+"""``python -m flashmm.train fastdraft|distillspec|adaspec|pard|s2d|specdecpp``: small draft LMs.
+
+Every recipe starts like FastDraft (flashmm.train.draft_lm_stages): a reduced vocabulary, next-token
+pretraining on the corpus (the target's greedy answers to --data, with their prompts), alignment on
+the answers; then the method's own stage:
+  fastdraft    (alias draft_lm) the aligned draft
+  distillspec  a divergence to the target's distributions on the draft's own continuations
+  adaspec      forward KL on the tokens the draft can still learn (gap to a distilled reference)
+  pard         a mask token and K tokens per forward
+  s2d          the aligned draft grown to --s2d-layers, sorted-trained over --exits, confidence
+               thresholds per exit chosen on held-out answers
+  specdecpp    an acceptance head on --draft (a FastDraft folder, default: the aligned draft, written
+               to --out/draft; or an EAGLE-3 folder: a head over its trees' ranks) that stops drafting
+               at --threshold
+Each stage is checkpointed under --out/work/<method>; a rerun resumes.
+"""
+from __future__ import annotations
+
+from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
+
+DIVERGENCES = ("fkl", "rkl", "tvd", "jsd")   # flashmm.drafters.nets.distill.DIVERGENCES
+STAGES = {"fastdraft": ("pretrain", "align"),
+          "distillspec": ("pretrain", "align", "distillspec"),
+          "adaspec": ("pretrain", "align", "features", "kd", "adaspec"),
+          "pard": ("pretrain", "align", "pard")}
+
+
+def arguments_for(method: str):
+    def add_arguments(p) -> None:
+        add_text_arguments(p)
+        p.add_argument("--vocab", type=int, default=8192, help="draft vocabulary: most frequent corpus tokens")
+        p.add_argument("--hidden", type=int, default=384)
+        p.add_argument("--layers", type=int, default=2)
+        p.add_argument("--heads", type=int, default=6)
+        p.add_argument("--intermediate", type=int, default=1024)
+        p.add_argument("--init-layers", default="", help="start from the target: its width, these decoder layers "
+                       "(e.g. 0,1), its embedding rows and final norm (--hidden, --layers, --heads, --intermediate "
+                       "then do not apply)")
+        p.add_argument("--pretrain-epochs", type=float, default=2.0)
+        p.add_argument("--align-epochs", type=float, default=1.0)
+        p.add_argument("--lr", type=float, default=2e-3)
+        p.add_argument("--tokens-per-batch", type=int, default=8192)
+        p.add_argument("--max-minutes", type=float, default=None, help="stop (checkpointed) after this long")
+        if method in ("distillspec", "adaspec"):
+            p.add_argument("--distill-epochs", type=float, default=1.0)
+            p.add_argument("--distill-sequences", type=int, default=800,
+                           help="greedy answers whose target distributions are computed")
+        if method == "distillspec":
+            p.add_argument("--on-policy-prompts", type=int, default=800)
+            p.add_argument("--on-policy-tokens", type=int, default=128)
+            p.add_argument("--divergence", default="tvd", choices=DIVERGENCES)
+        if method == "adaspec":
+            p.add_argument("--select", type=float, default=0.4, help="fraction of tokens kept")
+        if method == "pard":
+            p.add_argument("--pard-depth", type=int, default=4, help="tokens predicted per forward")
+            p.add_argument("--pard-keep", type=float, default=0.7, help="conditional-drop keep fraction per depth")
+            p.add_argument("--pard-epochs", type=float, default=1.0)
+        if method == "s2d":
+            p.add_argument("--s2d-layers", type=int, default=4, help="layers of the nested draft")
+            p.add_argument("--exits", default="1,2,4", help="exits trained and drafted from")
+            p.add_argument("--s2d-epochs", type=float, default=0.5)
+            p.add_argument("--heldout", type=int, default=160, help="answers kept out of sorted training to "
+                           "choose the thresholds (at most half the corpus)")
+            p.add_argument("--tolerance", type=float, default=0.02)
+        if method == "specdecpp":
+            p.add_argument("--draft", default=None, help="a FastDraft folder (default: train one into --out/draft), "
+                           "or an EAGLE-3 head folder (a head over its trees' ranks)")
+            p.add_argument("--threshold", type=float, default=0.7,
+                           help="stop before the token that makes P(a rejection) exceed this")
+            p.add_argument("--max-draft-tokens", type=int, default=8)
+            p.add_argument("--width", type=int, default=None,
+                           help="the acceptance head's hidden width (default 128; 64 on an EAGLE-3 head)")
+            p.add_argument("--depth", type=int, default=6, help="EAGLE-3: tree depths the rank head learns")
+            p.add_argument("--ranks", type=int, default=8, help="EAGLE-3: children ranks the rank head tells apart")
+            p.add_argument("--head-epochs", type=int, default=1)
+            p.add_argument("--head-lr", type=float, default=2e-3)
+        p.epilog = SINGLE_PROCESS
+
+    return add_arguments
+
+
+RECIPE_OPTIONS = ("distill_epochs", "distill_sequences", "on_policy_prompts", "on_policy_tokens", "divergence",
+                  "select", "pard_depth", "pard_keep", "pard_epochs")
+
+
+def run(args, argv: list[str]) -> int:
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from ..drafters.fastdraft import save_reduced_lm  # noqa: PLC0415
+    from .cli_common import text_setup  # noqa: PLC0415
+    from .draft_lm_stages import DraftLMStages  # noqa: PLC0415
+
+    method = args.method
+    if method == "specdecpp" and args.draft is not None:
+        from ..drafters.saved import read_info  # noqa: PLC0415
+
+        try:
+            kind = read_info(args.draft)["drafter"]
+        except (FileNotFoundError, ValueError) as err:
+            raise SystemExit(f"--draft {args.draft}: {err}") from None
+        if kind not in ("fastdraft", "eagle3"):
+            raise SystemExit(f"--draft {args.draft}: holds a {kind!r} drafter; SpecDec++ heads sit on a FastDraft "
+                             "or an EAGLE-3 folder")
+    s = text_setup(args, method, method_settings(args))
+    trained = {}
+
+    def export(name, draft, summary, notes, drafter="fastdraft", extra=None, **more):
+        trained[name] = (draft, summary)
+        if name != method:
+            return
+        info = {"method": name, "target": target_info(args.target, s.model),
+                "training": {**summary, "options": method_settings(args)}, "notes": notes,
+                "command": command_line(argv), **more}
+        save_reduced_lm(s.out, draft, info, drafter=drafter, extra=extra)
+        log(f"{name} written to {s.out}")
+
+    # DraftLMStages reads every recipe's options by name; the other recipes' are None here
+    options = SimpleNamespace(**{**dict.fromkeys(RECIPE_OPTIONS), **vars(args)})
+    stages = DraftLMStages(s.records, options, s.work, lambda: (s.model, s.tokenizer), export, log=log)
+    needs = () if method == "specdecpp" and args.draft else STAGES.get(method, ("pretrain", "align"))
+    for stage in needs:
+        getattr(stages, f"stage_{stage}")()
+    if method == "s2d":
+        train_s2d(args, argv, s, stages, trained["fastdraft"][0])
+    elif method == "specdecpp":
+        train_specdecpp(args, argv, s, trained.get("fastdraft"))
+    return 0
+
+
+def train_s2d(args, argv, s, stages, aligned) -> None:
+    """S2D (flashmm.train.sorted): the aligned draft deepened, sorted-trained, thresholds chosen."""
+    from ..drafters.fastdraft import ReducedVocabLM  # noqa: PLC0415
+    from ..drafters.s2d import save_s2d  # noqa: PLC0415
+    from .sorted import deepen, train_nested  # noqa: PLC0415
+
+    try:
+        exits = tuple(int(e) for e in args.exits.split(","))
+    except ValueError:
+        raise SystemExit(f"--exits {args.exits!r}: give comma-separated layer counts, e.g. 1,2,4") from None
+    if not exits or exits != tuple(sorted(set(exits))) or exits[0] < 1 or exits[-1] > args.s2d_layers:
+        raise SystemExit(f"--exits {args.exits!r}: increasing layer counts within 1..--s2d-layers ({args.s2d_layers})")
+    draft = ReducedVocabLM(deepen(aligned.lm, args.s2d_layers), aligned.draft_to_target, aligned.target_vocab)
+    examples = stages.greedy_examples()
+    held = min(args.heldout, len(examples) // 2)
+    train, heldout = examples[held:], examples[:held] or examples
+    summary, chosen = train_nested(draft.lm, train, heldout, exits, s.work, target_to_draft=stages.rows(),
+                                   epochs=args.s2d_epochs, lr=args.lr, tokens_per_batch=args.tokens_per_batch,
+                                   seed=args.seed, tolerance=args.tolerance, max_seconds=stages.seconds_left(), log=log)
+    if not summary["finished"]:
+        raise SystemExit(f"sorted training stopped at step {summary['step']}/{summary['total']}: run again to resume")
+    log(f"s2d thresholds {chosen['thresholds']} (agreement per exit {chosen['agreement_per_exit']})")
+    info = {"method": "s2d", "target": target_info(args.target, s.model),
+            "training": {**summary, "options": method_settings(args), "heldout_answers": held},
+            "thresholds_heldout": chosen, "command": command_line(argv),
+            "notes": "S2D: nested draft, every exit drafts; per drafted token the first exit whose top-1 "
+                     "probability reaches its threshold answers (deepest always)"}
+    save_s2d(s.out, draft, info, exits, tuple(chosen["thresholds"]))
+    log(f"s2d written to {s.out}")
+
+
+def train_specdecpp(args, argv, s, aligned) -> None:
+    """SpecDec++ (flashmm.train.acceptance): an acceptance head on the draft's states (a FastDraft's
+    chains), or over an EAGLE-3 head's tree ranks."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from ..drafters.fastdraft import save_reduced_lm  # noqa: PLC0415
+    from ..drafters.saved import read_info  # noqa: PLC0415
+    from ..drafters.specdecpp import save_specdecpp  # noqa: PLC0415
+
+    if args.draft is None:
+        draft_dir = s.out / "draft"
+        draft, summary = aligned
+        save_reduced_lm(draft_dir, draft, {"method": "fastdraft", "target": target_info(args.target, s.model),
+                                           "training": summary, "command": command_line(argv),
+                                           "notes": "the draft of the SpecDec++ folder above"})
+    else:
+        draft_dir = Path(args.draft)
+    ranks = read_info(draft_dir)["drafter"] == "eagle3"
+    head, summary, metrics = (rank_head if ranks else chain_head)(args, s, draft_dir)
+    info = {"method": "specdecpp", "target": target_info(args.target, s.model), "threshold": args.threshold,
+            **({} if ranks else {"max_draft_tokens": args.max_draft_tokens}),
+            "training": {**summary, "options": method_settings(args), "metrics_on_training_answers": metrics},
+            "notes": ("SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; no node below 1 - threshold"
+                      if ranks else "SpecDec++: stop drafting before the token that makes P(at least one rejection) "
+                      "exceed threshold") + " (the threshold is given, not calibrated by replay as "
+                      "tools/drafters/build_specdecpp*.py do)",
+            "command": command_line(argv)}
+    save_specdecpp(s.out, head, draft_dir, info)
+    log(f"specdecpp written to {s.out} (draft: {draft_dir})")
+
+
+def _cached(path, make):
+    """torch.load(path), written first by ``make()`` (atomically) when missing."""
+    import torch  # noqa: PLC0415
+
+    if not path.exists():
+        torch.save(make(), path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    return torch.load(path, weights_only=True)
+
+
+def chain_head(args, s, draft_dir):
+    """An AcceptanceHead on a draft LM: P(the draft's greedy token is the target's), teacher-forced."""
+    import torch  # noqa: PLC0415
+
+    from ..drafters import load  # noqa: PLC0415
+    from ..drafters.specdecpp import AcceptanceHead  # noqa: PLC0415
+    from .acceptance import acceptance_examples, head_metrics, train_head  # noqa: PLC0415
+    from .corpus import corpus_sequences  # noqa: PLC0415
+
+    draft_lm = load(draft_dir).model
+    sequences = corpus_sequences(s.records, "greedy", s.end_id())
+    examples = _cached(s.work / "acceptance_examples.pt", lambda: acceptance_examples(draft_lm, sequences, log=log))
+    torch.manual_seed(args.seed)
+    head = AcceptanceHead(examples["hidden"].shape[1], args.width or 128)
+    summary = train_head(head, examples, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
+                         log=log)
+    return head, summary, head_metrics(head, examples)
+
+
+def rank_head(args, s, draft_dir):
+    """A RankAcceptanceHead on an EAGLE-3 head: per tree depth, the rank of the target's token among
+    the head's children (the head unrolled on its own outputs along the corpus answers)."""
+    import torch  # noqa: PLC0415
+
+    from ..drafters import load  # noqa: PLC0415
+    from ..drafters.specdecpp import RankAcceptanceHead  # noqa: PLC0415
+    from . import eagle3 as E  # noqa: PLC0415
+    from .acceptance import rank_examples, rank_loss, rank_metrics, train_head  # noqa: PLC0415
+    from .corpus import features  # noqa: PLC0415
+
+    head_drafter = load(draft_dir)
+    if args.ranks < head_drafter.top_k:
+        raise SystemExit(f"--ranks {args.ranks}: the EAGLE-3 head in {draft_dir} drafts top_k={head_drafter.top_k} "
+                         "children per node, and the rank head must tell each apart: give --ranks >= that")
+    net = head_drafter.net.float()
+    layers = tuple(net.cfg.feature_layers)
+    cached = features(s.model, s.records, layers=layers, top_k=args.top_k, cache_dir=s.features_dir, log=log)
+    examples = [E.example_from(seq, list(range(len(layers)))) for seq in cached]
+    embed = E.frozen_embedding(s.model)
+    data = _cached(s.work / "rank_examples.pt",
+                   lambda: rank_examples(net, embed, examples, args.depth, args.ranks, log=log))
+    torch.manual_seed(args.seed)
+    head = RankAcceptanceHead(net.cfg.hidden_size, args.ranks, max(args.depth, 8), args.width or 64)
+    summary = train_head(head, data, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
+                         loss=rank_loss, log=log)
+    return head, summary, rank_metrics(head, data)
+
+
+COMMANDS = {
+    "fastdraft": Command("train a FastDraft draft LM (pretrain on the corpus, align on the target's answers)",
+                         arguments_for("fastdraft"), run, aliases=("draft_lm",)),
+    "distillspec": Command("train a DistillSpec draft LM (on-policy distillation)", arguments_for("distillspec"), run),
+    "adaspec": Command("train an AdaSPEC draft LM (selective distillation)", arguments_for("adaspec"), run),
+    "pard": Command("train a PARD draft LM (K tokens per forward)", arguments_for("pard"), run),
+    "s2d": Command("train an S2D nested draft LM (sorted fine-tuning, exits with thresholds)", arguments_for("s2d"),
+                   run),
+    "specdecpp": Command("train a SpecDec++ acceptance head on a FastDraft draft or an EAGLE-3 head", arguments_for("specdecpp"), run),
+}

@@ -1,0 +1,154 @@
+"""``python -m flashmm.train eagle3|dflash``: drafters that read the target's features at several layers.
+
+eagle3: an EAGLE-3 head trained with training-time test (flashmm.train.eagle3). dflash: a DFlash
+block drafter (flashmm.train.dflash). The target answers --data (the corpus), its features at
+--layers are cached over those answers (flashmm.train.corpus.features, resumable), and the network
+trains ``--steps`` steps on them (checkpointed every --checkpoint-every steps; a rerun resumes).
+EAGLE-3's ``--batch`` > 1 computes the features on --device and holds them there instead
+(flashmm.train.eagle3_batched; "plain" and "griffin" styles).
+"""
+from __future__ import annotations
+
+from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
+
+
+def add_arguments(p) -> None:
+    add_text_arguments(p)
+    p.add_argument("--layers", default=None,
+                   help="target layers the head reads, comma-separated output_hidden_states indices "
+                        "(default: EAGLE-3's 2, n/2, n-3)")
+    p.add_argument("--vocab", type=int, default=8192, help="draft vocabulary: most frequent corpus tokens")
+    p.add_argument("--style", default="plain", choices=["plain", "hass", "griffin"])
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unrolled steps")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (> 1: features held on --device)")
+    p.add_argument("--device", default="cpu", help="where --batch > 1 computes features and trains")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--depth", type=int, default=6, help="drafting: tree depth")
+    p.add_argument("--tree-top-k", type=int, default=8, help="drafting: children per node of the dynamic tree")
+    p.epilog = SINGLE_PROCESS
+
+
+def layers_of(args, model) -> tuple[int, ...]:
+    from .corpus import default_layers  # noqa: PLC0415
+
+    if args.layers is None:
+        return tuple(default_layers(model))
+    try:
+        layers = tuple(int(x) for x in args.layers.split(","))
+    except ValueError:
+        raise SystemExit(f"--layers {args.layers!r}: give comma-separated integers, e.g. 2,15,27") from None
+    n = model.config.get_text_config().num_hidden_layers
+    if not layers or not all(0 <= layer <= n for layer in layers):
+        raise SystemExit(f"--layers {args.layers!r}: each must be in 0..{n} (the target's output_hidden_states)")
+    return layers
+
+
+def run(args, argv: list[str]) -> int:
+    from ..drafters.eagle3 import save_head  # noqa: PLC0415
+    from . import eagle3 as E  # noqa: PLC0415
+    from .cli_common import text_setup  # noqa: PLC0415
+    from .corpus import corpus_sequences, features  # noqa: PLC0415
+    from .self_corpus import stop_ids  # noqa: PLC0415
+
+    if args.batch > 1 and args.style == "hass":
+        raise SystemExit("--style hass needs the cached target logits: use --batch 1")
+    s = text_setup(args, "eagle3", method_settings(args))
+    model = s.model
+    layers = layers_of(args, model)
+    sequences = corpus_sequences(s.records, "greedy", s.end_id())
+    embed = E.frozen_embedding(model)
+    if args.batch > 1:
+        from .eagle3_batched import PaddedExamples  # noqa: PLC0415
+
+        model.to(args.device)
+        train = PaddedExamples.from_target(model, sequences, layers, log=log)
+        model.cpu()
+        rms_examples = [train.example(i) for i in range(min(8, len(train)))]
+        train_embed = E.FrozenEmbedding(embed.weight.to(args.device))
+    else:
+        cached = features(model, s.records, layers=layers, top_k=args.top_k, cache_dir=s.features_dir, log=log)
+        train = [E.example_from(seq, list(range(len(layers)))) for seq in cached]
+        rms_examples, train_embed = train, embed
+    net = E.new_head(model, sequences, args.vocab, layers, rms_examples, args.seed,
+                     always=tuple(sorted(stop_ids(model, s.tokenizer))))
+    opts = E.TrainOptions(style=args.style, ttt_steps=args.ttt_steps, lr=args.lr, steps=args.steps,
+                          warmup=min(args.warmup, args.steps // 10), batch=args.batch, seed=args.seed,
+                          checkpoint_every=args.checkpoint_every)
+    summary = E.train(net.to(args.device if args.batch > 1 else "cpu"), train_embed, train, opts, s.work, log=log)
+    net = net.cpu().float()
+    info = {"method": "eagle3", "target": target_info(args.target, model),
+            "training": {**summary["options"], "history": summary["history"][-3:], "layers": list(layers),
+                         "train_sequences": len(sequences), "corpus": "the target's greedy answers to --data"},
+            "command": command_line(argv)}
+    save_head(s.out, net, info, dict(tree="dynamic", depth=args.depth, top_k=args.tree_top_k))
+    log(f"EAGLE-3 head written to {s.out}")
+    return 0
+
+
+def add_dflash_arguments(p) -> None:
+    add_text_arguments(p)
+    p.add_argument("--layers", default=None, help="target layers the drafter reads, comma-separated "
+                   "output_hidden_states indices (default: 2, n/2, n-3)")
+    p.add_argument("--vocab", type=int, default=8192, help="draft vocabulary: most frequent corpus tokens "
+                   "(0: the target's whole vocabulary)")
+    p.add_argument("--block-size", type=int, default=8, help="tokens per block (the first is the last committed)")
+    p.add_argument("--mask-token", type=int, default=None, help="the id filling a block's drafted slots: one the "
+                   "target's chats never use (default: the tokenizer's unk, else pad token)")
+    p.add_argument("--num-layers", type=int, default=1, help="decoder layers of the drafter")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps, one sequence each")
+    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.epilog = SINGLE_PROCESS
+
+
+def run_dflash(args, argv: list[str]) -> int:
+    import torch  # noqa: PLC0415
+
+    from . import eagle3 as E  # noqa: PLC0415
+    from .cli_common import text_setup  # noqa: PLC0415
+    from .corpus import corpus_sequences, features  # noqa: PLC0415
+    from .dflash import DFlashTrainOptions, new_net, save_dflash, train  # noqa: PLC0415
+    from .draft_lm import choose_vocab  # noqa: PLC0415
+    from .self_corpus import stop_ids  # noqa: PLC0415
+
+    if args.block_size < 2:
+        raise SystemExit(f"--block-size {args.block_size}: a block holds the committed token and at least one drafted")
+    s = text_setup(args, "dflash", method_settings(args))
+    model = s.model
+    layers = layers_of(args, model)
+    mask = args.mask_token
+    if mask is None:
+        mask = s.tokenizer.unk_token_id if s.tokenizer.unk_token_id is not None else s.tokenizer.pad_token_id
+        if mask is None:
+            raise SystemExit("--mask-token: the tokenizer has no unk or pad token; give an id the chats never use")
+    vocab_size = model.config.get_text_config().vocab_size
+    if not 0 <= mask < vocab_size:
+        raise SystemExit(f"--mask-token {mask}: not an id of the target's {vocab_size}-token vocabulary")
+    cached = features(model, s.records, layers=layers, top_k=args.top_k, cache_dir=s.features_dir, log=log)
+    examples = [E.example_from(seq, list(range(len(layers)))) for seq in cached]
+    chosen = None
+    if args.vocab:
+        chosen = choose_vocab(corpus_sequences(s.records, "greedy", s.end_id()), args.vocab,
+                              always=tuple(sorted(stop_ids(model, s.tokenizer))))
+    torch.manual_seed(args.seed)
+    net = new_net(model, layers, args.block_size, mask, draft_vocab=chosen, num_layers=args.num_layers)
+    opts = DFlashTrainOptions(lr=args.lr, warmup=min(args.warmup, args.steps // 10), steps=args.steps,
+                              anchors=args.anchors, seed=args.seed, checkpoint_every=args.checkpoint_every)
+    history = train(net, model.get_input_embeddings(), examples, opts, s.work, log=log)
+    info = {"method": "dflash", "target": target_info(args.target, model),
+            "training": {**method_settings(args), "history": history[-3:], "train_sequences": len(examples)},
+            "command": command_line(argv), **({"accept": history[-1]["accept"]} if history else {})}
+    save_dflash(s.out, net, info)
+    log(f"DFlash drafter written to {s.out}")
+    return 0
+
+
+COMMANDS = {"eagle3": Command("train an EAGLE-3 head (training-time test; plain, HASS or GRIFFIN loss)",
+                              add_arguments, run),
+            "dflash": Command("train a DFlash block drafter (a block of tokens per forward from the target's "
+                              "features)", add_dflash_arguments, run_dflash)}

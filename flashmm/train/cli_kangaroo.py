@@ -1,0 +1,61 @@
+"""``python -m flashmm.train kangaroo``: Kangaroo's adapter after an early exit of the target
+(flashmm.train.kangaroo).
+
+The target answers --data (the corpus); its states after --exit-layer and its final-normed states
+and top-k logits over those answers are cached (flashmm.train.corpus.features, resumable); the
+adapter trains on them, checkpointed every --checkpoint-every sequences (a rerun resumes). The
+folder holds the adapter only: layers [0, exit) and the LM head are the target's own at run time.
+"""
+from __future__ import annotations
+
+from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
+
+
+def add_arguments(p) -> None:
+    add_text_arguments(p)
+    p.add_argument("--exit-layer", type=int, default=2, help="the early exit: the adapter reads the state after "
+                   "this many decoder layers (1 .. layers - 1)")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--ce-positions", type=int, default=48, help="answer positions per sequence in the CE term")
+    p.add_argument("--feature-weight", type=float, default=1.0)
+    p.add_argument("--checkpoint-every", type=int, default=128, help="sequences between checkpoints")
+    p.add_argument("--max-draft-tokens", type=int, default=6, help="drafting: longest chain")
+    p.add_argument("--confidence", type=float, default=0.6, help="drafting: stop below this top-1 probability")
+    p.epilog = SINGLE_PROCESS
+
+
+def run(args, argv: list[str]) -> int:
+    from dataclasses import asdict  # noqa: PLC0415
+
+    from ..drafters.kangaroo import Kangaroo  # noqa: PLC0415
+    from .cli_common import text_setup  # noqa: PLC0415
+    from .corpus import features  # noqa: PLC0415
+    from .kangaroo import AdapterTraining, agreement, train_adapter  # noqa: PLC0415
+
+    s = text_setup(args, "kangaroo", method_settings(args))
+    n_layers = s.model.config.get_text_config().num_hidden_layers
+    if not 1 <= args.exit_layer < n_layers:
+        raise SystemExit(f"--exit-layer {args.exit_layer}: must be in 1..{n_layers - 1} for this "
+                         f"{n_layers}-layer target")
+    cached = features(s.model, s.records, layers=(args.exit_layer, n_layers), top_k=args.top_k,
+                      cache_dir=s.features_dir, log=log)
+    settings = AdapterTraining(exit_layer=args.exit_layer, epochs=args.epochs, lr=args.lr, batch=args.batch,
+                               ce_positions=args.ce_positions, feature_weight=args.feature_weight, seed=args.seed,
+                               checkpoint_every=args.checkpoint_every)
+    every = list(range(len(cached)))
+    adapter = train_adapter(s.model, cached, every, s.work, 0, 1, settings, log=log)
+    scores = agreement(adapter, s.model, cached, every, 0, 1, settings)
+    log(f"top-1 agreement on the training answers: {scores}")
+    info = {"method": "kangaroo", "drafter": "kangaroo", "target": target_info(args.target, s.model),
+            "options": {"max_draft_tokens": args.max_draft_tokens, "confidence": args.confidence},
+            "training": {**asdict(settings), "train_sequences": len(every), "agreement_on_training_answers": scores},
+            "command": command_line(argv)}
+    state = {k: v.detach() for k, v in adapter.state_dict().items()}
+    Kangaroo(state, exit_layer=args.exit_layer).save(s.out, info)
+    log(f"kangaroo adapter written to {s.out}")
+    return 0
+
+
+COMMANDS = {"kangaroo": Command("train a Kangaroo adapter (self-speculation from an early exit)", add_arguments, run)}

@@ -1,0 +1,228 @@
+"""``python -m flashmm.train METHOD``: every method trains a drafter folder from a prompt file on a tiny
+random Llama; the folder loads with flashmm.drafters.load, decodes token-identically to the target's
+own greedy generate, and a rerun with the same --out resumes without rebuilding the corpus."""
+import json
+import shutil
+
+import pytest
+import torch
+
+import flashmm
+from flashmm.train import self_corpus
+from flashmm.train.__main__ import main as train_cli
+
+import mm_models as mm
+from text_models import tiny_lm
+
+NEW_TOKENS = 10
+# method arguments: a few steps at tiny sizes (the drafts need not be good, only exact and loadable)
+DRAFT_LM = ["--vocab", "64", "--hidden", "32", "--heads", "2", "--intermediate", "64", "--layers", "1",
+            "--pretrain-epochs", "1"]
+METHODS = {
+    "eagle3": ["--steps", "3", "--vocab", "64", "--checkpoint-every", "2"],
+    "dflash": ["--steps", "3", "--vocab", "64", "--block-size", "4", "--anchors", "4", "--checkpoint-every", "2"],
+    "medusa": ["--steps", "3", "--batch", "16", "--vocab", "64"],
+    "hydra": ["--steps", "3", "--batch", "16", "--vocab", "64", "--prefix-attention", "--objective", "distill",
+              "--intermediate", "32"],
+    "mtp": ["--steps", "2", "--batch", "2", "--vocab", "64", "--intermediate", "32"],
+    "draft_lm": DRAFT_LM,
+    "distillspec": DRAFT_LM + ["--on-policy-prompts", "2", "--on-policy-tokens", "4", "--distill-sequences", "2"],
+    "adaspec": DRAFT_LM + ["--distill-sequences", "2"],
+    "pard": DRAFT_LM + ["--pard-depth", "3"],
+    "s2d": DRAFT_LM + ["--s2d-layers", "2", "--exits", "1,2", "--heldout", "1"],
+    "specdecpp": DRAFT_LM + ["--width", "16"],
+    "kangaroo": ["--exit-layer", "1", "--epochs", "1", "--batch", "2"],
+}
+DRAFTER = {"dflash": "dflash", "draft_lm": "fastdraft", "distillspec": "fastdraft", "adaspec": "fastdraft", "eagle3": "eagle3",
+           "medusa": "medusa", "hydra": "hydra", "mtp": "mtp", "pard": "pard", "s2d": "s2d", "specdecpp": "specdecpp",
+           "kangaroo": "kangaroo"}
+
+
+def tiny_target():
+    """(tiny random Llama over the SmolLM2 tokenizer's vocabulary, that tokenizer): --target test_train_cli:tiny_target."""
+    return tiny_lm("llama", vocab_size=mm.vocab_size()), mm.tokenizer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """--threads 1 (these models are too small to gain from a second thread, and lose on a busy machine);
+    the thread count is the process's, so it is restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train_cli")
+    data = folder / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "Say hello."},
+        {"turns": ["Count to three.", "Now to five."]},                       # Spec-Bench's layout
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]}]))
+    return data
+
+
+def args_for(method, data, out, *extra):
+    return [method, "--target", "test_train_cli:tiny_target", "--data", str(data), "--out", str(out),
+            "--max-new-tokens", "8", "--threads", "1", *METHODS.get(method, []), *extra]
+
+
+@pytest.fixture(scope="module")
+def corpus(prompts, tmp_path_factory):
+    """The self-distillation corpus of ``prompts``, built once (every method's --out gets a copy: the
+    cache a rerun reads)."""
+    out = tmp_path_factory.mktemp("corpus_run")
+    model, tokenizer = tiny_target()
+    conversations = self_corpus.read_prompts(prompts)
+    records = self_corpus.build_self_corpus(model, tokenizer, conversations, out / "corpus", max_new_tokens=8,
+                                            target="test_train_cli:tiny_target", log=lambda m: None)
+    assert len(records) == 4  # "turns" gives a record per turn; the second's prompt holds the first answer
+    assert records[2].prompt_ids[:len(records[1].prompt_ids)] == records[1].prompt_ids
+    assert records[3].prompt == "Name a color." and "Be brief." in tokenizer.decode(records[3].prompt_ids)
+    return out / "corpus"
+
+
+def no_generation(*args, **kwargs):
+    pytest.fail("the corpus was rebuilt: the target answered a prompt again")
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_each_method_trains_an_exact_loadable_drafter_and_resumes(method, prompts, corpus, tmp_path, monkeypatch):
+    out = tmp_path / method
+    shutil.copytree(corpus, out / "corpus")
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    argv = args_for(method, prompts, out)
+    assert train_cli(argv) == 0
+    info = json.loads((out / "drafter.json").read_text())
+    assert info["drafter"] == DRAFTER[method] and info["command"].startswith("python -m flashmm.train " + method)
+    assert info["target"]["name"] == "test_train_cli:tiny_target"
+    weights = sorted(p.name for p in out.glob("*.safetensors"))
+    before = {name: (out / name).read_bytes() for name in weights}
+
+    model, tokenizer = tiny_target()
+    drafter = flashmm.drafters.load(out)
+    assert type(drafter).name == DRAFTER[method]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Say hello twice."}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    sm = flashmm.wrap(model, str(out))
+    assert torch.equal(sm.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False), expected)
+    assert sm.last_stats.verify_steps >= 1
+
+    # the same command again: corpus, features and the finished training are read back, same weights
+    assert train_cli(argv) == 0
+    assert {name: (out / name).read_bytes() for name in weights} == before
+
+
+def test_an_interrupted_corpus_continues_where_it_stopped(prompts, tmp_path, monkeypatch):
+    model, tokenizer = tiny_target()
+    conversations = self_corpus.read_prompts(prompts)
+    calls = []
+    real = self_corpus.greedy_answer
+
+    def killed_after_two(*args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(self_corpus, "greedy_answer", killed_after_two)
+    build = dict(max_new_tokens=8, target="t", log=lambda m: None)
+    (tmp_path / self_corpus.ANSWERS_FILE).write_text('{"settin')  # killed while writing its first line
+    with pytest.raises(KeyboardInterrupt):
+        self_corpus.build_self_corpus(model, tokenizer, conversations, tmp_path, **build)
+    with (tmp_path / self_corpus.ANSWERS_FILE).open("a") as fh:
+        fh.write('{"key": "2:0", "prompt_')             # a line torn by the kill
+    answered = list(calls)
+    calls.clear()
+    monkeypatch.setattr(self_corpus, "greedy_answer", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    records = self_corpus.build_self_corpus(model, tokenizer, conversations, tmp_path, **build)
+    assert len(answered) == 2 and len(calls) == 2 and not set(map(tuple, answered)) & set(map(tuple, calls))
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    assert self_corpus.build_self_corpus(model, tokenizer, conversations, tmp_path, **build) == records
+    with pytest.raises(ValueError, match="other prompts or settings"):
+        self_corpus.build_self_corpus(model, tokenizer, conversations, tmp_path, **{**build, "max_new_tokens": 9})
+
+
+def test_bad_input_names_the_argument(prompts, tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit, match="--data .*missing.jsonl.*no such file"):
+        train_cli(args_for("medusa", tmp_path / "missing.jsonl", tmp_path / "out"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"question": "no prompt key"}\n')
+    with pytest.raises(SystemExit, match=r"--data .*bad.jsonl:2: each line needs \"prompt\""):
+        train_cli(args_for("eagle3", bad, tmp_path / "out"))
+    with pytest.raises(SystemExit):  # Hydra++'s option is not Medusa's
+        train_cli(args_for("medusa", prompts, tmp_path / "out", "--prefix-attention"))
+    assert "unrecognized arguments: --prefix-attention" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_cli(["nonsense", "--target", "x"])
+    assert "invalid choice: 'nonsense'" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit, match="WORLD_SIZE=2.*flash only"):
+        train_cli(args_for("kangaroo", prompts, tmp_path / "out"))
+
+
+def test_other_options_on_the_same_out_are_refused(prompts, corpus, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(corpus, out / "corpus")
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    assert train_cli(args_for("mtp", prompts, out)) == 0
+    with pytest.raises(SystemExit, match=r"other options \(lr\)"):
+        train_cli(args_for("mtp", prompts, out, "--lr", "0.5"))
+
+
+def test_specdecpp_on_an_eagle3_head(prompts, corpus, tmp_path, monkeypatch):
+    """specdecpp --draft EAGLE3_DIR: a rank acceptance head over the head's trees, pointing at its folder."""
+    for name in ("eagle3", "specdecpp"):
+        shutil.copytree(corpus, tmp_path / name / "corpus")
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    assert train_cli(args_for("eagle3", prompts, tmp_path / "eagle3")) == 0
+    assert train_cli(args_for("specdecpp", prompts, tmp_path / "specdecpp", "--draft", str(tmp_path / "eagle3"),
+                              "--depth", "3", "--ranks", "8", "--width", "8", "--threshold", "0.9")) == 0
+    info = json.loads((tmp_path / "specdecpp" / "drafter.json").read_text())
+    assert info["head"]["ranks"] == 8 and info["draft"] == "../eagle3" and info["threshold"] == 0.9
+    drafter = flashmm.drafters.load(tmp_path / "specdecpp")
+    assert type(drafter).name == "eagle3" and drafter.acceptance is not None
+    model, _ = tiny_target()
+    ids = torch.tensor([[1, 5, 9, 200, 300, 41, 7]])
+    expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(flashmm.wrap(model, drafter).generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False), expected)
+
+
+def test_a_killed_training_resumes_from_its_checkpoint(prompts, corpus, tmp_path, monkeypatch):
+    """medusa killed after its step-2 checkpoint: the rerun starts at step 2 and ends with the weights of
+    an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from flashmm.train import heads
+
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    extra = ["--steps", "4", "--checkpoint-every", "2"]
+    for name in ("straight", "killed"):
+        shutil.copytree(corpus, tmp_path / name / "corpus")
+    assert train_cli(args_for("medusa", prompts, tmp_path / "straight", *extra)) == 0
+    real, calls = heads.batch_loss, []
+
+    def killed_at_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(heads, "batch_loss", killed_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train_cli(args_for("medusa", prompts, tmp_path / "killed", *extra))
+    assert not (tmp_path / "killed" / "drafter.json").exists()
+    calls.clear()
+    monkeypatch.setattr(heads, "batch_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert train_cli(args_for("medusa", prompts, tmp_path / "killed", *extra)) == 0
+    assert len(calls) == 2  # steps 3 and 4 only
+    straight = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "killed" / "model.safetensors"))
+    assert straight.keys() == resumed.keys()
+    for key, value in straight.items():
+        torch.testing.assert_close(resumed[key], value)
