@@ -358,3 +358,22 @@ def test_hydra_is_refused_saying_why(tmp_path):
     with pytest.raises(UnsupportedDrafterFormat, match="no exact mapping") as err:
         load(tmp_path)
     assert str(tmp_path) in str(err.value) and "'prefix-mlp'" in str(err.value)
+
+
+def test_flashmm_sglang_export_reads_back_through_the_same_loader(tmp_path):
+    """flashmm's own SGLang export (flashmm export-drafter --format sglang) is read by this loader into a head
+    with the same weights and feature layers (SGLang's ids + 1)."""
+    from flashmm.drafters.eagle3 import save_head
+    from flashmm.drafters.export import export_drafter
+    from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
+
+    torch.manual_seed(2)
+    net = Eagle3Net(Eagle3Config.for_target(tiny_lm("llama", num_hidden_layers=4).config, 100, (1, 2, 3)))
+    net.set_vocab(torch.arange(28, 128))
+    head = save_head(tmp_path / "head", net, {"method": "eagle3", "target": "tiny"}, dict(tree="chain"))
+    read = load(export_drafter(head, "sglang", tmp_path / "exported"))
+    assert isinstance(read, PublishedEagle3Drafter) and read.embedding is None
+    assert read.net.cfg.feature_layers == (1, 2, 3) and not read.default_layers
+    mine = load(head).net.state_dict()
+    assert all(torch.equal(read.net.state_dict()[k], v.float() if v.is_floating_point() else v)
+               for k, v in mine.items())
