@@ -48,7 +48,8 @@ def eagle3_state(draft_vocab: int, seed: int, embed: bool) -> dict[str, torch.Te
         return torch.randn(*shape, generator=g) * std
 
     q, kv, inter = 4 * 16, 2 * 16, HEAD["intermediate_size"]
-    state = {"fc.weight": rand(D, 3 * D), "norm.weight": 1 + rand(D, std=0.1), "lm_head.weight": rand(draft_vocab, D, std=0.6),
+    state = {"fc.weight": rand(D, 3 * D), "norm.weight": 1 + rand(D, std=0.1),
+             "lm_head.weight": rand(draft_vocab, D, std=0.6),
              "midlayer.self_attn.q_proj.weight": rand(q, 2 * D), "midlayer.self_attn.k_proj.weight": rand(kv, 2 * D),
              "midlayer.self_attn.v_proj.weight": rand(kv, 2 * D), "midlayer.self_attn.o_proj.weight": rand(D, q),
              "midlayer.mlp.gate_proj.weight": rand(inter, D), "midlayer.mlp.up_proj.weight": rand(inter, D),
@@ -117,7 +118,8 @@ def eagle3_reference(s, embeds, feats, theta, eps):
     e, f = embeds.double(), feats.double()
     t, hd = e.shape[0], 16
     h = f @ s["fc.weight"].T
-    x = torch.cat([rms(e, s["midlayer.input_layernorm.weight"], eps), rms(h, s["midlayer.hidden_norm.weight"], eps)], -1)
+    x = torch.cat([rms(e, s["midlayer.input_layernorm.weight"], eps),
+                   rms(h, s["midlayer.hidden_norm.weight"], eps)], -1)                    # [T, 2D]
     q = (x @ s["midlayer.self_attn.q_proj.weight"].T).view(t, 4, hd).transpose(0, 1)     # [4, T, hd]
     k = (x @ s["midlayer.self_attn.k_proj.weight"].T).view(t, 2, hd).transpose(0, 1)     # [2, T, hd]
     v = (x @ s["midlayer.self_attn.v_proj.weight"].T).view(t, 2, hd).transpose(0, 1)

@@ -297,6 +297,9 @@ class PublishedEagle3Drafter(Eagle3Drafter):
         if self.embedding is not None:
             raise ValueError(f"{self.folder}: this {self.layout} EAGLE-3 head embeds with its own embed_tokens, "
                              "which a flashmm drafter folder cannot hold; load it from its own folder instead")
+        if self.default_layers and self._embed is None:
+            raise ValueError(f"{self.folder}: this {self.layout} EAGLE-3 head reads the target's layers "
+                             "(2, n // 2, n - 3), fixed when it is bound; wrap it with its target before saving")
         return super().save(path, info)
 
 

@@ -148,7 +148,8 @@ class PublishedMedusa(Medusa):
         self.folder = Path(folder)
 
     def bind(self, target) -> None:
-        weight = getattr(target.output_embeddings(), "weight", None)
+        head = target.output_embeddings()
+        weight = getattr(head, "weight", None)
         shape = None if weight is None else tuple(weight.shape)
         heads = self.heads
         wrong = []
@@ -158,8 +159,8 @@ class PublishedMedusa(Medusa):
             wrong.append(f"vocabulary: drafter {heads.vocab_size}, target {shape[0]}")
         if wrong:
             raise ValueError(f"{self.folder}: these Medusa heads do not fit the target: " + "; ".join(wrong))
-        if heads.has_lm_heads and all(torch.equal(w, weight.detach().to(w.device, w.dtype))
-                                      for w in heads.lm_head_weight.detach()):
+        if heads.has_lm_heads and getattr(head, "bias", None) is None and all(
+                torch.equal(w, weight.detach().to(w.device, w.dtype)) for w in heads.lm_head_weight.detach()):
             del heads.lm_head_weight                  # every head reads the target's LM head: share it
             heads.vocab_size = 0
         super().bind(target)
