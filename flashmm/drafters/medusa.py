@@ -43,7 +43,9 @@ class Medusa(HeadDrafter):
         if tree is None or self._feature is None:
             return root_only(committed)
         states = self.heads(self._feature)[:tree.max_depth]                     # [D, d]
-        top = self.logits(states).topk(int(tree.ranks.max()) + 1, dim=-1).indices  # [D, s]
+        # heads with their own LM heads (published Medusa-1) score with those, else with the target's
+        logits = self.heads.head_logits(states) if self.heads.has_lm_heads else self.logits(states)  # [D, V]
+        top = logits.topk(int(tree.ranks.max()) + 1, dim=-1).indices          # [D, s]
         depth, ranks = tree.depth[1:].to(top.device), tree.ranks[1:].to(top.device)  # [N-1]
         drafted = self.target_ids(top[depth - 1, ranks])                        # [N-1]
         tokens = torch.cat([committed[0, -1:], drafted.to(committed.device)])[None]

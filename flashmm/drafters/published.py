@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -70,6 +71,43 @@ def is_speculators_folder(path) -> bool:
     return "speculators_model_type" in data or "speculators_config" in data
 
 
+def published_format(path) -> str | None:
+    """The published layout folder ``path`` holds, from its config.json: "speculators", "eagle3" (the EAGLE
+    repository's / SpecForge's / SGLang's EAGLE-3 head: ``draft_vocab_size`` with one layer, or
+    architectures ``LlamaForCausalLMEagle3``), "medusa" (``medusa_num_heads``), "hydra" (``hydra_num_heads``);
+    None for anything else (no config.json, or a flashmm folder with drafter.json)."""
+    folder = Path(path)
+    if not (folder / CONFIG_FILE).is_file() or (folder / "drafter.json").is_file():
+        return None
+    data = read_json(folder / CONFIG_FILE)
+    if "speculators_model_type" in data or "speculators_config" in data:
+        return "speculators"
+    if "medusa_num_heads" in data:
+        return "medusa"
+    if "hydra_num_heads" in data or "hydra_head_arch" in data:
+        return "hydra"
+    architectures = data.get("architectures") or []
+    if "LlamaForCausalLMEagle3" in architectures or ("draft_vocab_size" in data
+                                                     and data.get("num_hidden_layers") == 1):
+        return "eagle3"
+    return None
+
+
+def load_published(path, **options):
+    """The flashmm drafter for the published folder ``path`` (see ``published_format``); ``options`` go to
+    its constructor."""
+    from .published_eagle3 import load_eagle3_checkpoint  # noqa: PLC0415 (those modules import this one)
+    from .published_heads import load_hydra, load_medusa  # noqa: PLC0415
+
+    kind = published_format(path)
+    readers = {"speculators": load_speculators, "eagle3": load_eagle3_checkpoint, "medusa": load_medusa,
+               "hydra": load_hydra}
+    if kind is None:
+        raise FileNotFoundError(f"{path} holds no published drafter flashmm reads (a config.json of vLLM "
+                                "speculators, an EAGLE-3 head of the EAGLE repository / SpecForge / SGLang, Medusa-1)")
+    return readers[kind](path, **options)
+
+
 def load_speculators(path, **options):
     """The flashmm drafter for the speculators checkpoint in folder ``path``; ``options`` go to its
     constructor (EAGLE-3: tree, depth, top_k, ...). UnsupportedDrafterFormat for an algorithm flashmm has
@@ -98,6 +136,18 @@ def load_speculators(path, **options):
 
 
 # ------------------------------------------------------------------------------------------ weights
+def read_pickled(path: Path) -> dict[str, torch.Tensor]:
+    """The {name: tensor} state dict pickled in ``path`` (``.bin`` / ``.pt``), read with
+    ``torch.load(weights_only=True)``: tensors and plain containers, never code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as err:  # code in it, or corrupt
+        raise DrafterFileError(path, f"cannot be read as plain tensors (weights_only=True): {err}") from err
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise DrafterFileError(path, "is not a {name: tensor} state dict")
+    return state
+
+
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint in ``folder``: model.safetensors, the shards a
     model.safetensors.index.json lists, or pytorch_model.bin (``torch.load(weights_only=True)``: tensors
@@ -114,16 +164,9 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
             state.update(read_safetensors(folder / shard))
         return state
     for name in ("pytorch_model.bin", "model.pt"):
-        path = folder / name
-        if path.is_file():
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as err:  # code in it, or corrupt
-                raise DrafterFileError(path, f"cannot be read as plain tensors (weights_only=True): {err}") from err
-            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-                raise DrafterFileError(path, "is not a {name: tensor} state dict")
-            return state
-    raise FileNotFoundError(f"{folder} holds a speculators config.json but no weights (model.safetensors, "
+        if (folder / name).is_file():
+            return read_pickled(folder / name)
+    raise FileNotFoundError(f"{folder} holds a drafter's config.json but no weights (model.safetensors, "
                             "model.safetensors.index.json or pytorch_model.bin)")
 
 
@@ -205,21 +248,25 @@ def eagle3_from_speculators(folder: Path, config: dict, **options) -> "Speculato
                                         **options)
 
 
-class SpeculatorsEagle3Drafter(Eagle3Drafter):
-    """An Eagle3Drafter read from a speculators folder: the same drafting, plus what that layout adds.
+class PublishedEagle3Drafter(Eagle3Drafter):
+    """An Eagle3Drafter read from another project's folder: the same drafting, plus what that layout adds.
 
-    folder:    the folder it came from (named by every refusal).
-    embedding: the head's own ``embed_tokens`` [V, d] (speculators saves it; vLLM uses it when present),
-               which it embeds drafted tokens with instead of the target's input embeddings; None: the
-               target's (as flashmm's own heads).
-    verifier:  the target the config names (``speculators_config.verifier.name_or_path``), for the record.
+    folder:      the folder it came from (named by every refusal).
+    layout:      the layout's name, for messages and ``info["format"]`` (e.g. "speculators 0.9.0").
+    embedding:   the head's own ``embed_tokens`` [V, d] (saved with the head), which it embeds drafted tokens
+                 with instead of the target's input embeddings; None: the target's (as flashmm's own heads).
+    verifier:    the target the folder names, for the record.
+    default_layers: the folder names no feature layers: at ``bind`` they become the target's layers
+                 (2, n // 2, n - 3), each the state entering that layer, in ascending order (the EAGLE
+                 repository's and SGLang's default capture points).
     ``bind`` refuses a target the head was not made for, naming the folder and both values."""
 
-    def __init__(self, net: Eagle3Net, *, folder: str | os.PathLike, embedding: torch.Tensor | None = None,
-                 verifier: str | None = None, **options):
+    def __init__(self, net: Eagle3Net, *, folder: str | os.PathLike, layout: str,
+                 embedding: torch.Tensor | None = None, verifier: str | None = None, default_layers: bool = False,
+                 **options):
         super().__init__(net, info={"method": "eagle3", "target": verifier, "source": os.fspath(folder),
-                                    "format": f"speculators {SPECULATORS_VERSION}"}, **options)
-        self.folder = Path(folder)
+                                    "format": layout}, **options)
+        self.folder, self.layout, self.default_layers = Path(folder), layout, default_layers
         self.embedding = None if embedding is None else nn.Embedding.from_pretrained(embedding.float(), freeze=True)
 
     def bind(self, target) -> None:
@@ -228,11 +275,19 @@ class SpeculatorsEagle3Drafter(Eagle3Drafter):
         wrong = [(what, ours, theirs) for what, ours, theirs in (
             ("hidden size of its features", cfg.target_hidden_size, target.hidden_size),
             ("vocabulary", cfg.vocab_size, target.vocab_size)) if ours != theirs]
-        if max(cfg.feature_layers) >= layers:
-            wrong.append(("feature layers (eagle_aux_hidden_state_layer_ids; each below the target's layer count)",
-                          list(cfg.feature_layers), f"{layers} layers"))
+        if self.default_layers:
+            captured = sorted({i for i in (2, layers // 2, layers - 3) if 0 <= i < layers})
+            if len(captured) != len(cfg.feature_layers):
+                wrong.append(("feature layers (2, n // 2, n - 3 of the target's n layers, as distinct layers)",
+                              f"{len(cfg.feature_layers)} features", f"{layers} layers give {captured}"))
+            else:
+                self.net.cfg = replace(cfg, feature_layers=tuple(captured))
+                self.feature_layers = tuple(captured)
+        elif max(cfg.feature_layers) >= layers:
+            wrong.append(("feature layers (each below the target's layer count)", list(cfg.feature_layers),
+                          f"{layers} layers"))
         if wrong:
-            raise ValueError(f"{self.folder}: this speculators EAGLE-3 head does not fit the target: " + "; ".join(
+            raise ValueError(f"{self.folder}: this {self.layout} EAGLE-3 head does not fit the target: " + "; ".join(
                 f"{what}: drafter {ours}, target {theirs}" for what, ours, theirs in wrong))
         super().bind(target)
         if self.embedding is not None:
@@ -241,12 +296,27 @@ class SpeculatorsEagle3Drafter(Eagle3Drafter):
 
     def save(self, path, info: dict):
         """A flashmm folder (drafter.json) has no place for the head's own embeddings, so a head that has them
-        is refused rather than saved as a different drafter; keep its speculators folder instead."""
+        is refused rather than saved as a different drafter; keep its published folder instead."""
         if self.embedding is not None:
-            raise ValueError(f"{self.folder}: this speculators EAGLE-3 head embeds with its own embed_tokens, which "
-                             "a flashmm drafter folder cannot hold; load it from its speculators folder instead")
+            raise ValueError(f"{self.folder}: this {self.layout} EAGLE-3 head embeds with its own embed_tokens, "
+                             "which a flashmm drafter folder cannot hold; load it from its own folder instead")
+        if self.default_layers and self._embed is None:
+            raise ValueError(f"{self.folder}: this {self.layout} EAGLE-3 head reads the target's layers "
+                             "(2, n // 2, n - 3), fixed when it is bound; wrap it with its target before saving")
         return super().save(path, info)
 
 
-__all__ = ["NO_DRAFTER_YET", "SPECULATORS_VERSION", "SpeculatorsEagle3Drafter", "UnsupportedDrafterFormat",
-           "eagle3_config", "eagle3_from_speculators", "is_speculators_folder", "load_speculators", "read_weights"]
+class SpeculatorsEagle3Drafter(PublishedEagle3Drafter):
+    """A PublishedEagle3Drafter read from a speculators folder (``verifier``:
+    ``speculators_config.verifier.name_or_path``)."""
+
+    def __init__(self, net: Eagle3Net, *, folder: str | os.PathLike, embedding: torch.Tensor | None = None,
+                 verifier: str | None = None, **options):
+        super().__init__(net, folder=folder, layout="speculators", embedding=embedding, verifier=verifier,
+                         **options)
+        self.info["format"] = f"speculators {SPECULATORS_VERSION}"
+
+
+__all__ = ["NO_DRAFTER_YET", "SPECULATORS_VERSION", "PublishedEagle3Drafter", "SpeculatorsEagle3Drafter",
+           "UnsupportedDrafterFormat", "eagle3_config", "eagle3_from_speculators", "is_speculators_folder",
+           "load_published", "load_speculators", "published_format", "read_pickled", "read_weights"]

@@ -10,7 +10,7 @@ from .base import Drafter, drafter_names
 from .flash import CONFIG_NAME as FLASH_CONFIG_NAME
 from .flash import FlashDrafter
 from .flash import read_config as read_flash_config
-from .published import is_speculators_folder
+from .published import published_format
 from .saved import CONFIG_FILE as SAVED_CONFIG
 from .saved import load, make_by_name
 
@@ -85,7 +85,7 @@ def resolve_drafter(drafter, device=None, allow_untrained: bool = False) -> Draf
                         f"{type(drafter).__name__}")
     name = os.fspath(drafter)
     if os.path.isdir(name):
-        if os.path.isfile(os.path.join(name, SAVED_CONFIG)) or is_speculators_folder(name):
+        if os.path.isfile(os.path.join(name, SAVED_CONFIG)) or published_format(name) is not None:
             return load(name)
         if not os.path.isfile(os.path.join(name, FLASH_CONFIG_NAME)):
             raise ValueError(f"drafter directory {name!r} has no {FLASH_CONFIG_NAME}: expected a directory "

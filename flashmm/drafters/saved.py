@@ -33,12 +33,13 @@ def read_info(path) -> dict:
 def load(path, **options) -> Drafter:
     """The trained drafter stored in folder ``path``; ``options`` go to its constructor
     (e.g. ``max_draft_tokens=6``). A folder in vLLM speculators' layout (config.json naming a
-    ``speculators_model_type``, no drafter.json) is read by flashmm.drafters.published."""
-    from .published import is_speculators_folder, load_speculators  # noqa: PLC0415 (published imports eagle3, which imports this module)
+    ``speculators_model_type``, no drafter.json) and the other published layouts (EAGLE-3 heads of the EAGLE
+    repository / SpecForge / SGLang, Medusa-1 heads) are read by flashmm.drafters.published."""
+    from .published import load_published, published_format  # noqa: PLC0415 (published imports eagle3, which imports this module)
 
     refuse_renamed(options, f"flashmm.drafters.load({str(path)!r})")
-    if not (Path(path) / CONFIG_FILE).is_file() and is_speculators_folder(path):
-        return load_speculators(path, **options)
+    if published_format(path) is not None:
+        return load_published(path, **options)
     info = read_info(path)
     cls = _REGISTRY.get(info["drafter"])
     if cls is None or not hasattr(cls, "from_dir"):
