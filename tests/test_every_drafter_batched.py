@@ -38,13 +38,16 @@ PARTS = {
 
 def unbuildable(name: str) -> str | None:
     """Why the registered drafter ``name`` cannot run on the tiny target, read from the registry: its
-    class loads a trained folder (``from_dir``; today eagle3, fastdraft, hydra, kangaroo, medusa, mtp,
+    class loads a trained folder (``from_dir``; today dflash, eagle3, fastdraft, hydra, kangaroo, medusa, mtp,
     pard, s2d, specdecpp: their SmolLM2 folders run below, kangaroo on the tiny model in test_self_spec),
+    or it reads only certain families' own checkpoints (``families``: native_mtp),
     or its constructor asks for parts PARTS does not give (today none). None: it runs. (Mirror, OnlineSD
     and CrossTokenizerDraft wrap a drafter or a second tokenizer and are not registered.)"""
     cls = drafter_class(name)
     if hasattr(cls, "from_dir"):
         return f"{cls.__name__} runs from a trained folder"
+    if getattr(cls, "families", None) and "LlamaForCausalLM" not in cls.families:
+        return f"{cls.__name__} reads a {' / '.join(cls.families)} checkpoint (tests/test_native_mtp.py runs it)"
     required = [p.name for p in inspect.signature(cls).parameters.values()
                 if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if required and name not in PARTS:

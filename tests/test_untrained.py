@@ -104,8 +104,8 @@ def test_every_name_accepted_without_allow_untrained_drafts_with_no_random_weigh
             continue
         try:
             flashmm.wrap(target, drafter)
-        except ValueError as err:  # e.g. rest without a datastore
-            assert "datastore" in str(err), (name, err)
+        except ValueError as err:  # rest without a datastore; native_mtp on a model whose checkpoint has no MTP module
+            assert "datastore" in str(err) or "keeps no MTP module" in str(err), (name, err)
             continue
         accepted.append(name)
         assert all(p.data_ptr() in own for p in parameters_of(drafter)), name

@@ -163,6 +163,8 @@ class NativeMTP(Drafter):
 
     name = "native_mtp"
     needs_hidden_states = True  # the final-normed hidden states (output_hidden_states' last entry)
+    #: the model classes whose checkpoints it reads (any other target is refused at bind)
+    families = tuple(sorted(LAYOUTS))
 
     def __init__(self, checkpoint: str | os.PathLike | None = None, max_draft_tokens: int = 3):
         if not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:

@@ -42,7 +42,8 @@ def arguments_for(method: str):
             p.add_argument("--prefix-lr-scale", type=float, default=1.0)
         p.add_argument("--holdout-every", type=int, default=20, help="hold out every N-th sequence (0: none)")
         p.add_argument("--checkpoint-every", type=int, default=100)
-        p.add_argument("--tree-nodes", type=int, default=16, help="drafting: nodes of the static tree")
+        p.add_argument("--max-draft-tokens", type=int, default=16,
+                       help="drafting: nodes of the static tree (0: a chain of the heads)")
         p.add_argument("--lookup", choices=["ngram", "suffix", "none"], default="ngram",
                        help="drafting: a lookup chain merged into the heads' tree")
         p.epilog = SINGLE_PROCESS
@@ -94,7 +95,8 @@ def run(args, argv: list[str]) -> int:
     log("rank accuracy per head: " + "; ".join(" ".join(f"{a:.3f}" for a in row[:4]) for row in accuracy))
     tail = state["losses"][-25:]
     info = {"method": method, "target": target_info(args.target, model),
-            "drafting": {"tree_nodes": args.tree_nodes, **({} if args.lookup == "none" else {"lookup": args.lookup})},
+            "drafting": {**({"tree": "static", "max_draft_tokens": args.max_draft_tokens} if args.max_draft_tokens
+                            else {"tree": "chain"}), **({} if args.lookup == "none" else {"lookup": args.lookup})},
             "accuracy": accuracy,
             "training": {**method_settings(args), "steps_done": state["step"], "train_sequences": len(train),
                          "held_out_sequences": len(held), "feature_layer": n_layers,
