@@ -135,6 +135,22 @@ def load_speculators(path, **options):
         f"flashmm reads speculators' 'eagle3' checkpoints (speculators {SPECULATORS_VERSION})")
 
 
+def head_embedding_and_vocab(state: dict[str, torch.Tensor], cfg, where: str) -> torch.Tensor | None:
+    """An EAGLE-3 head's own ``embed_tokens.weight`` taken out of ``state`` (checked against ``cfg``; None when it
+    has none), and identity vocabulary maps put in when the head has none and drafts the whole vocabulary."""
+    embedding = state.pop("embed_tokens.weight", None)
+    if embedding is not None and tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise DrafterFileError(where, f"embed_tokens.weight is {tuple(embedding.shape)}, the config says "
+                                      f"({cfg.vocab_size}, {cfg.hidden_size})")
+    if "d2t" not in state and "t2d" not in state:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            raise DrafterFileError(where, f"has no d2t / t2d, but its draft vocabulary ({cfg.draft_vocab_size}) "
+                                          f"is smaller than the target's ({cfg.vocab_size})")
+        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    return embedding
+
+
 # ------------------------------------------------------------------------------------------ weights
 def read_pickled(path: Path) -> dict[str, torch.Tensor]:
     """The {name: tensor} state dict pickled in ``path`` (``.bin`` / ``.pt``), read with
@@ -225,16 +241,7 @@ def eagle3_from_speculators(folder: Path, config: dict, **options) -> "Speculato
     state = {k: v for k, v in read_weights(folder).items() if k not in _IGNORED_KEYS}
     where = next((str(folder / n) for n in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                                            "model.pt") if (folder / n).is_file()), str(folder))
-    embedding = state.pop("embed_tokens.weight", None)
-    if embedding is not None and tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise DrafterFileError(where, f"embed_tokens.weight is {tuple(embedding.shape)}, the config says "
-                                      f"({cfg.vocab_size}, {cfg.hidden_size})")
-    if "d2t" not in state and "t2d" not in state:
-        if cfg.draft_vocab_size != cfg.vocab_size:
-            raise DrafterFileError(where, f"has no d2t / t2d, but its draft vocabulary ({cfg.draft_vocab_size}) "
-                                          f"is smaller than the target's ({cfg.vocab_size})")
-        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
-        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    embedding = head_embedding_and_vocab(state, cfg, where)
     prefix = "midlayer." if any(k.startswith("midlayer.") for k in state) else "layers.0."
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     with blamed_on(where, "the weights"):

@@ -45,7 +45,8 @@ import torch
 from .export import check_state
 from .files import DrafterFileError, blamed_on, load_weights, read_json
 from .nets.eagle3_net import Eagle3Config, Eagle3Net
-from .published import CONFIG_FILE, PublishedEagle3Drafter, UnsupportedDrafterFormat, read_weights
+from .published import (CONFIG_FILE, PublishedEagle3Drafter, UnsupportedDrafterFormat, head_embedding_and_vocab,
+                        read_weights)
 
 LAYOUT = "EAGLE-3 (EAGLE / SpecForge / SGLang)"
 WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors", "model.safetensors.index.json", "model.pt")
@@ -113,16 +114,7 @@ def load_eagle3_checkpoint(path, **options) -> PublishedEagle3Drafter:
     cfg, default_layers = checkpoint_config(config_path, config)
     state = read_weights(folder)
     where = next((str(folder / n) for n in WEIGHT_FILES if (folder / n).is_file()), str(folder))
-    embedding = state.pop("embed_tokens.weight", None)
-    if embedding is not None and tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise DrafterFileError(where, f"embed_tokens.weight is {tuple(embedding.shape)}, the config says "
-                                      f"({cfg.vocab_size}, {cfg.hidden_size})")
-    if "d2t" not in state and "t2d" not in state:
-        if cfg.draft_vocab_size != cfg.vocab_size:
-            raise DrafterFileError(where, f"has no d2t / t2d, but its draft vocabulary ({cfg.draft_vocab_size}) "
-                                          f"is smaller than the target's ({cfg.vocab_size})")
-        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
-        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    embedding = head_embedding_and_vocab(state, cfg, where)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     if "d2t" in state:
         state["d2t"] = state["d2t"].long()
