@@ -129,7 +129,7 @@ def test_training_forward_equals_speculators(target):
 def test_training_learns_and_the_folder_decodes_exactly(tmp_path):
     """A few hundred steps on a tiny target's own greedy continuations raise block accuracy above chance;
     the saved folder loads by path, decodes token-identically to generate, and training resumes."""
-    from flashmm.train.dflash import DFlashTrainOptions, new_net, save_dflash, train
+    from flashmm.train.dflash import DFlashTrainOptions, held_out_accept, new_net, save_dflash, train
     from flashmm.train.eagle3 import Example
     from text_models import tiny_lm
 
@@ -150,6 +150,9 @@ def test_training_learns_and_the_folder_decodes_exactly(tmp_path):
     assert history[-1]["accuracy"][0] > 0.5 and history[-1]["loss"] < history[0]["loss"]
     accept = history[-1]["accept"]
     assert len(accept) == 3 and all(len(row) == 8 for row in accept)
+    held = held_out_accept(net, target.get_input_embeddings(), examples, max_anchors=8)
+    tau, blocks = replayed_chain_tau(net, target.get_input_embeddings(), examples, max_anchors=8)
+    assert held["chain_tau"] == pytest.approx(tau, abs=1e-3) and held["counted"][0] == blocks and tau > 1.5
     folder = save_dflash(tmp_path / "dflash", net, {"method": "dflash", "target": {"name": "tiny"}, "accept": accept})
     prompt = torch.randint(3, 120, (1, 6), generator=torch.Generator().manual_seed(1))
     expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
@@ -162,3 +165,24 @@ def test_training_learns_and_the_folder_decodes_exactly(tmp_path):
     again = train(new_net(target, (1, 2), block_size=4, mask_token_id=127), target.get_input_embeddings(),
                   examples, opts, tmp_path / "work")
     assert again == history  # resumed at the end: nothing retrained
+
+
+
+def replayed_chain_tau(net, embed, examples, max_anchors: int) -> tuple[float, int]:
+    """(1 + mean accepted, blocks): each anchor's greedy chain from the block, accepted while it equals the
+    target's own next tokens (the anchors held_out_accept takes)."""
+    from flashmm.drafters.nets.dflash_net import anchored_logits
+
+    size, accepted = net.config.block_size, []
+    for example in examples:
+        first, last = max(example.prompt_len - 1, 1), len(example.ids) - size
+        anchors = torch.linspace(first, last, min(max_anchors, last - first + 1)).round().long().unique()
+        with torch.no_grad():
+            logits = anchored_logits(net, embed, example.features.float(), example.ids, anchors)[:, 1:]
+        for a, row in zip(anchors.tolist(), net.draft_to_target[logits.argmax(-1)].tolist()):
+            wanted = example.topk_ids[a:a + size - 1, 0].tolist()
+            run = 0
+            while run < size - 1 and row[run] == wanted[run]:
+                run += 1
+            accepted.append(run)
+    return 1 + sum(accepted) / len(accepted), len(accepted)

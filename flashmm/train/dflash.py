@@ -37,8 +37,9 @@ class DFlashTrainOptions:
 
 def new_net(target, feature_layers: tuple[int, ...], block_size: int, mask_token_id: int,
             draft_vocab: torch.Tensor | None = None, num_layers: int = 1) -> DFlashNet:
-    """A DFlash network sized like ``target``'s layers, its LM head started from the target's rows of
-    ``draft_vocab`` (default: every token)."""
+    """A DFlash network sized like ``target``'s layers; its final norm and LM head are the target's final norm
+    and its rows of ``draft_vocab`` (default: every token), frozen as DFlash keeps them (the layers learn to
+    land in the target's own output space)."""
     config = target.config.get_text_config()
     width = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or width // config.num_attention_heads
@@ -52,8 +53,13 @@ def new_net(target, feature_layers: tuple[int, ...], block_size: int, mask_token
                      rms_norm_eps=config.rms_norm_eps,
                      rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     net = DFlashNet(c)
+    final_norm = getattr(target.get_decoder(), "norm", None)
     with torch.no_grad():
         net.lm_head.weight.copy_(head[vocab].float())
+        if final_norm is not None and final_norm.weight.shape == net.norm.shape:
+            net.norm.copy_(final_norm.weight.detach().float())
+    net.lm_head.weight.requires_grad_(False)
+    net.norm.requires_grad_(False)
     net.draft_to_target = vocab.clone()
     return net
 
@@ -73,10 +79,8 @@ RANKS = 8  # ranks per block position whose acceptance the tree planner reads
 
 def block_loss(net: DFlashNet, embed, example, opts: DFlashTrainOptions,
                generator: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(loss, rank counts [B - 1, RANKS + 1], counted [B - 1]) of one sequence's anchored blocks, or None when its
-    answer is shorter than a block. Rank counts: at block position j, over the blocks whose positions before j
-    were all top-1 (a chain drafted from the block accepted so far), how often the label was the r-th most
-    likely token (r < RANKS; column RANKS: further down)."""
+    """(loss, rank counts, counted) of one sequence's anchored blocks (``rank_counts``), or None when its answer
+    is shorter than a block."""
     size, length = net.config.block_size, example.ids.shape[0]
     first, last = max(example.prompt_len - 1, 1), length - size
     if last < first:
@@ -89,16 +93,53 @@ def block_loss(net: DFlashNet, embed, example, opts: DFlashTrainOptions,
     losses = F.cross_entropy(logits[valid], labels[valid], reduction="none")
     loss = (losses * weights[valid]).sum() / weights[valid].sum().clamp(min=1e-6)
     with torch.no_grad():
-        label_logit = logits.gather(-1, labels.clamp(min=0)[..., None])
-        ranks = (logits > label_logit).sum(-1).clamp(max=RANKS)                               # [A, B-1]
-        ranks[~valid] = RANKS
-        top1 = ranks == 0
-        before_ok = torch.cat([torch.ones_like(top1[:, :1]), top1[:, :-1].cumprod(1).bool()], dim=1)
-        counted = valid & before_ok
-        counts = torch.zeros(size - 1, RANKS + 1)
-        counts.index_put_((torch.arange(size - 1).expand_as(ranks)[counted], ranks[counted]),
-                          torch.ones(int(counted.sum())), accumulate=True)
-    return loss, counts, counted.sum(0)
+        counts, counted = rank_counts(logits, labels)
+    return loss, counts, counted
+
+
+def rank_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block logits [A, B-1, Vd] and labels [A, B-1] (-1: none) → (counts [B-1, RANKS+1], counted [B-1]): at block
+    position j, over the blocks whose positions before j were all top-1 (a chain drafted from the block accepted
+    so far), how often the label was the r-th most likely token (r < RANKS; column RANKS: further down, or a
+    label outside the draft vocabulary, which no draft can match)."""
+    slots = labels.shape[1]
+    valid = labels >= 0
+    label_logit = logits.gather(-1, labels.clamp(min=0)[..., None])
+    ranks = (logits > label_logit).sum(-1).clamp(max=RANKS)                                    # [A, B-1]
+    ranks[~valid] = RANKS
+    top1 = ranks == 0
+    before_ok = torch.cat([torch.ones_like(top1[:, :1]), top1[:, :-1].cumprod(1).bool()], dim=1)
+    counted = before_ok
+    counts = torch.zeros(slots, RANKS + 1)
+    counts.index_put_((torch.arange(slots).expand_as(ranks)[counted], ranks[counted]),
+                      torch.ones(int(counted.sum())), accumulate=True)
+    return counts, counted.sum(0)
+
+
+@torch.no_grad()
+def held_out_accept(net: DFlashNet, embed, examples: list, max_anchors: int = 64) -> dict:
+    """The acceptance table on ``examples`` (sequences not trained on): every answer position up to
+    ``max_anchors`` per sequence (evenly spaced) as an anchor → {"accept": [B-1][RANKS] rates given the chain
+    so far, "counted": [B-1] blocks behind each rate, "chain_tau": expected accepted tokens per step of the
+    greedy chain, bonus included}."""
+    net.eval()
+    size = net.config.block_size
+    counts, counted = torch.zeros(size - 1, RANKS + 1), torch.zeros(size - 1)
+    for example in examples:
+        first, last = max(example.prompt_len - 1, 1), example.ids.shape[0] - size
+        if last < first:
+            continue
+        anchors = torch.linspace(first, last, min(max_anchors, last - first + 1)).round().long().unique()
+        logits = anchored_logits(net, embed, example.features.float(), example.ids, anchors)[:, 1:]
+        c, n = rank_counts(logits, _labels(net, example.topk_ids, anchors))
+        counts, counted = counts + c, counted + n
+    rates = counts[:, :RANKS] / counted.clamp(min=1)[:, None]
+    reach, tau = 1.0, 1.0
+    for rate in rates[:, 0].tolist():
+        reach *= rate
+        tau += reach
+    return {"accept": [[round(a, 4) for a in row] for row in rates.tolist()],
+            "counted": [int(n) for n in counted.tolist()], "chain_tau": round(tau, 3)}
 
 
 def train(net: DFlashNet, embed, examples: list, opts: DFlashTrainOptions, work_dir, log=None) -> list[dict]:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from flashmm.train.corpus import Answer, CorpusRecord, write_corpus
+from flashmm.train.self_corpus import stop_ids
 from tools.corpus.decode import Sampler, decode_batch
 from tools.corpus.filters import BenchmarkIndex, PromptFilter
 
@@ -90,16 +91,6 @@ def cut_at_sentence(text: str) -> str | None:
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def stop_ids(model, tokenizer) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    eos = model.generation_config.eos_token_id
-    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(end, int) and end != tokenizer.unk_token_id:
-        ids.add(end)
-    return {i for i in ids if i is not None}
 
 
 def write_json(path: Path, data) -> None:

