@@ -5,6 +5,7 @@ forward of the drafter's network over the whole sequence, brute-force enumeratio
 paths, float64 formulas for the compressors.
 """
 import itertools
+import json
 import math
 
 import pytest
@@ -329,6 +330,12 @@ def test_save_load_round_trip_gives_identical_drafts(text_target, tmp_path):
     assert FlashDrafter(str(tmp_path)).net.cfg == drafter.net.cfg  # a path works as `net`
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         FlashDrafter.from_pretrained(tmp_path / "missing")
+    # one resolver: flashmm.drafters.load opens the folder (drafter.json written beside it, and without it)
+    info = json.loads((tmp_path / "drafter.json").read_text())
+    assert info["method"] == info["drafter"] == "flash" and info["target"]["hidden_size"] == drafter.net.cfg.hidden_size
+    assert drafts_of(flashmm.drafters.load(tmp_path)) == drafts_of(drafter)
+    (tmp_path / "drafter.json").unlink()
+    assert flashmm.drafters.load(tmp_path, max_draft_tokens=2).max_draft_tokens == 2
 
 
 def test_bind_rejects_other_targets(text_target):

@@ -165,6 +165,11 @@ def test_flash_drafter_ships_and_never_saw_benchmark_seeds():
     drafter = FlashDrafter.from_pretrained(folder)
     assert drafter.net.tokens_per_step == 5 and drafter.compression == "learned"
     assert drafter.net.cfg.hidden_size == 576 and drafter.net.cfg.vocab_size == 49152
+    # one resolver: the folder opens as every other trained drafter does, its drafter.json naming the rebuild
+    loaded = flashmm.drafters.load(folder, max_draft_tokens=6)
+    assert isinstance(loaded, FlashDrafter) and loaded.max_draft_tokens == 6
+    assert json.loads((folder / "drafter.json").read_text())["command"].startswith(
+        "python -m tools.reference.flash_build --out assets/reference_lmm/flash_drafter")
 
 
 @needs_smollm2

@@ -212,17 +212,29 @@ class FlashDrafter(Drafter):
                     lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans, accept=self.accept,
                     budget=self.budget, calibration=self.calibration, lookup=self.lookup)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write flash_config.json (sizes + drafting options) and flash_model.safetensors."""
+    def save_pretrained(self, directory: str | os.PathLike, info: dict | None = None) -> None:
+        """Write flash_config.json (sizes + drafting options), flash_model.safetensors and drafter.json (as
+        every trained drafter folder carries: method, drafter, target, and whatever ``info`` adds, e.g. the
+        rebuild ``command``; the target defaults to the sizes the network was built for)."""
         if self.net is None:
             raise ValueError("this drafter has no network yet (bind it to a target or use from_target)")
         os.makedirs(directory, exist_ok=True)
+        target = {"hidden_size": self.net.cfg.hidden_size, "vocab_size": self.net.cfg.vocab_size}
+        record = {"method": "flash", "target": target, **(info or {}), "drafter": self.name}
+        with open(os.path.join(directory, "drafter.json"), "w") as fh:
+            json.dump(record, fh, indent=1)
+            fh.write("\n")
         meta = {"format": "flashmm-flash", "version": 1, "config": self.net.cfg.to_dict(),
                 "drafting": self.drafting_options()}
         with open(os.path.join(directory, CONFIG_NAME), "w") as fh:
             json.dump(meta, fh, indent=2)
         state = {k: v.detach().cpu().contiguous() for k, v in self.net.state_dict().items()}
         save_file(state, os.path.join(directory, WEIGHTS_NAME))
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike, **options) -> "FlashDrafter":
+        """flashmm.drafters.load's entry: the folder ``save_pretrained`` wrote."""
+        return cls.from_pretrained(path, **options)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device=None, **options) -> "FlashDrafter":

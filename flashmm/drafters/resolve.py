@@ -85,16 +85,19 @@ def resolve_drafter(drafter, device=None, allow_untrained: bool = False) -> Draf
                         f"{type(drafter).__name__}")
     name = os.fspath(drafter)
     if os.path.isdir(name):
-        if os.path.isfile(os.path.join(name, SAVED_CONFIG)) or published_format(name) is not None:
-            return load(name)
-        if not os.path.isfile(os.path.join(name, FLASH_CONFIG_NAME)):
-            raise ValueError(f"drafter directory {name!r} has no {FLASH_CONFIG_NAME}: expected a directory "
-                             f"written by FlashDrafter.save_pretrained or a trained drafter with {SAVED_CONFIG}")
-        if not allow_untrained and training_record(name) is None:
+        flash_folder = os.path.isfile(os.path.join(name, FLASH_CONFIG_NAME))
+        if not (flash_folder or os.path.isfile(os.path.join(name, SAVED_CONFIG)) or published_format(name)):
+            raise ValueError(f"drafter directory {name!r} holds no drafter: expected {SAVED_CONFIG} (a trained "
+                             f"drafter), {FLASH_CONFIG_NAME} (FlashDrafter.save_pretrained) or a published layout "
+                             "(flashmm.drafters.published)")
+        if flash_folder and not allow_untrained and training_record(name) is None:
             raise _untrained(f"the FLASH drafter in {name!r} records no training ({FLASH_CONFIG_NAME} has no "
                              f"'training' entry, and there is no {TRAINING_FILES[0]} or "
                              "checkpoints/epoch-*/trainer_state.json beside it)")
-        return FlashDrafter.from_pretrained(name, device=device)
+        drafter = load(name)
+        if device is not None and isinstance(drafter, FlashDrafter):
+            drafter.net = drafter.net.to(device)
+        return drafter
     if name in drafter_names():
         if name == FlashDrafter.name and not allow_untrained:
             raise _untrained(f"the drafter name {name!r} builds a new FLASH head for the model, untrained")

@@ -32,7 +32,8 @@ def read_info(path) -> dict:
 
 def load(path, **options) -> Drafter:
     """The trained drafter stored in folder ``path``; ``options`` go to its constructor
-    (e.g. ``max_draft_tokens=6``). A folder in vLLM speculators' layout (config.json naming a
+    (e.g. ``max_draft_tokens=6``). A FLASH folder (flash_config.json, with or without drafter.json) is read by
+    FlashDrafter.from_dir. A folder in vLLM speculators' layout (config.json naming a
     ``speculators_model_type``, no drafter.json) and the other published layouts (EAGLE-3 heads of the EAGLE
     repository / SpecForge / SGLang, Medusa-1 heads) are read by flashmm.drafters.published."""
     from .published import load_published, published_format  # noqa: PLC0415 (published imports eagle3, which imports this module)
@@ -40,6 +41,9 @@ def load(path, **options) -> Drafter:
     refuse_renamed(options, f"flashmm.drafters.load({str(path)!r})")
     if published_format(path) is not None:
         return load_published(path, **options)
+    if not (Path(path) / CONFIG_FILE).is_file() and (Path(path) / "flash_config.json").is_file():
+        # a FLASH folder saved before save_pretrained wrote drafter.json
+        return _REGISTRY["flash"].from_dir(path, **options)
     info = read_info(path)
     cls = _REGISTRY.get(info["drafter"])
     if cls is None or not hasattr(cls, "from_dir"):
@@ -51,8 +55,10 @@ def load(path, **options) -> Drafter:
 
 
 def make_by_name(name: str, **options) -> Drafter:
-    """A registered drafter by name, refusing the trained ones (they need their folder)."""
-    if hasattr(_REGISTRY.get(name), "from_dir"):
+    """A registered drafter by name, refusing the trained ones (they need their folder) except those that
+    build a fresh network for their target (``from_target``: FLASH)."""
+    cls = _REGISTRY.get(name)
+    if hasattr(cls, "from_dir") and not hasattr(cls, "from_target"):
         raise ValueError(f"{name!r} is a trained drafter: give the folder it was saved in "
                          "(flashmm.drafters.load(dir); SmolLM2's ship under assets/text_drafters/smollm2/)")
     return make_drafter(name, **options)

@@ -275,11 +275,12 @@ def draft_vocab(features, common_ids: int) -> list[int]:
     return sorted(ids)
 
 
-def save_half(drafter, out: str) -> str:
-    """save_pretrained, then rewrite the weights as float16; returns the weights path."""
+def save_half(drafter, out: str, info: dict | None = None) -> str:
+    """save_pretrained (``info`` into drafter.json), then rewrite the weights as float16; returns the weights
+    path."""
     from flashmm.drafters.flash import WEIGHTS_NAME  # noqa: PLC0415
 
-    drafter.save_pretrained(out)
+    drafter.save_pretrained(out, info)
     path = os.path.join(out, WEIGHTS_NAME)
     state = {k: v.to(torch.float16).contiguous() for k, v in load_file(path).items()}
     save_file(state, path, metadata={"format": "pt"})  # one key: multi-key metadata is written in hash order
@@ -329,7 +330,7 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
     os.makedirs(out, exist_ok=True)
     vocab = draft_vocab(features, cfg.draft_vocab_common)
     result.drafter.draft_vocab = vocab  # saved with the drafting options: from_pretrained drafts from it
-    weights = save_half(result.drafter, out)
+    weights = save_half(result.drafter, out, {"target": REFERENCE_TARGET, "command": rebuild_command(out, cfg)})
     info = {"build": dataclasses.asdict(cfg), "torch": torch.__version__,
             "training_seeds": {"base": TRAIN_SEED_BASE + 1000 * cfg.seed,
                                "note": "benchmark (eval/mm_speed.py) seeds are < 1000"},
@@ -356,6 +357,17 @@ def _first_per_task(records: list[dict], features) -> dict:
 
 def _visual_tokens(feature) -> int:
     return sum(e - s for s, e in feature.visual_spans)
+
+
+REFERENCE_TARGET = {"name": "assets/reference_lmm", "loader": "flashmm.reference.load.load_reference_llava"}
+
+
+def rebuild_command(out: str, cfg: "FlashBuildConfig") -> str:
+    """The command that rebuilds ``out`` with ``cfg`` (the options that differ from the defaults)."""
+    defaults = FlashBuildConfig()
+    changed = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+               if getattr(cfg, f.name) != getattr(defaults, f.name)]
+    return " ".join(["python -m tools.reference.flash_build --out", out, *changed])
 
 
 def main(argv=None) -> None:
