@@ -334,3 +334,41 @@ def test_two_processes_train_one_drafter_and_resume(tmp_path):
     resumed = FlashDrafter.from_pretrained(out)
     for key, value in straight.net.state_dict().items():
         torch.testing.assert_close(resumed.net.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_global_visual_feature_added_at_zero_trains_and_stays_exact(kind, tmp_path):
+    """ViSpec's global visual feature: added to a trained drafter it changes nothing until trained
+    (identical drafts); training moves it; the pooled vector equals a float64 computation from its
+    definition; decoding with it stays token-identical to generate; a saved folder keeps it."""
+    from flashmm.drafters.nets.flash_modules import build_units
+    from flashmm.train.trainer import with_global_visual
+
+    model, processor = mm.tiny_vlm(kind)
+
+    def build(processor, record, image, video):
+        return mm.make_inputs(processor, kind, images=[image], text=record["prompt"])
+
+    size = (56, 56)
+    records = [{"image": mm.random_image(s, size), "prompt": "Describe this."} for s in range(4)]
+    base = train_flash(model, processor, records, epochs=1, batch_size=4, max_new_tokens=12, num_queries=4,
+                       tokens_per_step=5, build_inputs=build, progress=False)
+    added = with_global_visual(base.drafter)
+    rec = base.records[0]
+    feats, embeds = rec.hidden_states.float(), rec.input_embeds.float()
+    args = (feats, embeds, feats.shape[0] - 1, rec.visual_spans, "learned", feats[rec.prompt_len - 1])
+    torch.testing.assert_close(build_units(added.net, *args)[0], build_units(base.drafter.net, *args)[0],
+                               rtol=0, atol=0)
+    tuned = train_flash(model, features=base.records, drafter=added, epochs=2, batch_size=4, progress=False).drafter
+    net = tuned.net
+    assert net.cfg.global_visual and float(net.global_in.weight.detach().abs().sum()) > 0
+    (s, e), = rec.visual_spans
+    visual, q = feats[s:e].double(), net.global_query.detach().double()
+    pooled = torch.softmax(visual @ q / visual.shape[-1] ** 0.5, 0) @ visual
+    want = pooled @ net.global_in.weight.detach().double().T + net.global_in.bias.detach().double()
+    torch.testing.assert_close(net.global_visual(feats, rec.visual_spans).double(), want, rtol=1e-5, atol=1e-6)
+    held_out = [mm.make_inputs(processor, kind, images=[mm.random_image(50, size)], text="What is it?")]
+    assert mean_tau(model, tuned, held_out, processor, max_new=16) >= 1.0  # mean_tau asserts exactness
+    tuned.save_pretrained(tmp_path)
+    loaded = flashmm.drafters.load(tmp_path).net
+    torch.testing.assert_close(loaded.global_visual(feats, rec.visual_spans), net.global_visual(feats, rec.visual_spans))

@@ -194,10 +194,12 @@ class FlashDrafter(Drafter):
     # ------------------------------------------------------------------ construction / persistence
     @classmethod
     def from_target(cls, model: torch.nn.Module, num_queries: int = 64, tokens_per_step: int = 5,
-                    sar_hidden_mult: int = 4, seed: int | None = None, **options) -> "FlashDrafter":
-        """An untrained drafter sized for ``model`` (a HF model; sizes from get_text_config())."""
+                    sar_hidden_mult: int = 4, seed: int | None = None, global_visual: bool = False,
+                    **options) -> "FlashDrafter":
+        """An untrained drafter sized for ``model`` (a HF model; sizes from get_text_config());
+        ``global_visual``: with ViSpec's global visual feature (flashmm.drafters.nets.flash_modules)."""
         cfg = FlashConfig.from_model(model, num_queries=num_queries, tokens_per_step=tokens_per_step,
-                                     sar_hidden_mult=sar_hidden_mult)
+                                     sar_hidden_mult=sar_hidden_mult, global_visual=global_visual)
         head = model.get_output_embeddings().weight
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
@@ -293,6 +295,7 @@ class FlashDrafter(Drafter):
         self._prompt_embeds = None             # [T, d]
         self._pending = None                   # [P, d] features f_t for t >= _next_pos without a unit
         self._next_pos = 0
+        self._visual = None                    # [d] the prompt's global visual feature (net.global_visual)
 
     @torch.no_grad()
     def begin(self, start: SequenceStart) -> None:
@@ -310,6 +313,7 @@ class FlashDrafter(Drafter):
         length = feats.shape[0]
         units, _ = build_units(self.net, feats, embeds, length - 1, list(start.visual_spans),
                                self.compression, query=feats[-1], pool_spans=self.pool_spans)
+        self._visual = self.net.global_visual(feats, list(start.visual_spans))
         if units.shape[0]:
             self._past = self._run(units[None], None, predict=False)[1]
             self._num_units = units.shape[0]
@@ -385,7 +389,7 @@ class FlashDrafter(Drafter):
                 f"FlashDrafter is out of step with the target: {count} new positions but "
                 f"{0 if self._pending is None else self._pending.shape[0]} features (begin/observe not called?)")
         positions = torch.arange(self._next_pos, root, device=committed.device)
-        units = self.net.text_units(self._next_embeds(committed, positions), self._pending[:count])
+        units = self.net.text_units(self._next_embeds(committed, positions), self._pending[:count], self._visual)
         predicted, self._past = self._run(units[None], self._past)
         self._num_units += count
         self._pending = self._pending[count:]
@@ -407,7 +411,7 @@ class FlashDrafter(Drafter):
         while have < depth:
             # feed the last K predicted features with the top-1 tokens they predict as units
             tokens = self._token_ids(probs[-1].argmax(-1))                     # [K]
-            units = self.net.text_units(self._embed(tokens[None])[0], feats[-1])
+            units = self.net.text_units(self._embed(tokens[None])[0], feats[-1], self._visual)
             predicted, past = self._run(units[None], past)
             feats.append(predicted[0, -1])
             probs.append(head_logits(self._head, feats[-1], softcap).softmax(-1))
@@ -496,7 +500,7 @@ class FlashDrafter(Drafter):
             feats = torch.stack([root_feature if nodes[i].parent < 0 else units.outputs[nodes[i].parent]
                                  for i in chosen])                                           # [m, d]
             tokens = self._token_ids(torch.tensor([nodes[i].row for i in chosen], device=feats.device))
-            x = self.net.text_units(self._embed(tokens), feats)[None]                       # [1, m, d]
+            x = self.net.text_units(self._embed(tokens), feats, self._visual)[None]         # [1, m, d]
             positions = torch.tensor([past_len - 1 + nodes[i].depth for i in chosen], device=feats.device)
             mask = units.mask(chosen, nodes, past_len, feats.device)[:, None]               # [1, 1, m, P + M + m]
             past = self._past if units.count == 0 else (torch.cat([self._past[0], units.keys], 2),

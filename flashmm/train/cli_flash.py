@@ -25,6 +25,11 @@ def add_arguments(p) -> None:
     p.add_argument("--fps", type=float, default=None, help="sample videos at this rate instead")
     p.add_argument("--ce-max-rows", type=int, default=None,
                    help="estimate the cross-entropy term on this many random rows per batch (large vocabularies)")
+    p.add_argument("--global-visual", action="store_true",
+                   help="add ViSpec's global visual feature (a pooled image vector added to every text unit)")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="fine-tune the trained FLASH drafter in DIR instead of starting fresh (with --global-visual: "
+                        "the feature is added at zero)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -40,13 +45,20 @@ def run(args, argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"python -m flashmm.train flash: --data: {err}") from None
     model, processor = load_target(args.target, args.dtype)
+    drafter = None
+    if args.init is not None:
+        from ..drafters.flash import FlashDrafter  # noqa: PLC0415
+        from .trainer import with_global_visual  # noqa: PLC0415
+
+        drafter = FlashDrafter.from_pretrained(args.init)
+        drafter = with_global_visual(drafter, args.seed) if args.global_visual else drafter
     result = train_flash(model, processor, records, out_dir=args.out, epochs=args.epochs, lr=args.lr,
                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                          num_queries=args.num_queries, tokens_per_step=args.tokens_per_step,
                          compression=args.compression, pool_spans=args.pool_spans,
                          num_frames=args.num_frames, fps=args.fps,
                          ce_max_rows=args.ce_max_rows, seed=args.seed, resume=args.resume,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, drafter=drafter, global_visual=args.global_visual)
     if result.epoch_losses and process_info().is_main:
         print(f"final epoch loss {result.epoch_losses[-1]:.4f}; drafter saved to {args.out}")
     return 0

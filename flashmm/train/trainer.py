@@ -31,7 +31,7 @@ from torch import nn
 
 from ..distributed import launched_without_gpu
 from ..drafters.flash import FlashDrafter
-from ..drafters.nets.flash_modules import COMPRESSIONS, FlashNet, build_units
+from ..drafters.nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units
 from .data import FeatureDataset, FeatureRecord, collate_records, record_features
 
 
@@ -195,6 +195,23 @@ def evaluate_loss(drafter: FlashDrafter, model: nn.Module, records: list[Feature
     return {key: value / max(count, 1) for key, value in totals.items()}
 
 
+def with_global_visual(drafter: FlashDrafter, seed: int = 0) -> FlashDrafter:
+    """A copy of a trained FLASH drafter with ViSpec's global visual feature added: its weights, its drafting
+    options, and the new feature's projection at zero (so it drafts exactly as before until trained)."""
+    if drafter.net is None:
+        raise ValueError("with_global_visual needs a drafter with a network (FlashDrafter.from_pretrained(dir))")
+    if drafter.net.cfg.global_visual:
+        return drafter
+    cfg = FlashConfig.from_dict({**drafter.net.cfg.to_dict(), "global_visual": True})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = FlashNet(cfg)
+    missing, unexpected = net.load_state_dict(drafter.net.state_dict(), strict=False)
+    if unexpected or sorted(missing) != ["global_in.bias", "global_in.weight", "global_query"]:
+        raise RuntimeError(f"with_global_visual: unexpected state mismatch: missing {missing}, unexpected {unexpected}")
+    return FlashDrafter(net.to(next(drafter.net.parameters()).device), **drafter.drafting_options())
+
+
 def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None = None, *,
                 features: list[FeatureRecord] | None = None, drafter: FlashDrafter | None = None,
                 out_dir: str | os.PathLike | None = None, epochs: int = 1, lr: float = 1e-3,
@@ -203,7 +220,8 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
                 feature_noise: float = 0.1, weight_decay: float = 0.0, grad_clip: float = 0.5, warmup_steps: int = 0,
                 ce_max_rows: int | None = None, slot_decay: float = 1.0, seed: int = 0,
                 resume: bool = False, num_frames: int | None = None, fps: float | None = None,
-                build_inputs: Callable | None = None, progress: bool = True, accelerator=None) -> TrainResult:
+                build_inputs: Callable | None = None, progress: bool = True, accelerator=None,
+                global_visual: bool = False) -> TrainResult:
     """Train a FLASH drafter for ``model`` by self-distillation.
 
     records: dicts as in flashmm.train.data (recorded with ``record_features``; cached under
@@ -215,6 +233,8 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
     rows per batch (the LM head costs rows x vocabulary; large vocabularies on CPU).
     slot_decay: weight the SAR slot i's loss terms by slot_decay**i (1: all slots alike; < 1
     favours the early slots, which every accepted draft goes through).
+    global_visual: a new drafter gets ViSpec's global visual feature (flashmm.drafters.nets.flash_modules);
+    to add it to a trained one, pass ``drafter=with_global_visual(FlashDrafter.from_pretrained(dir))``.
     """
     from accelerate.utils import set_seed  # noqa: PLC0415
     from tqdm.auto import tqdm  # noqa: PLC0415
@@ -240,7 +260,8 @@ def train_flash(model: nn.Module, processor=None, records: Iterable[dict] | None
                                    progress=progress and accelerator.is_main_process)
     if drafter is None:
         drafter = FlashDrafter.from_target(model, num_queries=num_queries, tokens_per_step=tokens_per_step,
-                                           seed=seed, compression=compression, pool_spans=pool_spans)
+                                           seed=seed, compression=compression, pool_spans=pool_spans,
+                                           global_visual=global_visual)
     objective = FlashObjective(drafter.net.float(), compression, ce_weight, feature_noise, ce_max_rows,
                                slot_decay, pool_spans).train()
     loader = torch.utils.data.DataLoader(FeatureDataset(features), batch_size=batch_size, shuffle=True,

@@ -23,6 +23,12 @@ predicts x_{t+2} .. x_{t+K+1} through the target's frozen LM head (kept outside 
 pooling of the target's own last-layer features at the visual positions), or training-free:
 "prune" (top-C tokens by attention from the last prompt token's feature, SpecVLM-style),
 "merge" (size-weighted merging of the most similar adjacent tokens, ToMe-style), "none".
+
+**Global visual feature** (``global_visual``; ViSpec, arXiv 2509.15235): one vector pooled from every
+visual token of the prompt by a learned query, g = W·softmax(q·Fᵀ/√d)·F + b, is added to every text
+unit, so each position the head reads carries the image's gist however far the visual units lie
+behind it. W and b start at zero: a new option leaves a trained drafter's output unchanged until
+training moves them.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ class FlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     final_logit_softcapping: float | None = None
+    global_visual: bool = False       # ViSpec's global visual feature added to every text unit
 
     def __post_init__(self):
         for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -263,20 +270,38 @@ class FlashNet(nn.Module):
         self.out_norm = RMSNorm(d, cfg.rms_norm_eps)
         hidden = cfg.sar_hidden_mult * d
         self.sar = nn.Sequential(nn.Linear(d, hidden), nn.SiLU(), nn.Linear(hidden, cfg.tokens_per_step * d))
+        if cfg.global_visual:
+            self.global_query = nn.Parameter(torch.randn(d) * 0.02)
+            self.global_in = nn.Linear(d, d)
         with torch.no_grad():
             self.visual_in.weight.copy_(torch.eye(d))
             self.visual_in.bias.zero_()
             self.sar[2].weight.mul_(0.1)
             self.sar[2].bias.zero_()
+            if cfg.global_visual:
+                self.global_in.weight.zero_()
+                self.global_in.bias.zero_()
 
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.tokens_per_step
 
-    def text_units(self, next_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """next_embeds [..., d] = E(x_{t+1}), features [..., d] = f_t → units [..., d]."""
+    def text_units(self, next_embeds: torch.Tensor, features: torch.Tensor,
+                   visual: torch.Tensor | None = None) -> torch.Tensor:
+        """next_embeds [..., d] = E(x_{t+1}), features [..., d] = f_t → units [..., d]; ``visual``: the prompt's
+        global visual feature [d] (``global_visual``), added to every unit (None: no visual tokens)."""
         dtype = self.fuse.weight.dtype
-        return self.fuse(torch.cat([next_embeds.to(dtype), features.to(dtype)], dim=-1))
+        units = self.fuse(torch.cat([next_embeds.to(dtype), features.to(dtype)], dim=-1))
+        return units if visual is None else units + visual.to(dtype)
+
+    def global_visual(self, features: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor | None:
+        """The global visual feature [d] of a prompt whose visual spans of ``features`` [L, d] are ``spans``;
+        None when the net has no such feature or the prompt no visual token."""
+        if not self.cfg.global_visual or not spans:
+            return None
+        visual = torch.cat([features[s:e] for s, e in spans]).to(self.global_in.weight.dtype)   # [N, d]
+        weights = (visual @ self.global_query / math.sqrt(visual.shape[-1])).softmax(-1)         # [N]
+        return self.global_in(weights @ visual)
 
     def visual_units(self, compressed: torch.Tensor) -> torch.Tensor:
         """compressed [C, d] → units [C, d]."""
@@ -330,11 +355,12 @@ def build_units(net: FlashNet, features: torch.Tensor, input_embeds: torch.Tenso
         raise ValueError(f"pool_spans must be >= 1, got {pool_spans}")
     pieces, text_pos = [], []
     run: list[int] = []
+    visual = net.global_visual(features, spans)
 
     def flush():
         if run:
             idx = torch.tensor(run, device=features.device)
-            pieces.append(net.text_units(input_embeds[idx + 1], features[idx]))
+            pieces.append(net.text_units(input_embeds[idx + 1], features[idx], visual))
             text_pos.extend(run)
             run.clear()
 
