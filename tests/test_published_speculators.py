@@ -104,7 +104,7 @@ def test_mismatched_target_is_refused(overrides, drafter_side, target_side):
     assert str(EAGLE3) in message and drafter_side in message and target_side in message
 
 
-@pytest.mark.parametrize("algorithm", ["dspark", "peagle", "mtp"])
+@pytest.mark.parametrize("algorithm", ["peagle", "mtp"])
 def test_drafters_flashmm_has_no_method_for_are_refused(target, algorithm):
     folder = FIXTURES / algorithm
     assert json.loads((folder / "config.json").read_text())["speculators_model_type"] == algorithm

@@ -5,6 +5,7 @@ from .cross_tokenizer import CrossTokenizerDraft
 from .cascade import HorizontalCascade, VerticalCascade
 from .dflash import DFlash
 from .draft_model import DraftModel
+from .dspark import DSpark
 from .eagle3 import Eagle3Drafter
 from .fastdraft import FastDraft
 from .files import DrafterFileError
@@ -27,6 +28,6 @@ from .token_recycling import TokenRecycling
 from .saved import load
 from .specdecpp import SpecDecPP
 
-__all__ = ["CrossTokenizerDraft", "DFlash", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
+__all__ = ["CrossTokenizerDraft", "DFlash", "DSpark", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
            "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]
