@@ -20,6 +20,7 @@ from .mtp import MTP
 from .native_mtp import NativeMTP
 from .online import OnlineSD
 from .pard import Pard
+from .peagle import PEagle
 from .prompt_lookup import PromptLookup
 from .rest import Rest
 from .s2d import S2D
@@ -28,6 +29,6 @@ from .token_recycling import TokenRecycling
 from .saved import load
 from .specdecpp import SpecDecPP
 
-__all__ = ["CrossTokenizerDraft", "DFlash", "DSpark", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
+__all__ = ["CrossTokenizerDraft", "DFlash", "DSpark", "PEagle", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
            "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]
