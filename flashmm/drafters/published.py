@@ -335,6 +335,7 @@ class SpeculatorsEagle3Drafter(PublishedEagle3Drafter):
         self.info["format"] = f"speculators {SPECULATORS_VERSION}"
 
 
-__all__ = ["NO_DRAFTER_YET", "SPECULATORS_READ", "SPECULATORS_VERSION", "PublishedEagle3Drafter", "SpeculatorsEagle3Drafter",
-           "UnsupportedDrafterFormat", "eagle3_config", "eagle3_from_speculators", "is_speculators_folder",
-           "load_published", "load_speculators", "published_format", "read_pickled", "read_weights"]
+__all__ = ["NO_DRAFTER_YET", "SPECULATORS_READ", "SPECULATORS_VERSION", "PublishedEagle3Drafter",
+           "SpeculatorsEagle3Drafter", "UnsupportedDrafterFormat", "eagle3_config", "eagle3_from_speculators",
+           "is_speculators_folder", "load_published", "load_speculators", "published_format", "read_pickled",
+           "read_weights"]
