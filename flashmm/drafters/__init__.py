@@ -5,6 +5,7 @@ from .cross_tokenizer import CrossTokenizerDraft
 from .cascade import HorizontalCascade, VerticalCascade
 from .dflash import DFlash
 from .draft_model import DraftModel
+from .dspark import DSpark
 from .eagle3 import Eagle3Drafter
 from .fastdraft import FastDraft
 from .files import DrafterFileError
@@ -19,6 +20,7 @@ from .mtp import MTP
 from .native_mtp import NativeMTP
 from .online import OnlineSD
 from .pard import Pard
+from .peagle import PEagle
 from .prompt_lookup import PromptLookup
 from .rest import Rest
 from .s2d import S2D
@@ -27,6 +29,6 @@ from .token_recycling import TokenRecycling
 from .saved import load
 from .specdecpp import SpecDecPP
 
-__all__ = ["CrossTokenizerDraft", "DFlash", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
+__all__ = ["CrossTokenizerDraft", "DFlash", "DSpark", "PEagle", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
            "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]

@@ -149,33 +149,49 @@ class DFlash(Drafter):
         """A speculators ``dflash`` folder (config.json + model.safetensors) as a drafter."""
         folder = Path(folder)
         config = read_json(folder / "config.json")
-        layer = config.get("transformer_layer_config") or {}
-        try:
-            rope = layer.get("rope_parameters") or {}
-            c = DFlashConfig(hidden_size=layer["hidden_size"], num_layers=layer["num_hidden_layers"],
-                             num_attention_heads=layer["num_attention_heads"],
-                             num_key_value_heads=layer["num_key_value_heads"],
-                             head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-                             intermediate_size=layer["intermediate_size"],
-                             feature_layers=tuple(config["aux_hidden_state_layer_ids"]),
-                             draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"],
-                             block_size=config["block_size"], mask_token_id=config["mask_token_id"],
-                             rms_norm_eps=layer["rms_norm_eps"],
-                             rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
-        except KeyError as missing:
-            raise DrafterFileError(folder / "config.json", f"a speculators dflash config needs {missing}") from None
-        unsupported = [k for k in ("sample_from_anchor", "sliding_window_non_causal") if config.get(k)]
-        if unsupported or layer.get("layer_types") and set(layer["layer_types"]) != {"full_attention"} \
-                or layer.get("attention_bias") or (rope.get("rope_type") or "default") != "default":
-            raise DrafterFileError(folder / "config.json", f"a dflash variant flashmm does not run exactly "
-                                                           f"({unsupported or 'sliding windows, biases or scaled rope'})")
-        tensors = read_safetensors(folder / "model.safetensors")
-        net = DFlashNet(c)
-        state = DFlashNet.state_from_speculators(tensors)
-        missing, unexpected = net.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise DrafterFileError(folder / "model.safetensors", f"does not match its config: missing {missing}, "
-                                                                 f"unexpected {unexpected}")
-        if "d2t" in tensors:  # speculators: target id = draft id + d2t[draft id]
-            net.draft_to_target = torch.arange(c.draft_vocab_size) + tensors["d2t"].long()
+        if config.get("sample_from_anchor"):
+            raise DrafterFileError(folder / "config.json", "a dflash variant flashmm does not run exactly "
+                                                           "(['sample_from_anchor'])")
+        net = DFlashNet(speculators_dflash_config(folder, config))
+        load_speculators_state(net, DFlashNet.state_from_speculators, read_safetensors(folder / "model.safetensors"),
+                               folder / "model.safetensors")
         return cls(net.float(), **options)
+
+
+def speculators_dflash_config(folder: Path, config: dict) -> DFlashConfig:
+    """The DFlashConfig of a speculators dflash-family config.json (dflash, dspark), refusing the layer variants
+    DFlashNet does not run (sliding windows, the non-causal sliding variant, biases, scaled RoPE)."""
+    layer = config.get("transformer_layer_config") or {}
+    rope = layer.get("rope_parameters") or {}
+    try:
+        c = DFlashConfig(hidden_size=layer["hidden_size"], num_layers=layer["num_hidden_layers"],
+                         num_attention_heads=layer["num_attention_heads"],
+                         num_key_value_heads=layer["num_key_value_heads"],
+                         head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+                         intermediate_size=layer["intermediate_size"],
+                         feature_layers=tuple(config["aux_hidden_state_layer_ids"]),
+                         draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"],
+                         block_size=config["block_size"], mask_token_id=config["mask_token_id"],
+                         rms_norm_eps=layer["rms_norm_eps"],
+                         rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
+    except KeyError as missing:
+        algorithm = config.get("speculators_model_type", "dflash")
+        raise DrafterFileError(folder / "config.json", f"a speculators {algorithm} config needs {missing}") from None
+    unsupported = [k for k in ("sliding_window_non_causal",) if config.get(k)]
+    if unsupported or layer.get("layer_types") and set(layer["layer_types"]) != {"full_attention"} \
+            or layer.get("attention_bias") or (rope.get("rope_type") or "default") != "default":
+        raise DrafterFileError(folder / "config.json", f"a dflash variant flashmm does not run exactly "
+                                                       f"({unsupported or 'sliding windows, biases or scaled rope'})")
+    return c
+
+
+def load_speculators_state(net: torch.nn.Module, rename, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Load speculators' ``tensors`` (renamed by ``rename``) into ``net`` (a DFlashNet, or a module holding one as
+    ``backbone``), every tensor accounted for; d2t (target id = draft id + d2t[draft id]) becomes the backbone's
+    draft_to_target."""
+    missing, unexpected = net.load_state_dict(rename(tensors), strict=False)
+    if missing or unexpected:
+        raise DrafterFileError(where, f"does not match its config: missing {missing}, unexpected {unexpected}")
+    backbone = getattr(net, "backbone", net)
+    if "d2t" in tensors:
+        backbone.draft_to_target = torch.arange(backbone.config.draft_vocab_size) + tensors["d2t"].long()

@@ -5,7 +5,9 @@
 A speculators folder holds ``config.json`` with ``speculators_model_type`` (the algorithm) and
 ``speculators_config`` (algorithm, proposal methods, verifier), and the weights (``model.safetensors``, a
 sharded ``model.safetensors.index.json``, or ``pytorch_model.bin`` read with ``weights_only=True``).
-One function per algorithm reads it; an algorithm flashmm has no drafter for is refused by name.
+One function per algorithm reads it: eagle3 here, dflash / dspark / peagle by their drafters
+(flashmm.drafters.dflash, .dspark, .peagle, each naming the speculators 0.9.0 files it follows); mtp and an
+algorithm flashmm has no drafter for (dflash2, xpress) are refused by name.
 
 Followed: speculators 0.9.0 (the PyPI wheel; it records no git commit, and its models/eagle3/config.py,
 core.py and model_definitions.py are byte-identical to commit c05b95b303f7d4f21e8d7624e0ffa1c2d9b4d73b,
@@ -44,11 +46,11 @@ from .nets.eagle3_net import Eagle3Config, Eagle3Net
 
 SPECULATORS_VERSION = "0.9.0"
 CONFIG_FILE = "config.json"
+#: the speculators algorithms flashmm reads (eagle3 here, dflash / dspark / peagle by their drafters' modules)
+SPECULATORS_READ = ("eagle3", "dflash", "dspark", "peagle")
 #: speculators algorithms flashmm has no drafter for yet, with what each one is
 NO_DRAFTER_YET = {
     "dflash2": "DFlash-2's block drafter (issue 44)",
-    "dspark": "DSpark's block drafter with a Markov head (issue 44)",
-    "peagle": "P-EAGLE's parallel drafter (all depths from mask tokens in one pass; issue 44)",
     "xpress": "XPress's drafter",
 }
 #: why speculators' mtp (speculators/models/mtp/core.py, model_definitions.py) is refused
@@ -127,12 +129,21 @@ def load_speculators(path, **options):
         from .dflash import DFlash  # noqa: PLC0415
 
         return DFlash.from_speculators(folder, **options)
+    if algorithm == "dspark":
+        from .dspark import DSpark  # noqa: PLC0415
+
+        return DSpark.from_speculators(folder, **options)
+    if algorithm == "peagle":
+        from .peagle import PEagle  # noqa: PLC0415 (peagle imports this module)
+
+        return PEagle.from_speculators(folder, config, **options)
     if algorithm == "mtp":
         raise UnsupportedDrafterFormat(f"{folder}: a speculators 'mtp' drafter; {MTP_REASON}")
     what = NO_DRAFTER_YET.get(algorithm, "an algorithm speculators added after 0.9.0")
     raise UnsupportedDrafterFormat(
         f"{folder}: a speculators {algorithm!r} drafter ({what}); flashmm has no {algorithm} method yet. "
-        f"flashmm reads speculators' 'eagle3' checkpoints (speculators {SPECULATORS_VERSION})")
+        f"flashmm reads speculators' {', '.join(map(repr, SPECULATORS_READ))} checkpoints (speculators "
+        f"{SPECULATORS_VERSION})")
 
 
 def head_embedding_and_vocab(state: dict[str, torch.Tensor], cfg, where: str) -> torch.Tensor | None:
@@ -324,6 +335,7 @@ class SpeculatorsEagle3Drafter(PublishedEagle3Drafter):
         self.info["format"] = f"speculators {SPECULATORS_VERSION}"
 
 
-__all__ = ["NO_DRAFTER_YET", "SPECULATORS_VERSION", "PublishedEagle3Drafter", "SpeculatorsEagle3Drafter",
-           "UnsupportedDrafterFormat", "eagle3_config", "eagle3_from_speculators", "is_speculators_folder",
-           "load_published", "load_speculators", "published_format", "read_pickled", "read_weights"]
+__all__ = ["NO_DRAFTER_YET", "SPECULATORS_READ", "SPECULATORS_VERSION", "PublishedEagle3Drafter",
+           "SpeculatorsEagle3Drafter", "UnsupportedDrafterFormat", "eagle3_config", "eagle3_from_speculators",
+           "is_speculators_folder", "load_published", "load_speculators", "published_format", "read_pickled",
+           "read_weights"]

@@ -111,14 +111,18 @@ class DFlashNet(nn.Module):
         cos, sin = self.rope(positions, c.dtype)
         return [layer.keys_values(c, cos, sin) for layer in self.layers]
 
-    def block_logits(self, embeds: torch.Tensor, positions: torch.Tensor, context: list, mask=None) -> torch.Tensor:
-        """The block's embeddings [n, d] at positions [n] over ``context`` (``context``'s result) → draft-vocabulary
-        logits [n, Vd]."""
+    def block_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, context: list, mask=None) -> torch.Tensor:
+        """The block's embeddings [n, d] at positions [n] over ``context`` (``context``'s result) → its final
+        normed states [n, d] (what the LM head reads; DSpark's heads read them too)."""
         x = embeds.to(self.fc.weight.dtype)
         cos, sin = self.rope(positions, x.dtype)
         for layer, kv in zip(self.layers, context):
             x = layer(x, kv, cos, sin, mask)
-        return self.lm_head(rms_norm(x, self.norm, self.config.rms_norm_eps))
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def block_logits(self, embeds: torch.Tensor, positions: torch.Tensor, context: list, mask=None) -> torch.Tensor:
+        """As ``block_hidden``, through the draft LM head → draft-vocabulary logits [n, Vd]."""
+        return self.lm_head(self.block_hidden(embeds, positions, context, mask))
 
     #: speculators' parameter names → this module's
     RENAMES = (("hidden_norm.weight", "hidden_norm"), ("norm.weight", "norm"), (".input_layernorm.weight", ".input_layernorm"),
@@ -144,6 +148,12 @@ def anchored_logits(net: DFlashNet, embed: nn.Module, features: torch.Tensor, id
     """Many blocks of one sequence in one forward, as training sees them: the sequence's features [T, F],
     tokens ids [T] and positions [T] (default 0 .. T-1); a block per anchor index a (its token ids[a], then
     masks, at positions[a] ..) reading the context of indices < a and its own block → logits [A, block_size, Vd]."""
+    return net.lm_head(anchored_hidden(net, embed, features, ids, anchors, positions))
+
+
+def anchored_hidden(net: DFlashNet, embed: nn.Module, features: torch.Tensor, ids: torch.Tensor,
+                    anchors: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``anchored_logits`` before the LM head: the blocks' final normed states [A, block_size, d]."""
     c, size = net.config, net.config.block_size
     length, count = features.shape[0], anchors.shape[0]
     if positions is None:
@@ -158,4 +168,4 @@ def anchored_logits(net: DFlashNet, embed: nn.Module, features: torch.Tensor, id
     allowed = torch.cat([sees_context, sees_block], dim=1)
     dtype = net.fc.weight.dtype
     mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return net.block_logits(embed(block.flatten()), block_positions, context, mask[None, None]).view(count, size, -1)
+    return net.block_hidden(embed(block.flatten()), block_positions, context, mask[None, None]).view(count, size, -1)
