@@ -254,6 +254,8 @@ class FlashBuildConfig:
     max_draft_tokens: int | None = 12
     lookup_tokens: int = 8
     pool_spans: int = 4
+    global_visual: bool = False      # ViSpec's global visual feature (flashmm.drafters.nets.flash_modules)
+    init: str = ""                   # fine-tune this FLASH folder instead of starting fresh
 
     def __post_init__(self):
         for name in ("images", "videos", "vqa"):
@@ -293,6 +295,7 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
     model_and_processor: the target (default: ``load_reference_llava()``)."""
     from flashmm.drafters.flash import FlashDrafter  # noqa: PLC0415
     from flashmm.train import train_flash  # noqa: PLC0415
+    from flashmm.train.trainer import with_global_visual  # noqa: PLC0415
     from flashmm.reference.load import load_reference_llava  # noqa: PLC0415
 
     torch.set_num_threads(cfg.record_threads)
@@ -313,11 +316,16 @@ def build(out: str, cfg: FlashBuildConfig, work: str | None = None, log=print, m
 
     torch.set_num_threads(cfg.threads)
     t0 = time.time()
-    drafter = FlashDrafter.from_target(model, num_queries=cfg.num_queries, tokens_per_step=cfg.tokens_per_step,
-                                       sar_hidden_mult=cfg.sar_hidden_mult, seed=cfg.seed,
-                                       compression=cfg.compression, tree=cfg.tree, top_k=cfg.top_k,
-                                       max_draft_tokens=cfg.max_draft_tokens, lookup_tokens=cfg.lookup_tokens,
-                                       pool_spans=cfg.pool_spans)
+    drafting = dict(compression=cfg.compression, tree=cfg.tree, top_k=cfg.top_k,
+                    max_draft_tokens=cfg.max_draft_tokens, lookup_tokens=cfg.lookup_tokens, pool_spans=cfg.pool_spans)
+    if cfg.init:  # fine-tune: the folder's network (fp16 on disk, trained in fp32), this build's drafting options
+        drafter = FlashDrafter.from_pretrained(cfg.init, **drafting)
+        drafter = with_global_visual(drafter, cfg.seed) if cfg.global_visual else drafter
+        drafter.net.float()
+    else:
+        drafter = FlashDrafter.from_target(model, num_queries=cfg.num_queries, tokens_per_step=cfg.tokens_per_step,
+                                           sar_hidden_mult=cfg.sar_hidden_mult, seed=cfg.seed,
+                                           global_visual=cfg.global_visual, **drafting)
     result = train_flash(model, processor, features=features, drafter=drafter, epochs=cfg.epochs, lr=cfg.lr,
                          batch_size=cfg.batch_size, compression=cfg.compression, ce_weight=cfg.ce_weight,
                          feature_noise=cfg.feature_noise, warmup_steps=cfg.warmup_steps,
@@ -365,8 +373,8 @@ REFERENCE_TARGET = {"name": "assets/reference_lmm", "loader": "flashmm.reference
 def rebuild_command(out: str, cfg: "FlashBuildConfig") -> str:
     """The command that rebuilds ``out`` with ``cfg`` (the options that differ from the defaults)."""
     defaults = FlashBuildConfig()
-    changed = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-               if getattr(cfg, f.name) != getattr(defaults, f.name)]
+    changed = [f"--{f.name.replace('_', '-')}" + ("" if isinstance(getattr(cfg, f.name), bool) else f" {getattr(cfg, f.name)}")
+               for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)]
     return " ".join(["python -m tools.reference.flash_build --out", out, *changed])
 
 
@@ -378,8 +386,12 @@ def main(argv=None) -> None:
     defaults = FlashBuildConfig()
     for field in dataclasses.fields(FlashBuildConfig):
         default = getattr(defaults, field.name)
+        flag = f"--{field.name.replace('_', '-')}"
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true")
+            continue
         kind = int if field.name == "max_draft_tokens" else type(default)
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=default)
+        parser.add_argument(flag, type=kind, default=default)
     args = vars(parser.parse_args(argv))
     out, work = args.pop("out"), args.pop("work")
     build(out, FlashBuildConfig(**args), work=work, log=lambda s: print(s, flush=True))
