@@ -164,7 +164,9 @@ class DFlash(Drafter):
                              rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
         except KeyError as missing:
             raise DrafterFileError(folder / "config.json", f"a speculators dflash config needs {missing}") from None
-        unsupported = [k for k in ("sample_from_anchor", "sliding_window_non_causal") if config.get(k)]
+        # sliding_window_non_causal concerns only sliding-window layers (refused below): full attention is
+        # bidirectional in the block either way (speculators models/dflash/attention.py)
+        unsupported = [k for k in ("sample_from_anchor",) if config.get(k)]
         if unsupported or layer.get("layer_types") and set(layer["layer_types"]) != {"full_attention"} \
                 or layer.get("attention_bias") or (rope.get("rope_type") or "default") != "default":
             raise DrafterFileError(folder / "config.json", f"a dflash variant flashmm does not run exactly "
