@@ -171,3 +171,18 @@ def test_refusals(target, tmp_path):
         from flashmm.drafters.export_dflash import export_dflash
 
         export_dflash(ok, tmp_path / "z")
+
+
+def test_target_folder_names_the_verifier(target, exported, tmp_path):
+    """--target (a Hugging Face folder) supplies what drafter.json may not record: the verifier's path and
+    architectures, its context length and token ids."""
+    folder, _ = exported
+    target.save_pretrained(tmp_path / "target")
+    out = tmp_path / "out"
+    assert main(["export-drafter", str(folder), "--format", "speculators", "--target", str(tmp_path / "target"),
+                 "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"] == {"architectures": ["LlamaForCausalLM"],
+                                                        "name_or_path": str(tmp_path / "target")}
+    layer = config["transformer_layer_config"]
+    assert (layer["max_position_embeddings"], layer["bos_token_id"], layer["eos_token_id"]) == (512, 1, 2)
