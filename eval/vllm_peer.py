@@ -6,10 +6,13 @@ speculation, with n-gram speculation, with flashmm's shipped EAGLE-3 head export
 speculators layout (``flashmm export-drafter --format speculators``) and with flashmm's shipped Medusa
 heads exported to vLLM's Medusa layout (``--format vllm-medusa --no-token-map``: vLLM 0.32 cannot load
 the heads' reduced-vocabulary token_map, so there they rank every token; vLLM drafts a chain of the
-heads' top-1 tokens); flashmm prompt lookup and flashmm with the shipped EAGLE-3 and Medusa folders. Per question (or batch of --batch questions, left-padded
-for transformers and flashmm, one ``llm.generate`` call of B prompts for vLLM) the configurations
-run back to back in a rotating order. Reported: tokens/s (median over questions and total), ×plain,
-×plain_onednn, ×vLLM no-spec (total and median per-question ratios), vLLM's mean acceptance length
+heads' top-1 tokens), with flashmm's DFlash block drafter exported to speculators' dflash layout
+(``--format speculators``; vLLM drafts block_size - 1 tokens from one block forward); flashmm prompt lookup
+and flashmm with the shipped EAGLE-3, Medusa and DFlash folders (``--dflash DIR`` names another DFlash
+folder). Per question (or batch of --batch questions, left-padded for transformers and flashmm, one
+``llm.generate`` call of B prompts for vLLM) the configurations run back to back in a rotating order.
+Reported: tokens/s (median over questions and total), ×plain, ×plain_onednn, ×vLLM no-spec (total and
+median per-question ratios), vLLM's mean acceptance length
 (1 + accepted / drafts, from its spec-decode counters), flashmm's τ, and how many output rows are
 token-identical to plain ``generate``'s (vLLM's CPU kernels round differently in fp32, so a greedy
 difference there is not necessarily a bug).
@@ -63,6 +66,7 @@ from flashmm.weights import load_gguf_lm  # noqa: E402
 
 EAGLE3 = assets_dir("text_drafters", "smollm2", "eagle3")
 MEDUSA = assets_dir("text_drafters", "smollm2", "medusa")
+DFLASH = assets_dir("text_drafters", "smollm2", "dflash")
 
 
 def pick_questions(path: Path, n: int) -> list[dict]:
@@ -108,6 +112,16 @@ def exported_medusa(model) -> str:
     return str(export_medusa(MEDUSA, lm_head, work_dir("smollm2_medusa_vllm"), token_map=False))
 
 
+def exported_dflash(dflash, hf: str) -> tuple[str, int]:
+    """(the DFlash drafter in folder ``dflash`` in speculators' dflash layout, its num_speculative_tokens =
+    block_size - 1); the verifier named in it is SmolLM2's HF folder ``hf``."""
+    from flashmm.drafters.export import export_drafter  # noqa: PLC0415
+    from flashmm.drafters.export_dflash import target_from_folder  # noqa: PLC0415
+
+    out = export_drafter(dflash, "speculators", work_dir("smollm2_dflash_speculators"), target_from_folder(hf))
+    return str(out), json.loads((out / "config.json").read_text())["block_size"] - 1
+
+
 def trim(row: list[int], eos: set[int]) -> list[int]:
     """The generated tokens up to and including the first EOS."""
     for i, t in enumerate(row):
@@ -142,6 +156,9 @@ def vllm_engines(args, folder: str, model) -> dict:
         specs["vllm:eagle3"] = {"method": "eagle3", "model": exported_eagle3(), "num_speculative_tokens": args.eagle3_k}
     if not args.skip_medusa:
         specs["vllm:medusa"] = {"method": "medusa", "model": exported_medusa(model), "num_speculative_tokens": 4}
+    if not args.skip_dflash:
+        exported, k = exported_dflash(args.dflash, folder)
+        specs["vllm:dflash"] = {"method": "dflash", "model": exported, "num_speculative_tokens": k}
     engines = {}
     for name, spec in specs.items():
         engines[name] = LLM(model=folder, dtype="float32", seed=0, max_model_len=args.max_model_len,
@@ -180,6 +197,8 @@ def make_methods(args, model, tokenizer, eos: set[int]):
                "flashmm:eagle3": flashmm.wrap(model, str(EAGLE3), max_draft_tokens=args.max_draft_tokens)}
     if not args.skip_medusa:
         wrapped["flashmm:medusa"] = flashmm.wrap(model, str(MEDUSA), max_draft_tokens=args.max_draft_tokens)
+    if not args.skip_dflash:  # a chain of block_size - 1 tokens, as vLLM drafts it
+        wrapped["flashmm:dflash"] = flashmm.wrap(model, str(args.dflash))
     for name, sm in wrapped.items():
         methods[name] = hf(sm.generate)
     return methods, wrapped, engines, missing
@@ -240,7 +259,9 @@ def report(args, records, names, missing, info) -> str:
           + ("" if args.skip_medusa else "vLLM Medusa: k=4 (a chain of the 4 heads' top-1 tokens), flashmm's shipped "
              "heads exported with `--format vllm-medusa --no-token-map` (whole vocabulary; flashmm drafts from "
              "the heads' 8,192-token vocabulary, a static tree); ") +
-          f"vLLM {'eager' if args.eager else 'torch.compile'}d. tok/s median = median over units of that unit's "
+          ("" if args.skip_dflash else f"DFlash (both engines): `{args.dflash}`, exported with `flashmm export-drafter "
+           "--format speculators` for vLLM (k = block_size - 1), a chain of block_size - 1 tokens in flashmm; ") +
+          f"vLLM {'eager' if args.eager else 'torch.compiled'}. tok/s median = median over units of that unit's "
           "tokens / seconds; tok/s total = all tokens / all seconds; ×X = total tok/s over X's, ×X median = median "
           "per-unit ratio; vLLM mean acc. len = 1 + accepted / drafts (its spec-decode counters over the timed "
           "calls); flashmm τ = tokens per verification forward (per row); identical = rows token-identical to "
@@ -262,6 +283,9 @@ def main(argv=None):
     ap.add_argument("--max-draft-tokens", type=int, default=16, help="flashmm's SpecConfig.max_draft_tokens")
     ap.add_argument("--skip-vllm-eagle3", action="store_true")
     ap.add_argument("--skip-medusa", action="store_true", help="neither engine runs the Medusa heads")
+    ap.add_argument("--skip-dflash", action="store_true", help="neither engine runs the DFlash drafter")
+    ap.add_argument("--dflash", type=Path, default=DFLASH, metavar="DIR",
+                    help="the flashmm DFlash folder both engines run (vLLM: its speculators export)")
     ap.add_argument("--skip-vllm", action="store_true", help="no vLLM at all (transformers and flashmm only)")
     ap.add_argument("--eager", action="store_true", help="vLLM enforce_eager (no torch.compile)")
     ap.add_argument("--plain-onednn", action=argparse.BooleanOptionalAction, default=True)
@@ -270,6 +294,9 @@ def main(argv=None):
     ap.add_argument("--out", default="eval/results/vllm_peer")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # every engine in this process
+    if not args.skip_dflash and not (args.dflash / "drafter.json").is_file():
+        raise SystemExit(f"--dflash {args.dflash}: no flashmm DFlash folder there (train one with python -m "
+                         "tools.drafters.build_dflash, name another with --dflash, or pass --skip-dflash)")
 
     model, tokenizer = load_gguf_lm("smollm2")
     eos = model.generation_config.eos_token_id

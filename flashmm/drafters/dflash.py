@@ -160,7 +160,7 @@ class DFlash(Drafter):
 
 def speculators_dflash_config(folder: Path, config: dict) -> DFlashConfig:
     """The DFlashConfig of a speculators dflash-family config.json (dflash, dspark), refusing the layer variants
-    DFlashNet does not run (sliding windows, the non-causal sliding variant, biases, scaled RoPE)."""
+    DFlashNet does not run (sliding windows, biases, scaled RoPE)."""
     layer = config.get("transformer_layer_config") or {}
     rope = layer.get("rope_parameters") or {}
     try:
@@ -177,11 +177,12 @@ def speculators_dflash_config(folder: Path, config: dict) -> DFlashConfig:
     except KeyError as missing:
         algorithm = config.get("speculators_model_type", "dflash")
         raise DrafterFileError(folder / "config.json", f"a speculators {algorithm} config needs {missing}") from None
-    unsupported = [k for k in ("sliding_window_non_causal",) if config.get(k)]
-    if unsupported or layer.get("layer_types") and set(layer["layer_types"]) != {"full_attention"} \
+    # sliding_window_non_causal concerns only sliding-window layers (refused here): full attention is
+    # bidirectional in the block either way (speculators models/dflash/attention.py)
+    if layer.get("layer_types") and set(layer["layer_types"]) != {"full_attention"} \
             or layer.get("attention_bias") or (rope.get("rope_type") or "default") != "default":
-        raise DrafterFileError(folder / "config.json", f"a dflash variant flashmm does not run exactly "
-                                                       f"({unsupported or 'sliding windows, biases or scaled rope'})")
+        raise DrafterFileError(folder / "config.json", "a dflash variant flashmm does not run exactly "
+                                                       "(sliding windows, biases or scaled rope)")
     return c
 
 

@@ -2,6 +2,7 @@
 
     flashmm export-drafter assets/text_drafters/smollm2/eagle3 --format sglang --out OUT
     flashmm export-drafter assets/text_drafters/smollm2/eagle3 --format speculators --out OUT
+    flashmm export-drafter assets/text_drafters/smollm2/dflash --format speculators --out OUT   (export_dflash.py)
 
 ``sglang`` (SGLang's ``LlamaForCausalLMEagle3``, the layout SpecForge writes): config.json is a Llama
 config with ``architectures: ["LlamaForCausalLMEagle3"]``, ``num_hidden_layers: 1``,
@@ -41,7 +42,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .dflash import DFlash
 from .eagle3 import Eagle3Drafter
+from .export_dflash import export_dflash
 from .nets.eagle3_net import Eagle3Config, Eagle3Net
 from .saved import read_info
 
@@ -114,14 +117,20 @@ def speculators_config(cfg: Eagle3Config, target: dict) -> dict:
             "torch_dtype": "float16"}
 
 
-def export_drafter(folder, fmt: str, out) -> Path:
-    """Write the EAGLE-3 head in ``folder`` (flashmm layout) to ``out`` in format ``fmt``."""
+def export_drafter(folder, fmt: str, out, target: dict | None = None) -> Path:
+    """Write the EAGLE-3 head in ``folder`` (flashmm layout) to ``out`` in format ``fmt``; a DFlash drafter goes to
+    speculators' dflash layout (flashmm.drafters.export_dflash; ``target`` overrides its drafter.json's target)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
     info = read_info(folder)
+    if info["drafter"] == DFlash.name:
+        if fmt != "speculators":
+            raise ValueError(f"{folder} holds a DFlash drafter; it exports to --format speculators (SGLang's "
+                             f"{fmt!r} layout is EAGLE-3's)")
+        return export_dflash(folder, out, target)
     if info["drafter"] != Eagle3Drafter.name:
-        raise ValueError(f"{folder} holds a {info['drafter']!r} drafter; only EAGLE-3 heads export "
-                         "(build one with python -m tools.drafters.build_eagle3)")
+        raise ValueError(f"{folder} holds a {info['drafter']!r} drafter; EAGLE-3 heads and DFlash drafters export "
+                         "here (Medusa heads: --format vllm-medusa)")
     cfg = Eagle3Config.from_dict(info["eagle3_config"])
     state = load_file(str(Path(folder) / "model.safetensors"))
     prefix = "midlayer." if fmt == "sglang" else "layers.0."

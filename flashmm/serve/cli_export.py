@@ -1,8 +1,11 @@
 """``flashmm export-drafter``: a trained drafter written in a serving engine's layout: EAGLE-3 heads for
-SGLang or vLLM's speculators format (flashmm.drafters.export), Medusa heads for vLLM
-(flashmm.drafters.export_medusa; they read the target's LM head, so ``--target`` names the target).
+SGLang or vLLM's speculators format (flashmm.drafters.export), DFlash drafters for vLLM's speculators format
+(flashmm.drafters.export_dflash; ``--target``, a model folder, fills in what drafter.json does not record),
+Medusa heads for vLLM (flashmm.drafters.export_medusa; they read the target's LM head, so ``--target`` names
+the target).
 
     flashmm export-drafter assets/text_drafters/smollm2/eagle3 --format sglang --out OUT
+    flashmm export-drafter assets/text_drafters/smollm2/dflash --format speculators --out OUT
     flashmm export-drafter assets/text_drafters/smollm2/medusa --format vllm-medusa --target smollm2 --out OUT
 """
 from __future__ import annotations
@@ -10,21 +13,26 @@ from __future__ import annotations
 import sys
 
 from ..drafters.export import FORMATS, export_drafter
+from ..drafters.export_dflash import target_from_folder
 from ..drafters.export_medusa import export_medusa
 
 
 def add_export_command(commands) -> None:
     """The ``flashmm export-drafter`` subcommand (flashmm.serve.cli)."""
     cmd = commands.add_parser(
-        "export-drafter", help="write a trained EAGLE-3 head or Medusa heads in a serving engine's layout",
+        "export-drafter", help="write a trained EAGLE-3 head, DFlash drafter or Medusa heads in a serving engine's "
+                               "layout",
         description="Export a flashmm EAGLE-3 head folder (drafter.json + model.safetensors) to the layout "
                     "SGLang / SpecForge load (--format sglang: LlamaForCausalLMEagle3) or vLLM's speculators "
-                    "format (--format speculators), or Medusa heads to vLLM's Medusa layout (--format "
-                    "vllm-medusa, with --target). Keys and shapes are checked before writing.")
+                    "format (--format speculators), a DFlash drafter to vLLM's speculators dflash layout (--format "
+                    "speculators), or Medusa heads to vLLM's Medusa layout (--format vllm-medusa, with --target). "
+                    "Keys and shapes are checked before writing.")
     cmd.add_argument("dir", metavar="DIR", help="the trained head's folder (e.g. assets/text_drafters/smollm2/eagle3)")
     cmd.add_argument("--format", required=True, choices=(*FORMATS, "vllm-medusa"), dest="export_format")
     cmd.add_argument("--target", metavar="MODEL", help="vllm-medusa: the target whose LM head the heads read (a "
-                                                       "Hugging Face model folder, 'smollm2' or 'gemma3')")
+                                                       "Hugging Face model folder, 'smollm2' or 'gemma3'); a DFlash "
+                                                       "drafter: the target's Hugging Face folder, whose config.json "
+                                                       "names the verifier in the export (default: drafter.json's)")
     cmd.add_argument("--no-token-map", action="store_true",
                      help="vllm-medusa: write the whole LM head, no token_map (vLLM 0.32 cannot load a token_map; "
                           "the heads then rank every token, not only their trained vocabulary)")
@@ -40,7 +48,8 @@ def run_export(args) -> int:
             out = export_medusa(args.dir, target_lm_head(args.target), args.out,
                                 token_map=not args.no_token_map)
         else:
-            out = export_drafter(args.dir, args.export_format, args.out)
+            target = target_from_folder(args.target) if args.target else None
+            out = export_drafter(args.dir, args.export_format, args.out, target)
     except (FileNotFoundError, ValueError) as err:
         print(f"flashmm export-drafter: {err}", file=sys.stderr)
         return 2

@@ -142,6 +142,31 @@ class DFlashNet(nn.Module):
             out[name] = tensor
         return out
 
+    #: this module's names inside ``layers.{i}.`` → speculators'
+    SPECULATORS_LAYER_NAMES = {
+        "input_layernorm": "input_layernorm.weight", "post_attention_layernorm": "post_attention_layernorm.weight",
+        "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+        **{f"{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"},
+        **{f"{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
+    #: this module's names outside the layers → speculators'
+    SPECULATORS_NAMES = {"fc.weight": "fc.weight", "hidden_norm": "hidden_norm.weight", "norm": "norm.weight",
+                         "lm_head.weight": "lm_head.weight"}
+
+    @classmethod
+    def state_to_speculators(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This module's state dict → speculators' dflash names (``state_from_speculators`` undoes it);
+        a name neither table knows is refused rather than written under a name no reader loads."""
+        out = {}
+        for name, tensor in state.items():
+            parts = name.split(".", 2)                               # ["layers", i, rest] inside a layer
+            if parts[0] == "layers" and len(parts) == 3 and parts[2] in cls.SPECULATORS_LAYER_NAMES:
+                out[f"layers.{parts[1]}.{cls.SPECULATORS_LAYER_NAMES[parts[2]]}"] = tensor
+            elif name in cls.SPECULATORS_NAMES:
+                out[cls.SPECULATORS_NAMES[name]] = tensor
+            else:
+                raise ValueError(f"DFlash state: no speculators name for {name!r}")
+        return out
+
 
 def anchored_logits(net: DFlashNet, embed: nn.Module, features: torch.Tensor, ids: torch.Tensor,
                     anchors: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
