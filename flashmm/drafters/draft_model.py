@@ -116,13 +116,7 @@ class DraftModel(Drafter):
         another row count (Qwen2.5-0.5B: 151936 rows, Qwen2.5-7B: 152064): only the shared rows
         are drafted. A different tokenizer is refused."""
         rows = output_rows(self.model)
-        mismatch = tokenizer_mismatch(self.model.config.get_text_config(), target.model.config.get_text_config(),
-                                      rows, target.vocab_size)
-        if mismatch:
-            raise ValueError(
-                f"the draft model's tokenizer differs from the target's ({mismatch}); a DraftModel drafts the "
-                "target's token ids, so it needs the same tokenizer (a padded output layer is fine). A drafter "
-                "with another tokenizer needs cross-tokenizer drafting (text-level re-tokenisation)")
+        check_same_tokenizer(self.model.config, target, rows)
         self._shared_vocab = min(rows, target.vocab_size)
         self._target_vocab = target.vocab_size
         device = target.model.get_output_embeddings().weight.device
@@ -325,6 +319,18 @@ def output_rows(model: torch.nn.Module) -> int:
     reduced vocabulary answering in the target's ids), else its LM head's."""
     rows = getattr(model, "output_rows", None)
     return rows if rows is not None else model.get_output_embeddings().weight.shape[0]
+
+
+def check_same_tokenizer(draft_config, target, draft_rows: int) -> None:
+    """ValueError unless a draft LM (its config, ``draft_rows`` output rows) shares ``target``'s tokenizer
+    (``tokenizer_mismatch``), naming the difference and the fix."""
+    mismatch = tokenizer_mismatch(draft_config.get_text_config(), target.model.config.get_text_config(),
+                                  draft_rows, target.vocab_size)
+    if mismatch:
+        raise ValueError(
+            f"the draft model's tokenizer differs from the target's ({mismatch}); a DraftModel drafts the "
+            "target's token ids, so it needs the same tokenizer (a padded output layer is fine). A drafter "
+            "with another tokenizer needs cross-tokenizer drafting (text-level re-tokenisation)")
 
 
 def tokenizer_mismatch(draft_config, target_config, draft_rows: int, target_rows: int) -> str:

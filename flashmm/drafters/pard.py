@@ -71,6 +71,10 @@ class Pard(DraftModel):
         with blamed_on(config, "its settings", options):
             return cls(model, extra["mask_embedding"], depth=info["pard"]["depth"], info=info, **options)
 
+    def bind(self, target) -> None:
+        super().bind(target)  # moves the draft LM to the target's device; the mask embedding goes with it
+        self.pard.to(next(self.model.parameters()).device)
+
     def _measure_costs(self, target) -> None:
         super()._measure_costs(target)  # prices one draft token forward as draft_token_cost
         self.length.draft_step_cost, self.length.draft_token_cost = self.length.draft_token_cost, 0.0

@@ -76,8 +76,10 @@ def is_speculators_folder(path) -> bool:
 def published_format(path) -> str | None:
     """The published layout folder ``path`` holds, from its config.json: "speculators", "eagle3" (the EAGLE
     repository's / SpecForge's / SGLang's EAGLE-3 head: ``draft_vocab_size`` with one layer, or
-    architectures ``LlamaForCausalLMEagle3``), "medusa" (``medusa_num_heads``), "hydra" (``hydra_num_heads``);
-    None for anything else (no config.json, or a flashmm folder with drafter.json)."""
+    architectures ``LlamaForCausalLMEagle3``), "medusa" (``medusa_num_heads``), "hydra" (``hydra_num_heads``),
+    "pard" (AMD's PARD drafts: a causal LM's config with ``pard_token``; flashmm.drafters.published_pard refuses
+    one that is not a transformers causal LM or is PARD-2, saying why); None for anything else (no config.json,
+    or a flashmm folder with drafter.json)."""
     folder = Path(path)
     if not (folder / CONFIG_FILE).is_file() or (folder / "drafter.json").is_file():
         return None
@@ -88,6 +90,8 @@ def published_format(path) -> str | None:
         return "medusa"
     if "hydra_num_heads" in data or "hydra_head_arch" in data:
         return "hydra"
+    if "pard_token" in data:
+        return "pard"
     architectures = data.get("architectures") or []
     if "LlamaForCausalLMEagle3" in architectures or ("draft_vocab_size" in data
                                                      and data.get("num_hidden_layers") == 1):
@@ -100,13 +104,15 @@ def load_published(path, **options):
     its constructor."""
     from .published_eagle3 import load_eagle3_checkpoint  # noqa: PLC0415 (those modules import this one)
     from .published_heads import load_hydra, load_medusa  # noqa: PLC0415
+    from .published_pard import load_pard  # noqa: PLC0415
 
     kind = published_format(path)
     readers = {"speculators": load_speculators, "eagle3": load_eagle3_checkpoint, "medusa": load_medusa,
-               "hydra": load_hydra}
+               "hydra": load_hydra, "pard": load_pard}
     if kind is None:
         raise FileNotFoundError(f"{path} holds no published drafter flashmm reads (a config.json of vLLM "
-                                "speculators, an EAGLE-3 head of the EAGLE repository / SpecForge / SGLang, Medusa-1)")
+                                "speculators, an EAGLE-3 head of the EAGLE repository / SpecForge / SGLang, Medusa-1, "
+                                "a PARD draft)")
     return readers[kind](path, **options)
 
 

@@ -35,7 +35,7 @@ def load(path, **options) -> Drafter:
     (e.g. ``max_draft_tokens=6``). A FLASH folder (flash_config.json, with or without drafter.json) is read by
     FlashDrafter.from_dir. A folder in vLLM speculators' layout (config.json naming a
     ``speculators_model_type``, no drafter.json) and the other published layouts (EAGLE-3 heads of the EAGLE
-    repository / SpecForge / SGLang, Medusa-1 heads) are read by flashmm.drafters.published."""
+    repository / SpecForge / SGLang, Medusa-1 heads, AMD's PARD drafts) are read by flashmm.drafters.published."""
     from .published import load_published, published_format  # noqa: PLC0415 (published imports eagle3, which imports this module)
 
     refuse_renamed(options, f"flashmm.drafters.load({str(path)!r})")

@@ -13,7 +13,8 @@ from ...targets import cache as kv
 class ReducedVocabLM(nn.Module):
     """A causal LM over a subset of the target's vocabulary that reads and writes target ids.
 
-    lm: any causal LM with ``len(draft_to_target)`` input and output rows.
+    lm: any causal LM with at least ``len(draft_to_target)`` input and output rows; rows past them (a
+        published PARD draft's rows beyond the target's vocabulary, its mask token among them) are never output.
     draft_to_target: LongTensor [Vd]; draft row i is target token draft_to_target[i] (distinct ids).
     A target id outside the subset is read as draft row ``unknown_row`` (row 0 by convention: the
     builder puts the most frequent token there, so the draft sees some token rather than garbage).
@@ -51,9 +52,10 @@ class ReducedVocabLM(nn.Module):
         return CausalLMOutputWithPast(logits=self.to_target(out.logits))
 
     def to_target(self, small: torch.Tensor) -> torch.Tensor:
-        """Draft-row logits [..., Vd] as target-vocabulary logits [..., V], -inf outside the subset."""
+        """Draft-row logits [..., Vd] (or more rows: those past Vd are dropped) as target-vocabulary logits
+        [..., V], -inf outside the subset."""
         logits = small.new_full((*small.shape[:-1], self.target_vocab), float("-inf"))
-        return logits.index_copy_(-1, self.draft_to_target, small)
+        return logits.index_copy_(-1, self.draft_to_target, small[..., : self.draft_to_target.numel()])
 
 
 def build_lm(config: dict) -> LlamaForCausalLM:
