@@ -98,6 +98,16 @@ class DFlash(Drafter):
             (torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1)) for (k, v), (nk, nv) in zip(self._context, new)]
         self._fed = upto
 
+    def _block(self, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block [root, mask, ..., mask] embedded [block_size, d] and its positions R .. R + block_size - 1,
+        the context fed up to R - 1 first."""
+        root = committed.shape[1] - 1
+        self._extend_context(root)                                    # the context: positions 0 .. R-1
+        size = self.net.config.block_size
+        block = torch.full((size,), self.net.config.mask_token_id, dtype=torch.long, device=committed.device)
+        block[0] = committed[0, -1]
+        return self._embed(block), torch.arange(root, root + size, device=committed.device)
+
     @torch.no_grad()
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Draft:
@@ -107,12 +117,7 @@ class DFlash(Drafter):
         n = min(self.max_draft_tokens, max_tokens)
         if n < 1 or root < 1:
             return root_only(committed)
-        self._extend_context(root)                                    # the context: positions 0 .. R-1
-        size = self.net.config.block_size
-        block = torch.full((size,), self.net.config.mask_token_id, dtype=torch.long, device=committed.device)
-        block[0] = committed[0, -1]
-        positions = torch.arange(root, root + size, device=committed.device)
-        logits = self.net.block_logits(self._embed(block), positions, self._context)          # [size, Vd]
+        logits = self.net.block_logits(*self._block(committed), self._context)                # [size, Vd]
         tree = planned_tree(json.dumps(self.accept), n) if self.tree else TokenTree.from_choices(
             [tuple([0] * d) for d in range(1, n + 1)])
         if tree.num_nodes < 2:

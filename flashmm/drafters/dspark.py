@@ -90,12 +90,7 @@ class DSpark(DFlash):
         count = min(self.max_draft_tokens, max_tokens)
         if count < 1 or root < 1:
             return root_only(committed)
-        self._extend_context(root)                                    # the context: positions 0 .. R-1
-        size = self.net.config.block_size
-        block = torch.full((size,), self.net.config.mask_token_id, dtype=torch.long, device=committed.device)
-        block[0] = committed[0, -1]
-        positions = torch.arange(root, root + size, device=committed.device)
-        hidden = self.net.block_hidden(self._embed(block), positions, self._context)         # [size, d]
+        hidden = self.net.block_hidden(*self._block(committed), self._context)               # [size, d]
         rows, confidence = self.dspark_net.draft_chain(hidden, int(committed[0, -1]), count)
         if self.confidence_threshold is not None:
             rows = rows[: int((confidence.sigmoid().cumprod(0) >= self.confidence_threshold).sum())]
