@@ -66,11 +66,13 @@ def test_shipped_folders_use_the_new_spellings():
 
 # ------------------------------------------------------------------ options as frozen dataclasses
 def _options_cases():
-    from flashmm.drafters import DraftModel, Eagle3Drafter, FlashDrafter, Medusa, PromptLookup, SuffixDecoding
+    from flashmm.drafters import DFlash, DraftModel, Eagle3Drafter, FlashDrafter, Medusa, PromptLookup, SuffixDecoding
+    from flashmm.drafters.dflash import DFlashOptions
     from flashmm.drafters.draft_model import DraftModelOptions
     from flashmm.drafters.eagle3 import Eagle3Options
     from flashmm.drafters.flash import FlashOptions
     from flashmm.drafters.head_base import HeadOptions
+    from flashmm.drafters.nets.dflash_net import DFlashConfig, DFlashNet
     from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
     from flashmm.drafters.prompt_lookup import PromptLookupOptions
     from flashmm.drafters.suffix import SuffixOptions
@@ -78,6 +80,9 @@ def _options_cases():
 
     lm = tiny_lm("llama", seed=0)
     eagle3_net = Eagle3Net(Eagle3Config.for_target(lm.config, 64, (1, 1, 0)))
+    block = DFlashConfig(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         intermediate_size=64, feature_layers=(0, 1), draft_vocab_size=8, block_size=3,
+                         mask_token_id=7, rms_norm_eps=1e-6, rope_theta=10000.0)
     return [  # (make(**options), its options class, a valid option and value)
         (lambda **o: PromptLookup(**o), PromptLookupOptions, ("max_ngram", 2)),
         (lambda **o: SuffixDecoding(**o), SuffixOptions, ("merge", False)),
@@ -85,6 +90,7 @@ def _options_cases():
         (lambda **o: Medusa(MedusaHeads(lm.config.hidden_size, 2), **o), HeadOptions, ("tree", "static")),
         (lambda **o: Eagle3Drafter(eagle3_net, **o), Eagle3Options, ("top_k", 4)),
         (lambda **o: FlashDrafter(None, **o), FlashOptions, ("top_k", 4)),
+        (lambda **o: DFlash(DFlashNet(block), **o), DFlashOptions, ("max_draft_tokens", 2)),
     ]
 
 
