@@ -66,13 +66,15 @@ def test_shipped_folders_use_the_new_spellings():
 
 # ------------------------------------------------------------------ options as frozen dataclasses
 def _options_cases():
-    from flashmm.drafters import DFlash, DraftModel, Eagle3Drafter, FlashDrafter, Medusa, PromptLookup, SuffixDecoding
+    from flashmm.drafters import DFlash, DraftModel, DSpark, Eagle3Drafter, FlashDrafter, Medusa, PromptLookup, SuffixDecoding
     from flashmm.drafters.dflash import DFlashOptions
     from flashmm.drafters.draft_model import DraftModelOptions
+    from flashmm.drafters.dspark import DSparkOptions
     from flashmm.drafters.eagle3 import Eagle3Options
     from flashmm.drafters.flash import FlashOptions
     from flashmm.drafters.head_base import HeadOptions
     from flashmm.drafters.nets.dflash_net import DFlashConfig, DFlashNet
+    from flashmm.drafters.nets.dspark_net import DSparkConfig, DSparkNet
     from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
     from flashmm.drafters.prompt_lookup import PromptLookupOptions
     from flashmm.drafters.suffix import SuffixOptions
@@ -83,6 +85,8 @@ def _options_cases():
     block = DFlashConfig(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                          intermediate_size=64, feature_layers=(0, 1), draft_vocab_size=8, block_size=3,
                          mask_token_id=7, rms_norm_eps=1e-6, rope_theta=10000.0)
+    dspark_heads = DSparkConfig(vocab_size=8, markov_rank=4, markov_head_type="rnn", confidence=True,
+                                confidence_with_markov=True, sample_from_anchor=True)
     return [  # (make(**options), its options class, a valid option and value)
         (lambda **o: PromptLookup(**o), PromptLookupOptions, ("max_ngram", 2)),
         (lambda **o: SuffixDecoding(**o), SuffixOptions, ("merge", False)),
@@ -91,6 +95,8 @@ def _options_cases():
         (lambda **o: Eagle3Drafter(eagle3_net, **o), Eagle3Options, ("top_k", 4)),
         (lambda **o: FlashDrafter(None, **o), FlashOptions, ("top_k", 4)),
         (lambda **o: DFlash(DFlashNet(block), **o), DFlashOptions, ("max_draft_tokens", 2)),
+        (lambda **o: DSpark(DSparkNet(DFlashNet(block), dspark_heads), **o),
+         DSparkOptions, ("confidence_threshold", 0.5)),
     ]
 
 
