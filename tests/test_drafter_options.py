@@ -66,7 +66,8 @@ def test_shipped_folders_use_the_new_spellings():
 
 # ------------------------------------------------------------------ options as frozen dataclasses
 def _options_cases():
-    from flashmm.drafters import DFlash, DraftModel, DSpark, Eagle3Drafter, FlashDrafter, Medusa, PromptLookup, SuffixDecoding
+    from flashmm.drafters import (DFlash, DraftModel, DSpark, Eagle3Drafter, FlashDrafter, Medusa, PEagle, PromptLookup,
+                                  SuffixDecoding)
     from flashmm.drafters.dflash import DFlashOptions
     from flashmm.drafters.draft_model import DraftModelOptions
     from flashmm.drafters.dspark import DSparkOptions
@@ -76,6 +77,8 @@ def _options_cases():
     from flashmm.drafters.nets.dflash_net import DFlashConfig, DFlashNet
     from flashmm.drafters.nets.dspark_net import DSparkConfig, DSparkNet
     from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
+    from flashmm.drafters.nets.peagle_net import PEagleNet
+    from flashmm.drafters.peagle import PEagleOptions
     from flashmm.drafters.prompt_lookup import PromptLookupOptions
     from flashmm.drafters.suffix import SuffixOptions
     from text_models import tiny_lm
@@ -87,7 +90,7 @@ def _options_cases():
                          mask_token_id=7, rms_norm_eps=1e-6, rope_theta=10000.0)
     dspark_heads = DSparkConfig(vocab_size=8, markov_rank=4, markov_head_type="rnn", confidence=True,
                                 confidence_with_markov=True, sample_from_anchor=True)
-    return [  # (make(**options), its options class, a valid option and value)
+    cases = [  # (make(**options), its options class, a valid option and value[, the options it requires])
         (lambda **o: PromptLookup(**o), PromptLookupOptions, ("max_ngram", 2)),
         (lambda **o: SuffixDecoding(**o), SuffixOptions, ("merge", False)),
         (lambda **o: DraftModel(lm, **o), DraftModelOptions, ("tree_width", 2)),
@@ -97,7 +100,10 @@ def _options_cases():
         (lambda **o: DFlash(DFlashNet(block), **o), DFlashOptions, ("max_draft_tokens", 2)),
         (lambda **o: DSpark(DSparkNet(DFlashNet(block), dspark_heads), **o),
          DSparkOptions, ("confidence_threshold", 0.5)),
+        (lambda **o: PEagle(PEagleNet(Eagle3Net(Eagle3Config.for_target(lm.config, 64, (0, 1))), 63), **o),
+         PEagleOptions, ("max_draft_tokens", 2), {"max_draft_tokens": 3}),
     ]
+    return [case if len(case) == 4 else (*case, {}) for case in cases]
 
 
 @pytest.fixture(scope="module")
@@ -108,32 +114,32 @@ def options_cases():
 def test_each_drafter_keeps_its_frozen_options(options_cases):
     import dataclasses
 
-    for make, options_class, (name, value) in options_cases:
-        drafter = make(**{name: value})
+    for make, options_class, (name, value), required in options_cases:
+        drafter = make(**{**required, name: value})
         assert isinstance(drafter.options, options_class), options_class
         assert getattr(drafter.options, name) == value
-        assert drafter.options == options_class(**{name: value})       # defaults: the class's own
-        assert make().options == options_class()
+        assert drafter.options == options_class(**{**required, name: value})  # defaults: the class's own
+        assert make(**required).options == options_class(**required)
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(drafter.options, name, value)
         with pytest.raises(AttributeError):
-            drafter.options = options_class()                             # read-only on the drafter
+            drafter.options = options_class(**required)                   # read-only on the drafter
         # a built options object is taken as it is; with keyword options too it is refused
-        assert make(options=options_class(**{name: value})).options == drafter.options
+        assert make(options=options_class(**{**required, name: value})).options == drafter.options
         with pytest.raises(TypeError, match="not both"):
-            make(options=options_class(), **{name: value})
+            make(options=options_class(**required), **{name: value})
 
 
 def test_unknown_and_ill_typed_options_fail_in_one_place_naming_them(options_cases):
     import dataclasses
 
-    for make, options_class, (name, value) in options_cases:
+    for make, options_class, (name, value), required in options_cases:
         valid = [f.name for f in dataclasses.fields(options_class)]
         with pytest.raises(TypeError, match=r"unknown option \['no_such_option'\]; its options are") as caught:
-            make(no_such_option=1)
+            make(**required, no_such_option=1)
         assert str(valid) in str(caught.value)
         with pytest.raises(TypeError, match=f"option '{name}' should be"):
-            make(**{name: object()})
+            make(**{**required, name: object()})
 
 
 def test_drafting_section_is_checked_against_the_options_class(tmp_path):
