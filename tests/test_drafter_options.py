@@ -74,6 +74,7 @@ def _options_cases():
     from flashmm.drafters.eagle3 import Eagle3Options
     from flashmm.drafters.flash import FlashOptions
     from flashmm.drafters.head_base import HeadOptions
+    from flashmm.drafters.native_mtp import NativeMTP, NativeMTPOptions
     from flashmm.drafters.nets.dflash_net import DFlashConfig, DFlashNet
     from flashmm.drafters.nets.dspark_net import DSparkConfig, DSparkNet
     from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
@@ -102,6 +103,7 @@ def _options_cases():
          DSparkOptions, ("confidence_threshold", 0.5)),
         (lambda **o: PEagle(PEagleNet(Eagle3Net(Eagle3Config.for_target(lm.config, 64, (0, 1))), 63), **o),
          PEagleOptions, ("max_draft_tokens", 2), {"max_draft_tokens": 3}),
+        (lambda **o: NativeMTP(**o), NativeMTPOptions, ("max_draft_tokens", 2)),
     ]
     return [case if len(case) == 4 else (*case, {}) for case in cases]
 
