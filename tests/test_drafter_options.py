@@ -82,6 +82,7 @@ def _options_cases():
     from flashmm.drafters.peagle import PEagleOptions
     from flashmm.drafters.prompt_lookup import PromptLookupOptions
     from flashmm.drafters.suffix import SuffixOptions
+    from flashmm.drafters.token_recycling import TokenRecycling, TokenRecyclingOptions
     from text_models import tiny_lm
 
     lm = tiny_lm("llama", seed=0)
@@ -104,6 +105,7 @@ def _options_cases():
         (lambda **o: PEagle(PEagleNet(Eagle3Net(Eagle3Config.for_target(lm.config, 64, (0, 1))), 63), **o),
          PEagleOptions, ("max_draft_tokens", 2), {"max_draft_tokens": 3}),
         (lambda **o: NativeMTP(**o), NativeMTPOptions, ("max_draft_tokens", 2)),
+        (lambda **o: TokenRecycling(**o), TokenRecyclingOptions, ("template", ((0,), (1,), (0, 0)))),
     ]
     return [case if len(case) == 4 else (*case, {}) for case in cases]
 
