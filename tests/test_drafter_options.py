@@ -74,6 +74,7 @@ def _options_cases():
     from flashmm.drafters.eagle3 import Eagle3Options
     from flashmm.drafters.flash import FlashOptions
     from flashmm.drafters.head_base import HeadOptions
+    from flashmm.drafters.lookahead import Lookahead, LookaheadOptions
     from flashmm.drafters.native_mtp import NativeMTP, NativeMTPOptions
     from flashmm.drafters.nets.dflash_net import DFlashConfig, DFlashNet
     from flashmm.drafters.nets.dspark_net import DSparkConfig, DSparkNet
@@ -106,6 +107,7 @@ def _options_cases():
          PEagleOptions, ("max_draft_tokens", 2), {"max_draft_tokens": 3}),
         (lambda **o: NativeMTP(**o), NativeMTPOptions, ("max_draft_tokens", 2)),
         (lambda **o: TokenRecycling(**o), TokenRecyclingOptions, ("template", ((0,), (1,), (0, 0)))),
+        (lambda **o: Lookahead(**o), LookaheadOptions, ("always_window", True)),
     ]
     return [case if len(case) == 4 else (*case, {}) for case in cases]
 
