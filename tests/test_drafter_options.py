@@ -82,6 +82,7 @@ def _options_cases():
     from flashmm.drafters.nets.peagle_net import PEagleNet
     from flashmm.drafters.peagle import PEagleOptions
     from flashmm.drafters.prompt_lookup import PromptLookupOptions
+    from flashmm.drafters.rest import Rest, RestOptions
     from flashmm.drafters.suffix import SuffixOptions
     from flashmm.drafters.token_recycling import TokenRecycling, TokenRecyclingOptions
     from text_models import tiny_lm
@@ -108,6 +109,7 @@ def _options_cases():
         (lambda **o: NativeMTP(**o), NativeMTPOptions, ("max_draft_tokens", 2)),
         (lambda **o: TokenRecycling(**o), TokenRecyclingOptions, ("template", ((0,), (1,), (0, 0)))),
         (lambda **o: Lookahead(**o), LookaheadOptions, ("always_window", True)),
+        (lambda **o: Rest(**o), RestOptions, ("min_match", 1)),
     ]
     return [case if len(case) == 4 else (*case, {}) for case in cases]
 
