@@ -68,6 +68,7 @@ def test_shipped_folders_use_the_new_spellings():
 def _options_cases():
     from flashmm.drafters import (DFlash, DraftModel, DSpark, Eagle3Drafter, FlashDrafter, Medusa, PEagle, PromptLookup,
                                   SuffixDecoding)
+    from flashmm.drafters.cascade import HorizontalCascade, HorizontalCascadeOptions, VerticalCascade, VerticalCascadeOptions
     from flashmm.drafters.dflash import DFlashOptions
     from flashmm.drafters.draft_model import DraftModelOptions
     from flashmm.drafters.dspark import DSparkOptions
@@ -110,6 +111,8 @@ def _options_cases():
         (lambda **o: TokenRecycling(**o), TokenRecyclingOptions, ("template", ((0,), (1,), (0, 0)))),
         (lambda **o: Lookahead(**o), LookaheadOptions, ("always_window", True)),
         (lambda **o: Rest(**o), RestOptions, ("min_match", 1)),
+        (lambda **o: VerticalCascade(DraftModel(lm), **o), VerticalCascadeOptions, ("lookup_tokens", 4)),
+        (lambda **o: HorizontalCascade(DraftModel(lm), **o), HorizontalCascadeOptions, ("first_tokens", 2)),
     ]
     return [case if len(case) == 4 else (*case, {}) for case in cases]
 
