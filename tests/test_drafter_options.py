@@ -75,6 +75,8 @@ def _options_cases():
     from flashmm.drafters.eagle3 import Eagle3Options
     from flashmm.drafters.flash import FlashOptions
     from flashmm.drafters.head_base import HeadOptions
+    from flashmm.drafters.kangaroo import Kangaroo, KangarooOptions
+    from flashmm.drafters.layerskip import LayerSkip, LayerSkipOptions
     from flashmm.drafters.lookahead import Lookahead, LookaheadOptions
     from flashmm.drafters.native_mtp import NativeMTP, NativeMTPOptions
     from flashmm.drafters.nets.dflash_net import DFlashConfig, DFlashNet
@@ -85,6 +87,7 @@ def _options_cases():
     from flashmm.drafters.prompt_lookup import PromptLookupOptions
     from flashmm.drafters.rest import Rest, RestOptions
     from flashmm.drafters.suffix import SuffixOptions
+    from flashmm.drafters.swift import Swift, SwiftOptions
     from flashmm.drafters.token_recycling import TokenRecycling, TokenRecyclingOptions
     from text_models import tiny_lm
 
@@ -113,6 +116,9 @@ def _options_cases():
         (lambda **o: Rest(**o), RestOptions, ("min_match", 1)),
         (lambda **o: VerticalCascade(DraftModel(lm), **o), VerticalCascadeOptions, ("lookup_tokens", 4)),
         (lambda **o: HorizontalCascade(DraftModel(lm), **o), HorizontalCascadeOptions, ("first_tokens", 2)),
+        (lambda **o: LayerSkip(**o), LayerSkipOptions, ("exit_layer", 1)),
+        (lambda **o: Swift(**o), SwiftOptions, ("skip_ratio", 0.3)),
+        (lambda **o: Kangaroo({}, **o), KangarooOptions, ("exit_layer", 1)),
     ]
     return [case if len(case) == 4 else (*case, {}) for case in cases]
 
