@@ -66,26 +66,61 @@ def test_shipped_folders_use_the_new_spellings():
 
 # ------------------------------------------------------------------ options as frozen dataclasses
 def _options_cases():
-    from flashmm.drafters import DraftModel, Eagle3Drafter, FlashDrafter, Medusa, PromptLookup, SuffixDecoding
+    from flashmm.drafters import (DFlash, DraftModel, DSpark, Eagle3Drafter, FlashDrafter, Medusa, PEagle, PromptLookup,
+                                  SuffixDecoding)
+    from flashmm.drafters.cascade import HorizontalCascade, HorizontalCascadeOptions, VerticalCascade, VerticalCascadeOptions
+    from flashmm.drafters.dflash import DFlashOptions
     from flashmm.drafters.draft_model import DraftModelOptions
+    from flashmm.drafters.dspark import DSparkOptions
     from flashmm.drafters.eagle3 import Eagle3Options
     from flashmm.drafters.flash import FlashOptions
     from flashmm.drafters.head_base import HeadOptions
+    from flashmm.drafters.kangaroo import Kangaroo, KangarooOptions
+    from flashmm.drafters.layerskip import LayerSkip, LayerSkipOptions
+    from flashmm.drafters.lookahead import Lookahead, LookaheadOptions
+    from flashmm.drafters.native_mtp import NativeMTP, NativeMTPOptions
+    from flashmm.drafters.nets.dflash_net import DFlashConfig, DFlashNet
+    from flashmm.drafters.nets.dspark_net import DSparkConfig, DSparkNet
     from flashmm.drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
+    from flashmm.drafters.nets.peagle_net import PEagleNet
+    from flashmm.drafters.peagle import PEagleOptions
     from flashmm.drafters.prompt_lookup import PromptLookupOptions
+    from flashmm.drafters.rest import Rest, RestOptions
     from flashmm.drafters.suffix import SuffixOptions
+    from flashmm.drafters.swift import Swift, SwiftOptions
+    from flashmm.drafters.token_recycling import TokenRecycling, TokenRecyclingOptions
     from text_models import tiny_lm
 
     lm = tiny_lm("llama", seed=0)
     eagle3_net = Eagle3Net(Eagle3Config.for_target(lm.config, 64, (1, 1, 0)))
-    return [  # (make(**options), its options class, a valid option and value)
+    block = DFlashConfig(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         intermediate_size=64, feature_layers=(0, 1), draft_vocab_size=8, block_size=3,
+                         mask_token_id=7, rms_norm_eps=1e-6, rope_theta=10000.0)
+    dspark_heads = DSparkConfig(vocab_size=8, markov_rank=4, markov_head_type="rnn", confidence=True,
+                                confidence_with_markov=True, sample_from_anchor=True)
+    cases = [  # (make(**options), its options class, a valid option and value[, the options it requires])
         (lambda **o: PromptLookup(**o), PromptLookupOptions, ("max_ngram", 2)),
         (lambda **o: SuffixDecoding(**o), SuffixOptions, ("merge", False)),
         (lambda **o: DraftModel(lm, **o), DraftModelOptions, ("tree_width", 2)),
         (lambda **o: Medusa(MedusaHeads(lm.config.hidden_size, 2), **o), HeadOptions, ("tree", "static")),
         (lambda **o: Eagle3Drafter(eagle3_net, **o), Eagle3Options, ("top_k", 4)),
         (lambda **o: FlashDrafter(None, **o), FlashOptions, ("top_k", 4)),
+        (lambda **o: DFlash(DFlashNet(block), **o), DFlashOptions, ("max_draft_tokens", 2)),
+        (lambda **o: DSpark(DSparkNet(DFlashNet(block), dspark_heads), **o),
+         DSparkOptions, ("confidence_threshold", 0.5)),
+        (lambda **o: PEagle(PEagleNet(Eagle3Net(Eagle3Config.for_target(lm.config, 64, (0, 1))), 63), **o),
+         PEagleOptions, ("max_draft_tokens", 2), {"max_draft_tokens": 3}),
+        (lambda **o: NativeMTP(**o), NativeMTPOptions, ("max_draft_tokens", 2)),
+        (lambda **o: TokenRecycling(**o), TokenRecyclingOptions, ("template", ((0,), (1,), (0, 0)))),
+        (lambda **o: Lookahead(**o), LookaheadOptions, ("always_window", True)),
+        (lambda **o: Rest(**o), RestOptions, ("min_match", 1)),
+        (lambda **o: VerticalCascade(DraftModel(lm), **o), VerticalCascadeOptions, ("lookup_tokens", 4)),
+        (lambda **o: HorizontalCascade(DraftModel(lm), **o), HorizontalCascadeOptions, ("first_tokens", 2)),
+        (lambda **o: LayerSkip(**o), LayerSkipOptions, ("exit_layer", 1)),
+        (lambda **o: Swift(**o), SwiftOptions, ("skip_ratio", 0.3)),
+        (lambda **o: Kangaroo({}, **o), KangarooOptions, ("exit_layer", 1)),
     ]
+    return [case if len(case) == 4 else (*case, {}) for case in cases]
 
 
 @pytest.fixture(scope="module")
@@ -96,32 +131,32 @@ def options_cases():
 def test_each_drafter_keeps_its_frozen_options(options_cases):
     import dataclasses
 
-    for make, options_class, (name, value) in options_cases:
-        drafter = make(**{name: value})
+    for make, options_class, (name, value), required in options_cases:
+        drafter = make(**{**required, name: value})
         assert isinstance(drafter.options, options_class), options_class
         assert getattr(drafter.options, name) == value
-        assert drafter.options == options_class(**{name: value})       # defaults: the class's own
-        assert make().options == options_class()
+        assert drafter.options == options_class(**{**required, name: value})  # defaults: the class's own
+        assert make(**required).options == options_class(**required)
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(drafter.options, name, value)
         with pytest.raises(AttributeError):
-            drafter.options = options_class()                             # read-only on the drafter
+            drafter.options = options_class(**required)                   # read-only on the drafter
         # a built options object is taken as it is; with keyword options too it is refused
-        assert make(options=options_class(**{name: value})).options == drafter.options
+        assert make(options=options_class(**{**required, name: value})).options == drafter.options
         with pytest.raises(TypeError, match="not both"):
-            make(options=options_class(), **{name: value})
+            make(options=options_class(**required), **{name: value})
 
 
 def test_unknown_and_ill_typed_options_fail_in_one_place_naming_them(options_cases):
     import dataclasses
 
-    for make, options_class, (name, value) in options_cases:
+    for make, options_class, (name, value), required in options_cases:
         valid = [f.name for f in dataclasses.fields(options_class)]
         with pytest.raises(TypeError, match=r"unknown option \['no_such_option'\]; its options are") as caught:
-            make(no_such_option=1)
+            make(**required, no_such_option=1)
         assert str(valid) in str(caught.value)
         with pytest.raises(TypeError, match=f"option '{name}' should be"):
-            make(**{name: object()})
+            make(**{**required, name: object()})
 
 
 def test_drafting_section_is_checked_against_the_options_class(tmp_path):

@@ -30,6 +30,7 @@ from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
 from .draft_model import DraftModel
+from .options import DrafterOptions, check_at_least
 
 #: node counts at which the draft LM's own forward is timed, to price the lookup's guesses
 DRAFT_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -58,6 +59,38 @@ class CascadeCounts:
     kept: int = 0
 
 
+def _check_budget(options: DrafterOptions) -> None:
+    if options.budget not in ("auto", "constants"):
+        raise ValueError(f"budget must be 'auto' or 'constants', got {options.budget!r}")
+
+
+@dataclass(frozen=True)
+class VerticalCascadeOptions(DrafterOptions):
+    """VerticalCascade's options (see the class); budget: the lookup's costs measured on the draft LM
+    ("auto") or its constants."""
+
+    lookup_tokens: int = 8
+    reprice: bool = False
+    budget: str = "auto"
+
+    def __post_init__(self):
+        check_at_least(self, 1, "lookup_tokens")
+        _check_budget(self)
+
+
+@dataclass(frozen=True)
+class HorizontalCascadeOptions(DrafterOptions):
+    """HorizontalCascade's options (see the class); first_tokens: the most tokens ``first`` drafts (None: its
+    own limit); budget: the chain priced with the target's measured verify cost ("auto") or the constants."""
+
+    first_tokens: int | None = None
+    budget: str = "auto"
+
+    def __post_init__(self):
+        check_at_least(self, 0, "first_tokens", allow_none=True)
+        _check_budget(self)
+
+
 @register
 class VerticalCascade(Drafter):
     """A DraftModel whose chain is sped up by prompt lookup, verified by the draft LM itself.
@@ -83,24 +116,23 @@ class VerticalCascade(Drafter):
     (it prices its guesses against the draft's forwards) and learns from the draft LM's verdicts on
     its guesses, not from the target's steps (it never drafts for the target).
     ``counts`` (CascadeCounts) says how many draft forwards the chain took.
+
+    Options: VerticalCascadeOptions, as keywords or ``options=``; ``draft`` and ``lookup`` are its parts.
     """
 
     name = "vertical_cascade"
 
-    def __init__(self, draft=None, lookup="prompt_lookup", lookup_tokens: int = 8, reprice: bool = False,
-                 budget: str = "auto"):
+    def __init__(self, draft=None, lookup="prompt_lookup", options: VerticalCascadeOptions | None = None, **given):
+        options = VerticalCascadeOptions.build(type(self).__name__, given, options)
         if draft is None:
             raise ValueError("vertical_cascade needs draft=: a DraftModel or a trained draft LM's folder "
                              "(e.g. assets/text_drafters/smollm2/fastdraft)")
         self.draft = resolve_part(draft, "draft")
         self.lookup = resolve_part(lookup, "lookup")
         check_vertical(self.draft, self.lookup)
-        if lookup_tokens < 1:
-            raise ValueError(f"lookup_tokens must be >= 1, got {lookup_tokens}")
-        if budget not in ("auto", "constants"):
-            raise ValueError(f"budget must be 'auto' or 'constants', got {budget!r}")
+        self._options = options
         # the option is kept apart from Drafter.reprice (batched decoding's repricing), which it once shadowed
-        self.lookup_tokens, self.price_by_spent, self.budget = lookup_tokens, reprice, budget
+        self.lookup_tokens, self.price_by_spent, self.budget = options.lookup_tokens, options.reprice, options.budget
         self.counts = CascadeCounts()
         self._draft_cost = None             # VerifyCost of the draft LM's forwards, when measured
         self._token_cost = 0.0              # draft.length.draft_token_cost as bound (one draft forward)
@@ -276,23 +308,24 @@ class HorizontalCascade(Drafter):
 
     Each part observes the steps its tokens were verified in: ``first`` every step (its accepted
     count capped at h), ``second`` only when the whole head was accepted (its tail was reached).
+
+    Options: HorizontalCascadeOptions, as keywords or ``options=``; ``first`` and ``second`` are its parts,
+    ``length`` the chain's pricing (its verify cost).
     """
 
     name = "horizontal_cascade"
 
-    def __init__(self, first=None, second="prompt_lookup", first_tokens: int | None = None,
-                 length: AdaptiveDraftLength | None = None, budget: str = "auto"):
+    def __init__(self, first=None, second="prompt_lookup", length: AdaptiveDraftLength | None = None,
+                 options: HorizontalCascadeOptions | None = None, **given):
+        options = HorizontalCascadeOptions.build(type(self).__name__, given, options)
         if first is None:
             raise ValueError("horizontal_cascade needs first=: the costlier drafter of the first positions (a "
                              "DraftModel or a trained drafter's folder, e.g. assets/text_drafters/smollm2/fastdraft)")
         self.first, self.second = resolve_part(first, "first drafter"), resolve_part(second, "second drafter")
         check_horizontal(self.first, self.second)
         self.needs_target_cache = self.first.needs_target_cache or self.second.needs_target_cache
-        if first_tokens is not None and first_tokens < 0:
-            raise ValueError(f"first_tokens must be >= 0 or None, got {first_tokens}")
-        if budget not in ("auto", "constants"):
-            raise ValueError(f"budget must be 'auto' or 'constants', got {budget!r}")
-        self.first_tokens, self.budget = first_tokens, budget
+        self._options = options
+        self.first_tokens, self.budget = options.first_tokens, options.budget
         self.pricing = length or AdaptiveDraftLength()   # verify cost of the whole chain (its alpha unused)
         self.head_rate = AdaptiveDraftLength()           # acceptance of first's tokens
         self.tail_rate = AdaptiveDraftLength()           # acceptance of second's tokens, given the head's

@@ -13,8 +13,10 @@ model.safetensors; the embedding table is the target's) load with ``flashmm.draf
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -25,12 +27,30 @@ from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, read_json, read_safetensors
 from .head_base import static_tree
 from .nets.dflash_net import DFlashConfig, DFlashNet
+from .options import DrafterOptions, check_at_least
 
 
 @lru_cache(maxsize=32)
 def planned_tree(accept_json: str, nodes: int) -> TokenTree:
     """The static tree of ``nodes`` drafted nodes for the acceptance table ``accept_json`` (cached)."""
     return static_tree(json.loads(accept_json), nodes)
+
+
+@dataclass(frozen=True)
+class DFlashOptions(DrafterOptions):
+    """DFlash's options (see the class). The bound of a chain, block_size - 1, is the net's: the drafter
+    checks it."""
+
+    max_draft_tokens: int | None = None
+    tree: bool = False
+    accept: Sequence[Sequence[float]] | None = None
+
+    def __post_init__(self):
+        if self.accept is not None:
+            object.__setattr__(self, "accept", tuple(tuple(float(a) for a in row) for row in self.accept))
+        check_at_least(self, 1, "max_draft_tokens", allow_none=True)
+        if self.tree and not self.accept:
+            raise ValueError("tree=True needs accept (the per-position, per-rank acceptance rates training measured)")
 
 
 @register
@@ -42,26 +62,26 @@ class DFlash(Drafter):
     child at depth j wherever Medusa's static-tree rule (flashmm.drafters.head_base.static_tree) finds it
     among the ``max_draft_tokens`` most likely paths, by ``accept`` [position][rank] (the rate at which the
     target's token was the block's r-th at position j once the chain before it was accepted; measured in
-    training and stored in drafter.json). Every position's distribution is read from the one forward."""
+    training and stored in drafter.json). Every position's distribution is read from the one forward.
+
+    Options: DFlashOptions, as keywords or ``options=``."""
 
     name = "dflash"
     needs_hidden_states = True
 
-    def __init__(self, net: DFlashNet, max_draft_tokens: int | None = None, tree: bool = False,
-                 accept: list[list[float]] | None = None):
+    def __init__(self, net: DFlashNet, options: DFlashOptions | None = None, **given):
         if not isinstance(net, DFlashNet):
             raise TypeError(f"DFlash needs a DFlashNet, got {type(net).__name__}")
+        self._options = options = DFlashOptions.build(type(self).__name__, given, options)
         self.net = net.eval().requires_grad_(False)
         self.feature_layers = tuple(net.config.feature_layers)
         chain = net.config.block_size - 1
-        self.max_draft_tokens = chain if max_draft_tokens is None else max_draft_tokens
-        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 1 or \
-                (not tree and self.max_draft_tokens > chain):
+        self.max_draft_tokens = chain if options.max_draft_tokens is None else options.max_draft_tokens
+        if not options.tree and self.max_draft_tokens > chain:
             raise ValueError(f"max_draft_tokens must be 1 .. {chain} (block_size - 1) for a chain, >= 1 for a tree; "
-                             f"got {max_draft_tokens!r}")
-        if tree and not accept:
-            raise ValueError("tree=True needs accept (the per-position, per-rank acceptance rates training measured)")
-        self.tree, self.accept = bool(tree), [list(row) for row in accept[:chain]] if accept else None
+                             f"got {options.max_draft_tokens!r}")
+        self.tree = options.tree
+        self.accept = [list(row) for row in options.accept[:chain]] if options.accept else None
 
     def bind(self, target) -> None:
         config = target.model.config.get_text_config()

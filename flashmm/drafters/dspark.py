@@ -13,6 +13,7 @@ flashmm folder format of its own.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +26,22 @@ from .dflash import DFlash, load_speculators_state, speculators_dflash_config
 from .files import DrafterFileError, read_json, read_safetensors
 from .nets.dflash_net import DFlashNet
 from .nets.dspark_net import DSparkConfig, DSparkNet
+from .options import DrafterOptions, check_at_least
+
+
+@dataclass(frozen=True)
+class DSparkOptions(DrafterOptions):
+    """DSpark's options (see the class). The bound of max_draft_tokens (the slots of a block that draft) and
+    whether there is a confidence head for confidence_threshold are the net's: the drafter checks them."""
+
+    max_draft_tokens: int | None = None
+    confidence_threshold: float | None = None
+
+    def __post_init__(self):
+        check_at_least(self, 1, "max_draft_tokens", allow_none=True)
+        threshold = self.confidence_threshold
+        if threshold is not None and not 0.0 < threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be in (0, 1] or None, got {threshold!r}")
 
 
 @register
@@ -38,25 +55,27 @@ class DSpark(DFlash):
     probabilities (sigmoid of its logits) over the drafted slots up to k is at least the threshold, so a step
     stops where the head expects the chain to be rejected (it may draft nothing: a plain decoding step). Needs
     a checkpoint with a confidence head.
-    folder: the folder it was read from (named by refusals)."""
+    folder: the folder it was read from (named by refusals).
+
+    Options: DSparkOptions, as keywords or ``options=``."""
 
     name = "dspark"
 
-    def __init__(self, net: DSparkNet, max_draft_tokens: int | None = None,
-                 confidence_threshold: float | None = None, folder=None):
+    def __init__(self, net: DSparkNet, options: DSparkOptions | None = None, folder=None, **given):
         if not isinstance(net, DSparkNet):
             raise TypeError(f"DSpark needs a DSparkNet, got {type(net).__name__}")
+        options = DSparkOptions.build(type(self).__name__, given, options)
         super().__init__(net.backbone)
+        self._options = options                                       # DSpark's, in place of DFlash's defaults
         self.dspark_net = net.eval().requires_grad_(False)
         self.folder = None if folder is None else Path(folder)
         chain = net.backbone.config.block_size - net.first_slot
+        max_draft_tokens, confidence_threshold = options.max_draft_tokens, options.confidence_threshold
         self.max_draft_tokens = chain if max_draft_tokens is None else max_draft_tokens
-        if not isinstance(self.max_draft_tokens, int) or not 1 <= self.max_draft_tokens <= chain:
+        if self.max_draft_tokens > chain:
             raise ValueError(f"max_draft_tokens must be 1 .. {chain} (the slots of a block that draft), "
                              f"got {max_draft_tokens!r}")
         if confidence_threshold is not None:
-            if not isinstance(confidence_threshold, (int, float)) or not 0.0 < confidence_threshold <= 1.0:
-                raise ValueError(f"confidence_threshold must be in (0, 1] or None, got {confidence_threshold!r}")
             if net.confidence_head is None:
                 raise ValueError(f"{self.folder or 'this DSpark drafter'} has no confidence head "
                                  "(enable_confidence_head: false): confidence_threshold needs one")

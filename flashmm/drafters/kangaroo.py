@@ -17,6 +17,7 @@ computation teacher forcing does), then cropped.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,20 +29,31 @@ from .base import SequenceStart, StepResult, register
 from .files import blamed_on, check_section, parameters_of, read_safetensors
 from .nets.kangaroo_net import KangarooAdapter
 from .saved import CONFIG_FILE, read_info
-from .self_spec import SelfDrafter
+from .self_spec import SelfDraftOptions, SelfDrafter
+
+
+@dataclass(frozen=True)
+class KangarooOptions(SelfDraftOptions):
+    """Kangaroo's options: exit_layer (the adapter's; its range is checked at bind, against the target) and
+    SelfDraftOptions' (max_draft_tokens 6, confidence 0.6 here)."""
+
+    max_draft_tokens: int = 6
+    confidence: float = 0.6
+    exit_layer: int = 2
 
 
 @register
 class Kangaroo(SelfDrafter):
-    """Layers [0, exit_layer) + a trained KangarooAdapter + the target's LM head (see module docstring)."""
+    """Layers [0, exit_layer) + a trained KangarooAdapter + the target's LM head (see module docstring).
+
+    Options: KangarooOptions, as keywords or ``options=``; ``adapter_state``: the adapter's weights."""
 
     name = "kangaroo"
 
-    def __init__(self, adapter_state: dict, exit_layer: int = 2, max_draft_tokens: int = 6,
-                 confidence: float = 0.6, adaptive: bool = True):
-        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive)
+    def __init__(self, adapter_state: dict, options: KangarooOptions | None = None, **given):
+        super().__init__(KangarooOptions.build(type(self).__name__, given, options))
         self.adapter_state = adapter_state
-        self.exit_layer = exit_layer
+        self.exit_layer = self.options.exit_layer
         self.adapter: KangarooAdapter | None = None
         self.adapter_cache = DynamicCache()
         self._fed = 0  # chain tokens fed through the adapter during the last propose
@@ -56,7 +68,7 @@ class Kangaroo(SelfDrafter):
         info = check_section(config, "drafter.json (a Kangaroo folder)", read_info(path),
                              {"exit_layer": int, "options": dict}, required=("exit_layer",), unknown_ok=True)
         saved = check_section(config, "'options'", info.get("options", {}),
-                              *parameters_of(cls, skip=("adapter_state", "exit_layer")))
+                              *parameters_of(KangarooOptions, skip=("exit_layer",)))
         state = read_safetensors(Path(path) / "model.safetensors")
         with blamed_on(config, "'options'", options):
             return cls(state, exit_layer=info["exit_layer"], **{**saved, **options})

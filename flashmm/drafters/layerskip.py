@@ -14,19 +14,28 @@ import torch
 
 from ..targets.layers import LayerRunner
 from .base import register
-from .self_spec import SelfDrafter
+from .self_spec import SelfDraftOptions, SelfDrafter
+
+
+@dataclass(frozen=True)
+class LayerSkipOptions(SelfDraftOptions):
+    """LayerSkip's options: exit_layer (None: half the target's layers; its range is checked at bind,
+    against the target) and SelfDraftOptions'."""
+
+    exit_layer: int | None = None
 
 
 @register
 class LayerSkip(SelfDrafter):
-    """Draft with the first ``exit_layer`` layers + final norm + LM head (None: half the layers)."""
+    """Draft with the first ``exit_layer`` layers + final norm + LM head (None: half the layers).
+
+    Options: LayerSkipOptions, as keywords or ``options=``."""
 
     name = "layerskip"
 
-    def __init__(self, exit_layer: int | None = None, max_draft_tokens: int = 4, confidence: float = 0.0,
-                 adaptive: bool = True):
-        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive)
-        self.exit_layer = exit_layer
+    def __init__(self, options: LayerSkipOptions | None = None, **given):
+        super().__init__(LayerSkipOptions.build(type(self).__name__, given, options))
+        self.exit_layer = self.options.exit_layer
 
     def bind(self, target) -> None:
         super().bind(target)

@@ -16,35 +16,57 @@ plain or verifies the candidates alone.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import AuxRows
 from ..tree.trie import DraftTrie, TreeBudget
 from .base import Drafter, StepResult, register, root_only
+from .options import DrafterOptions
+
+
+@dataclass(frozen=True)
+class LookaheadOptions(DrafterOptions):
+    """Lookahead's options (see the class); merge: verify the candidates as one trie (shared prefixes
+    once); seed: the generator of the window's first guesses."""
+
+    window: int = 4
+    ngram: int = 4
+    candidates: int = 4
+    pool_size: int = 8
+    seed_from_context: bool = True
+    always_window: bool = False
+    merge: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.window < 1 or self.ngram < 2 or self.candidates < 1:
+            raise ValueError(f"need window >= 1, ngram >= 2, candidates >= 1; got {self.window}, {self.ngram}, "
+                             f"{self.candidates}")
 
 
 @register
 class Lookahead(Drafter):
     """window W, ngram N (n-gram size, N-1 window levels), candidates G (verified n-grams),
     pool_size: n-grams kept per first token (most recent first). always_window=True runs the
-    window in every forward, as the paper does (also on steps without candidates)."""
+    window in every forward, as the paper does (also on steps without candidates).
+
+    Options: LookaheadOptions, as keywords or ``options=``; ``cost``: the TreeBudget's cost model."""
 
     name = "lookahead"
 
-    def __init__(self, window: int = 4, ngram: int = 4, candidates: int = 4, pool_size: int = 8,
-                 seed_from_context: bool = True, always_window: bool = False, merge: bool = True, seed: int = 0,
-                 cost: AdaptiveDraftLength | None = None):
-        if window < 1 or ngram < 2 or candidates < 1:
-            raise ValueError(f"need window >= 1, ngram >= 2, candidates >= 1; got {window}, {ngram}, {candidates}")
-        self.window, self.ngram, self.candidates, self.pool_size = window, ngram, candidates, pool_size
-        self.seed_from_context, self.merge, self.seed = seed_from_context, merge, seed
-        self.always_window = always_window
+    def __init__(self, cost: AdaptiveDraftLength | None = None, options: LookaheadOptions | None = None, **given):
+        self._options = o = LookaheadOptions.build(type(self).__name__, given, options)
+        self.window, self.ngram, self.candidates, self.pool_size = o.window, o.ngram, o.candidates, o.pool_size
+        self.seed_from_context, self.merge, self.seed = o.seed_from_context, o.merge, o.seed
+        self.always_window = o.always_window
         self.sizer = TreeBudget(cost=cost)
         self.pool: dict[int, list[tuple[int, ...]]] = {}
         self.levels: list[list[int]] = []    # N-1 levels of W guessed tokens
-        self.hits = [0.0] * ngram            # per depth: accepted / drafted, for candidate scores
-        self.tries = [0.0] * ngram
+        self.hits = [0.0] * o.ngram          # per depth: accepted / drafted, for candidate scores
+        self.tries = [0.0] * o.ngram
         self._seen = 0
         self._drafted: list[int] = []        # depth of each drafted node (draft order, root excluded)
         self._window_on = False

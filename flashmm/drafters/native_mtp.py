@@ -44,6 +44,7 @@ from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, read_json
+from .options import DrafterOptions, check_at_least
 
 
 @dataclass(frozen=True)
@@ -154,23 +155,36 @@ def causal_bias(past: int, n: int, dtype, device) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+@dataclass(frozen=True)
+class NativeMTPOptions(DrafterOptions):
+    """NativeMTP's options (see the class)."""
+
+    max_draft_tokens: int = 3
+
+    def __post_init__(self):
+        check_at_least(self, 1, "max_draft_tokens")
+
+
 @register
 class NativeMTP(Drafter):
     """The MTP module of the model's own checkpoint as a drafter: ``flashmm.wrap(model, "native_mtp")``.
 
     checkpoint: the folder holding the model's safetensors (default: the folder the model was loaded from,
-    ``model.name_or_path``); max_draft_tokens: the chain's depth, each token one run of the module."""
+    ``model.name_or_path``; a place, not an option); max_draft_tokens: the chain's depth, each token one run
+    of the module.
+
+    Options: NativeMTPOptions, as keywords or ``options=``."""
 
     name = "native_mtp"
     needs_hidden_states = True  # the final-normed hidden states (output_hidden_states' last entry)
     #: the model classes whose checkpoints it reads (any other target is refused at bind)
     families = tuple(sorted(LAYOUTS))
 
-    def __init__(self, checkpoint: str | os.PathLike | None = None, max_draft_tokens: int = 3):
-        if not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
-            raise ValueError(f"max_draft_tokens must be a positive int, got {max_draft_tokens!r}")
+    def __init__(self, checkpoint: str | os.PathLike | None = None, options: NativeMTPOptions | None = None,
+                 **given):
+        self._options = NativeMTPOptions.build(type(self).__name__, given, options)
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
-        self.max_draft_tokens = max_draft_tokens
+        self.max_draft_tokens = self.options.max_draft_tokens
         self.module: MTPModule | None = None
 
     def bind(self, target) -> None:

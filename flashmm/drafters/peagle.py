@@ -15,6 +15,7 @@ speculators' eagle3 (flashmm.drafters.published.eagle3_config). P-EAGLE has no f
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,9 +30,21 @@ from .files import DrafterFileError, blamed_on, load_weights, read_json
 from .head_base import committed_embeds
 from .nets.eagle3_net import Eagle3Net
 from .nets.peagle_net import PEagleNet
+from .options import DrafterOptions, check_at_least
 from .published import CONFIG_FILE, SPECULATORS_VERSION, eagle3_config, head_embedding_and_vocab, read_weights
 
 _IGNORED_KEYS = ("verifier_lm_head.weight", "verifier_norm.weight")   # training-only copies of the verifier's
+
+
+@dataclass(frozen=True)
+class PEagleOptions(DrafterOptions):
+    """PEagle's options (see the class); max_draft_tokens has no default (a speculators folder's is its
+    ``speculative_tokens``)."""
+
+    max_draft_tokens: int
+
+    def __post_init__(self):
+        check_at_least(self, 1, "max_draft_tokens")
 
 
 @register
@@ -41,19 +54,22 @@ class PEagle(Drafter):
     net: a PEagleNet. embedding: the head's own token embeddings [V, d] (None: the target's input embeddings).
     max_draft_tokens: the most tokens a step drafts (default: the depths it was trained for, ``speculative_tokens``
     of its speculators config; more depths run, but were never trained). folder: where it was read from (named
-    by refusals)."""
+    by refusals).
+
+    Options: PEagleOptions, as keywords or ``options=``."""
 
     name = "peagle"
     needs_hidden_states = True
 
-    def __init__(self, net: PEagleNet, *, max_draft_tokens: int, embedding: torch.Tensor | None = None,
-                 folder: str | os.PathLike | None = None):
+    def __init__(self, net: PEagleNet, options: PEagleOptions | None = None, *,
+                 embedding: torch.Tensor | None = None, folder: str | os.PathLike | None = None, **given):
         if not isinstance(net, PEagleNet):
             raise TypeError(f"PEagle needs a PEagleNet, got {type(net).__name__}")
-        if not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
-            raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+        if options is None and "max_draft_tokens" not in given:
+            raise TypeError("PEagle needs max_draft_tokens (the most tokens a step drafts)")
+        self._options = options = PEagleOptions.build(type(self).__name__, given, options)
         self.net = net.eval().requires_grad_(False)
-        self.max_draft_tokens, self.folder = max_draft_tokens, None if folder is None else Path(folder)
+        self.max_draft_tokens, self.folder = options.max_draft_tokens, None if folder is None else Path(folder)
         self.feature_layers = tuple(net.head.cfg.feature_layers)
         self.embedding = None if embedding is None else nn.Embedding.from_pretrained(embedding.float(), freeze=True)
         self._embed = None
@@ -143,7 +159,8 @@ class PEagle(Drafter):
         proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
         depths = proposals[0].get("speculative_tokens", 1)
         with blamed_on(config_path, "the drafting options", options):
-            drafter = cls(net, embedding=embedding, folder=folder, **{"max_draft_tokens": depths, **options})
+            defaults = {} if "options" in options else {"max_draft_tokens": depths}
+            drafter = cls(net, embedding=embedding, folder=folder, **{**defaults, **options})
         drafter.info = {"method": "peagle", "source": os.fspath(folder), "format": f"speculators {SPECULATORS_VERSION}",
                         "target": ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")}
         return drafter

@@ -23,6 +23,7 @@ import pickle
 import warnings
 import zipfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.trie import DraftTrie, TreeBudget, match_bucket
 from .base import Drafter, StepResult, register, root_only
 from .files import DrafterFileError, read_safetensors
+from .options import DrafterOptions
 
 SEPARATOR = -1
 
@@ -326,6 +328,20 @@ def read_documents(path, tokenizer=None) -> list[list[int]]:
     return [encode(path.read_text(encoding="utf-8"))]
 
 
+@dataclass(frozen=True)
+class RestOptions(DrafterOptions):
+    """Rest's options (see the class): max_match / min_match: the longest suffix of the context looked up and
+    the shortest that counts as a match; max_depth: the deepest retrieved continuation; max_draft_tokens: the
+    most drafted nodes a step proposes."""
+
+    max_match: int = 16
+    min_match: int = 2
+    max_depth: int = 10
+    max_occurrences: int = 4096
+    max_draft_tokens: int = 24
+    merge: bool = True
+
+
 @register
 class Rest(Drafter):
     """Retrieval-based speculative decoding over a Datastore (a suffix array of a token corpus).
@@ -334,18 +350,20 @@ class Rest(Drafter):
     or glob, see open_datastore). merge=False keeps each
     retrieved continuation its own branch (graph-structured drafting off). max_occurrences: past
     this many occurrences of the match, an evenly spaced sample of them is counted.
+
+    Options: RestOptions, as keywords or ``options=``; ``cost``: the TreeBudget's cost model.
     """
 
     name = "rest"
 
-    def __init__(self, datastore: Datastore | str | os.PathLike | None = None, max_match: int = 16,
-                 min_match: int = 2, max_depth: int = 10, max_occurrences: int = 4096, max_draft_tokens: int = 24,
-                 merge: bool = True, cost: AdaptiveDraftLength | None = None):
+    def __init__(self, datastore: Datastore | str | os.PathLike | None = None, cost: AdaptiveDraftLength | None = None,
+                 options: RestOptions | None = None, **given):
+        self._options = o = RestOptions.build(type(self).__name__, given, options)
         if datastore is not None and not isinstance(datastore, Datastore):
             datastore = open_datastore(datastore)
         self.datastore = datastore
-        self.max_match, self.min_match, self.max_depth = max_match, min_match, max_depth
-        self.max_occurrences, self.max_draft_tokens, self.merge = max_occurrences, max_draft_tokens, merge
+        self.max_match, self.min_match, self.max_depth = o.max_match, o.min_match, o.max_depth
+        self.max_occurrences, self.max_draft_tokens, self.merge = o.max_occurrences, o.max_draft_tokens, o.merge
         self.sizer = TreeBudget(cost=cost)
 
     @classmethod

@@ -19,6 +19,8 @@ verifier applies.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config import SamplingParams
@@ -28,6 +30,24 @@ from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, root_only
+from .options import DrafterOptions
+
+
+@dataclass(frozen=True)
+class SelfDraftOptions(DrafterOptions):
+    """The options every SelfDrafter has: max_draft_tokens: the chain's longest; confidence: the chain stops
+    where the drafting layers' top probability falls below it; adaptive: AdaptiveDraftLength picks the
+    length. Each method's options (LayerSkipOptions, SwiftOptions, KangarooOptions) add theirs."""
+
+    max_draft_tokens: int = 4
+    confidence: float = 0.0
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if self.max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if not 0.0 <= self.confidence < 1.0:
+            raise ValueError(f"confidence must be in [0, 1), got {self.confidence}")
 
 
 class SelfDrafter(Drafter):
@@ -36,16 +56,14 @@ class SelfDrafter(Drafter):
     drafting_scheme = "chain"
     needs_target_cache = True  # its chain runs on target.drafting_cache(): a batch decodes row by row
 
-    def __init__(self, max_draft_tokens: int = 4, confidence: float = 0.0, adaptive: bool = True):
-        if max_draft_tokens < 0:
-            raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
-        if not 0.0 <= confidence < 1.0:
-            raise ValueError(f"confidence must be in [0, 1), got {confidence}")
-        self.max_draft_tokens = max_draft_tokens
-        self.confidence = confidence
+    def __init__(self, options: SelfDraftOptions):
+        """``options``: the method's options, built (SelfDraftOptions.build) by its constructor."""
+        self._options = options
+        self.max_draft_tokens = options.max_draft_tokens
+        self.confidence = options.confidence
         self.target = None
         self.runner: LayerRunner | None = None
-        self.adaptive = adaptive
+        self.adaptive = options.adaptive
         self.length = AdaptiveDraftLength()
         self._drafted = 0
 

@@ -29,36 +29,55 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
 from .base import SequenceStart, register
-from .self_spec import SelfDrafter
+from .self_spec import SelfDraftOptions, SelfDrafter
+
+
+@dataclass(frozen=True)
+class SwiftOptions(SelfDraftOptions):
+    """SWIFT's options (see the module docstring) and SelfDraftOptions' (confidence 0.6 here)."""
+
+    confidence: float = 0.6
+    skip_ratio: float = 0.45
+    search_budget: int = 48
+    evals_per_step: int = 2
+    random_trials: int = 12
+    window: int = 48
+    skip: tuple | None = None
+    seed: int = 0
+    search_share: float | None = 0.05
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 < self.skip_ratio < 1.0:
+            raise ValueError(f"skip_ratio must be in (0, 1), got {self.skip_ratio}")
+        if self.search_share is not None and not self.search_share > 0.0:
+            raise ValueError(f"search_share must be > 0 or None, got {self.search_share}")
 
 
 @register
 class Swift(SelfDrafter):
-    """Skip-layer self-drafting with the skipped set searched on the fly (see module docstring)."""
+    """Skip-layer self-drafting with the skipped set searched on the fly (see module docstring).
+
+    Options: SwiftOptions, as keywords or ``options=``."""
 
     name = "swift"
 
-    def __init__(self, skip_ratio: float = 0.45, max_draft_tokens: int = 4, confidence: float = 0.6,
-                 search_budget: int = 48, evals_per_step: int = 2, random_trials: int = 12, window: int = 48,
-                 skip: tuple | None = None, seed: int = 0, adaptive: bool = True,
-                 search_share: float | None = 0.05):
-        super().__init__(max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive)
-        if not 0.0 < skip_ratio < 1.0:
-            raise ValueError(f"skip_ratio must be in (0, 1), got {skip_ratio}")
-        if search_share is not None and not search_share > 0.0:
-            raise ValueError(f"search_share must be > 0 or None, got {search_share}")
-        self.skip_ratio, self.search_budget, self.evals_per_step = skip_ratio, search_budget, evals_per_step
-        self.random_trials, self.window = random_trials, window
-        self.search_share = search_share
+    def __init__(self, options: SwiftOptions | None = None, **given):
+        o = SwiftOptions.build(type(self).__name__, given, options)
+        super().__init__(o)
+        self.skip_ratio, self.search_budget, self.evals_per_step = o.skip_ratio, o.search_budget, o.evals_per_step
+        self.random_trials, self.window = o.random_trials, o.window
+        self.search_share = o.search_share
         self.search_seconds = self.decode_seconds = 0.0  # totals over every request so far
         self._last_propose: float | None = None
         self.gave_up = False  # the search found nothing that could pay (adaptive pricing)
-        self.fixed = skip
-        self.rng = random.Random(seed)
+        self.fixed = o.skip
+        self.rng = random.Random(o.seed)
         self.trials: list[tuple[tuple[int, ...], float]] = []  # (skip bits: attention then MLP, matchness)
         self.skip_attention: frozenset[int] = frozenset()
         self.skip_mlp: frozenset[int] = frozenset()

@@ -10,6 +10,8 @@ template node with sibling rank r under a node holding token t holds successors[
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -18,6 +20,7 @@ from ..tree.token_tree import TokenTree
 from ..tree.trie import DraftTrie, TreeBudget
 from .base import Drafter, StepResult, register, root_only
 from .files import DrafterFileError, read_safetensors
+from .options import DrafterOptions, check_at_least
 
 UNSEEN = -1
 
@@ -31,6 +34,20 @@ DEFAULT_TEMPLATE = (
 )
 
 
+@dataclass(frozen=True)
+class TokenRecyclingOptions(DrafterOptions):
+    """TokenRecycling's options (see the class); max_draft_tokens: the most drafted nodes a step proposes."""
+
+    template: Sequence[Sequence[int]] = DEFAULT_TEMPLATE
+    vocab_size: int | None = None
+    max_draft_tokens: int = 32
+
+    def __post_init__(self):
+        object.__setattr__(self, "template", tuple(tuple(path) for path in self.template))
+        check_at_least(self, 1, "vocab_size", allow_none=True)
+        check_at_least(self, 0, "max_draft_tokens")
+
+
 @register
 class TokenRecycling(Drafter):
     """Training-free drafting through an adjacency matrix of the target's top-k successors.
@@ -39,16 +56,19 @@ class TokenRecycling(Drafter):
     vocab_size: rows of the matrix (set from the target at bind when None).
     Each template node's acceptance is estimated online (prior: 0.6^depth · 0.5^rank), and
     TreeBudget drafts only the nodes that pay for their verification.
+
+    Options: TokenRecyclingOptions, as keywords or ``options=``; ``cost``: the TreeBudget's cost model.
     """
 
     name = "token_recycling"
 
-    def __init__(self, template=DEFAULT_TEMPLATE, vocab_size: int | None = None, max_draft_tokens: int = 32,
-                 cost: AdaptiveDraftLength | None = None):
-        self.template = TokenTree.from_choices(template)
+    def __init__(self, cost: AdaptiveDraftLength | None = None, options: TokenRecyclingOptions | None = None,
+                 **given):
+        self._options = options = TokenRecyclingOptions.build(type(self).__name__, given, options)
+        self.template = TokenTree.from_choices([list(path) for path in options.template])
         self.score_topk = int(self.template.ranks.max()) + 1
-        self.max_draft_tokens = max_draft_tokens
-        self.successors = None if vocab_size is None else self._empty(vocab_size)
+        self.max_draft_tokens = options.max_draft_tokens
+        self.successors = None if options.vocab_size is None else self._empty(options.vocab_size)
         depth, ranks = self.template.depth, self.template.ranks
         self.prior = [float(0.6 ** depth[i] * 0.5 ** ranks[i]) for i in range(self.template.num_nodes)]
         self.hits = [0.0] * self.template.num_nodes
