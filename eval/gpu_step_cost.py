@@ -37,33 +37,34 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
-def step_ms(target, prefix_len: int, n: int, repeats: int) -> float:
-    """Median ms of forward_tree of an n-node chain after prefix_len cached tokens (rolled back after each)."""
+def step_ms(target, seq, prefix_len: int, n: int, repeats: int) -> float:
+    """Median ms of forward_tree of an n-node chain after prefix_len tokens cached in ``seq`` (rolled back
+    after each)."""
     tokens = torch.randint(3, 1000, (1, n), device=target.device)
     tree = TokenTree.chain(n - 1)
     root = torch.zeros(1, 1, dtype=torch.long)
 
     def one():
-        prefix = target.cache_len
-        target.forward_tree(tokens, tree, False)
-        target.commit(root, prefix)  # keep the root: the cache is back at prefix_len + 1 ...
+        prefix = seq.length
+        target.forward_tree(seq, tokens, tree, False)
+        target.commit(seq, root, prefix)  # keep the root: the cache is back at prefix_len + 1 ...
 
     times = []
     for i in range(repeats + 3):
         ms = timed(one)[1] * 1e3
-        _roll_back(target, prefix_len)
+        _roll_back(target, seq, prefix_len)
         if i >= 3:
             times.append(ms)
     return statistics.median(times)
 
 
-def _roll_back(target, prefix_len: int) -> None:
+def _roll_back(target, seq, prefix_len: int) -> None:
     from flashmm.targets import cache as kv  # noqa: PLC0415
 
     if target.cuda_graphs:
-        target._cache.length = prefix_len
+        seq.kv.length = prefix_len
     else:
-        kv.crop(target._cache, prefix_len)
+        kv.crop(seq.kv, prefix_len)
 
 
 def replay_ms(target, n: int, repeats: int) -> float | None:
@@ -128,14 +129,13 @@ def main(argv=None):
                 if graphs:
                     target.use_cuda_graphs()
                 with torch.no_grad():
-                    target.prefill(prompt, None, False)
-                targets[graphs] = target
+                    targets[graphs] = (target, target.prefill(prompt, None, False)[1])
             for n in args.nodes:
                 with torch.no_grad():
-                    eager = step_ms(targets[False], prefix_len, n, args.repeats)
-                    graphed = step_ms(targets[True], prefix_len, n, args.repeats)
+                    eager = step_ms(*targets[False], prefix_len, n, args.repeats)
+                    graphed = step_ms(*targets[True], prefix_len, n, args.repeats)
                 rows.append(dict(dtype=name, prefix=prefix_len, nodes=n, eager_ms=eager, graphs_ms=graphed,
-                                 replay_ms=replay_ms(targets[True], n, args.repeats), compiled_ms_per_token=compiled))
+                                 replay_ms=replay_ms(targets[True][0], n, args.repeats), compiled_ms_per_token=compiled))
                 print(rows[-1], flush=True)
     info = machine()
     table = markdown_table(["dtype", "P", "N", "eager ms", "graphs ms", "replay ms", "compiled plain ms/token"],

@@ -54,7 +54,7 @@ def prefill_study(model, processor, items: list[dict], net, variants: dict, repe
         inputs = item_inputs(processor, item["images"], item["prompt"])
         ids = inputs.pop("input_ids")
         inputs.pop("attention_mask", None)
-        out = target.prefill(ids, None, True, **inputs)
+        out, _ = target.prefill(ids, None, True, **inputs)
         embeds, spans = target.prompt_features(ids, **inputs)
         start = SequenceStart(input_ids=ids, hidden_states=out.hidden_states, input_embeds=embeds,
                               visual_spans=spans, model_inputs=inputs)
@@ -67,7 +67,6 @@ def prefill_study(model, processor, items: list[dict], net, variants: dict, repe
                 times[c].append(time.perf_counter() - t0)
                 units[c] = int(getattr(drafters[c], "_num_units", -1))
         flops = {c: begin_flops(drafters[c], start) for c in compressions}
-        target.release()
         rows.append({"task": item["task"], "prompt_len": int(ids.shape[1]),
                      "visual_tokens": sum(e - s for s, e in spans), "visual_spans": len(spans),
                      **{f"{c}_ms": 1000 * median(times[c]) for c in compressions},

@@ -110,10 +110,12 @@ def test_qwen_rope_delta_is_exercised(kind):
     ref_positions, ref_delta = model.model.get_rope_index(inputs["input_ids"], **model_inputs)
     assert torch.equal(positions, ref_positions) and torch.equal(delta, ref_delta)
     assert int(delta) != 0
-    target.prefill(inputs["input_ids"], None, False, **model_inputs)
+    _, seq = target.prefill(inputs["input_ids"], None, False, **model_inputs)
+    assert seq.rope_delta == int(delta)
     tree = TokenTree.from_choices([[0], [1], [0, 0]])
     expected = inputs["input_ids"].shape[1] + int(delta) + tree.depth
-    assert torch.equal(target.tree_position_ids(tree, target.cache_len, 1), expected.view(1, 1, -1).expand(3, 1, -1))
+    assert torch.equal(target.tree_position_ids(tree, seq.length, 1, seq.rope_delta),
+                       expected.view(1, 1, -1).expand(3, 1, -1))
     assert model.model.rope_deltas is None  # nothing written to the model...
 
     # ...and nothing read from it: a bogus cached rope_deltas changes nothing (chains and trees).

@@ -1,6 +1,8 @@
 """Self-speculation (LayerSkip, SWIFT, Kangaroo) and ProPD pruning: the layer runner equals the model's
 own forward, drafting leaves the target's cache as it found it, and decoding is exact (greedy
 token-identical to model.generate; sampling matches the target's distribution)."""
+from functools import partial
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from flashmm.drafters.nets.kangaroo_net import KangarooAdapter
 from flashmm.drafters.layerskip import LayerSkip, chain_tau, choose_exit_layer
 from flashmm.drafters.swift import Swift
 from flashmm.sampling import warp_logits
+from flashmm.targets.base import SequenceStart
 from flashmm.targets.cache import cache_argument
 from flashmm.targets.layers import LayerRunner, check_supported
 from flashmm.targets.onednn import can_pack, onednn_available
@@ -98,12 +101,13 @@ def test_layerskip_leaves_the_target_cache_as_the_engine_left_it():
     sm = flashmm.wrap(model, LayerSkip(adaptive=False, exit_layer=2, max_draft_tokens=4))
     ids = prompt(9, seed=4)
     target, drafter = sm.target, sm.drafter
-    target.prefill(ids, None, False)
+    _, seq = target.prefill(ids, None, False)
     committed = torch.cat([ids, torch.tensor([[7]])], 1)
-    before = [(layer.keys.clone(), layer.values.clone()) for layer in target.kv_cache.layers]
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in seq.kv.layers]
+    drafter.begin(SequenceStart(input_ids=ids, target_cache=partial(target.drafting_cache, seq)))
     draft = drafter.propose(committed, 4, flashmm.config.SamplingParams(), None)
     assert draft.num_draft_tokens == 4
-    for (k, v), layer in zip(before, target.kv_cache.layers):
+    for (k, v), layer in zip(before, seq.kv.layers):
         assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
     # the drafted chain is the E-layer greedy continuation, recomputed from scratch
     runner, text = LayerRunner(model), committed
@@ -111,7 +115,6 @@ def test_layerskip_leaves_the_target_cache_as_the_engine_left_it():
         out = model(input_ids=text, output_hidden_states=True)
         assert int(runner.logits(out.hidden_states[2])[0, -1].argmax()) == token
         text = torch.cat([text, torch.tensor([[token]])], 1)
-    target.release()
 
 
 def test_exit_layer_choice_measures_exact_chain_acceptance():
@@ -275,9 +278,9 @@ def test_propd_scores_only_the_surviving_subtree_exactly():
     spec = flashmm.config.SpecConfig(prune="propd", prune_layer=2, prune_top_k=3)
     sm = flashmm.wrap(model, "prompt_lookup", prune="propd", prune_layer=2, prune_top_k=3)
     target = sm.target
-    target.prefill(ids[:, :-1], None, False)
+    _, seq = target.prefill(ids[:, :-1], None, False)
     draft = Draft(tokens=tokens, tree=tree)
-    verified, scored = score_draft(target, draft, False, spec, SamplingParams())
+    verified, scored = score_draft(target, seq, draft, False, spec, SamplingParams())
     # reference: the whole tree through the model, and its early exit after layer 2
     full_cache = flashmm.targets.cache.new_cache()
     model(input_ids=ids[:, :-1], **{cache_argument(model): full_cache}, use_cache=True)
@@ -293,7 +296,7 @@ def test_propd_scores_only_the_surviving_subtree_exactly():
     torch.testing.assert_close(scored.logits, ref.logits[:, kept], atol=1e-5, rtol=1e-5)
     assert verified.tree.parents.tolist() == [-1] + [kept.index(parents[i]) for i in kept[1:]]
     # every layer's cache holds the prefix then exactly the survivors' rows
-    for mine, theirs in zip(target.kv_cache.layers, full_cache.layers):
+    for mine, theirs in zip(seq.kv.layers, full_cache.layers):
         torch.testing.assert_close(mine.keys, theirs.keys[:, :, [*range(9), *[9 + i for i in kept]]],
                                    atol=1e-5, rtol=1e-5)
     # the drafter observes its own tree: path and logits mapped back
@@ -302,7 +305,6 @@ def test_propd_scores_only_the_surviving_subtree_exactly():
     pruned = [i for i in range(8) if i not in kept]
     torch.testing.assert_close(back.logits[:, pruned], LayerRunner(model).logits(ref.hidden_states[2])[:, pruned],
                                atol=1e-5, rtol=1e-5)
-    target.release()
 
 
 @pytest.mark.parametrize("top_k", [1, 4])

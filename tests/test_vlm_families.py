@@ -182,14 +182,15 @@ def test_rope_index_positions_are_the_models_own(kind):
     positions, delta = target.prompt_position_ids(inputs["input_ids"], inputs["attention_mask"], media)
     own, own_delta = model.model.get_rope_index(inputs["input_ids"], attention_mask=inputs["attention_mask"], **media)
     assert torch.equal(positions, own) and torch.equal(delta, own_delta) and int(delta) < 0
-    target.prefill(inputs["input_ids"], inputs["attention_mask"], False, **media)
+    _, seq = target.prefill(inputs["input_ids"], inputs["attention_mask"], False, **media)
+    assert seq.rope_delta == int(delta)
     assert model.model.rope_deltas is None
     from flashmm.tree.token_tree import TokenTree
 
     tree = TokenTree.from_choices([[0], [1], [0, 0]])
     expected = inputs["input_ids"].shape[1] + int(delta) + tree.depth
-    assert torch.equal(target.tree_position_ids(tree, target.cache_len, 1), expected.view(1, 1, -1).expand(3, 1, -1))
-    target.release()
+    assert torch.equal(target.tree_position_ids(tree, seq.length, 1, seq.rope_delta),
+                       expected.view(1, 1, -1).expand(3, 1, -1))
 
 
 @pytest.mark.parametrize("kind,case", [("llava_next", dict(images=2)), ("qwen2_5_vl", dict(images=1, video=True))])

@@ -17,23 +17,22 @@ for q in rows[:3]:
     ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
     out = model.generate(ids, max_new_tokens=20, do_sample=False)  # committed text: prompt + 20 tokens
-    target.prefill(out[:, :-1], None, False)
+    _, seq = target.prefill(out[:, :-1], None, False)
     from flashmm.drafters.base import SequenceStart
     drafter.begin(SequenceStart(input_ids=out[:, :-1]))
     draft = drafter.propose(out, 12, SamplingParams(), None)
-    prefix = target.cache_len
+    prefix = seq.length
     for name, spec in [("whole tree", SpecConfig()), ("propd l=8 k=8", SpecConfig(prune="propd", prune_layer=8)),
                        ("propd l=15 k=8", SpecConfig(prune="propd", prune_layer=15))]:
         times, kept = [], None
         for rep in range(6):
             t = time.process_time()
-            verified, scored = score_draft(target, draft, False, spec, SamplingParams())
+            verified, scored = score_draft(target, seq, draft, False, spec, SamplingParams())
             times.append(time.process_time() - t)
             kept = verified.tree.num_nodes
-            kv.crop(target.kv_cache, prefix)
+            kv.crop(seq.kv, prefix)
         times.sort()
         res.setdefault(name, []).append((draft.tree.num_nodes, kept, 1000 * times[len(times) // 2]))
-    target.release()
 for name, r in res.items():
     print(name, "nodes/kept/median CPU ms per question:", [(n, k, round(ms, 1)) for n, k, ms in r],
           "mean ms", round(sum(ms for *_, ms in r) / len(r), 1), flush=True)

@@ -35,6 +35,9 @@ class StepResult:
                    accepted path's nodes (root first; the last one is its distribution where the
                    draft was rejected, or the bonus position), when the drafter sets
                    score_path_logits (a gather from the verification forward, no extra forward).
+    drafted_depth: int or None; set by a drafter that wraps another (a cascade, Mirror) when the depth the
+                   wrapped drafter should learn from differs from the draft it last proposed itself
+                   (DraftModel's adaptive length); None: that draft's own depth.
     """
 
     committed: torch.Tensor
@@ -44,6 +47,7 @@ class StepResult:
     aux_logits: torch.Tensor | None = None
     node_topk: torch.Tensor | None = None
     path_logits: torch.Tensor | None = None
+    drafted_depth: int | None = None
 
 
 class Drafter:
@@ -66,7 +70,7 @@ class Drafter:
     score_topk: ClassVar[int] = 0
     #: True: observe gets StepResult.path_logits, the target's raw logits at the accepted nodes
     score_path_logits: ClassVar[bool] = False
-    #: True: drafts through the target's own KV cache of one sequence (``target.drafting_cache()``, as
+    #: True: drafts through the target's own KV cache of one sequence (``SequenceStart.target_cache``, as
     #: self-speculation does), which batched verification does not keep per row: a batch then decodes
     #: row by row. A class or an instance attribute (a drafter wrapping others passes theirs on)
     needs_target_cache: bool = False

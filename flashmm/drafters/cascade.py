@@ -18,7 +18,7 @@ part samples, "deterministic" otherwise).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -241,11 +241,11 @@ class VerticalCascade(Drafter):
             return
         self._spent = 0.9 * self._spent + spent
         self._made = 0.9 * self._made + made
-        self.draft.length.draft_token_cost = self._token_cost * self._spent / self._made
+        self.draft.price_draft_token(self._token_cost * self._spent / self._made)
 
     def observe(self, step: StepResult) -> None:
-        self.draft.last_depth = self._drafted  # what DraftModel.observe reads: the chain it would have drafted
-        self.draft.observe(step)
+        # the draft LM learns from the chain it would have drafted, not the lookup's part of the draft
+        self.draft.observe(replace(step, drafted_depth=self._drafted))
 
     def fork(self) -> "VerticalCascade":
         clone = copy.copy(self)

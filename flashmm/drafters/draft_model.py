@@ -304,7 +304,13 @@ class DraftModel(Drafter):
         return out[::-1]
 
     def observe(self, step: StepResult) -> None:
-        self.length.update(self.last_depth, step.accepted_len)
+        depth = self.last_depth if step.drafted_depth is None else step.drafted_depth
+        self.length.update(depth, step.accepted_len)
+
+    def price_draft_token(self, cost: float) -> None:
+        """From now on a drafted token costs ``cost`` target decoding steps in the adaptive length's model
+        (a cascade that drafts through this model prices what it really spends)."""
+        self.length.draft_token_cost = cost
 
 
 def draft_linear(model: torch.nn.Module, target_linear: str) -> str:

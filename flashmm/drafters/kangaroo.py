@@ -93,6 +93,7 @@ class Kangaroo(SelfDrafter):
         self.adapter = adapter.to(device=self.runner.device, dtype=self.runner.dtype).eval()
 
     def begin(self, start: SequenceStart) -> None:
+        super().begin(start)
         self.adapter_cache = DynamicCache()
         self._fed = 0
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -97,8 +98,6 @@ class Mirror(Drafter):
         if guess is not None and guess.error is None and guess.draft is not None and guess.context == ids:
             draft = guess.draft
             self.kept += 1
-            if hasattr(self.inner, "last_depth"):
-                self.inner.last_depth = draft.tree.max_depth
         else:
             if guess is not None:
                 self.dropped += 1
@@ -158,9 +157,8 @@ class Mirror(Drafter):
         if self.record:
             self.timeline.append(("verify", self._verify_start, now))
         self._join()
-        if hasattr(self.inner, "last_depth"):  # pair observe with the verified draft, not the guess
-            self.inner.last_depth = self._verified_depth
-        self.inner.observe(step)
+        # the inner drafter learns from the verified draft, not from the guess it drafted since
+        self.inner.observe(replace(step, drafted_depth=self._verified_depth))
 
     def fork(self) -> "Mirror":
         self._join()

@@ -1,7 +1,7 @@
 """Self-speculation: the target drafts for itself through a slice of its own layers.
 
 ``SelfDrafter`` is the chain-drafting loop shared by LayerSkip, SWIFT and Kangaroo. It works on
-the target's own KV cache, lent for each draft (``target.drafting_cache()``): when a step starts, the engine has committed the
+the target's own KV cache, lent for each draft (``SequenceStart.target_cache``, Target.drafting_cache): when a step starts, the engine has committed the
 accepted tokens, so every layer's cache entry holds exactly the committed text but the root (the
 last committed token). A drafting step feeds one token through whichever layers the method runs,
 each appending its row to its own entry; when the chain is drafted the target crops those rows away, so
@@ -29,6 +29,7 @@ from ..targets.layers import LayerRunner, layer_len
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
+from ..targets.base import SequenceStart
 from .base import Drafter, StepResult, root_only
 from .options import DrafterOptions
 
@@ -54,7 +55,7 @@ class SelfDrafter(Drafter):
     """Chain drafting through the target's own layers (base class; see the module docstring)."""
 
     drafting_scheme = "chain"
-    needs_target_cache = True  # its chain runs on target.drafting_cache(): a batch decodes row by row
+    needs_target_cache = True  # its chain runs on the lent SequenceStart.target_cache: a batch decodes row by row
 
     def __init__(self, options: SelfDraftOptions):
         """``options``: the method's options, built (SelfDraftOptions.build) by its constructor."""
@@ -62,6 +63,7 @@ class SelfDrafter(Drafter):
         self.max_draft_tokens = options.max_draft_tokens
         self.confidence = options.confidence
         self.target = None
+        self._lend_cache = None  # the running sequence's SequenceStart.target_cache (begin)
         self.runner: LayerRunner | None = None
         self.adaptive = options.adaptive
         self.length = AdaptiveDraftLength()
@@ -71,7 +73,7 @@ class SelfDrafter(Drafter):
         return [self.length]
 
     def bind(self, target) -> None:
-        if not hasattr(target, "drafting_cache") or getattr(target, "recurrent", False):
+        if not hasattr(target, "lends_cache") or getattr(target, "recurrent", False):
             raise ValueError(f"{type(self).__name__} drafts through the target's own attention layers and KV "
                              f"cache; {type(target).__name__} (recurrent or multimodal) has none it can share")
         if getattr(target, "cuda_graphs", False):
@@ -81,6 +83,11 @@ class SelfDrafter(Drafter):
         self.target = target
         if self.budget == "auto":
             self.cost_source = price_with_target(target, self.cost_models())
+
+    def begin(self, start: SequenceStart) -> None:
+        """Keep the sequence's lender of the target's cache (SequenceStart.target_cache) for its drafts;
+        methods that keep their own per-sequence state extend this."""
+        self._lend_cache = start.target_cache
 
     # ------------------------------------------------------------------ what a method defines
     def draft_logits(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
@@ -129,7 +136,7 @@ class SelfDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams, generator) -> Draft:
-        if self.target is None or committed.shape[0] != 1:
+        if self.target is None or committed.shape[0] != 1 or self._lend_cache is None:
             raise ValueError(f"{type(self).__name__} drafts on the target's own cache, one sequence at a time "
                              "(needs_target_cache): flashmm.wrap decodes a batch with it row by row")
         depth = min(max_tokens, self.max_draft_tokens)
@@ -141,7 +148,7 @@ class SelfDrafter(Drafter):
             return root_only(committed)
         prefix = committed.shape[1] - 1
         tokens, q_rows = [int(committed[0, -1])], []
-        with self.target.drafting_cache() as cache, self.target.linears():
+        with self._lend_cache() as cache, self.target.linears():
             self.check_shared(cache, committed)
             for step in range(depth):
                 logits = self.draft_logits(committed.new_tensor([[tokens[-1]]]), prefix + step, cache)

@@ -114,6 +114,7 @@ class Swift(SelfDrafter):
         return runner.logits(hidden)[:, -1]
 
     def begin(self, start: SequenceStart) -> None:
+        super().begin(start)
         self._committed = None
         self._last_propose = None  # the time between requests is not decoding time
 

@@ -92,31 +92,28 @@ class SpeculativeModel:
         decodings = [Decoding(sampling=plan.sampling(b), max_new_tokens=plan.max_new_tokens, stop=plan.stop,
                               streamer=streamer, keep_scores=keep_scores, keep_logits=keep_logits)
                      for b in range(plan.batch_size)]
-        try:
-            together = self.batches(plan)
-            row_inputs = None if together else self.row_inputs(plan)
-            if together:
-                rows = decode(self.target, self.drafter, plan.input_ids, decodings, self.spec, generator,
-                              plan.model_inputs, attention_mask=plan.attention_mask)
-            else:
-                rows = [row for b in range(plan.batch_size)  # each row runs exactly as it would alone
-                        for row in decode(self.target, self.drafter, plan.input_ids[b : b + 1, plan.padding(b):],
-                                          [decodings[b]], self.spec, generator, row_inputs[b])]
-            for row in rows:
-                stats.merge(row.stats)
-            width = max(len(r.new_tokens) for r in rows)
-            for b, row in enumerate(rows):
-                if not plan.has_eos_criteria and len(row.new_tokens) < width:
-                    # model.generate without an EOS criterion keeps decoding a row that another
-                    # criterion stopped until every row has stopped: decode it to the batch's width
-                    row_inputs = row_inputs or self.row_inputs(plan, warn=False)
-                    ids = plan.input_ids[b : b + 1, plan.padding(b):]
-                    decoding = Decoding(sampling=plan.sampling(b), max_new_tokens=width,
-                                        keep_scores=keep_scores, keep_logits=keep_logits)
-                    (rows[b],) = decode(self.target, self.drafter, ids, [decoding], self.spec, generator, row_inputs[b])
-                    stats.merge(rows[b].stats)
-        finally:
-            self.target.release()  # frees the cache; restores the model's attention implementation
+        together = self.batches(plan)
+        row_inputs = None if together else self.row_inputs(plan)
+        if together:
+            rows = decode(self.target, self.drafter, plan.input_ids, decodings, self.spec, generator,
+                          plan.model_inputs, attention_mask=plan.attention_mask)
+        else:
+            rows = [row for b in range(plan.batch_size)  # each row runs exactly as it would alone
+                    for row in decode(self.target, self.drafter, plan.input_ids[b : b + 1, plan.padding(b):],
+                                      [decodings[b]], self.spec, generator, row_inputs[b])]
+        for row in rows:
+            stats.merge(row.stats)
+        width = max(len(r.new_tokens) for r in rows)
+        for b, row in enumerate(rows):
+            if not plan.has_eos_criteria and len(row.new_tokens) < width:
+                # model.generate without an EOS criterion keeps decoding a row that another
+                # criterion stopped until every row has stopped: decode it to the batch's width
+                row_inputs = row_inputs or self.row_inputs(plan, warn=False)
+                ids = plan.input_ids[b : b + 1, plan.padding(b):]
+                decoding = Decoding(sampling=plan.sampling(b), max_new_tokens=width,
+                                    keep_scores=keep_scores, keep_logits=keep_logits)
+                (rows[b],) = decode(self.target, self.drafter, ids, [decoding], self.spec, generator, row_inputs[b])
+                stats.merge(rows[b].stats)
         self.last_stats = stats
         self.last_row_stats = [row.stats for row in rows]
         return finish(plan, [r.new_tokens for r in rows], [r.scores for r in rows] if keep_scores else None,
@@ -168,18 +165,15 @@ class SpeculativeModel:
         first = admit(1)
         if not first:
             return
-        try:
-            rows = decode_rows(self.target, self.drafter, first[0].input_ids, [first[0].decoding], self.spec,
-                               generator, first[0].model_inputs, admit=admit, capacity=batch_size)
-            for r, out in rows:
-                index, plan = plans[r]
-                stats.merge(out.stats)
-                self.last_stats = stats
-                self.last_row_stats.append(out.stats)
-                yield index, finish(plan, [out.new_tokens], [out.scores] if out.scores else None,
-                                    [out.logits] if out.logits else None)
-        finally:
-            self.target.release()
+        rows = decode_rows(self.target, self.drafter, first[0].input_ids, [first[0].decoding], self.spec,
+                           generator, first[0].model_inputs, admit=admit, capacity=batch_size)
+        for r, out in rows:
+            index, plan = plans[r]
+            stats.merge(out.stats)
+            self.last_stats = stats
+            self.last_row_stats.append(out.stats)
+            yield index, finish(plan, [out.new_tokens], [out.scores] if out.scores else None,
+                                [out.logits] if out.logits else None)
 
     def admission(self, plan) -> Admission:
         """One prepared item (a plan of one row) as a row joining a running batch."""

@@ -5,7 +5,9 @@ adapter per family; the engine only calls the methods below.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -38,6 +40,10 @@ class SequenceStart:
                     visual features at the visual positions (multimodal targets; hidden drafters).
     visual_spans:   list of (start, end) half-open index ranges of visual tokens in input_ids.
     model_inputs:   the extra model inputs given to generate (pixel_values, image_grid_thw, ...).
+    target_cache:   one row decoded alone: ``with start.target_cache() as cache`` lends the target's
+                    DynamicCache of this sequence for one draft (drafters that set needs_target_cache;
+                    Target.drafting_cache); None where there is none to lend (a batch, CUDA graphs,
+                    recurrent states).
     """
 
     input_ids: torch.Tensor
@@ -45,6 +51,33 @@ class SequenceStart:
     input_embeds: torch.Tensor | None = None
     visual_spans: list[tuple[int, int]] = field(default_factory=list)
     model_inputs: dict = field(default_factory=dict)
+    target_cache: Callable[[], AbstractContextManager] | None = None
+
+
+@dataclass
+class SequenceCache:
+    """One sequence's cache for one generate call: made by the target's ``prefill``, handed back to its
+    ``forward_tree`` and ``commit``, and owned by the call (flashmm.targets.session.SequenceSession), so
+    nothing of a call stays on the target after it.
+
+    kv:           the layers' cache: a DynamicCache, a graphs.SlotCache (CUDA graphs) or a
+                  recurrent.RecurrentCache.
+    verification: recurrent targets: the states' bookkeeping from a verification to its commit
+                  (recurrent.RecurrentVerification); None elsewhere.
+    rope_delta:   rope-index targets (Qwen-VL, GLM-4V, ...): after the prompt, the token at cache index i
+                  has position i + rope_delta (in every rope axis); 0 for every other target.
+    """
+
+    kv: Any
+    verification: Any = None
+    rope_delta: int = 0
+
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence the cache stands for (a recurrent target's pending ones included)."""
+        if self.verification is not None:
+            return self.verification.length
+        return self.kv.get_seq_length()
 
 
 
@@ -60,12 +93,13 @@ def select_hidden(hidden_states, want) -> torch.Tensor | None:
 
 
 class Target:
-    """A wrapped model plus its KV cache for one generation.
+    """A wrapped model: every forward flashmm runs on it, and the layout of its caches.
 
-    Lifecycle per sequence: prefill(...) once, then repeatedly forward_tree(tokens, tree)
-    (appends N nodes after the cache_len rows held before it) and commit(path, that cache_len)
-    (keeps only the accepted nodes). Each call returns what it computed; none leaves a value for a
-    later call to find.
+    Lifecycle per sequence: ``out, seq = prefill(...)`` once, then repeatedly
+    ``forward_tree(seq, tokens, tree)`` (appends N nodes after the ``seq.length`` rows held before it) and
+    ``commit(seq, path, that length)`` (keeps only the accepted nodes). The sequence's state travels in
+    ``seq`` (SequenceCache), which the caller owns: each call returns what it computed, and none leaves a
+    value on the target for a later call to find.
     """
 
     model: torch.nn.Module
@@ -78,22 +112,27 @@ class Target:
 
     # --- sequence lifecycle -------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                want_hidden: bool, **model_inputs) -> TargetOutput:
-        """Run the prompt [B, T]; cache holds T positions afterwards; logits [B, 1, V]."""
+                want_hidden: bool, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
+        """Run the prompt [1, T] → (its output: logits [1, 1, V]; the sequence's cache, holding T positions)."""
         raise NotImplementedError
 
-    def forward_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
-        """Score tokens [B, N] laid out as ``tree`` after the cache; cache grows by N."""
+    def forward_tree(self, seq: SequenceCache, tokens: torch.Tensor, tree: TokenTree,
+                     want_hidden: bool) -> TargetOutput:
+        """Score tokens [1, N] laid out as ``tree`` after ``seq``'s cache, which grows by N."""
         raise NotImplementedError
 
-    def commit(self, path: torch.Tensor, prefix_len: int) -> None:
-        """Keep the cache rows of the accepted nodes path [B, L] (root first) of the tree forwarded after
-        ``prefix_len`` cached rows (``cache_len`` before that forward)."""
+    def commit(self, seq: SequenceCache, path: torch.Tensor, prefix_len: int) -> None:
+        """Keep in ``seq`` the rows of the accepted nodes path [1, L] (root first) of the tree forwarded after
+        ``prefix_len`` cached rows (``seq.length`` before that forward)."""
         raise NotImplementedError
 
-    @property
-    def cache_len(self) -> int:
-        raise NotImplementedError
+    def lends_cache(self) -> bool:
+        """Whether ``drafting_cache`` can lend a single sequence's cache to a drafter (self-speculation)."""
+        return False
+
+    def drafting_cache(self, seq: SequenceCache) -> AbstractContextManager:
+        """``seq``'s DynamicCache lent for one draft, left as it was found on exit (see lends_cache)."""
+        raise ValueError(f"{type(self).__name__} lends no cache to draft on")
 
     # --- facts drafters may need ----------------------------------------------------
     def input_embeddings(self) -> torch.nn.Module:

@@ -118,7 +118,7 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     mask = attention_mask.to(input_ids.device)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     full = bool((mask == 1).all())
-    target.start_sequence()
+    target.refresh_linears()
     cache, attention = DynamicCache(), None if full else mask
     if getattr(target, "cuda_graphs", False):
         cache = target.batch_slots(*input_ids.shape)

@@ -34,7 +34,7 @@ import torch
 
 from ..tree.token_tree import TokenTree
 from . import register_adapter
-from .base import TargetOutput
+from .base import SequenceCache, TargetOutput
 from .cache import cache_argument
 from .failures import MODEL_ERRORS, describe, raised_by_model
 from .support import UnsupportedModel, architecture, generate_position_ids, takes_position_ids
@@ -59,6 +59,17 @@ def rope_index_owner(model: torch.nn.Module):
         if owner is not None and callable(getattr(owner, "get_rope_index", None)):
             return owner
     return None
+
+
+def rope_axes(model: torch.nn.Module) -> int:
+    """How many rotary axes a multimodal-RoPE model's positions have (R of [R, B, T]): one per entry of its
+    text config's ``mrope_section`` (HunYuan-VL has more than 3), else 3 (temporal, height, width)."""
+    config = model.config.get_text_config()
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, name, None)
+        if isinstance(rope, dict) and rope.get("mrope_section"):
+            return len(rope["mrope_section"])
+    return 3
 
 
 def cross_attention_decoder(model: torch.nn.Module) -> bool:
@@ -197,9 +208,9 @@ class PlaceholderVLMTarget(VisualTarget):
                 kwargs["position_ids"] = positions + self.position_offset
         return kwargs
 
-    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int) -> torch.Tensor:
+    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int, rope_delta: int = 0) -> torch.Tensor:
         """LongTensor [B, N]: prefix_len + depth (+ the model's generate offset)."""
-        return super().tree_position_ids(tree, prefix_len, batch_size) + self.position_offset
+        return super().tree_position_ids(tree, prefix_len, batch_size, rope_delta) + self.position_offset
 
     def batch_prompt(self, input_ids, attention_mask, model_inputs: dict):
         """VisualTarget's, with the model's generate offset on every position."""
@@ -222,8 +233,8 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
     explicit_chain_positions = True
 
     def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
-        self._rope_delta: torch.Tensor | None = None  # LongTensor [B, 1] of the current sequence
-        self._rope_rows = 3
+        #: the rotary axes of the model's positions (R in [R, B, T]): one per mrope_section entry
+        self.rope_rows = rope_axes(model)
         super().__init__(model, processor=processor, attention=attention, linear=linear)
 
     @staticmethod
@@ -238,7 +249,7 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
             text = generate_position_ids(self.model, input_ids, attention_mask).get("position_ids")
             text = torch.arange(input_ids.shape[1], device=input_ids.device)[None] if text is None else text
             delta = torch.zeros(input_ids.shape[0], 1, dtype=torch.long, device=input_ids.device)
-            return text.expand(input_ids.shape[0], -1)[None].expand(self._rope_rows, -1, -1), delta
+            return text.expand(input_ids.shape[0], -1)[None].expand(self.rope_rows, -1, -1), delta
         if model_inputs.get("mm_token_type_ids") is None and "mm_token_type_ids" in self._rope_index_params():
             raise ValueError(f"{type(self.model).__name__} needs mm_token_type_ids to place its images (multimodal "
                              "RoPE): pass every tensor its processor returned, mm_token_type_ids included")
@@ -249,7 +260,12 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
         owner = rope_index_owner(self.model)
         if attention_mask is None:  # some get_rope_index (Qwen3-Omni) index the mask without checking it
             attention_mask = torch.ones_like(input_ids)
-        return owner.get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)
+        positions, delta = owner.get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)
+        if positions.shape[0] != self.rope_rows:
+            raise UnsupportedModel(f"{architecture(self.model)}'s get_rope_index gave {positions.shape[0]} rotary "
+                                   f"axes where its config's mrope_section names {self.rope_rows}; flashmm cannot "
+                                   "place its positions after the prompt: run it with model.generate")
+        return positions, delta
 
     def _rope_index_params(self):
         return inspect.signature(rope_index_owner(self.model).get_rope_index).parameters
@@ -260,12 +276,10 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
             kwargs["position_ids"] = self.prompt_position_ids(input_ids, attention_mask, model_inputs)[0]
         return kwargs
 
-    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int) -> torch.Tensor:
-        """LongTensor [R, B, N]: prefix_len + rope_delta + depth, equal in every row."""
-        base = tree.positions(prefix_len).to(self.device)[None]  # [1, N]
-        delta = self._rope_delta if self._rope_delta is not None else torch.zeros(1, 1, dtype=torch.long)
-        positions = base + delta.to(self.device)  # [B, N]
-        return positions[None].expand(self._rope_rows, batch_size, -1)
+    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int, rope_delta: int = 0) -> torch.Tensor:
+        """LongTensor [R, B, N]: prefix_len + rope_delta + depth, equal in every rotary axis."""
+        positions = tree.positions(prefix_len + rope_delta).to(self.device)  # [N]
+        return positions[None, None].expand(self.rope_rows, batch_size, -1)
 
     def batch_prompt(self, input_ids, attention_mask, model_inputs: dict):
         """Media + the padded batch's positions [R, B, T] from get_rope_index (as generate);
@@ -273,14 +287,13 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
         model_inputs = {k: v for k, v in model_inputs.items() if k != "position_ids"}
         self.check_media(input_ids, model_inputs)
         positions, delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
-        self._rope_rows = positions.shape[0]
         return {**model_inputs, "position_ids": positions}, delta.reshape(-1)
 
     def batch_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, W] → [R, B, W], equal in every row."""
-        return positions[None].expand(self._rope_rows, -1, -1)
+        return positions[None].expand(self.rope_rows, -1, -1)
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
         """input_ids [1, T]; any position_ids given are replaced by the model's own rope index."""
         model_inputs.pop("position_ids", None)
         audio = [k for k in media_keys(model_inputs) if "audio" in k or "input_features" in k]
@@ -290,12 +303,9 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
                                    "run it with model.generate (images, videos and text are served)")
         self.check_media(input_ids, model_inputs)
         positions, delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
-        self._rope_rows, self._rope_delta = positions.shape[0], delta.reshape(-1, 1)
-        return super().prefill(input_ids, attention_mask, want_hidden, position_ids=positions, **model_inputs)
-
-    def release(self) -> None:
-        super().release()
-        self._rope_delta = None
+        out, seq = super().prefill(input_ids, attention_mask, want_hidden, position_ids=positions, **model_inputs)
+        seq.rope_delta = int(delta.reshape(-1)[0])
+        return out, seq
 
 
 @register_adapter(lambda model: takes_media(model) and not placeholder_ids(model.config))
@@ -309,7 +319,7 @@ class UnplacedMediaTarget(CausalLMTarget):
     def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
         super().__init__(model, attention=attention, linear=linear)
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
         self.refuse_media(model_inputs)
         return super().prefill(input_ids, attention_mask, want_hidden, **model_inputs)
 

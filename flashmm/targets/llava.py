@@ -1,7 +1,7 @@
 """LLaVA family targets: LLaVA-1.5, LLaVA-NeXT (anyres, ``image_sizes``), LLaVA-OneVision
 (images and video).
 
-Positions are 1-D (``cache_len + depth``), exactly as for a text model: the vision tower's
+Positions are 1-D (``cache length + depth``), exactly as for a text model: the vision tower's
 features replace the embeddings of the expanded ``<image>`` / ``<video>`` tokens and take one
 position each. The prefill passes the media (``pixel_values``, ``image_sizes``,
 ``pixel_values_videos``, ``batch_num_images``) to the model's own forward; every tree step

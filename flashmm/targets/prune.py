@@ -28,7 +28,7 @@ from .session import Scored, SequenceSession
 
 def check_prunable(target) -> None:
     """Raise ValueError unless ProPD can split ``target``'s forward (a Llama-like text LM, PyTorch path)."""
-    if not hasattr(target, "kv_cache") or getattr(target, "recurrent", False) or getattr(target, "backend", "torch") != "torch":
+    if not hasattr(target, "lends_cache") or getattr(target, "recurrent", False) or getattr(target, "backend", "torch") != "torch":
         raise ValueError("prune='propd' splits the target's forward layer by layer: it needs a text causal LM "
                          "verified through the PyTorch path (attention='torch'), not a recurrent or Triton target")
     if getattr(target, "cuda_graphs", False):
@@ -68,18 +68,18 @@ def subtree(tree: TokenTree, kept: list[int]) -> TokenTree:
     return TokenTree.from_parents([-1] + [index[parents[node]] for node in kept[1:]])
 
 
-def score_draft(target, draft: Draft, want_hidden, spec, sampling) -> tuple[Draft, TargetOutput]:
-    """(the draft the verifier sees, the target's output over it); unpruned unless spec.prune says so
-    and the draft qualifies (see the module docstring)."""
+def score_draft(target, seq, draft: Draft, want_hidden, spec, sampling) -> tuple[Draft, TargetOutput]:
+    """(the draft the verifier sees, the target's output over it) after ``seq``'s cache (a SequenceCache);
+    unpruned unless spec.prune says so and the draft qualifies (see the module docstring)."""
     if (spec.prune == "none" or draft.tree.num_nodes <= 2 or draft.aux is not None or want_hidden
             or (sampling.do_sample and draft.q_probs is not None)):
-        return draft, target.forward_tree(*draft.forward_layout(), want_hidden)
+        return draft, target.forward_tree(seq, *draft.forward_layout(), want_hidden)
     runner = LayerRunner(target.model)
     split = spec.prune_layer or max(1, runner.num_layers // 4)
     if not 1 <= split < runner.num_layers:
         raise ValueError(f"prune_layer must be in [1, {runner.num_layers - 1}], got {split}")
-    cache, tree, tokens = target.kv_cache, draft.tree, draft.tokens
-    prefix = target.cache_len
+    cache, tree, tokens = seq.kv, draft.tree, draft.tokens
+    prefix = seq.length
     with torch.no_grad(), target.linears():
         hidden = runner.run(runner.embed(tokens), 0, split, cache, target.tree_attention_mask(tree, prefix),
                             target.tree_position_ids(tree, prefix, 1))  # [1, N, d]
@@ -143,13 +143,14 @@ class PruningSession:
 
     def score(self, drafts: list[Draft], want_hidden) -> list[Scored]:
         (draft,) = drafts
-        self.prefix = self.inner.target.cache_len
-        verified, output = score_draft(self.inner.target, draft, want_hidden, self.spec, self.sampling)
+        self.prefix = self.inner.seq.length
+        verified, output = score_draft(self.inner.target, self.inner.seq, draft, want_hidden, self.spec,
+                                       self.sampling)
         return [PrunedScored(verified, output, pruned=draft.tree.num_nodes - verified.tree.num_nodes)]
 
     def keep(self, paths: list[torch.Tensor]) -> None:
         (path,) = paths
-        self.inner.target.commit(path, self.prefix)
+        self.inner.target.commit(self.inner.seq, path, self.prefix)
 
     def select(self, rows: list[int]) -> None:
         self.inner.select(rows)

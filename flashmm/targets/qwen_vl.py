@@ -6,7 +6,7 @@ equal values in all rows) and are passed explicitly, so nothing is read from or 
 model's cached ``rope_deltas``. After the prompt every token is text: the token at cache index
 i has position ``i + rope_delta`` in all three rows, where ``rope_delta = max prompt position
 + 1 - T`` (negative when images compress positions). A tree node therefore sits at
-``cache_len + rope_delta + depth`` in every row. Token types (text / image / video) are
+``cache length + rope_delta + depth`` in every row. Token types (text / image / video) are
 derived from input_ids the way the processors derive ``mm_token_type_ids``.
 
 Video: ``pixel_values_videos`` + ``video_grid_thw`` (+ ``second_per_grid_ts`` for 2.5, which
@@ -24,7 +24,7 @@ import torch
 
 from ..tree.token_tree import TokenTree
 from . import register_adapter
-from .base import TargetOutput
+from .base import SequenceCache, TargetOutput
 from .visual import VisualTarget, count_runs, instance_of
 
 
@@ -38,7 +38,6 @@ class QwenVLTarget(VisualTarget):
 
     def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
         self.merge = model.config.vision_config.spatial_merge_size
-        self._rope_delta: torch.Tensor | None = None  # LongTensor [B, 1] of the current sequence
         super().__init__(model, processor=processor, attention=attention, linear=linear)
 
     # ------------------------------------------------------------------ positions
@@ -57,11 +56,10 @@ class QwenVLTarget(VisualTarget):
             input_ids, mm_token_type_ids=token_types, image_grid_thw=image_grid, video_grid_thw=video_grid,
             second_per_grid_ts=model_inputs.get("second_per_grid_ts"), attention_mask=attention_mask)
 
-    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int) -> torch.Tensor:
+    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int, rope_delta: int = 0) -> torch.Tensor:
         """LongTensor [3, B, N]: prefix_len + rope_delta + depth, equal in the three rows."""
-        base = tree.positions(prefix_len).to(self.device)[None]  # [1, N]
-        positions = base + self._rope_delta.to(self.device)  # [B, N]
-        return positions[None].expand(3, batch_size, -1)
+        positions = tree.positions(prefix_len + rope_delta).to(self.device)  # [N]
+        return positions[None, None].expand(3, batch_size, -1)
 
     def batch_prompt(self, input_ids, attention_mask, model_inputs: dict):
         """Media + the M-RoPE positions [3, B, T] get_rope_index gives the padded batch (as generate);
@@ -84,12 +82,14 @@ class QwenVLTarget(VisualTarget):
             kwargs["position_ids"] = self.prompt_position_ids(input_ids, attention_mask, model_inputs)[0]
         return kwargs
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
+    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
         """input_ids [1, T]; any position_ids given are replaced by the model's M-RoPE index."""
         model_inputs.pop("position_ids", None)
         self.check_media(input_ids, model_inputs)
-        positions, self._rope_delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
-        return super().prefill(input_ids, attention_mask, want_hidden, position_ids=positions, **model_inputs)
+        positions, delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
+        out, seq = super().prefill(input_ids, attention_mask, want_hidden, position_ids=positions, **model_inputs)
+        seq.rope_delta = int(delta.reshape(-1)[0])
+        return out, seq
 
     # ------------------------------------------------------------------ checks
     def check_media(self, input_ids: torch.Tensor, model_inputs: dict) -> None:

@@ -14,13 +14,14 @@ the three methods a Session declares; how the rows' caches are laid out is the s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Protocol
 
 import torch
 
 from ..tree.draft import Draft
 from . import batch as padded
-from .base import SequenceStart, Target, TargetOutput
+from .base import SequenceCache, SequenceStart, Target, TargetOutput
 
 
 @dataclass
@@ -56,20 +57,20 @@ class Session(Protocol):
 
 
 class SequenceSession:
-    """One row on the target's own single-sequence cache."""
+    """One row on its own single-sequence cache (``seq``, from the target's prefill)."""
 
-    def __init__(self, target: Target):
-        self.target = target
+    def __init__(self, target: Target, seq: SequenceCache):
+        self.target, self.seq = target, seq
         self.prefix = None  # the cache's rows before the step's tree (score), which keep keeps the path after
 
     def score(self, drafts, want_hidden) -> list[Scored]:
         (draft,) = drafts
-        self.prefix = self.target.cache_len
-        return [Scored(draft, self.target.forward_tree(*draft.forward_layout(), want_hidden))]
+        self.prefix = self.seq.length
+        return [Scored(draft, self.target.forward_tree(self.seq, *draft.forward_layout(), want_hidden))]
 
     def keep(self, paths) -> None:
         (path,) = paths
-        self.target.commit(path, self.prefix)
+        self.target.commit(self.seq, path, self.prefix)
 
     def select(self, rows) -> None:
         if list(rows) not in ([0], []):
@@ -141,15 +142,17 @@ def open_session(target: Target, input_ids: torch.Tensor, attention_mask: torch.
     SequenceStart, computed when asked for: a row finished by its first token needs none).
     """
     if input_ids.shape[0] == 1 and not batched:
-        out = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
+        out, seq = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
+        lends = target.lends_cache()
 
         def start(b: int) -> SequenceStart:
             embeds, spans = target.prompt_features(input_ids, out.input_embeds, **model_inputs) if want_hidden \
                 else (None, [])
             return SequenceStart(input_ids=input_ids, hidden_states=out.hidden_states, input_embeds=embeds,
-                                 visual_spans=spans, model_inputs=model_inputs)
+                                 visual_spans=spans, model_inputs=model_inputs,
+                                 target_cache=partial(target.drafting_cache, seq) if lends else None)
 
-        return SequenceSession(target), out.logits[:, -1], start
+        return SequenceSession(target, seq), out.logits[:, -1], start
 
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)

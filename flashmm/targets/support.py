@@ -285,18 +285,18 @@ def _check_logits(target, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     tree = TokenTree.from_parents([-1, 0, 0, 1])
     try:
         with torch.no_grad():
-            target.prefill(prompt, None, False)
-            prefix = target.cache_len
-            got = target.forward_tree(tree_tokens, tree, False).logits.float()  # [1, 4, V]
+            _, seq = target.prefill(prompt, None, False)
+            prefix = seq.length
+            got = target.forward_tree(seq, tree_tokens, tree, False).logits.float()  # [1, 4, V]
             if got.shape[:2] != tree_tokens.shape:  # not one row per token: refused below, before the references
                 _not_per_token(model, got, tree_tokens)
             branch_a = _reference_logits(model, prompt, tree_tokens[:, [0, 1, 3]])
             branch_b = _reference_logits(model, prompt, tree_tokens[:, [0, 2]])[:, -1:]
             want = torch.cat([branch_a[:, :2], branch_b, branch_a[:, 2:]], 1)  # nodes in tree order
             if getattr(target, "recurrent", False):  # keep root → a, then a chain (b', c') after it
-                target.commit(torch.tensor([[0, 1]], device=tokens.device), prefix)
+                target.commit(seq, torch.tensor([[0, 1]], device=tokens.device), prefix)
                 chain = tokens[:, [p + 3, p]]
-                got = torch.cat([got, target.forward_tree(chain, TokenTree.chain(1), False).logits.float()], 1)
+                got = torch.cat([got, target.forward_tree(seq, chain, TokenTree.chain(1), False).logits.float()], 1)
                 text = torch.cat([tree_tokens[:, [0, 1]], chain], 1)
                 want = torch.cat([want, _reference_logits(model, prompt, text)[:, -2:]], 1)
     except UnsupportedModel:
@@ -306,8 +306,6 @@ def _check_logits(target, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
             raise
         raise UnsupportedModel(f"flashmm cannot decode {architecture(model)}: its cached tree forward fails "
                                f"({describe(error)}){_HOW_TO_RUN}") from error
-    finally:
-        target.release()
     if got.shape != want.shape:
         _not_per_token(model, got, want)
     return got, want

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 
@@ -27,7 +28,7 @@ from ..tree.token_tree import TokenTree
 from . import fused, recurrent
 from . import cache as kv
 from . import graphs
-from .base import Target, TargetOutput, select_hidden
+from .base import SequenceCache, Target, TargetOutput, select_hidden
 from .layers import crop_layers, layer_len
 from .layout import CHUNKED, SLIDING, attention_layout
 from .onednn import OneDNNLinears, resolve_linear_backend
@@ -56,10 +57,10 @@ class CausalLMTarget(Target):
         self.recurrent = recurrent.is_recurrent(model)
         self.stepwise = False
         self.cache_argument = kv.cache_argument(model)
-        self._verification = None
         if self.recurrent:
             self.backend = "torch"
         self.linear_backend = resolve_linear_backend(linear, model)
+        # what flashmm's forwards run the model's linear layers in (refresh_linears: oneDNN routing)
         self._linears = nullcontext()
         #: which keys each layer type sees (sliding windows, chunks), read from the config as generate reads it
         self.layout = attention_layout(self.text_config)
@@ -74,13 +75,14 @@ class CausalLMTarget(Target):
         self.derives_positions = bool(self._position_modules)
         if self.derives_positions:
             self.batchable = False  # batched tree forwards pass position_ids only; rows get the override
-        self._cache = None
         #: why the model's forwards are not run by flashmm's fused step (flashmm.targets.fused), None when they are
         self.unfused = self._unfused()
         #: verification on a SlotCache with CUDA-graph replays (use_cuda_graphs; flashmm.targets.graphs)
         self.cuda_graphs = False
-        self._graphs: graphs.GraphedForwards | None = None        # single sequences
-        self._batch_graphs: graphs.GraphedForwards | None = None  # padded batches (flashmm.targets.batch)
+        # CUDA graphs: the captured forwards and the SlotCache they replay on, kept from call to call (each
+        # call empties the cache it takes, _emptied): single sequences, padded batches (flashmm.targets.batch)
+        self._graphs: graphs.GraphedForwards | None = None
+        self._batch_graphs: graphs.GraphedForwards | None = None
 
     def use_cuda_graphs(self) -> None:
         """Verify every step on a preallocated SlotCache, each step shape captured once as a CUDA graph and
@@ -126,30 +128,23 @@ class CausalLMTarget(Target):
 
     # ------------------------------------------------------------------ lifecycle
     @property
-    def cache_len(self) -> int:
-        if self._verification is not None:
-            return self._verification.length
-        return 0 if self._cache is None else kv.cache_len(self._cache)
-
-    @property
     def device(self) -> torch.device:
         return self.model.get_output_embeddings().weight.device
 
-    @property
-    def kv_cache(self):
-        """The running sequence's DynamicCache (None before a prefill, on the batched path and with CUDA
-        graphs), for a verification forward split across the model's layers (ProPD, flashmm.targets.prune)."""
-        return None if self.cuda_graphs else self._cache
+    def lends_cache(self) -> bool:
+        """Whether a single sequence's cache is a DynamicCache a drafter may draft on (drafting_cache):
+        not with recurrent states, nor with CUDA graphs' slots."""
+        return not (self.recurrent or self.cuda_graphs)
 
     @contextmanager
-    def drafting_cache(self):
-        """The running sequence's DynamicCache lent to a drafter that runs the model's own layers on it
-        (self-speculation, flashmm.targets.layers) for one draft: every row a layer gains inside is dropped
-        on exit, so the cache holds the committed text again. ValueError where there is none to lend."""
-        cache = None if self.recurrent else self.kv_cache
-        if cache is None:
-            raise ValueError("the target has no single-sequence KV cache to draft on (before a prefill, on the "
-                             "batched path, with CUDA graphs or recurrent states)")
+    def drafting_cache(self, seq: SequenceCache):
+        """``seq``'s DynamicCache lent to a drafter that runs the model's own layers on it (self-speculation,
+        flashmm.targets.layers) for one draft: every row a layer gains inside is dropped on exit, so the
+        cache holds the committed text again. ValueError where there is none to lend (lends_cache)."""
+        if not self.lends_cache():
+            raise ValueError("the target has no single-sequence KV cache to draft on (recurrent states or "
+                             "CUDA graphs)")
+        cache = seq.kv
         held = [layer_len(cache, index) for index in range(len(cache.layers))]
         try:
             yield cache
@@ -161,6 +156,12 @@ class CausalLMTarget(Target):
         """The context flashmm's forwards of the model (prefill and tree forwards) run its linear
         layers in: oneDNN routing (``linear_backend == "onednn"``) or nothing."""
         return self._linears
+
+    def refresh_linears(self) -> None:
+        """At the start of a call: with the oneDNN backend, route the model's linear layers as they are now
+        (layers replaced or weights changed since the last call are packed again, flashmm.targets.onednn)."""
+        if self.linear_backend == "onednn":
+            self._linears = OneDNNLinears(self.model)
 
     # ------------------------------------------------------------------ batched decoding (flashmm.targets.batch)
     #: whether a padded batch is verified together; False: api decodes it row by row
@@ -186,20 +187,18 @@ class CausalLMTarget(Target):
     #: chains are verified with the model's own causal mask unless positions are non-trivial
     explicit_chain_positions = False
 
-    def start_sequence(self, prompt_len: int | None = None) -> None:
-        """A fresh cache; with the oneDNN linear backend, the layers flashmm's forwards route (see
-        flashmm.targets.onednn). The model's attention implementation is left as the user loaded it. With CUDA
-        graphs and a prompt_len (single sequences), the SlotCache of the last sequence is reused when the
-        prompt fits it, so its graphs replay again."""
-        if self.cuda_graphs and prompt_len is not None:
-            self._start_slots(prompt_len)
-        elif self.recurrent:
-            self._cache = recurrent.RecurrentCache(self.model.config.get_text_config(decoder=True))
-            self._verification = recurrent.RecurrentVerification(self._cache, self.stepwise)
-        else:
-            self._cache = kv.new_cache()
-        if self.linear_backend == "onednn":
-            self._linears = OneDNNLinears(self.model)
+    def new_sequence(self, prompt_len: int) -> SequenceCache:
+        """An empty cache for one sequence whose prompt has prompt_len tokens (refresh_linears first). The
+        model's attention implementation is left as the user loaded it. With CUDA graphs the SlotCache of the
+        last sequence is reused when the prompt fits it, so its graphs replay again."""
+        self.refresh_linears()
+        if self.cuda_graphs:
+            self._graphs = self._emptied(self._graphs, 1, prompt_len)
+            return SequenceCache(self._graphs.cache)
+        if self.recurrent:
+            cache = recurrent.RecurrentCache(self.model.config.get_text_config(decoder=True))
+            return SequenceCache(cache, recurrent.RecurrentVerification(cache, self.stepwise))
+        return SequenceCache(kv.new_cache())
 
     def _tree_attention_switch(self, model):
         """The TreeAttentionSwitch, or None (with one warning) when the kernel cannot run ``model``."""
@@ -217,10 +216,6 @@ class CausalLMTarget(Target):
                       "the same tokens, without the Triton kernels", stacklevel=4)
         return None
 
-    def _start_slots(self, prompt_len: int) -> None:
-        self._graphs = self._emptied(self._graphs, 1, prompt_len)
-        self._cache = self._graphs.cache
-
     def batch_slots(self, batch: int, prompt_len: int) -> graphs.SlotCache:
         """With CUDA graphs: the SlotCache a padded batch [batch, prompt_len] is verified on."""
         self._batch_graphs = self._emptied(self._batch_graphs, batch, prompt_len)
@@ -236,7 +231,7 @@ class CausalLMTarget(Target):
         cached.cache.start(batch)
         return cached
 
-    def prompt_attention(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    def prompt_attention(self, seq: SequenceCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         """The attention mask a single sequence's prefill passes: the caller's, or with CUDA graphs a causal
         4D mask over the SlotCache's slots (the prompt then fills slots 0 .. T-1)."""
         if not self.cuda_graphs:
@@ -245,45 +240,47 @@ class CausalLMTarget(Target):
             raise ValueError("cuda_graphs: a single sequence's prompt carries no padding")
         if attention_mask is None:
             attention_mask = torch.ones(input_ids.shape, dtype=torch.long, device=self.device)
-        return graphs.prompt_mask(self._cache, attention_mask.to(self.device), self.model.dtype)
+        return graphs.prompt_mask(seq.kv, attention_mask.to(self.device), self.model.dtype)
 
-    def prompt_written(self, input_ids: torch.Tensor) -> None:
-        """After a single sequence's prefill forward: with CUDA graphs, the prompt holds the first slots."""
+    def prompt_written(self, seq: SequenceCache, input_ids: torch.Tensor) -> None:
+        """After a single sequence's prefill forward of input_ids [1, T]: the cache holds T tokens (with CUDA
+        graphs, the first T slots; recurrent states count them)."""
         if self.cuda_graphs:
-            self._cache.length = input_ids.shape[1]
+            seq.kv.length = input_ids.shape[1]
+        if self.recurrent:
+            seq.kv.counted = input_ids.shape[1]
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> TargetOutput:
-        self.start_sequence(input_ids.shape[1])
+    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
+        seq = self.new_sequence(input_ids.shape[1])
         model_inputs = {**generate_position_ids(self.model, input_ids, attention_mask), **model_inputs}
-        attention_mask = self.prompt_attention(input_ids, attention_mask)
+        attention_mask = self.prompt_attention(seq, input_ids, attention_mask)
         if attention_mask is not None:
             model_inputs["attention_mask"] = attention_mask
-        logits, hidden = self.forward_model(self._cache, want_hidden, 1, input_ids=input_ids, **model_inputs)
-        if self.recurrent:
-            self._cache.counted = input_ids.shape[1]
-        self.prompt_written(input_ids)
-        return TargetOutput(logits[:, -1:], select_hidden(hidden, want_hidden))
+        logits, hidden = self.forward_model(seq.kv, want_hidden, 1, input_ids=input_ids, **model_inputs)
+        self.prompt_written(seq, input_ids)
+        return TargetOutput(logits[:, -1:], select_hidden(hidden, want_hidden)), seq
 
-    def forward_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
-        """tokens [B, N] → logits [B, N, V] (and last-layer hidden [B, N, d])."""
-        if self._verification is not None:
-            return TargetOutput(*self._verification.forward(self._run_chain, tokens, tree, want_hidden))
+    def forward_tree(self, seq: SequenceCache, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
+        """tokens [1, N] → logits [1, N, V] (and last-layer hidden [1, N, d])."""
+        if seq.verification is not None:
+            run = partial(self._run_chain, seq)
+            return TargetOutput(*seq.verification.forward(run, tokens, tree, want_hidden))
         if self.cuda_graphs:
-            return self._graph_tree(tokens, tree, want_hidden)
-        prefix_len = self.cache_len
+            return self._graph_tree(seq, tokens, tree, want_hidden)
+        prefix_len = seq.length
         switch = self.kernel_attention(tree)
         use_kernel = switch is not None
-        args = self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel)
+        args = self.tree_forward_args(tree, prefix_len, tokens.shape[0], use_kernel, seq.rope_delta)
         positions = positions_given(self._position_modules, tree.positions(prefix_len).to(self.device)) \
             if self._position_modules else nullcontext()
         with positions, (switch if use_kernel else nullcontext()):
-            logits, hidden = self.forward_model(self._cache, want_hidden, input_ids=tokens, **args)
+            logits, hidden = self.forward_model(seq.kv, want_hidden, input_ids=tokens, **args)
         return TargetOutput(logits, select_hidden(hidden, want_hidden))
 
-    def _graph_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden) -> TargetOutput:
+    def _graph_tree(self, seq: SequenceCache, tokens: torch.Tensor, tree: TokenTree, want_hidden) -> TargetOutput:
         """forward_tree on the SlotCache: the tree's rows at slots prefix .. prefix+N-1, seeing the prefix
         and their ancestors (flashmm.targets.graphs.GraphedForwards replays the step's graph on CUDA)."""
-        cache, n, batch = self._cache, tree.num_nodes, tokens.shape[0]
+        cache, n, batch = seq.kv, tree.num_nodes, tokens.shape[0]
         prefix_len = cache.length
         if cache.grow(prefix_len + n):
             self._graphs.reset()
@@ -291,21 +288,23 @@ class CausalLMTarget(Target):
         mask = graphs.prefix_mask(cache, n, batch, dtype, self.device)
         mask[..., prefix_len : prefix_len + n] = tree.attention_bias(0, dtype, self.device)[0, 0]
         write_at = torch.arange(prefix_len, prefix_len + n, device=self.device)
-        positions = self.tree_position_ids(tree, prefix_len, batch)
+        positions = self.tree_position_ids(tree, prefix_len, batch, seq.rope_delta)
         return TargetOutput(*self._graphs.run(tokens, positions, write_at, mask, want_hidden))
 
-    def _run_chain(self, tokens: torch.Tensor, want_hidden: bool):
-        """Recurrent targets: tokens [1, n] as a chain at the end of the cache → (logits [1, n, V],
+    def _run_chain(self, seq: SequenceCache, tokens: torch.Tensor, want_hidden: bool):
+        """Recurrent targets: tokens [1, n] as a chain at the end of ``seq``'s cache → (logits [1, n, V],
         last-layer hidden [1, n, d] or None); the cache then holds n more tokens."""
-        prefix_len = self._cache.length
+        cache = seq.kv
+        prefix_len = cache.length
         # positions only: the model builds its own causal (and sliding-window) masks over the full-length
         # cache, and its recurrent layers take no 4D mask
-        positions = dict(position_ids=self.tree_position_ids(TokenTree.chain(tokens.shape[1] - 1), prefix_len, 1)) \
+        chain = TokenTree.chain(tokens.shape[1] - 1)
+        positions = dict(position_ids=self.tree_position_ids(chain, prefix_len, 1, seq.rope_delta)) \
             if takes_position_ids(self.model) else {}
         with self._linears:
             out = self.model(input_ids=tokens, use_cache=True, output_hidden_states=bool(want_hidden),
-                             **{self.cache_argument: self._cache}, **positions)
-        self._cache.counted = prefix_len + tokens.shape[1]
+                             **{self.cache_argument: cache}, **positions)
+        cache.counted = prefix_len + tokens.shape[1]
         return out.logits, select_hidden(out.hidden_states, want_hidden)
 
     def kernel_attention(self, deepest: TokenTree):
@@ -332,42 +331,38 @@ class CausalLMTarget(Target):
             self._warned_window = True
         return False
 
-    def tree_forward_args(self, tree: TokenTree, prefix_len: int, batch_size: int, use_kernel: bool = False) -> dict:
-        """Mask and position arguments of one tree forward (public model-forward kwargs only):
-        the packed tree mask for the kernel (use_kernel), else a 4D additive mask."""
+    def tree_forward_args(self, tree: TokenTree, prefix_len: int, batch_size: int, use_kernel: bool = False,
+                          rope_delta: int = 0) -> dict:
+        """Mask and position arguments of one tree forward after prefix_len cached rows (public model-forward
+        kwargs only): the packed tree mask for the kernel (use_kernel), else a 4D additive mask; rope_delta:
+        the sequence's (SequenceCache.rope_delta)."""
         if use_kernel:
             from ..kernels import tree_attention_kwargs  # noqa: PLC0415
 
-            return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size),
+            return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size, rope_delta),
                         **tree_attention_kwargs(tree, prefix_len, batch_size, self.device, backend="triton"))
         if tree.is_chain and not self.layout.restricted and not self.explicit_chain_positions:
             # a chain needs nothing but the model's own causal mask, and the positions generate
             # gives it (models that derive their own, e.g. RoBERTa's padding offset, differ)
-            return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size)) \
+            return dict(position_ids=self.tree_position_ids(tree, prefix_len, batch_size, rope_delta)) \
                 if takes_position_ids(self.model) else {}
         return dict(attention_mask=self.tree_attention_mask(tree, prefix_len),
-                    position_ids=self.tree_position_ids(tree, prefix_len, batch_size))
+                    position_ids=self.tree_position_ids(tree, prefix_len, batch_size, rope_delta))
 
-    def commit(self, path: torch.Tensor, prefix_len: int) -> None:
-        if self._verification is not None:
-            self._verification.commit(path)
+    def commit(self, seq: SequenceCache, path: torch.Tensor, prefix_len: int) -> None:
+        if seq.verification is not None:
+            seq.verification.commit(path)
         elif self.cuda_graphs:
-            self._cache.keep(prefix_len, path)
+            seq.kv.keep(prefix_len, path)
         elif self.backend == "triton":
-            kv.keep_rows_kernel(self._cache, prefix_len, path)
+            kv.keep_rows_kernel(seq.kv, prefix_len, path)
         else:
-            kv.keep_rows(self._cache, prefix_len, path)
-
-    def release(self) -> None:
-        """Drop the cache (the model's attention implementation is only ever switched inside a
-        tree forward, and switched back as it returns or raises)."""
-        self._cache = None
-        self._verification = None
+            kv.keep_rows(seq.kv, prefix_len, path)
 
     # ------------------------------------------------------------------ masks and positions
-    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int) -> torch.Tensor:
-        """LongTensor [B, N]: prefix_len + depth."""
-        return tree.positions(prefix_len).to(self.device)[None].expand(batch_size, -1)
+    def tree_position_ids(self, tree: TokenTree, prefix_len: int, batch_size: int, rope_delta: int = 0) -> torch.Tensor:
+        """LongTensor [B, N]: prefix_len + rope_delta + depth (rope_delta: 0 but on rope-index targets)."""
+        return tree.positions(prefix_len + rope_delta).to(self.device)[None].expand(batch_size, -1)
 
     def tree_attention_mask(self, tree: TokenTree, prefix_len: int):
         """4D additive mask [1, 1, N, prefix_len + N], or a dict of them by layer type."""
