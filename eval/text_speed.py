@@ -67,9 +67,9 @@ def parse_drafter(spec: str, tokenizer=None):
     name, _, options = spec.partition(":")
     kwargs = parse_options(options)
     if Path(name).is_dir():  # a trained drafter's folder, options passed to its loader
-        from flashmm.drafters import saved  # noqa: PLC0415 (the trained-drafter loader)
+        from flashmm.drafters import load  # noqa: PLC0415 (the trained-drafter loader)
 
-        return Path(name).name + (f":{options}" if options else ""), saved.load(name, **kwargs)
+        return Path(name).name + (f":{options}" if options else ""), load(name, **kwargs)
     if name == "cross_tokenizer":
         draft, draft_tokenizer = load_gguf_lm(kwargs.pop("draft", "smollm2"))
         label = f"{name}:{kwargs['mode']}" if "mode" in kwargs else name

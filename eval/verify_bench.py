@@ -42,7 +42,7 @@ from common import (BASELINES, baseline_legend, machine, markdown_table, median,
 from text_speed import DEFAULT_QUESTIONS, load_questions, prompt_ids  # noqa: E402
 
 import flashmm  # noqa: E402
-from flashmm.drafters import saved  # noqa: E402
+from flashmm.drafters import load as load_drafter  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 from flashmm.verify.bound import acceptance_bound  # noqa: E402
 
@@ -75,7 +75,7 @@ def make_rows(model, drafter_dir: str, budgets, temperatures) -> dict:
     for budget in budgets:
         k, d = shape(budget)
         for label, drafting, verifier, root in ROWS:
-            drafter = saved.load(drafter_dir, adaptive=False, max_draft_tokens=budget, **drafting(k, d, budget))
+            drafter = load_drafter(drafter_dir, adaptive=False, max_draft_tokens=budget, **drafting(k, d, budget))
             wrapped = flashmm.wrap(model, drafter, verifier=verifier, max_draft_tokens=budget)
             for temperature in temperatures:
                 out[(label, budget, temperature)] = (wrapped, root(k))

@@ -14,7 +14,8 @@ import flashmm
 from flashmm.drafters import DraftModel, drafter_names
 from flashmm.drafters.base import drafter_class
 from flashmm.drafters.rest import SEPARATOR, Datastore
-from flashmm.drafters.saved import CONFIG_FILE, make_by_name
+from flashmm.drafters.resolve import make_by_name
+from flashmm.drafters.saved import CONFIG_FILE
 from flashmm.targets.onednn import can_pack, onednn_available
 from text_models import chat_prompt, ragged_batch, tiny_lm
 

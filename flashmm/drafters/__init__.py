@@ -26,7 +26,7 @@ from .rest import Rest
 from .s2d import S2D
 from .suffix import SuffixDecoding
 from .token_recycling import TokenRecycling
-from .saved import load
+from .resolve import load
 from .specdecpp import SpecDecPP
 
 __all__ = ["CrossTokenizerDraft", "DFlash", "DSpark", "PEagle", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",

@@ -31,6 +31,7 @@ from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
 from .draft_model import DraftModel
 from .options import DrafterOptions, check_at_least
+from .resolve import resolve_name_or_dir
 
 #: node counts at which the draft LM's own forward is timed, to price the lookup's guesses
 DRAFT_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -39,8 +40,6 @@ DRAFT_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
 def resolve_part(part, role: str) -> Drafter:
     """A Drafter, a registered drafter's name or a trained drafter's folder (flashmm.drafters.load)."""
     if isinstance(part, (str, bytes)) or hasattr(part, "__fspath__"):
-        from .saved import resolve_name_or_dir  # noqa: PLC0415 (saved imports the registry)
-
         part = resolve_name_or_dir(str(part))
     if not isinstance(part, Drafter):
         raise ValueError(f"the cascade's {role} must be a Drafter, a registered name or a trained drafter's "

@@ -1,20 +1,59 @@
-"""What a user names as a drafter (a name, a directory, an instance) → a Drafter, refusing
-randomly initialised ones unless asked for (``allow_untrained``)."""
+"""What a user names as a drafter (a name, a directory, an instance) → a Drafter: ``flashmm.drafters.load(dir)``
+opens every trained folder (flashmm's own drafter.json, FLASH folders, the published layouts), and
+``resolve_drafter`` refuses randomly initialised drafters unless asked for (``allow_untrained``)."""
 from __future__ import annotations
 
 import glob
 import json
 import os
+from pathlib import Path
 
-from .base import Drafter, drafter_names
+from .base import _REGISTRY, Drafter, drafter_names, make_drafter
+from .files import DrafterFileError, refuse_renamed
 from .flash import CONFIG_NAME as FLASH_CONFIG_NAME
 from .flash import FlashDrafter
 from .flash import read_config as read_flash_config
-from .published import published_format
-from .saved import CONFIG_FILE as SAVED_CONFIG
-from .saved import load, make_by_name
+from .published import load_published, published_format
+from .saved import CONFIG_FILE, read_info
 
 TRAINING_FILES = ("flash_build_info.json",)  # written by flashmm's reference drafter builds
+
+
+def load(path, **options) -> Drafter:
+    """The trained drafter stored in folder ``path``; ``options`` go to its constructor
+    (e.g. ``max_draft_tokens=6``). A FLASH folder (flash_config.json, with or without drafter.json) is read by
+    FlashDrafter.from_dir. A folder in vLLM speculators' layout (config.json naming a
+    ``speculators_model_type``, no drafter.json) and the other published layouts (EAGLE-3 heads of the EAGLE
+    repository / SpecForge / SGLang, Medusa-1 heads, AMD's PARD drafts) are read by flashmm.drafters.published."""
+    refuse_renamed(options, f"flashmm.drafters.load({str(path)!r})")
+    if published_format(path) is not None:
+        return load_published(path, **options)
+    if not (Path(path) / CONFIG_FILE).is_file() and (Path(path) / "flash_config.json").is_file():
+        # a FLASH folder saved before save_pretrained wrote drafter.json
+        return _REGISTRY["flash"].from_dir(path, **options)
+    info = read_info(path)
+    cls = _REGISTRY.get(info["drafter"])
+    if cls is None or not hasattr(cls, "from_dir"):
+        raise DrafterFileError(Path(path) / CONFIG_FILE,
+                               f"drafter {info['drafter']!r} (method {info['method']!r}) cannot be loaded from a "
+                               f"folder; loadable drafters: "
+                               f"{[n for n, c in sorted(_REGISTRY.items()) if hasattr(c, 'from_dir')]}")
+    return cls.from_dir(path, **options)
+
+
+def make_by_name(name: str, **options) -> Drafter:
+    """A registered drafter by name, refusing the trained ones (they need their folder) except those that
+    build a fresh network for their target (``from_target``: FLASH)."""
+    cls = _REGISTRY.get(name)
+    if hasattr(cls, "from_dir") and not hasattr(cls, "from_target"):
+        raise ValueError(f"{name!r} is a trained drafter: give the folder it was saved in "
+                         "(flashmm.drafters.load(dir); SmolLM2's ship under assets/text_drafters/smollm2/)")
+    return make_drafter(name, **options)
+
+
+def resolve_name_or_dir(drafter: str, **options) -> Drafter:
+    """What ``flashmm.wrap(model, "<name or folder>")`` builds: a trained drafter's folder, else a name."""
+    return load(drafter, **options) if Path(drafter).is_dir() else make_by_name(drafter, **options)
 
 
 class UntrainedDrafterError(ValueError):
@@ -86,8 +125,8 @@ def resolve_drafter(drafter, device=None, allow_untrained: bool = False) -> Draf
     name = os.fspath(drafter)
     if os.path.isdir(name):
         flash_folder = os.path.isfile(os.path.join(name, FLASH_CONFIG_NAME))
-        if not (flash_folder or os.path.isfile(os.path.join(name, SAVED_CONFIG)) or published_format(name)):
-            raise ValueError(f"drafter directory {name!r} holds no drafter: expected {SAVED_CONFIG} (a trained "
+        if not (flash_folder or os.path.isfile(os.path.join(name, CONFIG_FILE)) or published_format(name)):
+            raise ValueError(f"drafter directory {name!r} holds no drafter: expected {CONFIG_FILE} (a trained "
                              f"drafter), {FLASH_CONFIG_NAME} (FlashDrafter.save_pretrained) or a published layout "
                              "(flashmm.drafters.published)")
         if flash_folder and not allow_untrained and training_record(name) is None:

@@ -39,7 +39,8 @@ from .base import register, root_only
 from .draft_model import DraftModel
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
 from .nets.specdecpp_net import AcceptanceHead, RankAcceptanceHead, output_layer
-from .saved import CONFIG_FILE, load, read_info
+from .resolve import load
+from .saved import CONFIG_FILE, read_info
 
 HEAD_FILE = "head.safetensors"
 SAVED_KEYS = {"draft": str, "head": dict, "threshold": float, "max_draft_tokens": int}  # drafter.json's own

@@ -12,7 +12,6 @@ from typing import Any, Callable
 import torch
 
 from ..tree.token_tree import TokenTree
-from .verify_cost import measure_verify_cost
 
 
 @dataclass
@@ -147,8 +146,7 @@ class Target:
         per model, device, dtype, threads, backend and batch, then read from the disk cache); per
         row when ``batch`` rows are forwarded together. Raises what the model raises when its
         cache cannot be timed this way."""
-        linear = "fused" if self.unfused is None else self.linear_backend
-        return measure_verify_cost(self.model, linear=linear, batch=batch)
+        raise NotImplementedError
 
     def prompt_features(self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None = None, **model_inputs):
         """(input_embeds [B,T,d] with visual features merged, visual_spans) for drafters that

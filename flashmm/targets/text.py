@@ -33,6 +33,7 @@ from .layers import crop_layers, layer_len
 from .layout import CHUNKED, SLIDING, attention_layout
 from .onednn import OneDNNLinears, resolve_linear_backend
 from .support import derived_position_modules, generate_position_ids, positions_given, takes_position_ids
+from .verify_cost import measure_verify_cost
 
 
 class CausalLMTarget(Target):
@@ -151,6 +152,10 @@ class CausalLMTarget(Target):
         finally:
             for index, rows in enumerate(held):
                 crop_layers(cache, [index], rows)
+
+    def verify_cost(self, batch: int = 1):
+        linear = "fused" if self.unfused is None else self.linear_backend
+        return measure_verify_cost(self.model, linear=linear, batch=batch)
 
     def linears(self):
         """The context flashmm's forwards of the model (prefill and tree forwards) run its linear

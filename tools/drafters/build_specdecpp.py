@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eval.specdecpp_policy import cpu_cost_model, greedy_replay, summarize
+from tools.drafters.specdecpp_replay import cpu_cost_model, greedy_replay, summarize
 from flashmm.drafters import load
 from flashmm.drafters.nets.specdecpp_net import AcceptanceHead
 from flashmm.drafters.specdecpp import SpecDecPP, save_specdecpp
