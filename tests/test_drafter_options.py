@@ -2,6 +2,7 @@
 wherever a user can give them (flashmm.wrap, flashmm.drafters.load, a registered name, a drafter.json
 section), each error naming the old option and its new name."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +87,7 @@ def _options_cases():
     from flashmm.drafters.peagle import PEagleOptions
     from flashmm.drafters.prompt_lookup import PromptLookupOptions
     from flashmm.drafters.rest import Rest, RestOptions
+    from flashmm.drafters.speculators_mtp import SpeculatorsMTP, SpeculatorsMTPOptions, layer_config, read_module
     from flashmm.drafters.suffix import SuffixOptions
     from flashmm.drafters.swift import Swift, SwiftOptions
     from flashmm.drafters.token_recycling import TokenRecycling, TokenRecyclingOptions
@@ -96,6 +98,9 @@ def _options_cases():
     block = DFlashConfig(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                          intermediate_size=64, feature_layers=(0, 1), draft_vocab_size=8, block_size=3,
                          mask_token_id=7, rms_norm_eps=1e-6, rope_theta=10000.0)
+    mtp_folder = Path(__file__).parent / "fixtures" / "speculators" / "mtp"
+    mtp_config = layer_config(mtp_folder / "config.json", json.loads((mtp_folder / "config.json").read_text()))
+    mtp_module = read_module(mtp_folder, mtp_config)
     dspark_heads = DSparkConfig(vocab_size=8, markov_rank=4, markov_head_type="rnn", confidence=True,
                                 confidence_with_markov=True, sample_from_anchor=True)
     cases = [  # (make(**options), its options class, a valid option and value[, the options it requires])
@@ -111,6 +116,7 @@ def _options_cases():
         (lambda **o: PEagle(PEagleNet(Eagle3Net(Eagle3Config.for_target(lm.config, 64, (0, 1))), 63), **o),
          PEagleOptions, ("max_draft_tokens", 2), {"max_draft_tokens": 3}),
         (lambda **o: NativeMTP(**o), NativeMTPOptions, ("max_draft_tokens", 2)),
+        (lambda **o: SpeculatorsMTP(mtp_module, mtp_config, **o), SpeculatorsMTPOptions, ("max_draft_tokens", 2)),
         (lambda **o: TokenRecycling(**o), TokenRecyclingOptions, ("template", ((0,), (1,), (0, 0)))),
         (lambda **o: Lookahead(**o), LookaheadOptions, ("always_window", True)),
         (lambda **o: Rest(**o), RestOptions, ("min_match", 1)),

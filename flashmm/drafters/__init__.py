@@ -28,7 +28,8 @@ from .suffix import SuffixDecoding
 from .token_recycling import TokenRecycling
 from .saved import load
 from .specdecpp import SpecDecPP
+from .speculators_mtp import SpeculatorsMTP
 
 __all__ = ["CrossTokenizerDraft", "DFlash", "DSpark", "PEagle", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP",
+           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP", "SpeculatorsMTP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]
