@@ -2,6 +2,7 @@
 wherever a user can give them (flashmm.wrap, flashmm.drafters.load, a registered name, a drafter.json
 section), each error naming the old option and its new name."""
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,8 @@ def _options_cases():
                                   SuffixDecoding)
     from flashmm.drafters.cascade import HorizontalCascade, HorizontalCascadeOptions, VerticalCascade, VerticalCascadeOptions
     from flashmm.drafters.dflash import DFlashOptions
+    from flashmm.drafters.dflash2 import DFlash2, DFlash2Options
+    from flashmm.drafters.nets.dflash2_net import CandidateSelector, DFlash2Net
     from flashmm.drafters.draft_model import DraftModelOptions
     from flashmm.drafters.dspark import DSparkOptions
     from flashmm.drafters.eagle3 import Eagle3Options
@@ -111,6 +114,8 @@ def _options_cases():
         (lambda **o: Eagle3Drafter(eagle3_net, **o), Eagle3Options, ("top_k", 4)),
         (lambda **o: FlashDrafter(None, **o), FlashOptions, ("top_k", 4)),
         (lambda **o: DFlash(DFlashNet(block), **o), DFlashOptions, ("max_draft_tokens", 2)),
+        (lambda **o: DFlash2(DFlash2Net(DFlashNet(replace(block, conv_kernel_size=2)), CandidateSelector(8, 64, 4, 2)),
+                             **o), DFlash2Options, ("max_draft_tokens", 2)),
         (lambda **o: DSpark(DSparkNet(DFlashNet(block), dspark_heads), **o),
          DSparkOptions, ("confidence_threshold", 0.5)),
         (lambda **o: PEagle(PEagleNet(Eagle3Net(Eagle3Config.for_target(lm.config, 64, (0, 1))), 63), **o),
