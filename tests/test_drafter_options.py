@@ -2,6 +2,8 @@
 wherever a user can give them (flashmm.wrap, flashmm.drafters.load, a registered name, a drafter.json
 section), each error naming the old option and its new name."""
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +72,8 @@ def _options_cases():
                                   SuffixDecoding)
     from flashmm.drafters.cascade import HorizontalCascade, HorizontalCascadeOptions, VerticalCascade, VerticalCascadeOptions
     from flashmm.drafters.dflash import DFlashOptions
+    from flashmm.drafters.dflash2 import DFlash2, DFlash2Options
+    from flashmm.drafters.nets.dflash2_net import CandidateSelector, DFlash2Net
     from flashmm.drafters.draft_model import DraftModelOptions
     from flashmm.drafters.dspark import DSparkOptions
     from flashmm.drafters.eagle3 import Eagle3Options
@@ -86,6 +90,7 @@ def _options_cases():
     from flashmm.drafters.peagle import PEagleOptions
     from flashmm.drafters.prompt_lookup import PromptLookupOptions
     from flashmm.drafters.rest import Rest, RestOptions
+    from flashmm.drafters.speculators_mtp import SpeculatorsMTP, SpeculatorsMTPOptions, layer_config, read_module
     from flashmm.drafters.suffix import SuffixOptions
     from flashmm.drafters.swift import Swift, SwiftOptions
     from flashmm.drafters.token_recycling import TokenRecycling, TokenRecyclingOptions
@@ -96,6 +101,9 @@ def _options_cases():
     block = DFlashConfig(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                          intermediate_size=64, feature_layers=(0, 1), draft_vocab_size=8, block_size=3,
                          mask_token_id=7, rms_norm_eps=1e-6, rope_theta=10000.0)
+    mtp_folder = Path(__file__).parent / "fixtures" / "speculators" / "mtp"
+    mtp_config = layer_config(mtp_folder / "config.json", json.loads((mtp_folder / "config.json").read_text()))
+    mtp_module = read_module(mtp_folder, mtp_config)
     dspark_heads = DSparkConfig(vocab_size=8, markov_rank=4, markov_head_type="rnn", confidence=True,
                                 confidence_with_markov=True, sample_from_anchor=True)
     cases = [  # (make(**options), its options class, a valid option and value[, the options it requires])
@@ -106,11 +114,14 @@ def _options_cases():
         (lambda **o: Eagle3Drafter(eagle3_net, **o), Eagle3Options, ("top_k", 4)),
         (lambda **o: FlashDrafter(None, **o), FlashOptions, ("top_k", 4)),
         (lambda **o: DFlash(DFlashNet(block), **o), DFlashOptions, ("max_draft_tokens", 2)),
+        (lambda **o: DFlash2(DFlash2Net(DFlashNet(replace(block, conv_kernel_size=2)), CandidateSelector(8, 64, 4, 2)),
+                             **o), DFlash2Options, ("max_draft_tokens", 2)),
         (lambda **o: DSpark(DSparkNet(DFlashNet(block), dspark_heads), **o),
          DSparkOptions, ("confidence_threshold", 0.5)),
         (lambda **o: PEagle(PEagleNet(Eagle3Net(Eagle3Config.for_target(lm.config, 64, (0, 1))), 63), **o),
          PEagleOptions, ("max_draft_tokens", 2), {"max_draft_tokens": 3}),
         (lambda **o: NativeMTP(**o), NativeMTPOptions, ("max_draft_tokens", 2)),
+        (lambda **o: SpeculatorsMTP(mtp_module, mtp_config, **o), SpeculatorsMTPOptions, ("max_draft_tokens", 2)),
         (lambda **o: TokenRecycling(**o), TokenRecyclingOptions, ("template", ((0,), (1,), (0, 0)))),
         (lambda **o: Lookahead(**o), LookaheadOptions, ("always_window", True)),
         (lambda **o: Rest(**o), RestOptions, ("min_match", 1)),

@@ -40,8 +40,9 @@ PARTS = {
 def unbuildable(name: str) -> str | None:
     """Why the registered drafter ``name`` cannot run on the tiny target, read from the registry: its
     class loads a trained folder (``from_dir``; today dflash, eagle3, fastdraft, hydra, kangaroo, medusa, mtp,
-    pard, s2d, specdecpp: their SmolLM2 folders run below, kangaroo on the tiny model in test_self_spec; dspark
-    and peagle read speculators folders, run at B = 1 and 2 in test_dspark / test_peagle),
+    pard, s2d, specdecpp: their SmolLM2 folders run below, kangaroo on the tiny model in test_self_spec; dflash2,
+    dspark, peagle and speculators_mtp read speculators folders, run at B = 1 and 2 in test_dflash2 / test_dspark /
+    test_peagle / test_published_mtp),
     or it reads only certain families' own checkpoints (``families``: native_mtp),
     or its constructor asks for parts PARTS does not give (today none). None: it runs. (Mirror, OnlineSD
     and CrossTokenizerDraft wrap a drafter or a second tokenizer and are not registered.)"""

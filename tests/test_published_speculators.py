@@ -104,28 +104,21 @@ def test_mismatched_target_is_refused(overrides, drafter_side, target_side):
     assert str(EAGLE3) in message and drafter_side in message and target_side in message
 
 
-def test_speculators_mtp_is_refused_with_the_reason(target):
-    folder = FIXTURES / "mtp"
-    assert json.loads((folder / "config.json").read_text())["speculators_model_type"] == "mtp"
-    with pytest.raises(UnsupportedDrafterFormat, match="q_norm") as err:
-        load(folder)
-    assert str(folder) in str(err.value) and "'mtp'" in str(err.value)
-    with pytest.raises(UnsupportedDrafterFormat, match="q_norm"):
-        flashmm.wrap(target, str(folder))
-
-
-@pytest.mark.parametrize("algorithm", ["dflash2", "xpress", "medusa9"])
+@pytest.mark.parametrize("algorithm", ["xpress", "medusa9"])
 def test_algorithms_flashmm_has_no_method_for_are_refused(tmp_path, algorithm):
     (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": algorithm}))
     with pytest.raises(UnsupportedDrafterFormat, match=f"flashmm has no {algorithm} method yet") as err:
         load(tmp_path)
     message = str(err.value)
     assert str(tmp_path) in message and repr(algorithm) in message
-    assert "'eagle3', 'dflash', 'dspark', 'peagle'" in message  # what it does read
+    assert "'eagle3', 'dflash', 'dflash2', 'dspark', 'peagle', 'mtp'" in message  # what it does read
 
 
-@pytest.mark.parametrize("algorithm, cls", [("dflash", "DFlash"), ("dspark", "DSpark"), ("peagle", "PEagle")])
+@pytest.mark.parametrize("algorithm, cls", [("dflash", "DFlash"), ("dflash2", "DFlash2"), ("dspark", "DSpark"),
+                                            ("peagle", "PEagle"), ("mtp", "SpeculatorsMTP")])
 def test_block_and_parallel_drafters_load_by_folder(algorithm, cls):
+    """Each speculators algorithm with a drafter loads by its folder (their own tests: test_dflash,
+    test_dflash2, test_dspark, test_peagle, test_published_mtp)."""
     assert type(load(FIXTURES / algorithm)).__name__ == cls
 
 

@@ -4,6 +4,7 @@ from .base import Drafter, SequenceStart, StepResult, drafter_names, make_drafte
 from .cross_tokenizer import CrossTokenizerDraft
 from .cascade import HorizontalCascade, VerticalCascade
 from .dflash import DFlash
+from .dflash2 import DFlash2
 from .draft_model import DraftModel
 from .dspark import DSpark
 from .eagle3 import Eagle3Drafter
@@ -28,7 +29,8 @@ from .suffix import SuffixDecoding
 from .token_recycling import TokenRecycling
 from .resolve import load
 from .specdecpp import SpecDecPP
+from .speculators_mtp import SpeculatorsMTP
 
-__all__ = ["CrossTokenizerDraft", "DFlash", "DSpark", "PEagle", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP",
+__all__ = ["CrossTokenizerDraft", "DFlash", "DFlash2", "DSpark", "PEagle", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
+           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP", "SpeculatorsMTP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]

@@ -24,7 +24,7 @@ from ..config import SamplingParams
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, SequenceStart, StepResult, register, root_only
-from .files import DrafterFileError, read_json, read_safetensors
+from .files import DrafterFileError, load_weights, read_json, read_safetensors
 from .head_base import static_tree
 from .nets.dflash_net import DFlashConfig, DFlashNet
 from .options import DrafterOptions, check_at_least
@@ -215,7 +215,7 @@ def load_speculators_state(net: torch.nn.Module, rename, tensors: dict[str, torc
     """Load speculators' ``tensors`` (renamed by ``rename``) into ``net`` (a DFlashNet, or a module holding one as
     ``backbone``), every tensor accounted for; d2t (target id = draft id + d2t[draft id]) becomes the backbone's
     draft_to_target."""
-    missing, unexpected = net.load_state_dict(rename(tensors), strict=False)
+    missing, unexpected = load_weights(net, rename(tensors), where, strict=False)   # a size mismatch names the file
     if missing or unexpected:
         raise DrafterFileError(where, f"does not match its config: missing {missing}, unexpected {unexpected}")
     backbone = getattr(net, "backbone", net)

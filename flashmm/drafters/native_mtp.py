@@ -50,7 +50,8 @@ from .options import DrafterOptions, check_at_least
 @dataclass(frozen=True)
 class Layout:
     """Where one family keeps its MTP module: key prefix (``{L}`` = num_hidden_layers), the names of its
-    parts under it, the config field that counts modules, and how its decoder layer is built."""
+    parts under it, the config field that counts modules, how its decoder layer is built, and the prefix of
+    the decoder layer's own keys under the module's ("": beside the parts)."""
 
     prefix: str
     embed_norm: str
@@ -60,6 +61,7 @@ class Layout:
     head: str | None
     count_field: str
     attention_layer_type: str | None = None  # hybrid models: the layer type the MTP block has
+    block: str = ""
 
 
 _DEEPSEEK = Layout("model.layers.{L}.", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head",
@@ -69,7 +71,8 @@ LAYOUTS = {
     "DeepseekV32ForCausalLM": _DEEPSEEK,
     "Glm4MoeForCausalLM": _DEEPSEEK,
     "Qwen3NextForCausalLM": Layout("mtp.", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm", None,
-                                   "num_nextn_predict_layers", attention_layer_type="full_attention"),
+                                   "num_nextn_predict_layers", attention_layer_type="full_attention",
+                                   block="layers.0."),
 }
 
 
@@ -97,38 +100,32 @@ def checkpoint_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 class MTPModule(nn.Module):
-    """One MTP module of ``model`` (its decoder layer class and RMSNorm), weights from ``tensors`` (the
-    module's keys with its prefix taken off)."""
+    """One MTP module: the norms of the embedding and of the hidden state, their projection, the decoder layer
+    ``block`` (its cache is the module's own: layer index 0), the final norm (``norm_class``, as the block's
+    norms) and, where ``layout`` has one, its own head of ``vocab_size`` rows; weights from ``tensors`` (the
+    module's keys, ``layout.prefix`` taken off; DrafterFileError naming ``source`` unless they match)."""
 
-    def __init__(self, model: nn.Module, layout: Layout, tensors: dict[str, torch.Tensor], source: Path):
+    def __init__(self, block: nn.Module, norm_class: type[nn.Module], size: int, eps: float, vocab_size: int,
+                 layout: Layout, tensors: dict[str, torch.Tensor], source: Path):
         super().__init__()
-        config = model.config
-        decoder = model.model
-        norm_class = type(decoder.norm)
-        size, eps = config.hidden_size, config.rms_norm_eps
         self.embed_norm, self.hidden_norm, self.final_norm = (norm_class(size, eps=eps) for _ in range(3))
         self.projection = nn.Linear(2 * size, size, bias=False)
-        layer_config, index = config, config.num_hidden_layers
-        if layout.attention_layer_type is not None:  # hybrid stacks: the block is one layer of the given type
-            layer_config, index = copy.copy(config), 0
-            layer_config.layer_types = [layout.attention_layer_type]
-        self.block = type(decoder.layers[0])(layer_config, index)
+        self.block = block
         for module in self.block.modules():  # its cache is this module's own, one layer
             if hasattr(module, "layer_idx"):
                 module.layer_idx = 0
-        self.head = nn.Linear(size, config.vocab_size, bias=False) if layout.head else None
+        self.head = nn.Linear(size, vocab_size, bias=False) if layout.head else None
         parts = {layout.embed_norm: "embed_norm", layout.hidden_norm: "hidden_norm",
                  layout.projection: "projection", layout.final_norm: "final_norm"}
         if layout.head:
             parts[layout.head] = "head"
-        block_prefix = "layers.0." if layout.attention_layer_type else ""
         state = {}
         for name, tensor in tensors.items():
             part = next((p for p in parts if name.startswith(p + ".")), None)
             if part is not None:
                 state[parts[part] + name[len(part):]] = tensor
-            elif name.startswith(block_prefix) and not name.startswith("embed_tokens."):  # the target's embedding
-                state["block." + name[len(block_prefix):]] = tensor
+            elif name.startswith(layout.block) and not name.startswith("embed_tokens."):  # the target's embedding
+                state["block." + name[len(layout.block):]] = tensor
         expected = set(self.state_dict())
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
@@ -136,9 +133,22 @@ class MTPModule(nn.Module):
                                            f"{type(self.block).__name__}: missing {missing[:6]}, "
                                            f"unexpected {unexpected[:6]}")
         self.load_state_dict(state)
-        self.to(dtype=model.get_output_embeddings().weight.dtype)
         parameters = inspect.signature(self.block.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    @classmethod
+    def of_model(cls, model: nn.Module, layout: Layout, tensors: dict[str, torch.Tensor], source: Path) -> "MTPModule":
+        """The MTP module of ``model``'s checkpoint: its decoder layer class (at index num_hidden_layers, or a
+        one-layer hybrid config of ``layout.attention_layer_type``) and RMSNorm, in the model's dtype."""
+        config, decoder = model.config, model.model
+        layer_config, index = config, config.num_hidden_layers
+        if layout.attention_layer_type is not None:  # hybrid stacks: the block is one layer of the given type
+            layer_config, index = copy.copy(config), 0
+            layer_config.layer_types = [layout.attention_layer_type]
+        block = type(decoder.layers[0])(layer_config, index)
+        module = cls(block, type(decoder.norm), config.hidden_size, config.rms_norm_eps, config.vocab_size, layout,
+                     tensors, source)
+        return module.to(dtype=model.get_output_embeddings().weight.dtype)
 
     def forward(self, embeds, hidden, position_embeddings, mask, cache) -> torch.Tensor:
         """embeds / hidden [1, n, d] at n positions after the cache's → the normed output g [1, n, d]."""
@@ -209,7 +219,7 @@ class NativeMTP(Drafter):
         if not tensors:
             raise DrafterFileError(folder, f"holds no tensors named {prefix}*: this checkpoint has no MTP module "
                                            "(a model saved again by transformers loses it; use the published one)")
-        self.module = MTPModule(model, layout, tensors, folder).to(model.get_output_embeddings().weight.device)
+        self.module = MTPModule.of_model(model, layout, tensors, folder).to(model.get_output_embeddings().weight.device)
         self.module.requires_grad_(False)
         self._embed = target.input_embeddings()
         self._head = self.module.head if self.module.head is not None else target.output_embeddings()

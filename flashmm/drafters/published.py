@@ -5,9 +5,9 @@
 A speculators folder holds ``config.json`` with ``speculators_model_type`` (the algorithm) and
 ``speculators_config`` (algorithm, proposal methods, verifier), and the weights (``model.safetensors``, a
 sharded ``model.safetensors.index.json``, or ``pytorch_model.bin`` read with ``weights_only=True``).
-One function per algorithm reads it: eagle3 here, dflash / dspark / peagle by their drafters
-(flashmm.drafters.dflash, .dspark, .peagle, each naming the speculators 0.9.0 files it follows); mtp and an
-algorithm flashmm has no drafter for (dflash2, xpress) are refused by name.
+One function per algorithm reads it: eagle3 here, dflash / dflash2 / dspark / peagle / mtp by their drafters
+(flashmm.drafters.dflash, .dflash2, .dspark, .peagle, .speculators_mtp, each naming the speculators 0.9.0 files
+it follows); an algorithm flashmm has no drafter for (xpress) is refused by name.
 
 Followed: speculators 0.9.0 (the PyPI wheel; it records no git commit, and its models/eagle3/config.py,
 core.py and model_definitions.py are byte-identical to commit c05b95b303f7d4f21e8d7624e0ffa1c2d9b4d73b,
@@ -46,17 +46,12 @@ from .nets.eagle3_net import Eagle3Config, Eagle3Net
 
 SPECULATORS_VERSION = "0.9.0"
 CONFIG_FILE = "config.json"
-#: the speculators algorithms flashmm reads (eagle3 here, dflash / dspark / peagle by their drafters' modules)
-SPECULATORS_READ = ("eagle3", "dflash", "dspark", "peagle")
+#: the speculators algorithms flashmm reads (eagle3 here, the others by their drafters' modules)
+SPECULATORS_READ = ("eagle3", "dflash", "dflash2", "dspark", "peagle", "mtp")
 #: speculators algorithms flashmm has no drafter for yet, with what each one is
 NO_DRAFTER_YET = {
-    "dflash2": "DFlash-2's block drafter (issue 44)",
     "xpress": "XPress's drafter",
 }
-#: why speculators' mtp (speculators/models/mtp/core.py, model_definitions.py) is refused
-MTP_REASON = ("speculators' MTP layer is one Qwen3 decoder layer (q_norm / k_norm in its attention) run at "
-              "every step, its final_layernorm output fed to the next step and straight to the LM head; "
-              "flashmm's MTP modules are Llama blocks (no q/k norms), one per step, so they cannot hold it exactly")
 _IGNORED_KEYS = ("verifier_lm_head.weight", "verifier_norm.weight")   # training-only copies of the verifier's
 
 
@@ -135,6 +130,10 @@ def load_speculators(path, **options):
         from .dflash import DFlash  # noqa: PLC0415
 
         return DFlash.from_speculators(folder, **options)
+    if algorithm == "dflash2":
+        from .dflash2 import DFlash2  # noqa: PLC0415
+
+        return DFlash2.from_speculators(folder, **options)
     if algorithm == "dspark":
         from .dspark import DSpark  # noqa: PLC0415
 
@@ -144,7 +143,9 @@ def load_speculators(path, **options):
 
         return PEagle.from_speculators(folder, config, **options)
     if algorithm == "mtp":
-        raise UnsupportedDrafterFormat(f"{folder}: a speculators 'mtp' drafter; {MTP_REASON}")
+        from .speculators_mtp import SpeculatorsMTP  # noqa: PLC0415 (speculators_mtp imports this module)
+
+        return SpeculatorsMTP.from_speculators(folder, config, **options)
     what = NO_DRAFTER_YET.get(algorithm, "an algorithm speculators added after 0.9.0")
     raise UnsupportedDrafterFormat(
         f"{folder}: a speculators {algorithm!r} drafter ({what}); flashmm has no {algorithm} method yet. "

@@ -9,7 +9,12 @@ position's logits at once. Each layer is Qwen3's (q / k RMSNorm per head before 
 and both key sets rotated by their positions). Position j > 0 of a block anchored at position p predicts the
 token at p + j.
 
-Read from speculators 0.9.0 (models/dflash/model_definitions.py, core.py): not copied.
+DFlash-2 (``conv_kernel_size`` > 0) wraps each layer's attention and MLP in a pair of grouped dynamic causal
+convolutions inside the block (BlockConv): the sublayer's normed input is convolved before it and its output
+after it, over the block's own earlier positions, with kernels that the normed input sets per position.
+
+Read from speculators 0.9.0 (models/dflash/model_definitions.py, core.py; models/dflash2/model_definitions.py):
+not copied.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ class DFlashConfig:
     mask_token_id: int
     rms_norm_eps: float
     rope_theta: float
+    conv_kernel_size: int = 0            # DFlash-2's convolution taps (0: none, DFlash's layer)
+    conv_group_size: int = 16            # DFlash-2: hidden channels sharing one dynamic kernel value
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,6 +52,47 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """x [H, n, hd] rotated by cos / sin [n, hd]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class BlockConv(nn.Module):
+    """DFlash-2's convolution pair around one sublayer, inside blocks of ``block_size`` consecutive rows.
+
+    A convolution of x [n, d] with a kernel of K taps: out_t = sum_{k < K, k <= t mod block_size} x_{t-k} *
+    (base[k] + delta_t[k]) per channel, where base [K, d] is learned and delta_t [K, G] (G = d / group_size
+    groups of channels sharing a value) comes from the sublayer's normed input at row t. ``prepare`` convolves
+    that input with base_kernel[0] and its own delta, and returns the delta the output is convolved with
+    (``finish``, base_kernel[1]); both deltas come from one projection."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
+        super().__init__()
+        if hidden_size % group_size or not 0 < kernel_size <= block_size:
+            raise ValueError(f"DFlash-2's convolution needs group_size dividing the hidden size {hidden_size} and "
+                             f"1 <= kernel_size <= block_size ({block_size}); got {group_size}, {kernel_size}")
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))      # [input / output, K, d]
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def convolve(self, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """x [n, d], delta [n, K, G], base [K, d] → [n, d]."""
+        n = x.shape[0]
+        grouped = x.view(n, self.groups, self.group_size)
+        within = torch.arange(n, device=x.device) % self.block_size                   # row index inside its block
+        out = torch.zeros_like(grouped)
+        for tap in range(self.kernel_size):
+            earlier = grouped if tap == 0 else torch.cat([grouped.new_zeros(tap, *grouped.shape[1:]), grouped[:-tap]])
+            weight = base[tap].to(x.dtype).view(1, self.groups, self.group_size) + delta[:, tap, :, None]
+            out = out + earlier * weight * (within >= tap).to(x.dtype)[:, None, None]
+        return out.view(n, -1)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sublayer's normed input x [n, d] → (its convolution [n, d], the output's delta [n, K, G])."""
+        deltas = self.kernel_projection(x).view(x.shape[0], 2, self.kernel_size, self.groups)
+        return self.convolve(x, deltas[:, 0], self.base_kernel[0]), deltas[:, 1]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The sublayer's output y [n, d] convolved with ``prepare``'s output delta."""
+        return self.convolve(y, delta, self.base_kernel[1])
 
 
 class DFlashLayer(nn.Module):
@@ -63,6 +111,9 @@ class DFlashLayer(nn.Module):
         self.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+        convolved = c.conv_kernel_size > 0
+        self.attention_conv = BlockConv(d, c.conv_kernel_size, c.conv_group_size, c.block_size) if convolved else None
+        self.mlp_conv = BlockConv(d, c.conv_kernel_size, c.conv_group_size, c.block_size) if convolved else None
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, d] at positions whose rotary tables are cos / sin [n, hd] → (k, v) [Hkv, n, hd]."""
@@ -75,6 +126,8 @@ class DFlashLayer(nn.Module):
         block position sees the whole context and block) or an additive [n, m + n]."""
         n = x.shape[0]
         h = rms_norm(x, self.input_layernorm, self.eps)
+        if self.attention_conv is not None:
+            h, after = self.attention_conv.prepare(h)
         q = rms_norm(self.q_proj(h).view(n, self.heads, self.head_dim), self.q_norm, self.eps).transpose(0, 1)
         q = rotate(q, cos, sin)
         k_block, v_block = self.keys_values(h, cos, sin)
@@ -82,9 +135,13 @@ class DFlashLayer(nn.Module):
         v = torch.cat([context_kv[1], v_block], dim=1)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                              scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads)[0]
-        x = x + self.o_proj(out.transpose(0, 1).reshape(n, -1))
+        out = self.o_proj(out.transpose(0, 1).reshape(n, -1))
+        x = x + (out if self.attention_conv is None else self.attention_conv.finish(out, after))
         h = rms_norm(x, self.post_attention_layernorm, self.eps)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        if self.mlp_conv is not None:
+            h, after = self.mlp_conv.prepare(h)
+        out = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + (out if self.mlp_conv is None else self.mlp_conv.finish(out, after))
 
 
 class DFlashNet(nn.Module):
