@@ -6,6 +6,7 @@ from .cascade import HorizontalCascade, VerticalCascade
 from .dflash import DFlash
 from .draft_model import DraftModel
 from .dspark import DSpark
+from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter
 from .fastdraft import FastDraft
 from .files import DrafterFileError
@@ -30,5 +31,5 @@ from .saved import load
 from .specdecpp import SpecDecPP
 
 __all__ = ["CrossTokenizerDraft", "DFlash", "DSpark", "PEagle", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP",
+           "DraftModel", "DrafterFileError", "EagleDrafter", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]

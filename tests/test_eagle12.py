@@ -1,0 +1,274 @@
+"""EAGLE-1 / EAGLE-2 heads in the EAGLE repository's layout (flashmm.drafters.eagle).
+
+A tiny head is written here under the repository's key names (``fc.*``, ``layers.0.*``, ``embed_tokens.weight``;
+SafeAILab/EAGLE cnets1.py) beside a one-layer Llama config.json, for a tiny Llama target. Its logits are checked
+against a float64 forward written from that layout alone (not through flashmm's network); greedy decoding with
+it, chain and EAGLE-2 tree, one row and a ragged batch, equals the target's own generate; a sampled run has the
+target's distribution (χ², the lossy typical verifier failing the same test); and what flashmm cannot run, or a
+target the head does not fit, is refused by name.
+"""
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import flashmm
+from flashmm.drafters import DrafterFileError, load
+from flashmm.drafters.base import SequenceStart
+from flashmm.drafters.eagle import EagleDrafter, EagleOptions
+from flashmm.drafters.published import UnsupportedDrafterFormat, published_format
+from flashmm.targets import CausalLMTarget
+
+from text_models import prompt, ragged_batch, tiny_lm
+
+
+def head_config(target, **changes) -> dict:
+    """config.json as the EAGLE repository writes it beside a head (eagle/train/vicuna_7B_config.json's keys)."""
+    c = target.config
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", hidden_size=c.hidden_size,
+                  intermediate_size=96, num_attention_heads=c.num_attention_heads, num_key_value_heads=2,
+                  num_hidden_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
+                  vocab_size=c.vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                  torch_dtype="float16", transformers_version="4.28.1")
+    return {**config, **changes}
+
+
+def head_state(target, config: dict, seed: int = 0, scale: float = 0.15) -> dict[str, torch.Tensor]:
+    """Random weights under the EAGLE-1/2 key names; embed_tokens is the target's (EAGLE loads the target's
+    table and trains it frozen)."""
+    g = torch.Generator().manual_seed(seed)
+    d, inter = config["hidden_size"], config["intermediate_size"]
+    hd = d // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * hd
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * scale
+
+    state = {"fc.weight": rand(d, 2 * d), "embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
+             "layers.0.self_attn.q_proj.weight": rand(d, d), "layers.0.self_attn.k_proj.weight": rand(kv, d),
+             "layers.0.self_attn.v_proj.weight": rand(kv, d), "layers.0.self_attn.o_proj.weight": rand(d, d),
+             "layers.0.mlp.gate_proj.weight": rand(inter, d), "layers.0.mlp.up_proj.weight": rand(inter, d),
+             "layers.0.mlp.down_proj.weight": rand(d, inter),
+             "layers.0.post_attention_layernorm.weight": 1.0 + rand(d)}
+    if config.get("bias", True):
+        state["fc.bias"] = rand(d)
+    if config.get("qkv_bias", False):
+        state.update({f"layers.0.self_attn.{p}_proj.bias": rand(n) for p, n in (("q", d), ("k", kv), ("v", kv))})
+    return state
+
+
+def write_head(folder, target, fmt: str = "bin", seed: int = 0, state=None, **changes):
+    folder.mkdir(parents=True, exist_ok=True)
+    config = head_config(target, **changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    state = head_state(target, config, seed) if state is None else state
+    if fmt == "bin":
+        torch.save({k: v.half() for k, v in state.items()}, folder / "pytorch_model.bin")
+    else:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def reference_logits(state, config, lm_head, ids, features, extra=()) -> torch.Tensor:
+    """float64 logits [T + len(extra), V] of the EAGLE-1/2 head, written from the layout: unit t reads
+    embed(ids[t]) and features[t]; each of ``extra`` (token ids, chained) reads its predecessor unit's output;
+    causal attention, positions 0 ..; fc, one Llama layer without input norm, then the target's lm_head."""
+    w = {k: v.double() for k, v in state.items()}
+    d, heads, kvh = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    hd, eps, theta = d // heads, config["rms_norm_eps"], config["rope_theta"]
+    embed, head = w["embed_tokens.weight"], lm_head.double()
+
+    def linear(x, name):
+        return x @ w[name + ".weight"].T + (w[name + ".bias"] if name + ".bias" in w else 0)
+
+    def rope(x, t):                                         # x [t, h, hd]
+        inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        angles = torch.arange(t, dtype=torch.float64)[:, None] * inv
+        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+        return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
+
+    def run(tokens, feats):
+        t = tokens.shape[0]
+        x = linear(torch.cat([embed[tokens], feats], -1), "fc")
+        q = rope(linear(x, "layers.0.self_attn.q_proj").view(t, heads, hd), t)
+        k = rope(linear(x, "layers.0.self_attn.k_proj").view(t, kvh, hd), t).repeat_interleave(heads // kvh, 1)
+        v = linear(x, "layers.0.self_attn.v_proj").view(t, kvh, hd).repeat_interleave(heads // kvh, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+        scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
+        h = x + linear(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, d), "layers.0.self_attn.o_proj")
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w["layers.0.post_attention_layernorm.weight"]
+        gate, up = linear(n, "layers.0.mlp.gate_proj"), linear(n, "layers.0.mlp.up_proj")
+        return h + linear(torch.nn.functional.silu(gate) * up, "layers.0.mlp.down_proj")
+
+    tokens, feats = ids.clone(), features.double()
+    out = run(tokens, feats)
+    for token in extra:                                     # a drafted unit: the last unit's output as its feature
+        tokens, feats = torch.cat([tokens, torch.tensor([token])]), torch.cat([feats, out[-1:]])
+        out = run(tokens, feats)
+    return out @ head.T
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_lm("llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, target):
+    return write_head(tmp_path_factory.mktemp("eagle12") / "head", target, fmt="bin")
+
+
+@pytest.mark.parametrize("fmt, changes", [("bin", {}), ("safetensors", dict(bias=False, qkv_bias=True))])
+def test_draft_logits_equal_a_float64_forward_of_the_layout(tmp_path, target, fmt, changes):
+    """The root's logits (the last committed unit) within 1e-5 of the float64 forward, and the drafted chain
+    and the tree's first level are that forward's argmax chain and top-k: through load, bind and the drafter
+    protocol, on the features the target itself hands the drafter."""
+    head = write_head(tmp_path / "head", target, fmt=fmt, **changes)
+    assert published_format(head) == "eagle"
+    config = json.loads((head / "config.json").read_text())
+    stored = torch.load(head / "pytorch_model.bin", weights_only=True) if fmt == "bin" else \
+        load_file(head / "model.safetensors")
+    state = {k: v.float() for k, v in stored.items()}
+    ids = prompt(10, seed=4)
+    with torch.no_grad():
+        features = target.model(ids).last_hidden_state                  # EAGLE's outputs[0]: after the final norm
+    lm_head = target.get_output_embeddings().weight.detach()
+    want = reference_logits(state, config, lm_head, ids[0, 1:], features[0, :-1])       # units 0 .. 8
+
+    chain = load(head, tree="chain", depth=3)
+    assert isinstance(chain, EagleDrafter) and chain.options == EagleOptions(tree="chain", depth=3)
+    chain.bind(CausalLMTarget(target))
+    chain.begin(SequenceStart(input_ids=ids[:, :-1], hidden_states=features[:, :-1]))
+    draft = chain.propose(ids, 3, None, None)
+    torch.testing.assert_close(chain.logits(chain._root_out).double(), want[-1], atol=1e-5, rtol=0)
+    first = int(want[-1].argmax())
+    second = int(reference_logits(state, config, lm_head, ids[0, 1:], features[0, :-1], [first])[-1].argmax())
+    third = int(reference_logits(state, config, lm_head, ids[0, 1:], features[0, :-1], [first, second])[-1].argmax())
+    assert draft.tokens[0].tolist() == [int(ids[0, -1]), first, second, third] and draft.q_probs is None
+
+    tree = load(head, tree="dynamic", depth=2, top_k=3)
+    tree.bind(CausalLMTarget(target))
+    tree.begin(SequenceStart(input_ids=ids[:, :-1], hidden_states=features[:, :-1]))
+    draft = tree.propose(ids, 12, None, None)
+    assert draft.tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert draft.tokens[0, 1:4].tolist() == want[-1].topk(3).indices.tolist()
+
+
+def test_the_target_hands_the_head_its_final_normed_state(folder, target):
+    """EAGLE-1/2 read ``outputs[0]`` of the base model (after the final norm): what the engine gives the
+    drafter at the prompt equals the target's last_hidden_state (not the last layer's raw output)."""
+    seen = []
+
+    class Recording(EagleDrafter):
+        def begin(self, start):
+            seen.append(start.hidden_states)
+            super().begin(start)
+
+    base = load(folder)
+    ids = prompt(9, seed=5)
+    flashmm.wrap(target, Recording(base.net, embedding=base.embedding.weight)).generate(ids, max_new_tokens=2)
+    with torch.no_grad():
+        outputs = target.model(ids, output_hidden_states=True)
+    torch.testing.assert_close(seen[0], outputs.last_hidden_state, atol=1e-6, rtol=0)
+    assert not torch.allclose(seen[0], outputs.hidden_states[-2], atol=1e-3)
+
+
+@pytest.mark.parametrize("options", [dict(tree="chain", depth=3), dict(tree="dynamic", depth=4, top_k=3)])
+def test_greedy_decoding_equals_generate(folder, target, options):
+    call = dict(max_new_tokens=14, do_sample=False)
+    ids = prompt(11, seed=6)
+    sm = flashmm.wrap(target, load(folder, **options))
+    assert torch.equal(sm.generate(ids, eos_token_id=[], **call), target.generate(ids, eos_token_id=None, **call))
+    assert sm.last_stats.drafted_tokens > 0
+    ids, mask = ragged_batch((12, 7), seed=7)
+    want = target.generate(ids, attention_mask=mask, eos_token_id=None, **call)
+    sm = flashmm.wrap(target, load(folder, **options))
+    assert torch.equal(sm.generate(ids, attention_mask=mask, eos_token_id=[], **call), want)
+    assert sm.last_stats.drafted_tokens > 0
+
+
+def test_wrapping_the_folder_by_path_decodes_exactly(folder, target):
+    ids = prompt(8, seed=8)
+    want = target.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    sm = flashmm.wrap(target, str(folder))
+    assert isinstance(sm.drafter, EagleDrafter)
+    assert torch.equal(sm.generate(ids, max_new_tokens=10, eos_token_id=[]), want)
+
+
+SAMPLING = dict(do_sample=True, temperature=0.9, top_k=6, top_p=0.95)
+
+
+def test_sampling_distribution(tmp_path):
+    """Sampled with an EAGLE-2 tree on an 8-token target: the first two tokens' histogram matches the exact
+    joint (χ²); the lossy typical verifier fails the same test. Each drafted token is one of the top-k of
+    softmax(lm_head(head output)) at its parent, chosen deterministically (q = None)."""
+    from stats_utils import chi_square_pvalue, two_token_histogram, two_token_joint
+
+    vocab = 8
+    target = tiny_lm("llama", seed=1, vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.15)
+    head = write_head(tmp_path / "head", target, seed=2)
+    ids = torch.tensor([[3, 5, 3, 5, 3]])
+    joint = two_token_joint(target, ids, SAMPLING)
+    exact = flashmm.wrap(target, load(head, depth=2, top_k=2))
+    assert chi_square_pvalue(two_token_histogram(exact, ids, SAMPLING, 300, vocab), joint) > 1e-3
+    biased = flashmm.wrap(target, load(head, depth=2, top_k=2), verifier="typical_lossy", typical_epsilon=0.05,
+                          typical_delta=0.05)
+    assert chi_square_pvalue(two_token_histogram(biased, ids, SAMPLING, 300, vocab), joint) < 1e-3
+
+
+@pytest.mark.parametrize("overrides, drafter_side, target_side", [
+    (dict(vocab_size=256), "vocabulary: drafter 128", "target 256"),
+    (dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1), "hidden size: drafter 64", "target 32"),
+])
+def test_a_target_the_head_does_not_fit_is_refused(folder, overrides, drafter_side, target_side):
+    other = tiny_lm("llama", **overrides)
+    with pytest.raises(ValueError) as err:
+        flashmm.wrap(other, str(folder)).generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+    message = str(err.value)
+    assert str(folder) in message and drafter_side in message and target_side in message
+
+
+class NotATensor:
+    """A class a pickle would have to import and build: weights_only loading refuses it."""
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(num_hidden_layers=2), None),                    # two layers: not detected as a head at all
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(hidden_act="gelu"), "hidden_act is 'gelu'"),
+])
+def test_variants_flashmm_cannot_run_are_refused(tmp_path, target, changes, words):
+    head = write_head(tmp_path / "head", target, **changes)
+    if words is None:
+        assert published_format(head) is None
+        return
+    with pytest.raises(UnsupportedDrafterFormat, match=words) as err:
+        load(head)
+    assert str(head / "config.json") in str(err.value)
+
+
+def test_malformed_and_pickled_weights_name_the_file(tmp_path, target):
+    config = head_config(target)
+    state = head_state(target, config)
+    state["fc.weight"] = state["fc.weight"][:, :64]
+    head = write_head(tmp_path / "narrow", target, state=state)
+    with pytest.raises(DrafterFileError, match="pytorch_model.bin"):
+        load(head)
+    head = write_head(tmp_path / "pickle", target)
+    torch.save({"fc.weight": NotATensor(), "layers.0.mlp.up_proj.weight": torch.zeros(1)}, head / "pytorch_model.bin")
+    assert published_format(head) == "eagle"
+    with pytest.raises(DrafterFileError, match="weights_only") as err:
+        load(head)
+    assert str(head / "pytorch_model.bin") in str(err.value)
+
+
+def test_a_one_layer_causal_lm_folder_is_not_taken_for_a_head(tmp_path):
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2))
+    lm.save_pretrained(tmp_path / "lm")
+    assert published_format(tmp_path / "lm") is None
