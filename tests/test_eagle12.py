@@ -272,3 +272,69 @@ def test_a_one_layer_causal_lm_folder_is_not_taken_for_a_head(tmp_path):
                                       num_attention_heads=2))
     lm.save_pretrained(tmp_path / "lm")
     assert published_format(tmp_path / "lm") is None
+
+
+# ------------------------------------------------------------------ flashmm export-drafter --format vllm-eagle
+#: how vLLM 0.32's EagleLlamaForCausalLM.load_weights names a checkpoint key: "model." + key, then LlamaModel's
+#: hf_to_vllm_mapper stacks q/k/v into qkv_proj and gate/up into gate_up_proj (model_executor/models/llama_eagle.py)
+STACKED = {".q_proj.": ".qkv_proj.", ".k_proj.": ".qkv_proj.", ".v_proj.": ".qkv_proj.",
+           ".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj."}
+
+
+def vllm_parameters(config: dict) -> dict[str, tuple[int, ...]]:
+    """The parameters of vLLM 0.32's EagleLlamaForCausalLM for ``config`` (llama_eagle.py, llama.py): fc without
+    a bias; layer 0 without input_layernorm (an Identity); q/k/v biases when ``qkv_bias`` (else ``attention_bias``
+    or ``bias``), an o_proj bias when ``attention_bias`` or ``bias``; embed_tokens (loaded when present)."""
+    d, heads, kv, inter = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                               "intermediate_size"))
+    hd = config["head_dim"]
+    params = {"model.fc.weight": (d, 2 * d), "model.embed_tokens.weight": (config["vocab_size"], d),
+              "model.layers.0.self_attn.qkv_proj.weight": ((heads + 2 * kv) * hd, d),
+              "model.layers.0.self_attn.o_proj.weight": (d, heads * hd),
+              "model.layers.0.mlp.gate_up_proj.weight": (2 * inter, d),
+              "model.layers.0.mlp.down_proj.weight": (d, inter),
+              "model.layers.0.post_attention_layernorm.weight": (d,)}
+    attention_bias = config.get("attention_bias", False) or config.get("bias", False)
+    if config.get("qkv_bias", attention_bias):
+        params["model.layers.0.self_attn.qkv_proj.bias"] = ((heads + 2 * kv) * hd,)
+    if attention_bias:
+        params["model.layers.0.self_attn.o_proj.bias"] = (d,)
+    return params
+
+
+@pytest.mark.parametrize("changes", [dict(bias=False), dict(bias=False, qkv_bias=True)])
+def test_vllm_eagle_export_has_the_parameters_vllm_loads(tmp_path, target, changes):
+    from flashmm.serve.cli import main
+
+    head = write_head(tmp_path / "head", target, **changes)
+    out = tmp_path / "vllm"
+    assert main(["export-drafter", str(head), "--format", "vllm-eagle", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert ["Eagle" + a for a in config["architectures"]] == ["EagleLlamaForCausalLM"]   # vLLM's EAGLEConfig
+    assert config["num_hidden_layers"] == 1 and config["bias"] is False and config["attention_bias"] is False
+    assert config.get("qkv_bias", False) == changes.get("qkv_bias", False)
+    assert config["head_dim"] * config["num_attention_heads"] == config["hidden_size"]
+    stored = load_file(out / "model.safetensors")
+    loaded: dict[str, list[tuple[int, ...]]] = {}
+    for key, value in stored.items():
+        name = "model." + key
+        for old, new in STACKED.items():
+            name = name.replace(old, new)
+        loaded.setdefault(name, []).append(tuple(value.shape))
+    want = vllm_parameters(config)
+    assert set(loaded) == set(want)
+    for name, shapes in loaded.items():                                 # stacked shards fill the parameter
+        assert (sum(s[0] for s in shapes), *shapes[0][1:]) == want[name], name
+    read, source = load(out), load(head)                                # flashmm reads the export back
+    assert isinstance(read, EagleDrafter) and not read.net.cfg.fc_bias
+    assert all(torch.equal(read.net.state_dict()[k], v) for k, v in source.net.state_dict().items())
+
+
+def test_vllm_eagle_export_refuses_an_fc_bias(tmp_path, target, capsys):
+    from flashmm.serve.cli import main
+
+    head = write_head(tmp_path / "head", target)                        # EAGLE's default: bias true
+    assert main(["export-drafter", str(head), "--format", "vllm-eagle", "--out", str(tmp_path / "x")]) == 2
+    message = capsys.readouterr().err
+    assert "fc has a bias" in message and "vLLM 0.32" in message and str(head) in message
+    assert not (tmp_path / "x").exists()
