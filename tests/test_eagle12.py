@@ -157,6 +157,30 @@ def test_draft_logits_equal_a_float64_forward_of_the_layout(tmp_path, target, fm
     assert draft.tokens[0, 1:4].tolist() == want[-1].topk(3).indices.tolist()
 
 
+def test_static_tree_drafts_the_ranks_its_paths_name(folder, target):
+    """EAGLE-1's static tree: the node at rank path (r1, .., rd) holds the float64 forward's r_d-th token after
+    its parent's path; the paths kept are the first max_draft_tokens by (length, ranks)."""
+    state = {k: v.float() for k, v in torch.load(folder / "pytorch_model.bin", weights_only=True).items()}
+    config = json.loads((folder / "config.json").read_text())
+    ids = prompt(10, seed=4)
+    with torch.no_grad():
+        features = target.model(ids).last_hidden_state
+    lm_head = target.get_output_embeddings().weight.detach()
+    drafter = load(folder, tree="static", paths=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    drafter.bind(CausalLMTarget(target))
+    drafter.begin(SequenceStart(input_ids=ids[:, :-1], hidden_states=features[:, :-1]))
+    draft = drafter.propose(ids, 5, None, None)                            # (0, 0, 0) is past the budget
+
+    def ranked(*extra):
+        return reference_logits(state, config, lm_head, ids[0, 1:], features[0, :-1], list(extra))[-1].topk(2).indices
+
+    first, second = ranked().tolist()
+    want = [first, second, *ranked(first).tolist(), int(ranked(second)[0])]
+    assert draft.tree.parents.tolist() == [-1, 0, 0, 1, 1, 2] and draft.tokens[0, 1:].tolist() == want
+    with pytest.raises(ValueError, match="tree='static' needs paths"):
+        load(folder, tree="static", paths=[[0, 0]])
+
+
 def test_the_target_hands_the_head_its_final_normed_state(folder, target):
     """EAGLE-1/2 read ``outputs[0]`` of the base model (after the final norm): what the engine gives the
     drafter at the prompt equals the target's last_hidden_state (not the last layer's raw output)."""
@@ -176,7 +200,8 @@ def test_the_target_hands_the_head_its_final_normed_state(folder, target):
     assert not torch.allclose(seen[0], outputs.hidden_states[-2], atol=1e-3)
 
 
-@pytest.mark.parametrize("options", [dict(tree="chain", depth=3), dict(tree="dynamic", depth=4, top_k=3)])
+@pytest.mark.parametrize("options", [dict(tree="chain", depth=3), dict(tree="dynamic", depth=4, top_k=3),
+                                     dict(tree="static", paths=[[0], [1], [0, 0], [0, 1], [0, 0, 0]])])
 def test_greedy_decoding_equals_generate(folder, target, options):
     call = dict(max_new_tokens=14, do_sample=False)
     ids = prompt(11, seed=6)

@@ -14,10 +14,14 @@ the last one's output scoring the token after the root. Then:
   (the engine's budget) of all grown nodes kept; each expanded node run on its own path with tree attention
   over the committed cache and its ancestors' units. ``depth`` is the deepest drafted token (the EAGLE
   repository's ``depth`` + 1: its depth counts the head passes after the root's).
+- ``tree="static"``: EAGLE-1's fixed tree, given as rank ``paths`` (as the EAGLE repository's choices.py
+  lists them: (0, 1) is the second most likely child of the most likely first token), grown by
+  flashmm.tree.dynamic.grow_static; the first ``max_draft_tokens`` paths by (length, ranks) are kept.
 - ``tree="chain"``: the head's greedy chain of up to ``depth`` tokens.
 
-Sampling: every drafted token is one of the ``top_k`` most likely tokens of the head's distribution
-softmax(lm_head(out)) at its parent (greedy chain: the argmax), chosen deterministically, so drafts carry
+Sampling: every drafted token is a most likely token of the head's distribution softmax(lm_head(out)) at its
+parent (one of the ``top_k``; static: the rank its path names; chain: the argmax), chosen deterministically, so
+drafts carry
 ``q_probs = None`` and the engine's verifier keeps the target's distribution exactly, greedy or sampled
 (deterministic-children rules, as for EAGLE-3).
 
@@ -41,13 +45,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from ..config import SamplingParams
 from ..tree.draft import Draft
-from ..tree.dynamic import GrownTree, TreeUnits, grow
+from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.token_tree import TokenTree
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, blamed_on, load_weights, read_json
@@ -70,17 +75,27 @@ class EagleOptions(DrafterOptions):
     depth: int = 6
     top_k: int = 8
     max_draft_tokens: int | None = None
+    paths: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self):
-        check_choice(self, "tree", ("chain", "dynamic"))
+        check_choice(self, "tree", ("chain", "dynamic", "static"))
         check_at_least(self, 1, "depth", "top_k")
         check_at_least(self, 0, "max_draft_tokens", allow_none=True)
+        if self.paths is not None:
+            object.__setattr__(self, "paths", tuple(tuple(int(r) for r in path) for path in self.paths))
+        paths = self.paths or ()
+        known = set(paths)
+        if self.tree == "static" and not (paths and all(p and min(p) >= 0 and (len(p) == 1 or p[:-1] in known)
+                                                        for p in paths)):
+            raise ValueError("tree='static' needs paths=[(0,), (1,), (0, 0), ...]: rank paths from the root, each "
+                             f"path's prefix among them (EAGLE-1's tree choices), got {self.paths!r}")
 
 
 @register
 class EagleDrafter(Drafter):
-    """net: an EagleNet. tree: "dynamic" (EAGLE-2) or "chain". depth: deepest drafted token. top_k: children
-    per expanded node and nodes expanded per depth ("dynamic"). max_draft_tokens: most drafted tokens per
+    """net: an EagleNet. tree: "dynamic" (EAGLE-2), "static" (EAGLE-1's fixed tree of rank ``paths``) or
+    "chain". depth: deepest drafted token ("dynamic", "chain"). top_k: children per expanded node and nodes
+    expanded per depth ("dynamic"). max_draft_tokens: most drafted tokens per
     step (None: the engine's SpecConfig.max_draft_tokens). embedding: the head's own ``embed_tokens`` [V, d]
     (None: the target's input embeddings). folder / verifier: where it was read from and the target its
     config names, for messages and ``info``. Options: EagleOptions, as keywords or ``options=``."""
@@ -97,6 +112,7 @@ class EagleDrafter(Drafter):
         self._options = options = EagleOptions.build(type(self).__name__, given, options)
         self.net = net.eval()
         self.tree, self.depth, self.top_k = options.tree, options.depth, options.top_k
+        self.paths = sorted(options.paths or (), key=lambda path: (len(path), path))   # parents first
         self.max_draft_tokens = options.max_draft_tokens
         self.folder = None if folder is None else Path(folder)
         self.info = {"method": "eagle", "target": verifier, "format": f"{LAYOUT} {EAGLE_COMMIT[:7]}",
@@ -217,6 +233,8 @@ class EagleDrafter(Drafter):
 
         if self.tree == "chain":
             return grow(root_logp, expand, top_k=1, depth=min(self.depth, budget), budget=budget)
+        if self.tree == "static":
+            return grow_static(root_logp, expand, self.paths[:budget])
         return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, budget=budget)
 
 
