@@ -95,10 +95,11 @@ class EagleOptions(DrafterOptions):
 class EagleDrafter(Drafter):
     """net: an EagleNet. tree: "dynamic" (EAGLE-2), "static" (EAGLE-1's fixed tree of rank ``paths``) or
     "chain". depth: deepest drafted token ("dynamic", "chain"). top_k: children per expanded node and nodes
-    expanded per depth ("dynamic"). max_draft_tokens: most drafted tokens per
-    step (None: the engine's SpecConfig.max_draft_tokens). embedding: the head's own ``embed_tokens`` [V, d]
-    (None: the target's input embeddings). folder / verifier: where it was read from and the target its
-    config names, for messages and ``info``. Options: EagleOptions, as keywords or ``options=``."""
+    expanded per depth ("dynamic"). max_draft_tokens: most drafted tokens per step (None: the engine's
+    SpecConfig.max_draft_tokens). paths: "static"'s rank paths. embedding: the head's own ``embed_tokens``
+    [V, d] (None: the target's input embeddings). folder / verifier: where it was read from and the target its
+    config names, for messages and ``info``. Options: EagleOptions, as keywords or ``options=``; ``net``,
+    ``embedding``, ``folder`` and ``verifier`` are arguments of their own."""
 
     name = "eagle"
     needs_hidden_states = True
