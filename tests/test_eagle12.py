@@ -159,24 +159,44 @@ def test_draft_logits_equal_a_float64_forward_of_the_layout(tmp_path, target, fm
 
 def test_static_tree_drafts_the_ranks_its_paths_name(folder, target):
     """EAGLE-1's static tree: the node at rank path (r1, .., rd) holds the float64 forward's r_d-th token after
-    its parent's path; the paths kept are the first max_draft_tokens by (length, ranks)."""
+    its parent's path, and each expanded node's logits (run beside its siblings and cousins, with tree attention
+    over its own ancestors only) are that forward's on its own path (within 1e-5, or 1e-5 per 4 units of the
+    largest logit: the depth-2 unit's, fed back twice, differ by 2.1e-5 on logits up to 23; running flashmm's
+    head in float64 leaves 8e-6 there, its rope angles and norms being float32); the paths kept are the first
+    max_draft_tokens by (length, ranks)."""
     state = {k: v.float() for k, v in torch.load(folder / "pytorch_model.bin", weights_only=True).items()}
     config = json.loads((folder / "config.json").read_text())
     ids = prompt(10, seed=4)
     with torch.no_grad():
         features = target.model(ids).last_hidden_state
     lm_head = target.get_output_embeddings().weight.detach()
-    drafter = load(folder, tree="static", paths=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    scored = []
+
+    class Recording(EagleDrafter):
+        def logits(self, out):
+            scored.append(super().logits(out))
+            return scored[-1]
+
+    base = load(folder)
+    drafter = Recording(base.net, embedding=base.embedding.weight, tree="static",
+                        paths=[[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
     drafter.bind(CausalLMTarget(target))
     drafter.begin(SequenceStart(input_ids=ids[:, :-1], hidden_states=features[:, :-1]))
-    draft = drafter.propose(ids, 5, None, None)                            # (0, 0, 0) is past the budget
+    draft = drafter.propose(ids, 5, None, None)                            # (0, 0, 0, 0) is past the budget
 
-    def ranked(*extra):
-        return reference_logits(state, config, lm_head, ids[0, 1:], features[0, :-1], list(extra))[-1].topk(2).indices
+    def reference(*path):
+        return reference_logits(state, config, lm_head, ids[0, 1:], features[0, :-1], list(path))[-1]
 
-    first, second = ranked().tolist()
-    want = [first, second, *ranked(first).tolist(), int(ranked(second)[0])]
-    assert draft.tree.parents.tolist() == [-1, 0, 0, 1, 1, 2] and draft.tokens[0, 1:].tolist() == want
+    first, second = reference().topk(2).indices.tolist()
+    first_first, second_first = int(reference(first).argmax()), int(reference(second).argmax())
+    deepest = int(reference(first, first_first).argmax())
+    assert draft.tree.parents.tolist() == [-1, 0, 0, 1, 2, 3]
+    assert draft.tokens[0, 1:].tolist() == [first, second, first_first, second_first, deepest]
+    assert len(scored) == 3                                                # the root, depth 1 (two nodes), (0, 0)
+    for got, want in zip(torch.cat([rows.view(-1, rows.shape[-1]) for rows in scored]), [reference(), reference(first), reference(second),
+                                             reference(first, first_first)]):
+        # a unit fed its parent's output compounds fp32 rounding: (0, 0)'s logits reach 23 and differ by 2e-5
+        torch.testing.assert_close(got.double(), want, atol=1e-5 * max(1.0, float(want.abs().max()) / 4), rtol=0)
     with pytest.raises(ValueError, match="tree='static' needs paths"):
         load(folder, tree="static", paths=[[0, 0]])
 
@@ -363,3 +383,20 @@ def test_vllm_eagle_export_refuses_an_fc_bias(tmp_path, target, capsys):
     message = capsys.readouterr().err
     assert "fc has a bias" in message and "vLLM 0.32" in message and str(head) in message
     assert not (tmp_path / "x").exists()
+
+
+def test_options_are_frozen_and_checked_in_one_place(folder):
+    import dataclasses
+
+    drafter = load(folder, top_k=4)
+    assert drafter.options == EagleOptions(top_k=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        drafter.options.top_k = 5
+    with pytest.raises(TypeError, match=r"unknown option \['no_such_option'\]"):
+        EagleDrafter(drafter.net, no_such_option=1)
+    with pytest.raises(TypeError, match="option 'depth' should be"):
+        EagleDrafter(drafter.net, depth="6")
+    with pytest.raises(ValueError, match="tree must be one of"):
+        EagleDrafter(drafter.net, tree="sequoia")
+    with pytest.raises(ValueError, match="trained drafter: give the folder"):
+        flashmm.wrap(tiny_lm("llama"), "eagle")
