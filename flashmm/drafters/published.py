@@ -97,7 +97,7 @@ def published_format(path) -> str | None:
     if "LlamaForCausalLMEagle3" in architectures or ("draft_vocab_size" in data
                                                      and data.get("num_hidden_layers") == 1):
         return "eagle3"
-    from .eagle import is_eagle_folder  # noqa: PLC0415 (eagle imports this module)
+    from .eagle import is_eagle_folder  # noqa: PLC0415 (eagle reads this module's weight readers)
 
     if is_eagle_folder(folder, data):     # the EAGLE repository's EAGLE-1/2 head (flashmm.drafters.eagle)
         return "eagle"
