@@ -235,6 +235,45 @@ def test_greedy_decoding_equals_generate(folder, target, options):
     assert sm.last_stats.drafted_tokens > 0
 
 
+def test_adaptive_drafts_decode_exactly_and_keep_the_best_paying_nodes(folder, target):
+    """adaptive=True: greedy decoding still equals generate, one row and a ragged batch (where drafts carrying
+    values may be cut to the batch's width); the head's evidence is primed so that its nodes pay. And the kept
+    nodes have the best rate of tokens per verify cost among every parent-closed set of the grown nodes
+    (brute force), on a tree with ties and probabilities capped at 1."""
+    import itertools
+
+    from flashmm.tree.dynamic import GrownTree
+
+    call = dict(max_new_tokens=14, do_sample=False)
+    ids, mask = prompt(11, seed=6), None
+    for ids, mask in ((ids, None), ragged_batch((12, 7), seed=7)):
+        drafter = load(folder, tree="dynamic", depth=3, top_k=3, adaptive=True)
+        drafter.evidence = [1000.0, 1.0]
+        sm = flashmm.wrap(target, drafter)
+        want = target.generate(ids, attention_mask=mask, eos_token_id=None, **call)
+        assert torch.equal(sm.generate(ids, attention_mask=mask, eos_token_id=[], **call), want)
+        assert sm.last_stats.drafted_tokens > 0
+
+    drafter = load(folder, adaptive=True)
+    drafter.evidence = [3.0, 4.0]                                       # calibration (3 + 2) / (4 + 2)
+    parents = [0, 0, 0, 1, 1, 2, 4, 4]                                   # 0 = root, j = node j - 1
+    probs = [0.9, 0.5, 0.05, 0.8, 0.1, 0.3, 0.7, 0.2]                    # each node's probability given its parent
+    scores = []
+    for parent, p in zip(parents, probs):
+        scores.append((scores[parent - 1] if parent else 0.0) + math.log(p))
+    grown = GrownTree(parents=parents, rows=list(range(len(parents))), scores=scores, expanded=0)
+    keep = drafter._best_paying(grown)
+    value = [min(1.0, 5 / 6 * math.exp(s)) for s in scores]
+
+    def rate(nodes):
+        return (1 + sum(value[i] for i in nodes)) / drafter.length.cost(len(nodes))
+
+    closed = [c for n in range(len(parents) + 1) for c in itertools.combinations(range(len(parents)), n)
+              if all(parents[i] == 0 or parents[i] - 1 in c for i in c)]
+    assert rate(keep) == pytest.approx(max(rate(c) for c in closed))
+    assert all(parents[i] == 0 or parents[i] - 1 in keep[:j] for j, i in enumerate(keep))   # parents first
+
+
 def test_wrapping_the_folder_by_path_decodes_exactly(folder, target):
     ids = prompt(8, seed=8)
     want = target.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)

@@ -19,6 +19,12 @@ the last one's output scoring the token after the root. Then:
   flashmm.tree.dynamic.grow_static; the first ``max_draft_tokens`` paths by (length, ranks) are kept.
 - ``tree="chain"``: the head's greedy chain of up to ``depth`` tokens.
 
+``adaptive=True`` verifies only the best-paying prefix of the grown nodes ranked by calibrated probability
+(each node's path probability times accepted / predicted so far), priced by the target's verify cost
+measured at bind (tree.cost.AdaptiveDraftLength, tree.trie.best_paying_prefix), as EAGLE-3's drafter does;
+unlike it, this drafter never pauses its own head passes. Its drafts carry ``values`` (those probabilities),
+so batched decoding may cut them to the batch's width.
+
 Sampling: every drafted token is a most likely token of the head's distribution softmax(lm_head(out)) at its
 parent (one of the ``top_k``; static: the rank its path names; chain: the argmax), chosen deterministically, so
 drafts carry
@@ -42,6 +48,7 @@ other than the target's (at bind, naming both values).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +58,11 @@ import torch
 from torch import nn
 
 from ..config import SamplingParams
+from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.token_tree import TokenTree
+from ..tree.trie import best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, blamed_on, load_weights, read_json
 from .head_base import committed_embeds
@@ -76,6 +85,7 @@ class EagleOptions(DrafterOptions):
     top_k: int = 8
     max_draft_tokens: int | None = None
     paths: Sequence[Sequence[int]] | None = None
+    adaptive: bool = False
 
     def __post_init__(self):
         check_choice(self, "tree", ("chain", "dynamic", "static"))
@@ -96,7 +106,8 @@ class EagleDrafter(Drafter):
     """net: an EagleNet. tree: "dynamic" (EAGLE-2), "static" (EAGLE-1's fixed tree of rank ``paths``) or
     "chain". depth: deepest drafted token ("dynamic", "chain"). top_k: children per expanded node and nodes
     expanded per depth ("dynamic"). max_draft_tokens: most drafted tokens per step (None: the engine's
-    SpecConfig.max_draft_tokens). paths: "static"'s rank paths. embedding: the head's own ``embed_tokens``
+    SpecConfig.max_draft_tokens). paths: "static"'s rank paths. adaptive: verify the best-paying prefix of
+    the tree only (see the module docstring). embedding: the head's own ``embed_tokens``
     [V, d] (None: the target's input embeddings). folder / verifier: where it was read from and the target its
     config names, for messages and ``info``. Options: EagleOptions, as keywords or ``options=``; ``net``,
     ``embedding``, ``folder`` and ``verifier`` are arguments of their own."""
@@ -122,6 +133,10 @@ class EagleDrafter(Drafter):
         self._embed = None                      # bind: the embedding table drafted tokens are read with
         self._lm_head = None                    # bind: the target's LM head module
         self._vocab = 0
+        self.adaptive, self.length = options.adaptive, AdaptiveDraftLength()
+        self.evidence = [0.0, 0.0]              # forgetting sums of accepted and predicted drafted tokens
+        self._values: list[float] = []          # adaptive: calibrated probability of each proposed node
+        self._calibration, self._predicted = 1.0, 0.0
         self._reset()
 
     @classmethod
@@ -130,6 +145,9 @@ class EagleDrafter(Drafter):
         return load_eagle_checkpoint(path, **options)
 
     # ------------------------------------------------------------------ protocol
+    def cost_models(self) -> list:
+        return [self.length] if self.adaptive else []
+
     def bind(self, target) -> None:
         cfg = self.net.cfg
         wrong = [(what, ours, theirs) for what, ours, theirs in (
@@ -140,6 +158,8 @@ class EagleDrafter(Drafter):
             raise ValueError(f"{where} {LAYOUT} head does not fit the target: " + "; ".join(
                 f"{what}: drafter {ours}, target {theirs}" for what, ours, theirs in wrong)
                 + "; use the head trained for this target")
+        if self.adaptive and self.budget == "auto":
+            self.cost_source = price_with_target(target, self.cost_models())
         self._lm_head = target.output_embeddings()
         self._vocab = target.vocab_size
         table = target.input_embeddings()
@@ -171,6 +191,15 @@ class EagleDrafter(Drafter):
         if step.hidden_states is None:
             raise RuntimeError("EagleDrafter needs the target's features at the accepted nodes")
         self._pending = torch.cat([self._pending, step.hidden_states[0]], dim=0)
+        if self._predicted:
+            self.evidence = [0.95 * self.evidence[0] + step.accepted_len, 0.95 * self.evidence[1] + self._predicted]
+        else:
+            self.evidence = [0.995 * e for e in self.evidence]
+        self._predicted = 0.0
+
+    def cut(self, draft: Draft, nodes: int) -> Draft:
+        self._predicted = sum(self._values[: nodes - 1]) / self._calibration
+        return draft.head(nodes)
 
     @torch.no_grad()
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
@@ -182,11 +211,30 @@ class EagleDrafter(Drafter):
         if budget <= 0:
             return root_only(committed)
         grown = self.grow(committed, budget)
-        if not grown.rows:
+        keep = self._best_paying(grown) if self.adaptive else list(range(len(grown.rows)))
+        if not keep:
             return root_only(committed)
-        tokens = torch.tensor([grown.rows], dtype=committed.dtype, device=committed.device)
-        return Draft(tokens=torch.cat([committed[:, -1:], tokens], dim=1),
-                     tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)
+        node_of = {-1: 0, **{kept: j + 1 for j, kept in enumerate(keep)}}
+        tokens = torch.tensor([[grown.rows[i] for i in keep]], dtype=committed.dtype, device=committed.device)
+        parents = [-1] + [node_of[grown.parents[i] - 1] for i in keep]     # grown.parents: 0 = root, j = row j - 1
+        draft = Draft(tokens=torch.cat([committed[:, -1:], tokens], dim=1), tree=TokenTree.from_parents(parents),
+                      q_probs=None)
+        if self.adaptive:
+            draft.values = torch.tensor([1.0] + self._values)
+        return draft
+
+    def _best_paying(self, grown: GrownTree) -> list[int]:
+        """Adaptive drafting: the grown nodes worth verifying (indices into grown.rows, best first, each after
+        its parent): the prefix of the nodes ranked by calibrated path probability with the most tokens per
+        unit of verify time (a child never outranks its parent: its path probability is at most its parent's,
+        and ties keep the parent, grown first)."""
+        self._calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
+        values = [min(1.0, self._calibration * math.exp(score)) for score in grown.scores]
+        order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+        keep = order[: best_paying_prefix([values[i] for i in order], self.length.cost)]
+        self._values = [values[i] for i in keep]
+        self._predicted = sum(self._values) / self._calibration
+        return keep
 
     # ------------------------------------------------------------------ the head
     def logits(self, out: torch.Tensor) -> torch.Tensor:
