@@ -7,6 +7,7 @@ from .dflash import DFlash
 from .dflash2 import DFlash2
 from .draft_model import DraftModel
 from .dspark import DSpark
+from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter
 from .fastdraft import FastDraft
 from .files import DrafterFileError
@@ -32,5 +33,5 @@ from .specdecpp import SpecDecPP
 from .speculators_mtp import SpeculatorsMTP
 
 __all__ = ["CrossTokenizerDraft", "DFlash", "DFlash2", "DSpark", "PEagle", "Drafter", "SequenceStart", "StepResult", "drafter_names", "make_drafter", "register",
-           "DraftModel", "DrafterFileError", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP", "SpeculatorsMTP",
+           "DraftModel", "DrafterFileError", "EagleDrafter", "Eagle3Drafter", "FastDraft", "FlashDrafter", "Hydra", "Medusa", "MTP", "NativeMTP", "load", "Lookahead", "PromptLookup", "Rest", "SuffixDecoding", "TokenRecycling", "SpecDecPP", "SpeculatorsMTP",
            "HorizontalCascade", "VerticalCascade", "OnlineSD", "Pard", "S2D"]

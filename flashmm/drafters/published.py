@@ -73,8 +73,9 @@ def published_format(path) -> str | None:
     repository's / SpecForge's / SGLang's EAGLE-3 head: ``draft_vocab_size`` with one layer, or
     architectures ``LlamaForCausalLMEagle3``), "medusa" (``medusa_num_heads``), "hydra" (``hydra_num_heads``),
     "pard" (AMD's PARD drafts: a causal LM's config with ``pard_token``; flashmm.drafters.published_pard refuses
-    one that is not a transformers causal LM or is PARD-2, saying why); None for anything else (no config.json,
-    or a flashmm folder with drafter.json)."""
+    one that is not a transformers causal LM or is PARD-2, saying why), "eagle" (the EAGLE repository's EAGLE-1/2
+    head: one layer, no ``draft_vocab_size``, weights ``fc.weight`` and ``layers.0.*``; flashmm.drafters.eagle);
+    None for anything else (no config.json, or a flashmm folder with drafter.json)."""
     folder = Path(path)
     if not (folder / CONFIG_FILE).is_file() or (folder / "drafter.json").is_file():
         return None
@@ -91,6 +92,10 @@ def published_format(path) -> str | None:
     if "LlamaForCausalLMEagle3" in architectures or ("draft_vocab_size" in data
                                                      and data.get("num_hidden_layers") == 1):
         return "eagle3"
+    from .eagle import is_eagle_folder  # noqa: PLC0415 (eagle reads this module's weight readers)
+
+    if is_eagle_folder(folder, data):     # the EAGLE repository's EAGLE-1/2 head (flashmm.drafters.eagle)
+        return "eagle"
     return None
 
 
@@ -100,10 +105,11 @@ def load_published(path, **options):
     from .published_eagle3 import load_eagle3_checkpoint  # noqa: PLC0415 (those modules import this one)
     from .published_heads import load_hydra, load_medusa  # noqa: PLC0415
     from .published_pard import load_pard  # noqa: PLC0415
+    from .eagle import load_eagle_checkpoint  # noqa: PLC0415
 
     kind = published_format(path)
     readers = {"speculators": load_speculators, "eagle3": load_eagle3_checkpoint, "medusa": load_medusa,
-               "hydra": load_hydra, "pard": load_pard}
+               "hydra": load_hydra, "pard": load_pard, "eagle": load_eagle_checkpoint}
     if kind is None:
         raise FileNotFoundError(f"{path} holds no published drafter flashmm reads (a config.json of vLLM "
                                 "speculators, an EAGLE-3 head of the EAGLE repository / SpecForge / SGLang, Medusa-1, "
