@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.scylla_scaling import SHIPPED, best_chain, break_even_alpha, expected_tokens, fit_loglinear, predict_alpha
+from eval.scylla_fit import SHIPPED, best_chain, break_even_alpha, expected_tokens, fit_loglinear, predict_alpha
 
 def per_size_slopes(runs: list[dict]) -> dict:
     """Per shape, the slope of alpha against ln D alone: the additive law assumes one slope for all."""

@@ -19,7 +19,8 @@ import flashmm
 from flashmm.drafters import DrafterFileError, load
 from flashmm.drafters.base import SequenceStart
 from flashmm.drafters.eagle import EagleDrafter, EagleOptions
-from flashmm.drafters.published import UnsupportedDrafterFormat, published_format
+from flashmm.drafters.formats import published_format
+from flashmm.drafters.published import UnsupportedDrafterFormat
 from flashmm.targets import CausalLMTarget
 
 from text_models import prompt, ragged_batch, tiny_lm

@@ -15,7 +15,8 @@ import flashmm
 from flashmm.config import SamplingParams
 from flashmm.drafters import Pard, load
 from flashmm.drafters.files import DrafterFileError
-from flashmm.drafters.published import UnsupportedDrafterFormat, published_format
+from flashmm.drafters.formats import published_format
+from flashmm.drafters.published import UnsupportedDrafterFormat
 from flashmm.drafters.published_pard import DEFAULT_DEPTH, PublishedPard
 from flashmm.sampling import warp_logits
 from flashmm.targets import CausalLMTarget

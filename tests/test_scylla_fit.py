@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from eval.draft_acceptance import greedy_tau
-from eval.scylla_scaling import (best_chain, break_even_alpha, expected_tokens, fit_loglinear, nested_subset, parse_grid,
-                                 predict_alpha, speedup, split_records)
+from eval.scylla_fit import best_chain, break_even_alpha, expected_tokens, fit_loglinear, predict_alpha, speedup
+from eval.scylla_scaling import nested_subset, parse_grid, split_records
 
 A, B, C = -0.9, 0.021, 0.047  # coefficients of the synthetic law
 

@@ -68,6 +68,7 @@ from .files import DrafterFileError, blamed_on, load_weights, read_json
 from .head_base import committed_embeds
 from .nets.eagle_net import EagleConfig, EagleNet
 from .options import DrafterOptions, check_at_least, check_choice
+from .published import UnsupportedDrafterFormat, read_weights
 
 EAGLE_COMMIT = "cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b"
 LAYOUT = "EAGLE-1/2 (EAGLE repository)"
@@ -325,8 +326,6 @@ def is_eagle_folder(folder, config: dict) -> bool:
 
 
 def _refuse(config_path: Path, what: str, value, why: str):
-    from .published import UnsupportedDrafterFormat  # noqa: PLC0415 (published dispatches to this module)
-
     return UnsupportedDrafterFormat(f"{config_path}: {what} is {value!r}; flashmm's EAGLE-1/2 head cannot run "
                                     f"it ({why})")
 
@@ -359,8 +358,6 @@ def load_eagle_checkpoint(path, **options) -> EagleDrafter:
     """An EagleDrafter from the EAGLE repository's EAGLE-1/2 folder ``path``; ``options`` go to EagleDrafter.
     UnsupportedDrafterFormat for a variant flashmm cannot run, DrafterFileError naming the file for a
     malformed one (a pickle that is not plain tensors among them)."""
-    from .published import read_weights  # noqa: PLC0415
-
     folder = Path(path)
     config_path = folder / CONFIG_FILE
     config = read_json(config_path)

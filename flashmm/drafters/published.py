@@ -7,7 +7,8 @@ A speculators folder holds ``config.json`` with ``speculators_model_type`` (the 
 sharded ``model.safetensors.index.json``, or ``pytorch_model.bin`` read with ``weights_only=True``).
 One function per algorithm reads it: eagle3 here, dflash / dflash2 / dspark / peagle / mtp by their drafters
 (flashmm.drafters.dflash, .dflash2, .dspark, .peagle, .speculators_mtp, each naming the speculators 0.9.0 files
-it follows); an algorithm flashmm has no drafter for (xpress) is refused by name.
+it follows); flashmm.drafters.formats tells which layout a folder holds and calls its reader. This module
+holds what those readers share (the weights' readers, UnsupportedDrafterFormat) and speculators' EAGLE-3.
 
 Followed: speculators 0.9.0 (the PyPI wheel; it records no git commit, and its models/eagle3/config.py,
 core.py and model_definitions.py are byte-identical to commit c05b95b303f7d4f21e8d7624e0ffa1c2d9b4d73b,
@@ -46,117 +47,11 @@ from .nets.eagle3_net import Eagle3Config, Eagle3Net
 
 SPECULATORS_VERSION = "0.9.0"
 CONFIG_FILE = "config.json"
-#: the speculators algorithms flashmm reads (eagle3 here, the others by their drafters' modules)
-SPECULATORS_READ = ("eagle3", "dflash", "dflash2", "dspark", "peagle", "mtp")
-#: speculators algorithms flashmm has no drafter for yet, with what each one is
-NO_DRAFTER_YET = {
-    "xpress": "XPress's drafter",
-}
 _IGNORED_KEYS = ("verifier_lm_head.weight", "verifier_norm.weight")   # training-only copies of the verifier's
 
 
 class UnsupportedDrafterFormat(ValueError):
     """A published drafter whose algorithm (or variant of it) flashmm cannot run exactly."""
-
-
-def is_speculators_folder(path) -> bool:
-    """Whether folder ``path`` holds a speculators checkpoint (config.json naming its speculators type)."""
-    config = Path(path) / CONFIG_FILE
-    if not config.is_file():
-        return False
-    data = read_json(config)
-    return "speculators_model_type" in data or "speculators_config" in data
-
-
-def published_format(path) -> str | None:
-    """The published layout folder ``path`` holds, from its config.json: "speculators", "eagle3" (the EAGLE
-    repository's / SpecForge's / SGLang's EAGLE-3 head: ``draft_vocab_size`` with one layer, or
-    architectures ``LlamaForCausalLMEagle3``), "medusa" (``medusa_num_heads``), "hydra" (``hydra_num_heads``),
-    "pard" (AMD's PARD drafts: a causal LM's config with ``pard_token``; flashmm.drafters.published_pard refuses
-    one that is not a transformers causal LM or is PARD-2, saying why), "eagle" (the EAGLE repository's EAGLE-1/2
-    head: one layer, no ``draft_vocab_size``, weights ``fc.weight`` and ``layers.0.*``; flashmm.drafters.eagle);
-    None for anything else (no config.json, or a flashmm folder with drafter.json)."""
-    folder = Path(path)
-    if not (folder / CONFIG_FILE).is_file() or (folder / "drafter.json").is_file():
-        return None
-    data = read_json(folder / CONFIG_FILE)
-    if "speculators_model_type" in data or "speculators_config" in data:
-        return "speculators"
-    if "medusa_num_heads" in data:
-        return "medusa"
-    if "hydra_num_heads" in data or "hydra_head_arch" in data:
-        return "hydra"
-    if "pard_token" in data:
-        return "pard"
-    architectures = data.get("architectures") or []
-    if "LlamaForCausalLMEagle3" in architectures or ("draft_vocab_size" in data
-                                                     and data.get("num_hidden_layers") == 1):
-        return "eagle3"
-    from .eagle import is_eagle_folder  # noqa: PLC0415 (eagle reads this module's weight readers)
-
-    if is_eagle_folder(folder, data):     # the EAGLE repository's EAGLE-1/2 head (flashmm.drafters.eagle)
-        return "eagle"
-    return None
-
-
-def load_published(path, **options):
-    """The flashmm drafter for the published folder ``path`` (see ``published_format``); ``options`` go to
-    its constructor."""
-    from .published_eagle3 import load_eagle3_checkpoint  # noqa: PLC0415 (those modules import this one)
-    from .published_heads import load_hydra, load_medusa  # noqa: PLC0415
-    from .published_pard import load_pard  # noqa: PLC0415
-    from .eagle import load_eagle_checkpoint  # noqa: PLC0415
-
-    kind = published_format(path)
-    readers = {"speculators": load_speculators, "eagle3": load_eagle3_checkpoint, "medusa": load_medusa,
-               "hydra": load_hydra, "pard": load_pard, "eagle": load_eagle_checkpoint}
-    if kind is None:
-        raise FileNotFoundError(f"{path} holds no published drafter flashmm reads (a config.json of vLLM "
-                                "speculators, an EAGLE-3 head of the EAGLE repository / SpecForge / SGLang, Medusa-1, "
-                                "a PARD draft)")
-    return readers[kind](path, **options)
-
-
-def load_speculators(path, **options):
-    """The flashmm drafter for the speculators checkpoint in folder ``path``; ``options`` go to its
-    constructor (EAGLE-3: tree, depth, top_k, ...). UnsupportedDrafterFormat for an algorithm flashmm has
-    no drafter for, DrafterFileError naming the file for a malformed one."""
-    folder = Path(path)
-    config_path = folder / CONFIG_FILE
-    config = read_json(config_path)
-    section = config.get("speculators_config") or {}
-    algorithm = config.get("speculators_model_type")
-    if algorithm is None and isinstance(section, dict):
-        algorithm = section.get("algorithm")
-    if not isinstance(algorithm, str):
-        raise DrafterFileError(config_path, "names no speculators_model_type (nor speculators_config.algorithm)")
-    if algorithm == "eagle3":
-        return eagle3_from_speculators(folder, config, **options)
-    if algorithm == "dflash":
-        from .dflash import DFlash  # noqa: PLC0415
-
-        return DFlash.from_speculators(folder, **options)
-    if algorithm == "dflash2":
-        from .dflash2 import DFlash2  # noqa: PLC0415
-
-        return DFlash2.from_speculators(folder, **options)
-    if algorithm == "dspark":
-        from .dspark import DSpark  # noqa: PLC0415
-
-        return DSpark.from_speculators(folder, **options)
-    if algorithm == "peagle":
-        from .peagle import PEagle  # noqa: PLC0415 (peagle imports this module)
-
-        return PEagle.from_speculators(folder, config, **options)
-    if algorithm == "mtp":
-        from .speculators_mtp import SpeculatorsMTP  # noqa: PLC0415 (speculators_mtp imports this module)
-
-        return SpeculatorsMTP.from_speculators(folder, config, **options)
-    what = NO_DRAFTER_YET.get(algorithm, "an algorithm speculators added after 0.9.0")
-    raise UnsupportedDrafterFormat(
-        f"{folder}: a speculators {algorithm!r} drafter ({what}); flashmm has no {algorithm} method yet. "
-        f"flashmm reads speculators' {', '.join(map(repr, SPECULATORS_READ))} checkpoints (speculators "
-        f"{SPECULATORS_VERSION})")
 
 
 def head_embedding_and_vocab(state: dict[str, torch.Tensor], cfg, where: str) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from .files import DrafterFileError, refuse_renamed
 from .flash import CONFIG_NAME as FLASH_CONFIG_NAME
 from .flash import FlashDrafter
 from .flash import read_config as read_flash_config
-from .published import load_published, published_format
+from .formats import load_published, published_format
 from .saved import CONFIG_FILE, read_info
 
 TRAINING_FILES = ("flash_build_info.json",)  # written by flashmm's reference drafter builds
@@ -24,7 +24,7 @@ def load(path, **options) -> Drafter:
     (e.g. ``max_draft_tokens=6``). A FLASH folder (flash_config.json, with or without drafter.json) is read by
     FlashDrafter.from_dir. A folder in vLLM speculators' layout (config.json naming a
     ``speculators_model_type``, no drafter.json) and the other published layouts (EAGLE-3 heads of the EAGLE
-    repository / SpecForge / SGLang, Medusa-1 heads, AMD's PARD drafts) are read by flashmm.drafters.published."""
+    repository / SpecForge / SGLang, Medusa-1 heads, AMD's PARD drafts) are read by flashmm.drafters.formats."""
     refuse_renamed(options, f"flashmm.drafters.load({str(path)!r})")
     if published_format(path) is not None:
         return load_published(path, **options)
