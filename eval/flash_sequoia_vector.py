@@ -11,12 +11,12 @@ the FLASH drafter's W most likely tokens at depths 1..D after it. accept[r] = th
 (position, depth) pairs — counted where the target's tokens at the shallower depths were all within
 the top W, so that the node exists in a full top-W tree — at which the target's token is the r-th
 choice. Also per depth: the same rates, and the mean top-1 probability beside the top-1 hit rate
-(how well FLASH's own probabilities, which ``budget="auto"`` prices dynamic trees with, are
+(how well FLASH's own probabilities, which ``pricing="measured"`` prices dynamic trees with, are
 calibrated), and the calibration power γ: the maximum-likelihood fit of P(node accepted | parent
 accepted) = q^γ over every top-W node of those pairs (q: its draft probability; a power keeps the
 best-first order and multiplies along a path). ``--save`` writes both into the drafter's
 flash_config.json ("drafting": {"accept": ..., "calibration": γ}); the drafter uses the vector with
-tree="sequoia" and γ with budget="auto".
+tree="sequoia" and γ with pricing="measured".
 """
 from __future__ import annotations
 

@@ -425,13 +425,13 @@ def main(argv=None):
                      "its visual-unit layer was trained on the learned compressor's outputs).")
     if "flash_auto" in wanted:
         drafters["flash_auto"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "tree": "dynamic",
-                                                             "budget": "auto", "max_draft_tokens": None})
-        notes.append("flash_auto = the FLASH drafter's dynamic tree with budget='auto': each step keeps the "
+                                                             "pricing": "measured", "max_draft_tokens": None})
+        notes.append("flash_auto = the FLASH drafter's dynamic tree with pricing='measured': each step keeps the "
                      "prefix of its best-first nodes maximising (1 + Σ path probabilities) / (t(n)/t(1)), t the "
                      f"target's measured verify time, up to max_draft_tokens={args.max_draft_tokens}.")
     if "flash_sequoia" in wanted and flash.accept:
         drafters["flash_sequoia"] = FlashDrafter(flash.net, **{**flash.drafting_options(), "tree": "sequoia",
-                                                                "budget": "auto", "max_draft_tokens": None})
+                                                                "pricing": "measured", "max_draft_tokens": None})
         notes.append("flash_sequoia = the Sequoia tree of the FLASH drafter's positional acceptance vector "
                      f"(accept = {', '.join(f'{a:.3f}' for a in flash.accept[:4])}, ...: "
                      "eval/flash_sequoia_vector.py, held-out seeds) with the node count maximising expected "

@@ -31,7 +31,7 @@ def free_lookup() -> PromptLookup:
     """Prompt lookup whose drafts always pay: priced by FREE constants, never by this machine's
     measured verify cost (which a loaded machine can make steep enough that nothing is drafted)."""
     lookup = PromptLookup(length=AdaptiveDraftLength(**FREE))
-    lookup.budget = "constants"
+    lookup.pricing = "constants"
     return lookup
 EXACT_TRIALS = 800  # 64 cells, the rare ones pooled (stats_utils)
 
@@ -65,11 +65,11 @@ class ForwardCounter:
 
 def cascades(draft):
     return {
-        "vertical": VerticalCascade(DraftModel(draft, budget="constants"), budget="constants"),
-        "horizontal": HorizontalCascade(DraftModel(draft, max_draft_tokens=3, budget="constants"), budget="constants"),
+        "vertical": VerticalCascade(DraftModel(draft, pricing="constants"), pricing="constants"),
+        "horizontal": HorizontalCascade(DraftModel(draft, max_draft_tokens=3, pricing="constants"), pricing="constants"),
         "horizontal_free_tail": HorizontalCascade(DraftModel(draft, max_draft_tokens=2, adaptive=False),
                                                   free_lookup(),
-                                                  length=AdaptiveDraftLength(**FREE), budget="constants"),
+                                                  length=AdaptiveDraftLength(**FREE), pricing="constants"),
     }
 
 
@@ -116,7 +116,7 @@ def test_vertical_chain_is_the_draft_lms_own_in_fewer_forwards(target, drafts, a
     greedy = SamplingParams()
     alone = DraftModel(draft, max_draft_tokens=8, adaptive=False)
     cascaded = VerticalCascade(DraftModel(draft, max_draft_tokens=8, adaptive=False),
-                               free_lookup(), budget="constants")
+                               free_lookup(), pricing="constants")
     counter = ForwardCounter(draft)
     forwards = {}
     for name, drafter in (("alone", alone), ("cascade", cascaded)):
@@ -140,9 +140,9 @@ def test_vertical_drafts_what_its_draft_model_drafts(target, drafts):
     can price every guess out): the cascade and its DraftModel alone make the same steps (drafted,
     accepted), the cascade in fewer draft forwards."""
     stats, forwards = {}, {}
-    for name, make in (("alone", lambda d: d), ("cascade", lambda d: VerticalCascade(d, budget="constants"))):
+    for name, make in (("alone", lambda d: d), ("cascade", lambda d: VerticalCascade(d, pricing="constants"))):
         counter = ForwardCounter(drafts[0])
-        sm = flashmm.wrap(target, make(DraftModel(drafts[0], budget="constants")))
+        sm = flashmm.wrap(target, make(DraftModel(drafts[0], pricing="constants")))
         counter.calls = 0  # not the cost measurement at wrap
         out = sm.generate(repetitive(12, 1), max_new_tokens=MAX_NEW, eos_token_id=[])
         counter.handle.remove()
@@ -185,7 +185,7 @@ def last_two_histogram(sm, prompt: torch.Tensor, new_tokens: int, trials: int) -
 
 def vertical_sampled(draft):
     return VerticalCascade(DraftModel(draft, max_draft_tokens=2, adaptive=False),
-                           free_lookup(), budget="constants")
+                           free_lookup(), pricing="constants")
 
 
 def test_vertical_sampling_lossless_and_bias_detected(sampling_models, monkeypatch):  # noqa: F811
@@ -223,7 +223,7 @@ def test_vertical_q_rows_are_the_draft_lms_processed_distributions(target, draft
     sampling = SamplingParams(do_sample=True, processors=LogitsProcessorList(
         [BoostByLength(), TemperatureLogitsWarper(0.9)]))
     drafter = VerticalCascade(DraftModel(draft, max_draft_tokens=6, adaptive=False),
-                              free_lookup(), budget="constants")
+                              free_lookup(), pricing="constants")
     drafter.begin(None)
     committed = target.generate(repetitive(12, 1), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
     g = torch.Generator().manual_seed(0)
@@ -243,7 +243,7 @@ def horizontal_sampled(draft):
     """One sampled draft-LM token, then a lookup tail with a one-hot q (always drafted)."""
     return HorizontalCascade(DraftModel(draft, max_draft_tokens=1, adaptive=False),
                              free_lookup(),
-                             length=AdaptiveDraftLength(**FREE), budget="constants")
+                             length=AdaptiveDraftLength(**FREE), pricing="constants")
 
 
 def test_horizontal_sampling_lossless_and_bias_detected(sampling_models, monkeypatch):  # noqa: F811
@@ -281,7 +281,7 @@ def test_merged_q_one_hot_rows_for_the_deterministic_part():
 # -------------------------------------------------------------------------------- the tail's length
 
 def test_tail_stops_when_it_does_not_pay():
-    drafter = HorizontalCascade(PromptLookup(), PromptLookup(), budget="constants")
+    drafter = HorizontalCascade(PromptLookup(), PromptLookup(), pricing="constants")
     drafter.head_rate.accepted, drafter.tail_rate.accepted = 50.0, 50.0   # both accepted almost always
     assert drafter.tail_room(2, 6) == 6
     drafter.head_rate.accepted, drafter.head_rate.rejected = 0.0, 50.0    # the head is almost always rejected
@@ -294,7 +294,7 @@ def test_tail_stops_when_it_does_not_pay():
 def test_parts_observe_their_own_tokens(target, drafts):
     first = DraftModel(drafts[1], max_draft_tokens=2, adaptive=False)
     drafter = HorizontalCascade(first, free_lookup(),
-                                length=AdaptiveDraftLength(**FREE), budget="constants")
+                                length=AdaptiveDraftLength(**FREE), pricing="constants")
     seen = []
     original = PromptLookup.observe
     drafter.second.observe = lambda step: seen.append((step.accepted_len, step.path.tolist())) or original(
@@ -357,6 +357,6 @@ class TwoGuesses(Drafter):
 
 def test_tree_drafting_part_refused_when_it_drafts(target, drafts):
     sm = flashmm.wrap(target, HorizontalCascade(DraftModel(drafts[0], max_draft_tokens=2, adaptive=False),
-                                                TwoGuesses(), length=AdaptiveDraftLength(**FREE), budget="constants"))
+                                                TwoGuesses(), length=AdaptiveDraftLength(**FREE), pricing="constants"))
     with pytest.raises(ValueError, match="returned a tree"):
         sm.generate(repetitive(12, 1), max_new_tokens=MAX_NEW, eos_token_id=[])

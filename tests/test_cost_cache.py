@@ -3,7 +3,7 @@ warning, an entry that is damaged (a key missing, NaN) or another machine's is m
 overwritten, the entry's key names the machine, and in each case ``wrap`` works and drafting happens.
 
 The timing itself (flashmm.targets.verify_cost._measure) is replaced by a counting stand-in with a fixed,
-cheap cost curve, so each test sees exactly when a measurement runs; tests/test_budget.py times real
+cheap cost curve, so each test sees exactly when a measurement runs; tests/test_pricing.py times real
 forwards."""
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ from flashmm.drafters.nets.medusa_net import MedusaHeads
 
 
 @pytest.mark.parametrize("old,new", [("max_nodes", "max_draft_tokens"), ("tree_nodes", "tree='static'"),
-                                     ("max_lookup_tokens", "lookup_tokens"), ("max_first_tokens", "first_tokens")])
+                                     ("max_lookup_tokens", "lookup_tokens"), ("max_first_tokens", "first_tokens"),
+                                     ("budget", "pricing")])
 def test_wrap_refuses_old_spellings(old, new):
     with pytest.raises(TypeError, match=f"flashmm.wrap: option '{old}' was renamed: use {new}"):
         flashmm.wrap(torch.nn.Linear(2, 2), "prompt_lookup", **{old: 4})
@@ -44,6 +45,60 @@ def test_drafter_json_with_an_old_spelling_is_refused_naming_the_file(tmp_path):
     (folder / "drafter.json").write_text(json.dumps(info))
     drafter = load(folder)
     assert (drafter.tree, drafter.max_draft_tokens) == ("static", 4)
+
+
+def test_budget_is_refused_naming_pricing_where_it_was_an_option():
+    """``budget`` ("auto" / "constants"; FLASH's "fixed" / "auto") is now ``pricing`` ("measured" / "constants";
+    FLASH's "none" / "measured"): the old name is refused, naming the new one and its values, by every drafter
+    that took it; the old values under the new name are refused naming their new spelling."""
+    from flashmm.drafters import DraftModel, FlashDrafter
+    from flashmm.drafters.cascade import HorizontalCascade, VerticalCascade
+    from text_models import tiny_lm
+
+    lm = tiny_lm("llama", seed=0)
+    renamed = r"option 'budget' was renamed: use pricing \(budget='auto' is pricing='measured', 'constants' stays"
+    with pytest.raises(TypeError, match=f"flashmm.wrap: {renamed}"):
+        flashmm.wrap(lm, DraftModel(lm), budget="auto")
+    for make, owner in ((lambda **o: DraftModel(lm, **o), "DraftModel"),
+                        (lambda **o: VerticalCascade(DraftModel(lm), **o), "VerticalCascade"),
+                        (lambda **o: HorizontalCascade(DraftModel(lm), **o), "HorizontalCascade"),
+                        (lambda **o: FlashDrafter(None, **o), "FlashDrafter")):
+        with pytest.raises(TypeError, match=f"{owner}: {renamed}"):
+            make(budget="constants")
+    with pytest.raises(TypeError, match="FlashDrafter: option 'budget' was renamed: .*FLASH's budget='fixed' is "
+                                        "pricing='none'"):
+        FlashDrafter(None, budget="fixed")
+    with pytest.raises(ValueError, match=r"pricing must be one of \['measured', 'constants'\], got 'auto' "
+                                         r"\(budget='auto' is now pricing='measured'\)"):
+        DraftModel(lm, pricing="auto")
+    with pytest.raises(ValueError, match=r"pricing must be one of \['none', 'measured'\], got 'fixed' "
+                                         r"\(budget='fixed' is now pricing='none'\)"):
+        FlashDrafter(None, pricing="fixed")
+    assert DraftModel(lm, pricing="constants").pricing == "constants" and DraftModel(lm).pricing == "measured"
+    assert FlashDrafter(None).pricing == "none"
+
+
+def test_flash_config_with_budget_is_refused_naming_pricing(tmp_path):
+    """A FLASH folder whose flash_config.json 'drafting' section still says ``budget`` is refused, naming the
+    file and ``pricing``; the same folder with ``pricing`` loads with it."""
+    from flashmm.drafters import FlashDrafter
+    from text_models import tiny_lm
+
+    folder = tmp_path / "flash"
+    FlashDrafter.from_target(tiny_lm("llama", seed=0), num_queries=4, tokens_per_step=5, seed=0,
+                             pricing="measured").save_pretrained(folder)
+    config = folder / "flash_config.json"
+    meta = json.loads(config.read_text())
+    assert meta["drafting"]["pricing"] == "measured" and "budget" not in meta["drafting"]
+    meta["drafting"]["budget"] = meta["drafting"].pop("pricing").replace("measured", "auto")
+    config.write_text(json.dumps(meta))
+    with pytest.raises(DrafterFileError, match=r"flash_config.json: 'drafting': option 'budget' was renamed: use pricing"):
+        load(folder)
+    with pytest.raises(DrafterFileError, match="option 'budget' was renamed: use pricing"):
+        FlashDrafter.from_pretrained(folder)
+    meta["drafting"]["pricing"] = "measured" if meta["drafting"].pop("budget") == "auto" else "none"
+    config.write_text(json.dumps(meta))
+    assert load(folder).pricing == "measured" and load(folder, pricing="none").pricing == "none"
 
 
 def test_old_spellings_are_refused_even_where_unknown_keys_pass(tmp_path):

@@ -276,7 +276,7 @@ def test_budget_keeps_the_best_paying_prefix_and_stays_exact():
     target = tiny_lm("llama", seed=0)
     net = head_for(target, list(range(3, VOCAB)), seed=1)
     drafter = Eagle3Drafter(net, tree="dynamic", depth=3, top_k=3)
-    drafter.budget = "constants"  # the constants' prices, not this machine's timing of a tiny model
+    drafter.pricing = "constants"  # the constants' prices, not this machine's timing of a tiny model
     sm = flashmm.wrap(target, drafter)
     ids = prompt(9, seed=2)
     assert torch.equal(sm.generate(ids, max_new_tokens=20, eos_token_id=[]),

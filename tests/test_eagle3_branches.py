@@ -97,7 +97,7 @@ def test_lookup_chain_merges_into_the_heads_tree_and_drafts_alone_while_the_head
     target = tiny_lm("llama", seed=0)
     net = head_for(target, list(range(3, VOCAB)), seed=1)
     drafter = Eagle3Drafter(net, tree="dynamic", depth=3, top_k=3, lookup="ngram")
-    drafter.budget = "constants"
+    drafter.pricing = "constants"
     flashmm.wrap(target, drafter)                                       # binds
     ids = net.draft_to_target.tolist()
     a, b, c = ids[10], ids[11], ids[12]
@@ -120,7 +120,7 @@ def test_lookup_and_context_vocabulary_stay_greedy_exact(lookup):
     target = tiny_lm("llama", seed=0)
     _, small = twin_heads(target, list(range(3, VOCAB, 2)))
     drafter = recorded(Eagle3Drafter(small, tree="dynamic", depth=3, top_k=3, lookup=lookup, context_vocab=True))
-    drafter.budget = "constants"
+    drafter.pricing = "constants"
     sm = flashmm.wrap(target, drafter)
     for seed in (0, 1):
         ids = prompt(6, seed=seed).repeat(1, 4)              # repeats: the lookup finds chains
@@ -138,14 +138,14 @@ def test_sampling_with_lookup_and_context_vocabulary_keeps_the_target_distributi
     target, _ = models
     _, small = twin_heads(target, [3, 5, 6])      # the prompt adds the other ids
     drafter = recorded(Eagle3Drafter(small, tree="dynamic", depth=2, top_k=2, lookup="ngram", context_vocab=True))
-    drafter.budget = "constants"
+    drafter.pricing = "constants"
     sm = flashmm.wrap(target, drafter)
     joint = exact_joint(target, LOOKUP_PROMPT)
     p = chi_square_pvalue(histogram(sm, LOOKUP_PROMPT), joint)
     assert p > 1e-3, f"sampled output deviates from the target distribution (p = {p:.2e})"
     assert sum(False in head[1:] for _, _, head in drafter.drafts) > len(drafter.drafts) / 2   # chains drafted
     biased = ClaimsSampled(small, tree="dynamic", depth=2, top_k=2, lookup="ngram", context_vocab=True)
-    biased.budget = "constants"
+    biased.pricing = "constants"
     biased_sm = flashmm.wrap(target, biased)
     counts = torch.zeros(8, 8)
     g = torch.Generator().manual_seed(99)

@@ -208,7 +208,7 @@ def test_shipped_draft_is_exact_on_smollm2(smollm2, folder):
     if not (SHIPPED / folder / "drafter.json").exists():
         pytest.skip(f"{folder} is not built (python -m tools.drafters.build_draft_lm)")
     model, tokenizer = smollm2
-    drafter = load(SHIPPED / folder, budget="constants")  # exactness only: skip timing the target
+    drafter = load(SHIPPED / folder, pricing="constants")  # exactness only: skip timing the target
     method = folder.removesuffix("_scratch")  # fastdraft_scratch: FastDraft trained from noise
     assert drafter.info["method"] == method and drafter.info["target"]["vocab_size"] == model.config.vocab_size
     ids = chat_prompt(tokenizer, "List three primary colours.")

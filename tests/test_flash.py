@@ -390,7 +390,7 @@ def test_draft_vocab_is_lossless_and_only_drafts_its_tokens(text_target, k):
                                         (dict(top_k=0), "top_k"), (dict(draft_vocab=[]), "draft_vocab"),
                                         (dict(draft_vocab=[-1, 2]), "draft_vocab"),
                                         (dict(pool_spans=0), "pool_spans"), (dict(tree="sequoia"), "accept"),
-                                        (dict(accept=[0.7, 0.5]), "accept"), (dict(budget="ample"), "budget")])
+                                        (dict(accept=[0.7, 0.5]), "accept"), (dict(pricing="ample"), "pricing")])
 def test_option_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         FlashDrafter(None, **bad)
@@ -484,7 +484,7 @@ def test_lookup_branch_greedy_exact_and_drafts_past_the_sar_depth(text_target, k
     assert any(d.tree.max_depth > 5 for d in drafts)                           # the lookup path goes deeper
 
 
-# ----------------------------------------------------------------------------------- Sequoia trees, measured budgets
+# ----------------------------------------------------------------------------------- Sequoia trees, measured pricing
 ACCEPT = [0.5, 0.2, 0.1, 0.05]
 
 
@@ -496,14 +496,14 @@ def cost_of(relative):
 
 
 @pytest.mark.parametrize("k", [1, 5])
-@pytest.mark.parametrize("tree, budget", [("sequoia", "fixed"), ("sequoia", "auto"), ("dynamic", "auto")])
-def test_greedy_exact_with_sequoia_trees_and_measured_budgets(text_target, k, tree, budget):
+@pytest.mark.parametrize("tree, pricing", [("sequoia", "none"), ("sequoia", "measured"), ("dynamic", "measured")])
+def test_greedy_exact_with_sequoia_trees_and_measured_pricing(text_target, k, tree, pricing):
     ids = prompt(9, seed=k)
-    drafter = drafter_for(text_target, k, tree=tree, accept=ACCEPT, budget=budget)
+    drafter = drafter_for(text_target, k, tree=tree, accept=ACCEPT, pricing=pricing)
     sm = flashmm.wrap(text_target, drafter)
     out = sm.generate(ids, max_new_tokens=MAX_NEW)
     assert torch.equal(out, text_target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False))
-    assert drafter.cost_source == ("measured" if budget == "auto" else "fixed budget")
+    assert drafter.cost_source == pricing
 
 
 def test_sequoia_tree_is_the_dynamic_programme_of_its_vector():
@@ -512,7 +512,7 @@ def test_sequoia_tree_is_the_dynamic_programme_of_its_vector():
 
     drafter = FlashDrafter(None, tree="sequoia", accept=ACCEPT)
     _, tree = sequoia_tree(ACCEPT, 11, 5)
-    assert drafter.sequoia_paths(10, 5) == tree.rank_paths()           # fixed budget: all 10 nodes
+    assert drafter.sequoia_paths(10, 5) == tree.rank_paths()           # not priced: all 10 nodes
     # measured: a forward of n tokens costing 1 + 0.25 (n - 1) one-token forwards
     drafter.verify_cost = cost_of(lambda n: 1 + 0.25 * (n - 1))
     drafter._sequoia = {}
@@ -525,8 +525,8 @@ def test_sequoia_tree_is_the_dynamic_programme_of_its_vector():
 
 
 @pytest.mark.parametrize("slope, expected", [(0.0, 6), (0.25, 2), (10.0, 0)])
-def test_measured_budget_keeps_the_paying_prefix_of_best_first_nodes(slope, expected):
-    drafter = FlashDrafter(None, budget="auto")
+def test_measured_pricing_keeps_the_paying_prefix_of_best_first_nodes(slope, expected):
+    drafter = FlashDrafter(None, pricing="measured")
     drafter.verify_cost = cost_of(lambda n: 1 + slope * (n - 1))
     scores = [0.6, 0.35, 0.2, 0.1, 0.05, 0.01]
     # (1 + sum of the first n scores) / (1 + slope n): free nodes all pay, dear ones none
@@ -534,9 +534,9 @@ def test_measured_budget_keeps_the_paying_prefix_of_best_first_nodes(slope, expe
     assert drafter._paying_prefix(scores) == max(range(7), key=lambda n: (rates[n], -n)) == expected
 
 
-def test_unpaying_budget_drafts_nothing_and_stays_exact(text_target):
+def test_unpaying_tree_drafts_nothing_and_stays_exact(text_target):
     ids = prompt(9, seed=3)
-    drafter = drafter_for(text_target, 5, tree="dynamic", budget="auto")
+    drafter = drafter_for(text_target, 5, tree="dynamic", pricing="measured")
     sm = flashmm.wrap(text_target, drafter)
     drafter.verify_cost = cost_of(lambda n: 1 + 10.0 * (n - 1))  # what bind measured, overridden: no node pays
     out = sm.generate(ids, max_new_tokens=MAX_NEW)
@@ -548,12 +548,12 @@ def test_calibration_prices_nodes_by_a_power_of_their_path_probability():
     scores = [0.6, 0.35, 0.2, 0.1, 0.05, 0.01]
     slope = 0.25
     for gamma in (0.5, 1.0, 2.0):
-        drafter = FlashDrafter(None, budget="auto", calibration=gamma)
+        drafter = FlashDrafter(None, pricing="measured", calibration=gamma)
         drafter.verify_cost = cost_of(lambda n: 1 + slope * (n - 1))
         rates = [(1 + sum(s ** gamma for s in scores[:n])) / (1 + slope * n) for n in range(7)]
         assert drafter._paying_prefix(scores) == max(range(7), key=lambda n: (rates[n], -n))
     # underconfident probabilities raised to γ < 1 buy more nodes than taken at face value
-    low, face = FlashDrafter(None, budget="auto", calibration=0.5), FlashDrafter(None, budget="auto")
+    low, face = FlashDrafter(None, pricing="measured", calibration=0.5), FlashDrafter(None, pricing="measured")
     low.verify_cost = face.verify_cost = cost_of(lambda n: 1 + slope * (n - 1))
     assert low._paying_prefix(scores) > face._paying_prefix(scores)
     with pytest.raises(ValueError, match="calibration"):

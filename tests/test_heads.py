@@ -178,12 +178,12 @@ def test_budget_drafts_only_what_pays(corpus):
     ids = data.ids[:8][None]
     reference = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)
     hopeless = Medusa(random_medusa(target), tree="static", max_draft_tokens=6, accuracy=[[0.01] * 4] * 3)
-    hopeless.budget = "constants"  # a tiny model's measured verify cost is flat: drafting would be free
+    hopeless.pricing = "constants"  # a tiny model's measured verify cost is flat: drafting would be free
     sm = flashmm.wrap(target, hopeless)
     assert torch.equal(sm.generate(ids, max_new_tokens=12, eos_token_id=[]), reference)
     assert sm.last_stats.drafted_tokens == 0
     sure = Medusa(random_medusa(target), tree="static", max_draft_tokens=6, accuracy=[[0.95, 0.6, 0.3, 0.1]] * 3)
-    sure.budget = "constants"
+    sure.pricing = "constants"
     flashmm.wrap(target, sure)
     tree = sure.planned_tree(6)
     assert tree.num_nodes == 7
@@ -248,7 +248,7 @@ def test_lookup_branch_alone_while_the_heads_do_not_pay(corpus):
     target, data, _ = corpus
     hopeless = chain_counting(Medusa(random_medusa(target), tree="static", max_draft_tokens=6, accuracy=[[0.01] * 4] * 3,
                                      lookup="ngram", lookup_tokens=4))
-    hopeless.budget = "constants"
+    hopeless.pricing = "constants"
     sm = flashmm.wrap(target, hopeless)
     hopeless.branch.chains.evidence = {(b, d): [100.0, 100.0] for b in range(5) for d in range(1, 5)}  # chains match
     ids = prompt(6, seed=2).repeat(1, 4)

@@ -205,7 +205,7 @@ class KernelSpy:
 
 def lookup(max_draft_tokens=10):
     drafter = PromptLookup(max_draft_tokens=max_draft_tokens)
-    drafter.budget = "constants"    # drafts sized by constants, not by timing this machine
+    drafter.pricing = "constants"    # drafts sized by constants, not by timing this machine
     return drafter
 
 
@@ -223,7 +223,7 @@ def noisy_copy(model, scale=0.1, seed=0):
 DRAFTERS = {
     "lookup": lambda target: lookup(),
     "noisy_tree": lambda target: DraftModel(noisy_copy(target), max_draft_tokens=6, tree_width=2, adaptive=False,
-                                            budget="constants"),
+                                            pricing="constants"),
 }
 
 
@@ -275,7 +275,7 @@ def test_tree_deeper_than_window_uses_the_mask_path():
     target = tiny_lm("gemma3", sliding_window=4).to(DEVICE)
     ids, mask = repetitive_batch((14, 6, 10), seed=7)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
-    sm = flashmm.wrap(target, DraftModel(target, max_draft_tokens=5, adaptive=False, budget="constants"),
+    sm = flashmm.wrap(target, DraftModel(target, max_draft_tokens=5, adaptive=False, pricing="constants"),
                       attention="triton")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

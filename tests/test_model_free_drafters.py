@@ -88,7 +88,7 @@ def free(drafter):
     """``drafter`` with drafts that always pay: a fresh zero-cost length, never this machine's measured
     verify cost (which a loaded machine can make steep enough that nothing is drafted)."""
     drafter.sizer.cost = AdaptiveDraftLength(step_cost=0.0, token_cost=0.0)
-    drafter.budget = "constants"
+    drafter.pricing = "constants"
     return drafter
 
 

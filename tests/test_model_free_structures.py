@@ -224,7 +224,7 @@ def test_budget_stops_drafting_what_is_rejected():
     for i in range(len(plain) - 1):
         wrong += [plain[i], (plain[i + 1] + 1) % 128, (plain[i + 1] + 2) % 128, -1]
     rest = Rest(Datastore(np.asarray(wrong)), min_match=1)
-    rest.budget = "constants"  # a tiny model's measured verify cost is flat: drafting would be free
+    rest.pricing = "constants"  # a tiny model's measured verify cost is flat: drafting would be free
     sm = flashmm.wrap(target, rest)
     out = sm.generate(ids, max_new_tokens=80, eos_token_id=[])
     assert out[0].tolist() == plain

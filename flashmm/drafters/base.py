@@ -74,10 +74,10 @@ class Drafter:
     #: self-speculation does), which batched verification does not keep per row: a batch then decodes
     #: row by row. A class or an instance attribute (a drafter wrapping others passes theirs on)
     needs_target_cache: bool = False
-    #: how an adaptive drafter prices a draft of n tokens: "auto" with the target's verify cost
-    #: measured on this machine at bind (flashmm.tree.cost.price_with_target), "constants"
-    #: with AdaptiveDraftLength's linear model; ``cost_source`` says which one is in use
-    budget: str = "auto"
+    #: how an adaptive drafter prices a draft of n tokens (options.PRICINGS): "measured" with the
+    #: target's verify cost timed on this machine at bind (flashmm.tree.cost.price_with_target),
+    #: "constants" with AdaptiveDraftLength's linear model; ``cost_source`` says which one is in use
+    pricing: str = "measured"
     cost_source: str = "constants"
     _options = None
 

@@ -30,7 +30,7 @@ from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
 from .draft_model import DraftModel
-from .options import DrafterOptions, check_at_least
+from .options import DrafterOptions, check_at_least, check_pricing
 from .resolve import resolve_name_or_dir
 
 #: node counts at which the draft LM's own forward is timed, to price the lookup's guesses
@@ -58,36 +58,31 @@ class CascadeCounts:
     kept: int = 0
 
 
-def _check_budget(options: DrafterOptions) -> None:
-    if options.budget not in ("auto", "constants"):
-        raise ValueError(f"budget must be 'auto' or 'constants', got {options.budget!r}")
-
-
 @dataclass(frozen=True)
 class VerticalCascadeOptions(DrafterOptions):
-    """VerticalCascade's options (see the class); budget: the lookup's costs measured on the draft LM
-    ("auto") or its constants."""
+    """VerticalCascade's options (see the class); pricing: the lookup's costs measured on the draft LM
+    ("measured") or its constants."""
 
     lookup_tokens: int = 8
     reprice: bool = False
-    budget: str = "auto"
+    pricing: str = "measured"
 
     def __post_init__(self):
         check_at_least(self, 1, "lookup_tokens")
-        _check_budget(self)
+        check_pricing(self)
 
 
 @dataclass(frozen=True)
 class HorizontalCascadeOptions(DrafterOptions):
     """HorizontalCascade's options (see the class); first_tokens: the most tokens ``first`` drafts (None: its
-    own limit); budget: the chain priced with the target's measured verify cost ("auto") or the constants."""
+    own limit); pricing: the chain priced with the target's measured verify cost ("measured") or the constants."""
 
     first_tokens: int | None = None
-    budget: str = "auto"
+    pricing: str = "measured"
 
     def __post_init__(self):
         check_at_least(self, 0, "first_tokens", allow_none=True)
-        _check_budget(self)
+        check_pricing(self)
 
 
 @register
@@ -131,7 +126,7 @@ class VerticalCascade(Drafter):
         check_vertical(self.draft, self.lookup)
         self._options = options
         # the option is kept apart from Drafter.reprice (batched decoding's repricing), which it once shadowed
-        self.lookup_tokens, self.price_by_spent, self.budget = options.lookup_tokens, options.reprice, options.budget
+        self.lookup_tokens, self.price_by_spent, self.pricing = options.lookup_tokens, options.reprice, options.pricing
         self.counts = CascadeCounts()
         self._draft_cost = None             # VerifyCost of the draft LM's forwards, when measured
         self._token_cost = 0.0              # draft.length.draft_token_cost as bound (one draft forward)
@@ -144,7 +139,7 @@ class VerticalCascade(Drafter):
         self.draft.bind(target)
         self.cost_source = self.draft.cost_source
         self._token_cost = self.draft.length.draft_token_cost
-        if self.budget != "auto":
+        if self.pricing != "measured":
             return
         try:
             self._draft_cost = measure_verify_cost(self.draft.model, grid=DRAFT_GRID)
@@ -294,7 +289,7 @@ class HorizontalCascade(Drafter):
     per verify cost: the tail only counts when all h head tokens are accepted, so with acceptance
     estimates a1 (head) and a2 (tail), m tail tokens pay while
     (1 + a1 + .. + a1^h + a1^h (a2 + .. + a2^m)) / (cost(h + m) + head draft cost) still grows, with
-    cost the target's measured verify cost (budget "auto", price_with_target) or the constants.
+    cost the target's measured verify cost (pricing "measured", price_with_target) or the constants.
     A cap of 0 drafts no tail; a first drafter that declines (h = 0) leaves the second drafting alone.
 
     Exactness: both parts must draft chains, sampled from their q (scheme "chain") or deterministic.
@@ -309,7 +304,7 @@ class HorizontalCascade(Drafter):
     count capped at h), ``second`` only when the whole head was accepted (its tail was reached).
 
     Options: HorizontalCascadeOptions, as keywords or ``options=``; ``first`` and ``second`` are its parts,
-    ``length`` the chain's pricing (its verify cost).
+    ``length`` the chain's cost model (its verify cost).
     """
 
     name = "horizontal_cascade"
@@ -324,8 +319,8 @@ class HorizontalCascade(Drafter):
         check_horizontal(self.first, self.second)
         self.needs_target_cache = self.first.needs_target_cache or self.second.needs_target_cache
         self._options = options
-        self.first_tokens, self.budget = options.first_tokens, options.budget
-        self.pricing = length or AdaptiveDraftLength()   # verify cost of the whole chain (its alpha unused)
+        self.first_tokens, self.pricing = options.first_tokens, options.pricing
+        self.chain_cost = length or AdaptiveDraftLength()   # verify cost of the whole chain (its alpha unused)
         self.head_rate = AdaptiveDraftLength()           # acceptance of first's tokens
         self.tail_rate = AdaptiveDraftLength()           # acceptance of second's tokens, given the head's
         self._last = (0, 0)                              # (head, tail) tokens of the last proposal
@@ -335,12 +330,12 @@ class HorizontalCascade(Drafter):
         return "chain" if "chain" in (scheme_of(self.first), scheme_of(self.second)) else "deterministic"
 
     def cost_models(self) -> list:
-        return [self.pricing]
+        return [self.chain_cost]
 
     def bind(self, target) -> None:
         self.first.bind(target)
         self.second.bind(target)
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:
@@ -376,10 +371,10 @@ class HorizontalCascade(Drafter):
         a1, a2 = self.head_rate.alpha, self.tail_rate.alpha
         head_cost = getattr(getattr(self.first, "length", None), "draft_token_cost", 0.0) * h
         head_tokens = sum(a1 ** i for i in range(h + 1))
-        best, best_rate, gain = 0, head_tokens / (self.pricing.cost(h) + head_cost), 0.0
+        best, best_rate, gain = 0, head_tokens / (self.chain_cost.cost(h) + head_cost), 0.0
         for m in range(1, room + 1):
             gain += a2 ** m
-            rate = (head_tokens + a1 ** h * gain) / (self.pricing.cost(h + m) + head_cost)
+            rate = (head_tokens + a1 ** h * gain) / (self.chain_cost.cost(h + m) + head_cost)
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
@@ -396,8 +391,8 @@ class HorizontalCascade(Drafter):
     def fork(self) -> "HorizontalCascade":
         clone = copy.copy(self)
         clone.first, clone.second = self.first.fork(), self.second.fork()
-        clone.pricing, clone.head_rate, clone.tail_rate = (copy.deepcopy(x) for x in
-                                                            (self.pricing, self.head_rate, self.tail_rate))
+        clone.chain_cost, clone.head_rate, clone.tail_rate = (copy.deepcopy(x) for x in
+                                                               (self.chain_cost, self.head_rate, self.tail_rate))
         return clone
 
 

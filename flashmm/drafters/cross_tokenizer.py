@@ -72,13 +72,13 @@ class CrossTokenizerDraft(DraftModel):
 
     def __init__(self, model: torch.nn.Module, tokenizer, target_tokenizer, max_draft_tokens: int = 8,
                  mode: str = "auto", lookbehind: int = 8, confidence: float = 0.0, adaptive: bool = True,
-                 length: AdaptiveDraftLength | None = None, budget: str = "auto"):
+                 length: AdaptiveDraftLength | None = None, pricing: str = "measured"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if lookbehind < 1:
             raise ValueError(f"lookbehind must be >= 1, got {lookbehind}")
         super().__init__(model, max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive,
-                         length=length, budget=budget)
+                         length=length, pricing=pricing)
         self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer
         self.mode, self.lookbehind = mode, lookbehind
         self.draft_ids = self.target_ids = None  # the vocabulary intersection, built at bind
@@ -97,7 +97,7 @@ class CrossTokenizerDraft(DraftModel):
         if self.draft_ids is None:
             self.draft_ids, self.target_ids = vocabulary_intersection(self.tokenizer, self.target_tokenizer)
             self._draft_of_target = dict(zip(self.target_ids.tolist(), self.draft_ids.tolist()))
-        if self.budget == "auto" and self.adaptive and self.length.verify_cost is None:
+        if self.pricing == "measured" and self.adaptive and self.length.verify_cost is None:
             self._measure_costs(target)
 
     @property

@@ -16,7 +16,7 @@ from ..tree.draft import Draft
 from ..tree.scheme_trees import iid_chains_tree, profile_within, rsd_c_tree, rsd_s_tree
 from ..tree.token_tree import TokenTree
 from .base import Drafter, StepResult, register, root_only
-from .options import DrafterOptions
+from .options import DrafterOptions, check_pricing
 
 DRAFTINGS = ("sibling", "rsd_c", "rsd_s", "chains")
 
@@ -33,7 +33,7 @@ class DraftModelOptions(DrafterOptions):
     branching: tuple[int, ...] = (4, 2, 1)
     beam_width: int = 4
     num_chains: int = 3
-    budget: str = "auto"
+    pricing: str = "measured"
 
     def __post_init__(self):
         object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
@@ -44,9 +44,7 @@ class DraftModelOptions(DrafterOptions):
         if min(self.branching, default=0) < 1 or min(self.beam_width, self.num_chains) < 1:
             raise ValueError(f"branching entries, beam_width and num_chains must be >= 1, got {self.branching}, "
                              f"{self.beam_width}, {self.num_chains}")
-        if self.budget not in ("auto", "constants"):
-            raise ValueError(f"budget must be 'auto' (measure the target's verify cost) or 'constants', "
-                             f"got {self.budget!r}")
+        check_pricing(self)
 
 
 @register
@@ -58,10 +56,10 @@ class DraftModel(Drafter):
     also gets ``tree_width - 1`` alternative children (top-k when greedy — deterministic; i.i.d.
     samples from q when sampling — verified with q by the multi-round rule).
     Length: ``length`` (AdaptiveDraftLength) picks the depth from the expected tokens per unit of
-    verify time. ``budget="auto"`` (default) measures on bind, once per (model, device, dtype,
+    verify time. ``pricing="measured"`` (default) measures on bind, once per (model, device, dtype,
     threads) and cached on disk (flashmm.targets.verify_cost.measure_verify_cost), the target's
     forward time for 1..64 new tokens and the draft's one-token forward, and uses those costs;
-    ``budget="constants"`` (or a model whose cache cannot be timed this way, see ``cost_source``)
+    ``pricing="constants"`` (or a model whose cache cannot be timed this way, see ``cost_source``)
     keeps the length's step_cost / token_cost; drafting also stops early when the draft's top
     probability falls below ``confidence`` (greedy only). ``adaptive=False`` always drafts
     ``max_draft_tokens``.
@@ -89,7 +87,7 @@ class DraftModel(Drafter):
     def __init__(self, model: torch.nn.Module, length: AdaptiveDraftLength | None = None,
                  options: DraftModelOptions | None = None, **given):
         self._options = options = DraftModelOptions.build(type(self).__name__, given, options)
-        self.budget = options.budget
+        self.pricing = options.pricing
         self.cost_source = "constants"
         self.drafting = options.drafting
         self.branching = options.branching
@@ -124,7 +122,7 @@ class DraftModel(Drafter):
             self.model.to(device)  # it drafts from the target's committed ids, on their device
         self.linear = draft_linear(self.model, getattr(target, "linear_backend", "torch"))
         self.reset_cache()
-        if self.budget == "auto" and self.adaptive and self.length.verify_cost is None:
+        if self.pricing == "measured" and self.adaptive and self.length.verify_cost is None:
             self._measure_costs(target)
 
     def _measure_costs(self, target) -> None:

@@ -159,7 +159,7 @@ class EagleDrafter(Drafter):
             raise ValueError(f"{where} {LAYOUT} head does not fit the target: " + "; ".join(
                 f"{what}: drafter {ours}, target {theirs}" for what, ours, theirs in wrong)
                 + "; use the head trained for this target")
-        if self.adaptive and self.budget == "auto":
+        if self.adaptive and self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
         self._lm_head = target.output_embeddings()
         self._vocab = target.vocab_size

@@ -200,7 +200,7 @@ class Eagle3Drafter(Drafter):
                 f"proposes ids < {cfg.vocab_size}, but the target has {layers} layers of width "
                 f"{target.hidden_size} and {target.vocab_size} ids; train a head for this model "
                 "(python -m tools.drafters.build_eagle3)")
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
         self._embed = target.input_embeddings()
         if self.context_vocab:

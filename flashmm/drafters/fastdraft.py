@@ -32,7 +32,7 @@ WEIGHTS_FILE = "model.safetensors"
 class FastDraft(DraftModel):
     """A DraftModel over a trained ReducedVocabLM; build with ``FastDraft.from_dir(dir)`` or
     ``flashmm.drafters.load(dir)``. Same drafting and adaptive length as DraftModel (``drafting``:
-    DraftModel's tree options — drafting, branching, beam_width, num_chains, budget)."""
+    DraftModel's tree options — drafting, branching, beam_width, num_chains, pricing)."""
 
     name = "fastdraft"
     saved_sections: dict[str, dict] = {}   # drafter.json section -> {key: type} the constructor reads from info

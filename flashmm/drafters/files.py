@@ -86,12 +86,14 @@ def load_weights(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], p
 #: spelling -> what to write instead. ``max_draft_tokens`` is the most drafted tokens (tree nodes
 #: besides the root) a drafter proposes per step, as SpecConfig.max_draft_tokens is the engine's cap
 #: on the same count; ``lookup_tokens`` / ``first_tokens`` cap one part of a draft (a lookup chain,
-#: a horizontal cascade's first drafter).
+#: a horizontal cascade's first drafter); ``pricing`` says what prices a draft (options.PRICINGS).
 RENAMED_OPTIONS = {
     "max_nodes": "max_draft_tokens",
     "tree_nodes": "tree='static' with max_draft_tokens=N (tree_nodes=0 was tree='chain')",
     "max_lookup_tokens": "lookup_tokens",
     "max_first_tokens": "first_tokens",
+    "budget": "pricing (budget='auto' is pricing='measured', 'constants' stays 'constants'; FLASH's "
+              "budget='fixed' is pricing='none')",
 }
 
 

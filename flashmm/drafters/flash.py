@@ -14,12 +14,13 @@ the depth-(j+1) distribution. The tree is a static shape (Medusa-style rank path
 "dynamic": best-first expansion by cumulative draft probability up to the token budget, or
 "sequoia": the static tree maximising expected accepted tokens under the drafter's measured
 positional acceptance vector ``accept`` (flashmm.tree.shapes.sequoia_tree; eval/flash_sequoia_vector.py
-measures it). ``budget="auto"`` sizes each step's tree by the target's measured verify time
+measures it). ``pricing="measured"`` sizes each step's tree by the target's measured verify time
 (target.verify_cost()): a dynamic tree keeps the prefix of its best-first nodes that maximises
 (1 + Σ path probability ** calibration) / (t(n) / t(1)) — a node's estimated chance to be accepted;
 ``calibration`` (1: the draft's probabilities as they are) is fitted on held-out decoding by the same
 script —, a Sequoia tree the node count that maximises expected tokens per unit of verify time
-(flashmm.tree.cost.best_tree_budget).
+(flashmm.tree.cost.best_tree_budget). ``pricing="none"`` (default) does not price the tree: every
+step drafts up to its cap.
 Children are deterministic, so q_probs is None and sampling is verified by the multi-round tree
 rule in its deterministic-children form (lossless).
 
@@ -55,7 +56,7 @@ from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import (DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json,
                     read_safetensors, refuse_renamed)
 from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
-from .options import DrafterOptions, check_at_least, check_choice
+from .options import DrafterOptions, check_at_least, check_choice, check_pricing
 from .suffix import SuffixTrie, lookup_source
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
@@ -95,7 +96,7 @@ class FlashOptions(DrafterOptions):
     lookup_tokens: int = 0
     pool_spans: int = 1
     accept: Sequence[float] | None = None
-    budget: str = "fixed"
+    pricing: str = "none"
     calibration: float = 1.0
     lookup: str = "ngram"
 
@@ -115,7 +116,7 @@ class FlashOptions(DrafterOptions):
         check_at_least(self, 0, "lookup_tokens")
         check_at_least(self, 0, "max_draft_tokens", allow_none=True)
         check_choice(self, "lookup", ("ngram", "suffix"))
-        check_choice(self, "budget", ("fixed", "auto"))
+        check_pricing(self, ("none", "measured"))
         if not self.calibration > 0:
             raise ValueError(f"calibration must be > 0, got {self.calibration}")
         if self.accept is not None:
@@ -162,6 +163,8 @@ class FlashDrafter(Drafter):
     pool_spans:   consecutive visual spans compressed together (a video given frame by frame as
                   images: C units for every ``pool_spans`` frames instead of C per frame; see
                   ``build_units``). 1: each span alone.
+    pricing:      "none" (each step drafts up to its cap) or "measured" (the tree is cut to what the
+                  target's measured verify cost pays for; see the module docstring).
     Options: FlashOptions, as keywords or ``options=``; ``net`` is an argument of its own.
     """
 
@@ -184,8 +187,8 @@ class FlashDrafter(Drafter):
         self.lookup_tokens, self.pool_spans, self.lookup = options.lookup_tokens, options.pool_spans, options.lookup
         self._outputs = SuffixTrie() if self.lookup == "suffix" else None   # earlier outputs, kept across calls
         self.accept = None if options.accept is None else list(options.accept)
-        self.budget, self.calibration = options.budget, float(options.calibration)
-        self.verify_cost, self.cost_source = None, "fixed budget"   # set at bind with budget="auto"
+        self.pricing, self.calibration = options.pricing, float(options.calibration)
+        self.verify_cost, self.cost_source = None, "none"       # set at bind with pricing="measured"
         self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # budget -> rank paths
         self._head = self._embed = None
         self._vocab = None                     # LongTensor [V'] of draft_vocab on the head's device
@@ -212,7 +215,7 @@ class FlashDrafter(Drafter):
                     max_draft_tokens=self.max_draft_tokens, min_path_prob=self.min_path_prob,
                     draft_vocab=self.draft_vocab,
                     lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans, accept=self.accept,
-                    budget=self.budget, calibration=self.calibration, lookup=self.lookup)
+                    pricing=self.pricing, calibration=self.calibration, lookup=self.lookup)
 
     def save_pretrained(self, directory: str | os.PathLike, info: dict | None = None) -> None:
         """Write flash_config.json (sizes + drafting options), flash_model.safetensors and drafter.json (as
@@ -273,7 +276,7 @@ class FlashDrafter(Drafter):
                 "builds an untrained one, `python -m flashmm.train flash` trains it)")
         self.net = self.net.to(head.weight.device).eval()
         self._head, self._embed, self._vocab = head, target.input_embeddings(), None
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.verify_cost, self.cost_source = measured_verify_cost(target)
             self._sequoia = {}
         if self.draft_vocab is not None:
@@ -438,12 +441,12 @@ class FlashDrafter(Drafter):
         return ("dynamic", min(depth, budget), budget)
 
     def reprice(self, verify_cost) -> None:
-        if self.verify_cost is not None:            # budget "auto": trees sized by the new cost
+        if self.verify_cost is not None:            # pricing "measured": trees sized by the new cost
             self.verify_cost, self._sequoia = verify_cost, {}
 
     def sequoia_paths(self, budget: int, depth: int) -> list[tuple[int, ...]]:
         """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes (with
-        budget="auto", the node count the measured verify cost pays for; flashmm.tree.cost)."""
+        pricing="measured", the node count the measured verify cost pays for; flashmm.tree.cost)."""
         if budget not in self._sequoia:
             self._sequoia[budget] = sequoia_rank_paths(self.accept, budget, depth, self.verify_cost)
         return self._sequoia[budget]
@@ -464,7 +467,7 @@ class FlashDrafter(Drafter):
             paths = arg
         else:
             paths, scores = best_first_paths(top_p.tolist(), depth, arg, self.min_path_prob)
-            if self.budget == "auto" and self.verify_cost is not None:
+            if self.pricing == "measured" and self.verify_cost is not None:
                 paths = paths[:self._paying_prefix(scores)]
         chain = chain[:max_tokens]
         paths, shared = fit_chain(list(paths), chain, ids, max_tokens)

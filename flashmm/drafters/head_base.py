@@ -184,7 +184,7 @@ class HeadDrafter(Drafter):
         if self.vocab is not None and int(self.vocab.max()) >= weight.shape[0]:
             raise ValueError(f"the heads' vocabulary names token id {int(self.vocab.max())} but the target has "
                              f"{weight.shape[0]} output rows: these heads belong to another target")
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
         device = weight.device
         self.heads = self.heads.to(device)

@@ -84,7 +84,7 @@ class Lookahead(Drafter):
         return [self.sizer.cost]
 
     def bind(self, target) -> None:
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:

@@ -238,8 +238,8 @@ class OnlineSD(Drafter):
         return self.inner.drafting_scheme
 
     @property
-    def budget(self) -> str:
-        return self.inner.budget
+    def pricing(self) -> str:
+        return self.inner.pricing
 
     @property
     def cost_source(self) -> str:

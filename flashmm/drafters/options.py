@@ -23,6 +23,14 @@ from .files import describe_hint, matches_hint, refuse_renamed
 
 Options = TypeVar("Options", bound="DrafterOptions")
 
+#: how a drafter prices a draft of n tokens (option ``pricing``, Drafter.pricing): "measured" with the
+#: target's verify cost timed on this machine at bind (flashmm.tree.cost.price_with_target),
+#: "constants" with AdaptiveDraftLength's linear model. FLASH's trees also take "none": not priced,
+#: every step drafts up to its cap.
+PRICINGS = ("measured", "constants")
+#: the values ``budget`` took before it was renamed ``pricing`` -> their new spelling
+_OLD_PRICINGS = {"auto": "measured", "fixed": "none"}
+
 
 @dataclasses.dataclass(frozen=True)
 class DrafterOptions:
@@ -83,3 +91,13 @@ def check_choice(options: DrafterOptions, name: str, choices: tuple) -> None:
     value = getattr(options, name)
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_pricing(options: DrafterOptions, choices: tuple[str, ...] = PRICINGS) -> None:
+    """ValueError when ``options.pricing`` is not one of ``choices``, naming the new spelling of an
+    old ``budget`` value ("auto", "fixed")."""
+    value = options.pricing
+    if value not in choices:
+        new = _OLD_PRICINGS.get(value) if isinstance(value, str) else None
+        hint = f" (budget={value!r} is now pricing={new!r})" if new in choices else ""
+        raise ValueError(f"pricing must be one of {list(choices)}, got {value!r}{hint}")

@@ -50,14 +50,14 @@ class Pard(DraftModel):
 
     def __init__(self, model: ReducedVocabLM, mask_embedding: torch.Tensor, depth: int, max_draft_tokens: int = 8,
                  confidence: float = 0.0, adaptive: bool = True, length: AdaptiveDraftLength | None = None,
-                 budget: str = "auto", info: dict | None = None):
+                 pricing: str = "measured", info: dict | None = None):
         if not isinstance(model, ReducedVocabLM):
             raise TypeError("Pard drafts with a ReducedVocabLM trained by flashmm.train.pard; load one with "
                             "flashmm.drafters.load(dir)")
         if depth < 1:
             raise ValueError(f"depth must be >= 1 (the positions the draft predicts), got {depth}")
         super().__init__(model, max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive,
-                         length=length, budget=budget)
+                         length=length, pricing=pricing)
         self.depth = depth
         self.pard = PardLM(model.lm, mask_embedding)
         self.info = info or {}

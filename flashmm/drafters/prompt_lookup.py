@@ -113,7 +113,7 @@ class PromptLookup(Drafter):
         return list(self.lengths.values())
 
     def bind(self, target) -> None:
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:

@@ -405,7 +405,7 @@ class Rest(Drafter):
         if top >= target.vocab_size:
             raise ValueError(f"the datastore holds token id {top} but the target's vocabulary has "
                              f"{target.vocab_size} tokens: a datastore built with another tokenizer")
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
 
     def grow(self, context: list[int], max_nodes: int) -> tuple[list[tuple[list[int], float]], int]:

@@ -64,9 +64,9 @@ class S2D(FastDraft):
     def __init__(self, model: ReducedVocabLM, exits: tuple[int, ...] | None = None,
                  thresholds: tuple[float, ...] | None = None, max_draft_tokens: int = 8, confidence: float = 0.0,
                  adaptive: bool = True, length: AdaptiveDraftLength | None = None, info: dict | None = None,
-                 budget: str = "auto"):
+                 pricing: str = "measured"):
         super().__init__(model, max_draft_tokens=max_draft_tokens, confidence=confidence, adaptive=adaptive,
-                         length=length, info=info, budget=budget)
+                         length=length, info=info, pricing=pricing)
         saved = (info or {}).get("s2d", {})
         layers = model.lm.config.num_hidden_layers
         self.exits = tuple(int(e) for e in (exits if exits is not None else saved.get("exits", (layers,))))

@@ -81,7 +81,7 @@ class SelfDrafter(Drafter):
                              "verification replaces with fixed slots: wrap without cuda_graphs")
         self.runner = LayerRunner(target.model)  # refuses unsupported families, naming the supported ones
         self.target = target
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start: SequenceStart) -> None:

@@ -253,7 +253,7 @@ class SuffixDecoding(Drafter):
     def bind(self, target) -> None:
         if self.corpus is not None:
             self.corpus.bind(target)
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:

@@ -111,7 +111,7 @@ class TokenRecycling(Drafter):
         elif self.successors.shape[0] < target.vocab_size:
             raise ValueError(f"the successor matrix has {self.successors.shape[0]} rows but the target's vocabulary "
                              f"has {target.vocab_size} tokens: a matrix saved for another model")
-        if self.budget == "auto":
+        if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
 
     def begin(self, start) -> None:

@@ -4,8 +4,8 @@ The verify cost of N tree nodes is either measured on this machine (``VerifyCost
 target: flashmm.targets.verify_cost.measure_verify_cost, through the linear backend its tree
 forwards use, once per model, machine, device, dtype, thread count and backend, cached on disk) or,
 without a measurement, the linear model ``1 + step_cost + token_cost * k`` whose defaults are CPU
-figures for SmolLM2-135M. Drafters with ``budget = "auto"`` (the default) take the measurement at
-``bind`` (``price_with_target``); ``budget = "constants"`` keeps the linear model.
+figures for SmolLM2-135M. Drafters with ``pricing = "measured"`` (the default) take the measurement
+at ``bind`` (``price_with_target``); ``pricing = "constants"`` keeps the linear model.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class AdaptiveDraftLength:
     """Picks the draft length k from a running estimate of per-token acceptance α.
 
     A chain of k drafts emits (1 - α^(k+1)) / (1 - α) tokens in expectation; verifying it costs
-    ``cost(k)`` one-token forwards: with a measured ``verify_cost`` (budget="auto" in the
+    ``cost(k)`` one-token forwards: with a measured ``verify_cost`` (pricing="measured" in the
     drafters) t(k + 1) / t(1) + draft_token_cost · k + draft_step_cost, else 1 + step_cost +
     (token_cost + draft_token_cost) · k + draft_step_cost (the draft costs are 0 unless the drafter
     prices its own work: per drafted token, or per drafting step for PARD's one forward), whose

@@ -40,7 +40,7 @@ class ReducedVocabLM(nn.Module):
         return self.target_vocab
 
     def get_output_embeddings(self) -> nn.Module:
-        """The draft LM's own (reduced) head: what timing a draft step needs (budget="auto")."""
+        """The draft LM's own (reduced) head: what timing a draft step needs (pricing="measured")."""
         return self.lm.get_output_embeddings()
 
     def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = True,

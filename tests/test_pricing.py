@@ -1,4 +1,4 @@
-"""Hardware-aware budget: the verify-cost measurement (cached on disk per model / device / dtype),
+"""Hardware-aware pricing: the verify-cost measurement (cached on disk per model / device / dtype),
 the draft length it picks (brute force over k), and the Sequoia tree size it picks."""
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_tree_budget_by_enumeration():
     assert n == max(rates, key=rates.get) and rate == pytest.approx(rates[n])
 
 
-def test_auto_budget_measures_on_bind_and_stays_exact(tmp_path, monkeypatch):
+def test_measured_pricing_measures_on_bind_and_stays_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
     target, draft = tiny_lm("llama", seed=0), tiny_lm("llama", seed=0)
     drafter = DraftModel(draft, max_draft_tokens=4)
@@ -83,7 +83,7 @@ def test_auto_budget_measures_on_bind_and_stays_exact(tmp_path, monkeypatch):
     ids = prompt(10, seed=2)
     assert torch.equal(sm.generate(ids, do_sample=False, max_new_tokens=12),
                        target.generate(ids, do_sample=False, max_new_tokens=12))
-    kept = DraftModel(draft, budget="constants")
+    kept = DraftModel(draft, pricing="constants")
     flashmm.wrap(target, kept)
     assert kept.cost_source == "constants" and kept.length.verify_cost is None
 
@@ -184,7 +184,7 @@ def test_forks_in_a_batch_are_priced_at_the_batch_size(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
     sm = flashmm.wrap(tiny_lm("llama", seed=0), "prompt_lookup")
     constants = flashmm.wrap(tiny_lm("llama", seed=0), flashmm.drafters.PromptLookup()).drafter
-    constants.budget, constants.cost_source = "constants", "constants"
+    constants.pricing, constants.cost_source = "constants", "constants"
     for length in constants.cost_models():
         length.verify_cost = None
     forks = [sm.drafter.fork() for _ in range(3)] + [constants]
@@ -203,7 +203,7 @@ def test_flash_forks_size_their_trees_by_the_batch_cost(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
     model = tiny_lm("llama", seed=0)
     drafter = FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0)
-    drafter.budget = "auto"
+    drafter.pricing = "measured"
     sm = flashmm.wrap(model, drafter)
     assert sm.drafter.cost_source == "measured"
     fork = sm.drafter.fork()
@@ -239,3 +239,61 @@ def test_a_size_timed_below_the_one_token_forward_reads_as_its_cost(tmp_path, mo
     monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: now[0])
     cost = measure_verify_cost(model, grid=(1, 2, 4), prefix_len=8, repeats=2, directory=tmp_path)
     assert cost.seconds == (2.0, 2.0, 4.0)
+
+
+# ------------------------------------------------------------------ the option once spelled `budget`
+# Drafted tokens per step, greedy, 40 new tokens after prompt(10, seed=2) on tiny_lm("llama", seed=0): recorded
+# from the same drafters spelled with the old option (budget="constants"; FLASH's budget="fixed") before it was
+# renamed `pricing`. Constants and "none" read no clock, so these are the same on every machine.
+OLD_BUDGET_DRAFTS = {
+    # the draft is the target: every token accepted, the constants' length grows to the cap
+    "draft_model_same": [3, 6, 6, 6, 6, 6],
+    # another draft: rejected tokens make the constants' price stop drafting, with retries now and then
+    "draft_model_other": [3, 2, 2, 1] + [0] * 11 + [1] + [0] * 12 + [1] + [0] * 10,
+    "horizontal": [3, 4, 6, 9, 13],
+    # the vertical cascade drafts what its DraftModel alone drafts (only its draft forwards differ)
+    "vertical": [3, 2, 2, 1] + [0] * 11 + [1] + [0] * 12 + [1] + [0] * 10,
+    # not priced: every step drafts its cap
+    "flash": [6] * 39,
+}
+
+
+def _drafts_per_step(sm, ids, max_new_tokens=40) -> tuple[list[int], torch.Tensor]:
+    sizes = []
+    propose = sm.drafter.propose
+
+    def counting(*args, **kwargs):
+        draft = propose(*args, **kwargs)
+        sizes.append(draft.tree.num_nodes - 1)
+        return draft
+    sm.drafter.propose = counting
+    return sizes, sm.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
+
+
+@pytest.mark.parametrize("name", sorted(OLD_BUDGET_DRAFTS))
+def test_pricing_drafts_what_the_old_budget_spelling_drafted(name):
+    from flashmm.drafters import FlashDrafter, PromptLookup
+    from flashmm.drafters.cascade import HorizontalCascade, VerticalCascade
+
+    def constant_lookup():          # a lookup priced by the constants too: nothing here reads a clock
+        lookup = PromptLookup()
+        lookup.pricing = "constants"
+        return lookup
+
+    target = tiny_lm("llama", seed=0)
+    make = {
+        "draft_model_same": lambda: DraftModel(tiny_lm("llama", seed=0), max_draft_tokens=6, pricing="constants"),
+        "draft_model_other": lambda: DraftModel(tiny_lm("llama", seed=1), max_draft_tokens=6, pricing="constants"),
+        "horizontal": lambda: HorizontalCascade(DraftModel(tiny_lm("llama", seed=0), max_draft_tokens=3,
+                                                           pricing="constants"), constant_lookup(), pricing="constants"),
+        "vertical": lambda: VerticalCascade(DraftModel(tiny_lm("llama", seed=1), max_draft_tokens=6,
+                                                       pricing="constants"), constant_lookup(), pricing="constants"),
+        "flash": lambda: FlashDrafter.from_target(target, num_queries=4, tokens_per_step=5, seed=0,
+                                                  max_draft_tokens=6, pricing="none"),
+    }[name]
+    sm = flashmm.wrap(target, make())
+    ids = prompt(10, seed=2)
+    sizes, out = _drafts_per_step(sm, ids)
+    assert sizes == OLD_BUDGET_DRAFTS[name]
+    assert sm.drafter.cost_source == ("none" if name == "flash" else "constants")
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
