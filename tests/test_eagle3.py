@@ -197,11 +197,11 @@ def test_dynamic_tree_equals_brute_force_per_node_paths():
     drafter._embed = embed
     drafter.begin(SequenceStart(input_ids=ids[:, :9], hidden_states=feats[:, :9]))
     drafter._sync(ids)
-    mine = drafter.grow(ids, budget=12)
+    mine = drafter.grow(ids, max_tokens=12)
     expand, run = brute_expand(net, embed, ids, feats)
     root = net.logits(run([], -1)).log_softmax(-1)
     assert torch.allclose(root, net.logits(drafter._root_out).log_softmax(-1), atol=1e-9)
-    ref = grow(root, expand, top_k=3, depth=4, budget=12)
+    ref = grow(root, expand, top_k=3, depth=4, max_tokens=12)
     assert mine.parents == ref.parents and mine.rows == ref.rows
     assert max(abs(a - b) for a, b in zip(mine.scores, ref.scores)) < 1e-9
     assert len(mine.rows) == 12 and max(_depths(mine.parents)) >= 3       # a real tree, several levels deep
@@ -223,7 +223,7 @@ def test_sequoia_tree_equals_brute_force_ranks():
     drafter._embed = embed
     drafter.begin(SequenceStart(input_ids=ids[:, :9], hidden_states=feats[:, :9]))
     drafter._sync(ids)
-    mine = drafter.grow(ids, budget=7)
+    mine = drafter.grow(ids, max_tokens=7)
     paths = drafter.sequoia_paths(7)
     assert sorted(paths) == sorted(sequoia_tree(accept, 8, 3)[1].rank_paths())
     expand, run = brute_expand(net, embed, ids, feats)
@@ -288,14 +288,14 @@ def test_budget_keeps_the_best_paying_prefix_and_stays_exact():
     parent_token = {token[r]: (token[grown.rows[p - 1]] if p else None) for r, p in zip(grown.rows, grown.parents)}
     score = {token[r]: s for r, s in zip(grown.rows, grown.scores)}
     drafter.evidence, drafter._backoff = [0.0, 0.0], 0
-    draft = drafter._draft(ids, grown, [], 0, budget=8)
+    draft = drafter._draft(ids, grown, [], 0, max_tokens=8)
     kept, parents = draft.tokens[0].tolist(), draft.tree.parents.tolist()
     assert sorted((score[t] for t in kept[1:]), reverse=True) == sorted(grown.scores, reverse=True)[:len(kept) - 1]
     assert token[8] not in kept                                     # the -3.0 node is not worth it
     assert all(p < i for i, p in enumerate(parents) if i)            # parents before children
     assert [kept[p] if p else None for p in parents[1:]] == [parent_token[t] for t in kept[1:]]
     drafter.evidence = [0.0, 1000.0]  # nothing ever accepted of a thousand predicted: no draft, and a pause
-    assert drafter._draft(ids, grown, [], 0, budget=8).tokens.shape == (1, 1) and drafter._pause >= 1
+    assert drafter._draft(ids, grown, [], 0, max_tokens=8).tokens.shape == (1, 1) and drafter._pause >= 1
 
 
 # ---------------------------------------------------------------- sampling
@@ -405,7 +405,7 @@ def test_flash_k1_eagle2_tree_equals_brute_force_and_is_exact():
             return head_logits(head, out, None).log_softmax(-1)
 
         ref = grow(run([], -1), lambda chosen, nodes: torch.stack([run(nodes, i) for i in chosen]),
-                   top_k=3, depth=3, budget=14)
+                   top_k=3, depth=3, max_tokens=14)
     assert draft.tree.parents.tolist() == [-1] + ref.parents
     assert draft.tokens[0, 1:].tolist() == ref.rows and max(_depths(ref.parents)) == 3
 
@@ -422,14 +422,14 @@ def test_growth_stops_at_a_depth_whose_nodes_hold_too_little_probability():
 
     root = (torch.arange(vocab, dtype=torch.float) * 0.9).log_softmax(-1)
     masses: list[float] = []
-    grow(root, expand, top_k=3, depth=6, budget=40)
+    grow(root, expand, top_k=3, depth=6, max_tokens=40)
     unlimited = list(masses)  # the chosen nodes' mass before expanding levels 2 .. 6
     assert len(unlimited) == 5 and all(a > b for a, b in zip(unlimited, unlimited[1:]))
     masses.clear()
-    limited = grow(root, expand, top_k=3, depth=6, budget=40, level_mass=(unlimited[2] + unlimited[3]) / 2)
+    limited = grow(root, expand, top_k=3, depth=6, max_tokens=40, level_mass=(unlimited[2] + unlimited[3]) / 2)
     assert len(masses) == 3  # levels 2, 3, 4 expanded; level 5's nodes hold too little
     masses.clear()
-    reference = grow(root, expand, top_k=3, depth=4, budget=40)
+    reference = grow(root, expand, top_k=3, depth=4, max_tokens=40)
     assert (limited.parents, limited.rows, limited.scores, limited.levels) == \
         (reference.parents, reference.rows, reference.scores, reference.levels)
 

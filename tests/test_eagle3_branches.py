@@ -104,13 +104,13 @@ def test_lookup_chain_merges_into_the_heads_tree_and_drafts_alone_while_the_head
     grown = GrownTree(parents=[0, 0, 1], rows=[10, 11, 12], scores=[-0.1, -0.5, -0.2], expanded=3, levels=2)
     drafter.branch.chains.evidence = {(match_bucket(3), d): [100.0, 100.0] for d in (1, 2, 3)}   # chains always match
     committed = torch.tensor([[5, 6, 7]])
-    draft = drafter._draft(committed, grown, [a, c, 99], match_bucket(3), budget=8)
+    draft = drafter._draft(committed, grown, [a, c, 99], match_bucket(3), max_tokens=8)
     tokens, parents = draft.tokens[0].tolist(), draft.tree.parents.tolist()
     # the chain runs through the head's nodes a -> c and adds one node, 99, under c
     assert sorted(tokens[1:]) == sorted([a, b, c, 99]) and len(tokens) == 5
     assert tokens[parents[tokens.index(99)]] == c and tokens[parents[tokens.index(c)]] == a
     assert [drafter._head_nodes[tokens.index(t)] for t in (a, b, c, 99)] == [True, True, True, False]
-    paused = drafter._draft(committed, None, [a, c, 99], match_bucket(3), budget=8)
+    paused = drafter._draft(committed, None, [a, c, 99], match_bucket(3), max_tokens=8)
     assert paused.tokens[0, 1:].tolist() == [a, c, 99] and paused.tree.parents.tolist() == [-1, 0, 1, 2]
     assert not any(drafter._head_nodes[1:])
 

@@ -153,15 +153,15 @@ def test_incremental_state_matches_full_forward_llava():
 def test_best_first_is_top_paths_by_probability():
     drafter = FlashDrafter(None)
     g = torch.Generator().manual_seed(0)
-    depth, width, budget = 4, 3, 11
+    depth, width, max_tokens = 4, 3, 11
     probs = torch.rand(depth, width, generator=g).sort(dim=-1, descending=True).values
     probs = (probs / probs.sum(-1, keepdim=True) * 0.9).tolist()
-    chosen, chosen_scores = best_first_paths(probs, depth, budget, drafter.min_path_prob)
+    chosen, chosen_scores = best_first_paths(probs, depth, max_tokens, drafter.min_path_prob)
     scores = {}
     for d in range(1, depth + 1):
         for path in itertools.product(range(width), repeat=d):
             scores[path] = math.prod(probs[i][r] for i, r in enumerate(path))
-    best = sorted(scores, key=scores.get, reverse=True)[:budget]
+    best = sorted(scores, key=scores.get, reverse=True)[:max_tokens]
     assert set(chosen) == set(best)
     assert all(p[:-1] in set(chosen) or len(p) == 1 for p in chosen)  # prefix-closed
     assert chosen_scores == pytest.approx([scores[p] for p in chosen])
@@ -441,11 +441,11 @@ def token_paths(draft):
     return paths
 
 
-@pytest.mark.parametrize("chain, budget", [([5, 6, 7, 8, 9, 10], 16), ([0, 1, 7, 8], 16), ([0, 1, 7, 8], 6),
-                                           ([0, 9], 3), ([], 5), ([9, 9, 9, 9, 9, 9, 9, 9], 4)])
-def test_lookup_chain_merges_into_the_flash_tree(chain, budget):
-    """The draft holds every prefix of the (budget-trimmed) chain, otherwise only FLASH nodes, and the
-    FLASH nodes it keeps are the highest-priority ones; siblings are distinct; within budget."""
+@pytest.mark.parametrize("chain, max_tokens", [([5, 6, 7, 8, 9, 10], 16), ([0, 1, 7, 8], 16), ([0, 1, 7, 8], 6),
+                                               ([0, 9], 3), ([], 5), ([9, 9, 9, 9, 9, 9, 9, 9], 4)])
+def test_lookup_chain_merges_into_the_flash_tree(chain, max_tokens):
+    """The draft holds every prefix of the (max_tokens-trimmed) chain, otherwise only FLASH nodes, and the
+    FLASH nodes it keeps are the highest-priority ones; siblings are distinct; within max_tokens."""
     drafter = FlashDrafter(None, top_k=2, max_draft_tokens=8, lookup_tokens=8)
     vocab, depth = 12, 3
     g = torch.Generator().manual_seed(1)
@@ -453,17 +453,17 @@ def test_lookup_chain_merges_into_the_flash_tree(chain, budget):
     dists[:, :2] += torch.tensor([2.0, 1.0])   # ranks 0 / 1 are tokens 0 / 1 at every depth
     dists = dists / dists.sum(-1, keepdim=True)
     committed = torch.tensor([[3, 4]])
-    shape = ("dynamic", depth, min(budget, 8))
-    draft = drafter._make_draft(committed, dists, shape, list(chain), budget)
+    shape = ("dynamic", depth, min(max_tokens, 8))
+    draft = drafter._make_draft(committed, dists, shape, list(chain), max_tokens)
     paths = token_paths(draft)
     nodes = list(paths.values())[1:]
-    assert len(nodes) == len(set(nodes)) <= budget                             # distinct siblings, in budget
+    assert len(nodes) == len(set(nodes)) <= max_tokens                         # distinct siblings, within the cap
     top_p, top_ids = dists.topk(2, dim=-1)
     priority = [tuple(int(top_ids[i][r]) for i, r in enumerate(p))
-                for p in best_first_paths(top_p.tolist(), depth, min(budget, 8), drafter.min_path_prob)[0]]
+                for p in best_first_paths(top_p.tolist(), depth, min(max_tokens, 8), drafter.min_path_prob)[0]]
     kept_chain = [tuple(chain[:i]) for i in range(1, len(chain) + 1) if tuple(chain[:i]) in set(nodes)]
     assert kept_chain == [tuple(chain[:i]) for i in range(1, len(kept_chain) + 1)]
-    assert len(kept_chain) == min(len(chain), budget)                          # the whole chain, or what fits
+    assert len(kept_chain) == min(len(chain), max_tokens)                      # the whole chain, or what fits
     flash_only = [p for p in nodes if p not in set(kept_chain)]
     assert set(flash_only) <= set(priority)
     others = [p for p in priority if p not in set(kept_chain)]
@@ -507,7 +507,7 @@ def test_greedy_exact_with_sequoia_trees_and_measured_pricing(text_target, k, tr
 
 
 def test_sequoia_tree_is_the_dynamic_programme_of_its_vector():
-    from flashmm.tree.cost import best_tree_budget  # noqa: PLC0415
+    from flashmm.tree.cost import best_paying_sequoia_tree  # noqa: PLC0415
     from flashmm.tree.shapes import sequoia_tree  # noqa: PLC0415
 
     drafter = FlashDrafter(None, tree="sequoia", accept=ACCEPT)
@@ -516,7 +516,7 @@ def test_sequoia_tree_is_the_dynamic_programme_of_its_vector():
     # measured: a forward of n tokens costing 1 + 0.25 (n - 1) one-token forwards
     drafter.verify_cost = cost_of(lambda n: 1 + 0.25 * (n - 1))
     drafter._sequoia = {}
-    n, tree, rate = best_tree_budget(ACCEPT, drafter.verify_cost, 11, 5)
+    n, tree, rate = best_paying_sequoia_tree(ACCEPT, drafter.verify_cost, 11, 5)
     paths = drafter.sequoia_paths(10, 5)
     assert paths == tree.rank_paths() and len(paths) == n - 1 < 10
     # by enumeration of the node counts: expected tokens per unit of verify time is largest at n

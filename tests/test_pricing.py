@@ -8,7 +8,7 @@ import torch
 import flashmm
 from flashmm.drafters import DraftModel
 from flashmm.targets.verify_cost import measure_verify_cost
-from flashmm.tree.cost import AdaptiveDraftLength, VerifyCost, best_tree_budget
+from flashmm.tree.cost import AdaptiveDraftLength, VerifyCost, best_paying_sequoia_tree
 from flashmm.tree.shapes import sequoia_tree
 
 from text_models import prompt, tiny_lm
@@ -60,15 +60,15 @@ def test_length_maximises_tokens_per_cost(alpha, seconds):
     assert length.choose(12, alpha) == brute
 
 
-def test_tree_budget_by_enumeration():
+def test_best_paying_sequoia_tree_by_enumeration():
     accept = [0.6, 0.2, 0.1]
     cheap = VerifyCost((1, 64), (1.0, 1.0 + 63 * 0.001))
     steep = VerifyCost((1, 2, 64), (1.0, 3.0, 200.0))
-    n, tree, rate = best_tree_budget(accept, cheap, max_nodes=12)
+    n, tree, rate = best_paying_sequoia_tree(accept, cheap, max_nodes=12)
     assert n == 12 and tree.num_nodes == 12              # verification almost free: use every node
-    assert best_tree_budget(accept, steep, max_nodes=12)[0] == 1   # drafting never pays
+    assert best_paying_sequoia_tree(accept, steep, max_nodes=12)[0] == 1   # drafting never pays
     middle = VerifyCost((1, 4, 8, 16), (1.0, 1.3, 2.0, 4.0))
-    n, tree, rate = best_tree_budget(accept, middle, max_nodes=12)
+    n, tree, rate = best_paying_sequoia_tree(accept, middle, max_nodes=12)
     rates = {m: (1 + sequoia_tree(accept, m, 8)[0]) / middle.relative(m) for m in range(1, 13)}
     assert n == max(rates, key=rates.get) and rate == pytest.approx(rates[n])
 
@@ -218,8 +218,8 @@ def test_a_cost_no_node_pays_for_gives_no_sequoia_paths():
     from flashmm.tree.cost import sequoia_rank_paths
 
     steep = VerifyCost((1, 2, 4), (1.0, 50.0, 100.0))
-    assert sequoia_rank_paths([0.6, 0.3, 0.1], budget=4, depth=3, verify_cost=steep) == []
-    assert len(sequoia_rank_paths([0.6, 0.3, 0.1], budget=4, depth=3, verify_cost=None)) == 4
+    assert sequoia_rank_paths([0.6, 0.3, 0.1], max_tokens=4, depth=3, verify_cost=steep) == []
+    assert len(sequoia_rank_paths([0.6, 0.3, 0.1], max_tokens=4, depth=3, verify_cost=None)) == 4
 
 
 def test_a_size_timed_below_the_one_token_forward_reads_as_its_cost(tmp_path, monkeypatch):

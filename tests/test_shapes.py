@@ -1,5 +1,5 @@
 """Tree shapes against brute force: Sequoia's programme against every ordered tree of up to 7
-nodes, DySpec's greedy expansion against the top-budget path products of a full tree."""
+nodes, DySpec's greedy expansion against the top-max_tokens path products of a full tree."""
 from __future__ import annotations
 
 import functools
@@ -70,7 +70,7 @@ def _paths(tree):
 @pytest.mark.parametrize("seed", range(6))
 def test_dyspec_takes_the_best_path_products(seed):
     rng = random.Random(seed)
-    width, depth, budget = 3, 4, 11
+    width, depth, max_tokens = 3, 4, 11
     table = {}
 
     def child_probs(path):
@@ -82,7 +82,7 @@ def test_dyspec_takes_the_best_path_products(seed):
             table[path] = [r / total for r in raw]
         return table[path]
 
-    chosen, scores = dyspec_tree(child_probs, budget)
+    chosen, scores = dyspec_tree(child_probs, max_tokens)
     every = {}
     for d in range(1, depth + 1):
         for path in itertools.product(range(width), repeat=d):
@@ -90,7 +90,7 @@ def test_dyspec_takes_the_best_path_products(seed):
             for i in range(d):
                 value *= child_probs(path[:i])[path[i]]
             every[path] = value
-    best = sorted(every.values(), reverse=True)[:budget]
-    assert len(chosen) == budget and sorted(scores, reverse=True) == pytest.approx(best, rel=1e-12)
+    best = sorted(every.values(), reverse=True)[:max_tokens]
+    assert len(chosen) == max_tokens and sorted(scores, reverse=True) == pytest.approx(best, rel=1e-12)
     assert all(p[:-1] in chosen or len(p) == 1 for p in chosen)             # a tree (closed under parents)
     assert all(abs(every[p] - s) < 1e-12 for p, s in zip(chosen, scores))

@@ -190,7 +190,7 @@ def test_eagle3_chain_stops_by_specdecpp_rule(p_accept, threshold, expected):
     the same counts as the draft-LM test above; each head pass saved is a level not expanded."""
     drafter, ids, _ = eagle3_setup("chain", 8, 1, None, threshold)
     drafter.acceptance = constant_rank_head(drafter.net.cfg.hidden_size, [p_accept])
-    grown = drafter.grow(ids, budget=16, specdec=True)
+    grown = drafter.grow(ids, max_tokens=16, specdec=True)
     assert len(grown.rows) == expected and grown.levels == min(expected, 7)
     assert all(abs(s - (j + 1) * math.log(p_accept)) < 1e-6 for j, s in enumerate(grown.scores))
 
@@ -204,7 +204,7 @@ def test_eagle3_tree_keeps_every_rank_path_above_the_floor_brute_force():
     rank_probs, threshold, depth, top_k = [0.6, 0.3], 0.8, 4, 2
     drafter, ids, (expand, run) = eagle3_setup("dynamic", depth, top_k, None, threshold)
     drafter.acceptance = constant_rank_head(drafter.net.cfg.hidden_size, rank_probs)
-    grown = drafter.grow(ids, budget=30, specdec=True)
+    grown = drafter.grow(ids, max_tokens=30, specdec=True)
     want = {path for d in range(1, depth + 1) for path in itertools.product(range(top_k), repeat=d)
             if math.prod(rank_probs[r] for r in path) >= 1 - threshold}
     assert want == {(0,), (1,), (0, 0), (0, 0, 0)}        # the hand count: 0.6, 0.3, 0.36, 0.216

@@ -71,11 +71,11 @@ class DraftModel(Drafter):
     ``drafting`` picks the tree and how it is sampled (flashmm.tree.scheme_trees), each
     matching an exact verifier (``drafting_scheme`` tells the engine which):
       "sibling" (default): the chain / sibling tree above; scheme "chain" (tree_width 1) or "iid".
-      "rsd_c":  Gumbel-Top-k per node, ``branching[d]`` children at depth d (cut to the node
-                budget); scheme "without_replacement" (verifier "rsd" or "traversal").
-      "rsd_s":  stochastic beam search, ``beam_width`` sequences (width x depth within the
-                budget); scheme "without_replacement".
-      "chains": ``num_chains`` i.i.d. chains (chains x depth within the budget); scheme
+      "rsd_c":  Gumbel-Top-k per node, ``branching[d]`` children at depth d (cut to
+                ``max_draft_tokens``); scheme "without_replacement" (verifier "rsd" or "traversal").
+      "rsd_s":  stochastic beam search, ``beam_width`` sequences (width x depth within
+                ``max_draft_tokens``); scheme "without_replacement".
+      "chains": ``num_chains`` i.i.d. chains (chains x depth within ``max_draft_tokens``); scheme
                 "iid_chains" (verifier "spectr" or "tree").
 
     Options: DraftModelOptions, as keywords or ``options=``; ``model`` and ``length`` are arguments
@@ -214,8 +214,8 @@ class DraftModel(Drafter):
         if self.drafting != "sibling":
             return self._propose_tree(committed, max_tokens, sampling, generator)
         width = self.tree_width
-        depth_budget = min(max_tokens, self.max_draft_tokens) // width
-        depth = self.length.choose(depth_budget) if self.adaptive else depth_budget
+        max_depth = min(max_tokens, self.max_draft_tokens) // width
+        depth = self.length.choose(max_depth) if self.adaptive else max_depth
         self.last_depth = 0
         if depth <= 0:
             return root_only(committed)

@@ -11,7 +11,7 @@ the last one's output scoring the token after the root. Then:
 
 - ``tree="dynamic"``: EAGLE-2's tree (flashmm.tree.dynamic.grow): ``top_k`` children per expanded node, the
   ``top_k`` nodes of largest cumulative log probability expanded per depth, the best ``max_draft_tokens``
-  (the engine's budget) of all grown nodes kept; each expanded node run on its own path with tree attention
+  (the engine's cap, SpecConfig.max_draft_tokens) of all grown nodes kept; each expanded node run on its own path with tree attention
   over the committed cache and its ancestors' units. ``depth`` is the deepest drafted token (the EAGLE
   repository's ``depth`` + 1: its depth counts the head passes after the root's).
 - ``tree="static"``: EAGLE-1's fixed tree, given as rank ``paths`` (as the EAGLE repository's choices.py
@@ -208,10 +208,11 @@ class EagleDrafter(Drafter):
         if committed.shape[0] != 1:
             raise NotImplementedError("EagleDrafter drafts one sequence at a time")
         self._sync(committed)
-        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
-        if budget <= 0:
+        if self.max_draft_tokens is not None:
+            max_tokens = min(max_tokens, self.max_draft_tokens)
+        if max_tokens <= 0:
             return root_only(committed)
-        grown = self.grow(committed, budget)
+        grown = self.grow(committed, max_tokens)
         keep = self._best_paying(grown) if self.adaptive else list(range(len(grown.rows)))
         if not keep:
             return root_only(committed)
@@ -260,8 +261,8 @@ class EagleDrafter(Drafter):
         self._next = root
         self._root_out = out[0, -1]
 
-    def grow(self, committed: torch.Tensor, budget: int) -> GrownTree:
-        """The draft tree after the synced root (chain: top_k = 1, depth = min(depth, budget)); rows are
+    def grow(self, committed: torch.Tensor, max_tokens: int) -> GrownTree:
+        """The draft tree after the synced root (chain: top_k = 1, depth = min(depth, max_tokens)); rows are
         target token ids."""
         root_logp = self.logits(self._root_out).log_softmax(-1)
         units = TreeUnits()
@@ -282,10 +283,10 @@ class EagleDrafter(Drafter):
             return self.logits(out[0]).log_softmax(-1)
 
         if self.tree == "chain":
-            return grow(root_logp, expand, top_k=1, depth=min(self.depth, budget), budget=budget)
+            return grow(root_logp, expand, top_k=1, depth=min(self.depth, max_tokens), max_tokens=max_tokens)
         if self.tree == "static":
-            return grow_static(root_logp, expand, self.paths[:budget])
-        return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, budget=budget)
+            return grow_static(root_logp, expand, self.paths[:max_tokens])
+        return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, max_tokens=max_tokens)
 
 
 # ------------------------------------------------------------------------------------------ the folder

@@ -94,7 +94,7 @@ class Eagle3Options(DrafterOptions):
 class Eagle3Drafter(Drafter):
     """net: an Eagle3Net. tree: "chain", "dynamic" (EAGLE-2) or "sequoia" (the fixed tree of rank
     paths that maximises expected accepted tokens per unit of the target's measured verify time,
-    flashmm.tree.cost.best_tree_budget, under the positional acceptance vector ``accept``:
+    flashmm.tree.cost.best_paying_sequoia_tree, under the positional acceptance vector ``accept``:
     accept[r] = P(the target's token is the head's r-th choice), measured on held-out text by
     eval/sequoia_vector.py and saved with the head). depth: deepest drafted token.
     top_k: children per expanded node and nodes expanded per depth ("dynamic").
@@ -111,7 +111,7 @@ class Eagle3Drafter(Drafter):
     lookup: None, "suffix" (SuffixLookup over the prompt + output and earlier outputs) or "ngram"
     (prompt lookup): a chain of up to ``lookup_tokens`` tokens merged into the tree as a branch
     (see the module docstring); with adaptive drafting its nodes are priced beside the head's,
-    without it the whole chain is drafted within the budget.
+    without it the whole chain is drafted within the step's cap.
     context_vocab: add the committed text's tokens to the head's vocabulary for the sequence (see
     the module docstring); needs a head whose LM head rows are the target's.
     Options: Eagle3Options, as keywords or ``options=``; ``net``, ``info`` and ``acceptance`` are
@@ -145,7 +145,7 @@ class Eagle3Drafter(Drafter):
         self.tree, self.depth, self.top_k = tree, options.depth, top_k
         self.max_draft_tokens = options.max_draft_tokens
         self.accept = None if options.accept is None else list(options.accept)
-        self._shapes: dict[int, list[tuple[int, ...]]] = {}     # budget -> Sequoia rank paths
+        self._shapes: dict[int, list[tuple[int, ...]]] = {}     # max_tokens -> Sequoia rank paths
         self.feature_layers = tuple(net.cfg.feature_layers)
         self.info = info or {}
         self._embed = None
@@ -276,20 +276,21 @@ class Eagle3Drafter(Drafter):
     def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams) -> Draft:
         self._sync(committed)
         self._head_nodes = []
-        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
-        chain, bucket = self.branch.chain(committed, budget) if self.branch is not None else ([], 0)
-        if budget <= 0 or self._pause > 0:
+        if self.max_draft_tokens is not None:
+            max_tokens = min(max_tokens, self.max_draft_tokens)
+        chain, bucket = self.branch.chain(committed, max_tokens) if self.branch is not None else ([], 0)
+        if max_tokens <= 0 or self._pause > 0:
             self._pause = max(0, self._pause - 1)
             grown = None
         else:
-            grown = self.grow(committed, budget, specdec=self.acceptance is not None and not sampling.do_sample)
-        return self._draft(committed, grown, chain, bucket, budget)
+            grown = self.grow(committed, max_tokens, specdec=self.acceptance is not None and not sampling.do_sample)
+        return self._draft(committed, grown, chain, bucket, max_tokens)
 
     def _draft(self, committed: torch.Tensor, grown: GrownTree | None, chain: list[int], bucket: int,
-               budget: int) -> Draft:
+               max_tokens: int) -> Draft:
         """The head's tree (None: paused) with the lookup chain merged in, shared nodes once: with
         adaptive drafting its best-paying nodes (head nodes valued at their calibrated probability,
-        chain nodes at ChainCalibration's), else all of them within ``budget``."""
+        chain nodes at ChainCalibration's), else all of them within ``max_tokens``."""
         trie, head = DraftTrie(), [False]
         calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
         if grown is not None and grown.rows:
@@ -300,7 +301,7 @@ class Eagle3Drafter(Drafter):
                 head.append(True)
         if chain:
             self.branch.add_to(trie, chain, bucket, head)
-        order = trie.ranked()[:budget]
+        order = trie.ranked()[:max_tokens]
         keep = self._best_paying(trie, order, head, calibration, grown) if self.adaptive else order
         if not keep:                            # paused, nothing pays, or SpecDec++ stopped before depth 1
             return root_only(committed)
@@ -359,8 +360,8 @@ class Eagle3Drafter(Drafter):
         normed = self.net.norm(out)
         return torch.cat([self.net.lm_head(normed), normed @ self._extra_weight.T], dim=-1).float()
 
-    def grow(self, committed: torch.Tensor, budget: int, specdec: bool = False) -> GrownTree:
-        """The draft tree after the synced root (chain: top_k = 1, depth = min(depth, budget)); with
+    def grow(self, committed: torch.Tensor, max_tokens: int, specdec: bool = False) -> GrownTree:
+        """The draft tree after the synced root (chain: top_k = 1, depth = min(depth, max_tokens)); with
         ``specdec`` scored and stopped by the acceptance head."""
         root_logp = self._logits(self._root_out).log_softmax(-1)
         units = TreeUnits()
@@ -386,31 +387,31 @@ class Eagle3Drafter(Drafter):
             return self.acceptance(states, self.acceptance.summary(logps), depth)
 
         stop = dict(score=score, stop_below=1.0 - self.threshold) if specdec else \
-            self._worth_growing(budget) if self.adaptive else {}
+            self._worth_growing(max_tokens) if self.adaptive else {}
         if self.tree == "chain":
-            return grow(root_logp, expand, top_k=1, depth=min(self.depth, budget), budget=budget, **stop)
+            return grow(root_logp, expand, top_k=1, depth=min(self.depth, max_tokens), max_tokens=max_tokens, **stop)
         if self.tree == "sequoia":
-            return grow_static(root_logp, expand, self.sequoia_paths(budget))
-        return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, budget=budget, **stop)
+            return grow_static(root_logp, expand, self.sequoia_paths(max_tokens))
+        return grow(root_logp, expand, top_k=self.top_k, depth=self.depth, max_tokens=max_tokens, **stop)
 
-    def _worth_growing(self, budget: int) -> dict:
+    def _worth_growing(self, max_tokens: int) -> dict:
         """grow's limits in adaptive drafting, from the same prices as ``_best_paying``: a node whose
         calibrated probability is below the verify cost one more node adds (in one-token forwards)
         cannot repay it, and a depth whose expanded nodes hold less calibrated probability than one
         head pass costs cannot repay the pass (on SmolLM2, 6-deep trees were grown for ~3.6 kept nodes)."""
         calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
-        n = max(budget, 2)
+        n = max(max_tokens, 2)
         per_node = max(self.length.cost(n) - self.length.cost(1), 0.0) / (n - 1)
         return dict(stop_below=per_node / calibration, level_mass=self._pass_cost / calibration)
 
-    def sequoia_paths(self, budget: int) -> list[tuple[int, ...]]:
-        """The rank paths of the Sequoia tree for at most ``budget`` drafted nodes: the node count
+    def sequoia_paths(self, max_tokens: int) -> list[tuple[int, ...]]:
+        """The rank paths of the Sequoia tree for at most ``max_tokens`` drafted nodes: the node count
         that maximises tokens per unit of verify time when the target's cost is measured, else
-        the full budget."""
-        if budget not in self._shapes:
-            paths = sequoia_rank_paths(self.accept, budget, self.depth, self.length.verify_cost)
-            self._shapes[budget] = paths or [(0,)]
-        return self._shapes[budget]
+        all ``max_tokens``."""
+        if max_tokens not in self._shapes:
+            paths = sequoia_rank_paths(self.accept, max_tokens, self.depth, self.length.verify_cost)
+            self._shapes[max_tokens] = paths or [(0,)]
+        return self._shapes[max_tokens]
 
 
 def save_head(path, net: Eagle3Net, info: dict, drafting: dict) -> Path:

@@ -11,7 +11,7 @@ the next K. With tokens_per_step = 1 this is EAGLE-style autoregressive feature 
 Tree: the K positions of one pass are conditioned only on the committed prefix (plus the top-1
 chain of earlier passes), so every node at depth j gets the same children: the top tokens of
 the depth-(j+1) distribution. The tree is a static shape (Medusa-style rank paths), a chain,
-"dynamic": best-first expansion by cumulative draft probability up to the token budget, or
+"dynamic": best-first expansion by cumulative draft probability up to the step's cap of drafted tokens, or
 "sequoia": the static tree maximising expected accepted tokens under the drafter's measured
 positional acceptance vector ``accept`` (flashmm.tree.shapes.sequoia_tree; eval/flash_sequoia_vector.py
 measures it). ``pricing="measured"`` sizes each step's tree by the target's measured verify time
@@ -19,7 +19,7 @@ measures it). ``pricing="measured"`` sizes each step's tree by the target's meas
 (1 + Σ path probability ** calibration) / (t(n) / t(1)) — a node's estimated chance to be accepted;
 ``calibration`` (1: the draft's probabilities as they are) is fitted on held-out decoding by the same
 script —, a Sequoia tree the node count that maximises expected tokens per unit of verify time
-(flashmm.tree.cost.best_tree_budget). ``pricing="none"`` (default) does not price the tree: every
+(flashmm.tree.cost.best_paying_sequoia_tree). ``pricing="none"`` (default) does not price the tree: every
 step drafts up to its cap.
 Children are deterministic, so q_probs is None and sampling is verified by the multi-round tree
 rule in its deterministic-children form (lossless).
@@ -156,7 +156,7 @@ class FlashDrafter(Drafter):
                   exact and children are deterministic); tokens outside it are never drafted.
     lookup_tokens: up to this many tokens of an n-gram match (last 3 or 2 committed tokens seen
                   earlier in prompt + output) added as one more tree path (0: off). Its new nodes
-                  count against the engine's budget; the FLASH nodes of lowest priority make room.
+                  count against the step's cap of drafted tokens; the FLASH nodes of lowest priority make room.
     lookup:       where that path comes from: "ngram" (the latest match, as prompt lookup) or
                   "suffix" (suffix.SuffixLookup: the most frequent continuation of the longest
                   match in prompt + output or in earlier outputs, kept across calls).
@@ -189,7 +189,7 @@ class FlashDrafter(Drafter):
         self.accept = None if options.accept is None else list(options.accept)
         self.pricing, self.calibration = options.pricing, float(options.calibration)
         self.verify_cost, self.cost_source = None, "none"       # set at bind with pricing="measured"
-        self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # budget -> rank paths
+        self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # max_tokens -> rank paths
         self._head = self._embed = None
         self._vocab = None                     # LongTensor [V'] of draft_vocab on the head's device
         self._reset_sequence()
@@ -422,34 +422,35 @@ class FlashDrafter(Drafter):
         return torch.cat(probs, dim=0)[:depth]
 
     def _shape_for(self, max_tokens: int):
-        """(kind, depth, budget or paths) for this step, or None when nothing can be drafted."""
-        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
-        if budget <= 0:
+        """(kind, depth, max_tokens or paths) for this step, or None when nothing can be drafted."""
+        if self.max_draft_tokens is not None:
+            max_tokens = min(max_tokens, self.max_draft_tokens)
+        if max_tokens <= 0:
             return None
         if isinstance(self.tree, list):
             paths = sorted({tuple(p[:d]) for p in self.tree for d in range(1, len(p) + 1)},
-                           key=lambda p: (len(p), p))[:budget]
+                           key=lambda p: (len(p), p))[:max_tokens]
             return ("static", max(len(p) for p in paths), paths)
         k = self.net.tokens_per_step
         depth = self.depth if self.depth is not None else k * math.ceil(5 / k)
         if self.tree == "chain":
-            depth = min(depth, budget)
+            depth = min(depth, max_tokens)
             return ("static", depth, [(0,) * d for d in range(1, depth + 1)])
         if self.tree == "sequoia":
-            paths = self.sequoia_paths(budget, depth)
+            paths = self.sequoia_paths(max_tokens, depth)
             return ("static", max(map(len, paths)), paths) if paths else None
-        return ("dynamic", min(depth, budget), budget)
+        return ("dynamic", min(depth, max_tokens), max_tokens)
 
     def reprice(self, verify_cost) -> None:
         if self.verify_cost is not None:            # pricing "measured": trees sized by the new cost
             self.verify_cost, self._sequoia = verify_cost, {}
 
-    def sequoia_paths(self, budget: int, depth: int) -> list[tuple[int, ...]]:
-        """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes (with
+    def sequoia_paths(self, max_tokens: int, depth: int) -> list[tuple[int, ...]]:
+        """Rank paths of the Sequoia tree for ``accept`` with at most ``max_tokens`` drafted nodes (with
         pricing="measured", the node count the measured verify cost pays for; flashmm.tree.cost)."""
-        if budget not in self._sequoia:
-            self._sequoia[budget] = sequoia_rank_paths(self.accept, budget, depth, self.verify_cost)
-        return self._sequoia[budget]
+        if max_tokens not in self._sequoia:
+            self._sequoia[max_tokens] = sequoia_rank_paths(self.accept, max_tokens, depth, self.verify_cost)
+        return self._sequoia[max_tokens]
 
     def _paying_prefix(self, scores: list[float]) -> int:
         """How many best-first nodes to keep: trie.best_paying_prefix of path probability ** calibration
@@ -492,8 +493,9 @@ class FlashDrafter(Drafter):
         if self.net.tokens_per_step != 1:
             raise ValueError(f"tree='eagle2' needs a K = 1 FLASH head (tokens_per_step = 1), this one has "
                              f"K = {self.net.tokens_per_step}; use tree='dynamic' for K > 1")
-        budget = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
-        if budget <= 0:
+        if self.max_draft_tokens is not None:
+            max_tokens = min(max_tokens, self.max_draft_tokens)
+        if max_tokens <= 0:
             return root_only(committed)
         softcap = self.net.cfg.final_logit_softcapping
         past_len = 0 if self._past is None else self._past[0].shape[2]
@@ -516,7 +518,7 @@ class FlashDrafter(Drafter):
             return head_logits(self._head, predicted, softcap).log_softmax(-1)
 
         root_logp = head_logits(self._head, root_feature, softcap).log_softmax(-1)
-        grown = grow(root_logp, expand, top_k=self.top_k, depth=self.depth or 5, budget=budget)
+        grown = grow(root_logp, expand, top_k=self.top_k, depth=self.depth or 5, max_tokens=max_tokens)
         ids = self._token_ids(torch.tensor(grown.rows, device=root_logp.device)).to(committed.device)
         tokens = torch.cat([committed[0, -1:], ids])[None]
         return Draft(tokens=tokens, tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)

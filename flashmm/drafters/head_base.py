@@ -9,7 +9,7 @@ node is the state that produced the new root (token t + 1), and head k predicts 
 Static trees (Medusa's sparse tree, Cai et al. 2024): with acc[k][r] = P(head k's rank-r token is
 the right one), measured on held-out corpus answers with the preceding tokens right, a node whose
 path from the root takes ranks (r_1, ..., r_j) is accepted with probability prod_k acc[k][r_k]
-(treating heads as independent). The tree of ``budget`` nodes with the largest such products is
+(treating heads as independent). The tree of ``max_tokens`` drafted nodes with the largest such products is
 chosen greedily (flashmm.tree.shapes.dyspec_tree); its expected accepted tokens is their sum.
 
 On disk: ``drafter.json`` (method, drafter, target, ``heads`` config, ``accuracy`` table, training
@@ -50,8 +50,8 @@ def default_accuracy(num_heads: int, top_s: int) -> list[list[float]]:
     return [[max(0.05, 0.6 - 0.1 * k) * 0.5 ** r for r in range(top_s)] for k in range(num_heads)]
 
 
-def static_tree(accuracy: list[list[float]], budget: int) -> TokenTree:
-    """Medusa's sparse tree: the ``budget`` drafted nodes with the largest products of per-rank head
+def static_tree(accuracy: list[list[float]], max_tokens: int) -> TokenTree:
+    """Medusa's sparse tree: the ``max_tokens`` drafted nodes with the largest products of per-rank head
     accuracies along their path; node depth j takes head j's token of rank ``tree.ranks[node]``.
 
     accuracy: [K][S] (head k, rank r); each row is made non-increasing in r (a rank never looks
@@ -68,7 +68,7 @@ def static_tree(accuracy: list[list[float]], budget: int) -> TokenTree:
     def child_probs(path: tuple[int, ...]) -> list[float]:
         return rows[len(path)] if len(path) < len(rows) else []
 
-    paths, _ = dyspec_tree(child_probs, budget)
+    paths, _ = dyspec_tree(child_probs, max_tokens)
     return TokenTree.from_choices(paths) if paths else TokenTree.chain(0)
 
 
@@ -361,8 +361,8 @@ class HeadDrafter(Drafter):
 
 
 @lru_cache(maxsize=64)
-def _cached_tree(accuracy_json: str, budget: int) -> TokenTree:
-    return static_tree(json.loads(accuracy_json), budget)
+def _cached_tree(accuracy_json: str, max_tokens: int) -> TokenTree:
+    return static_tree(json.loads(accuracy_json), max_tokens)
 
 
 def save_heads(path, drafter_name: str, heads: nn.Module, config: dict, vocab: torch.Tensor | None,

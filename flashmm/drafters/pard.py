@@ -96,8 +96,8 @@ class Pard(DraftModel):
     def propose(self, committed, max_tokens, sampling: SamplingParams, generator) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("Pard drafts one sequence at a time")
-        budget = min(max_tokens, self.max_draft_tokens, self.depth)
-        count = self.length.choose(budget) if self.adaptive else budget
+        longest = min(max_tokens, self.max_draft_tokens, self.depth)
+        count = self.length.choose(longest) if self.adaptive else longest
         self.last_depth = 0
         if count <= 0:
             return root_only(committed)

@@ -156,8 +156,8 @@ class S2D(FastDraft):
     def propose(self, committed, max_tokens, sampling: SamplingParams, generator) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("S2D drafts one sequence at a time")
-        budget = min(max_tokens, self.max_draft_tokens)
-        depth = self.length.choose(budget) if self.adaptive else budget
+        max_depth = min(max_tokens, self.max_draft_tokens)           # a chain: one token per depth
+        depth = self.length.choose(max_depth) if self.adaptive else max_depth
         self.last_depth = 0
         if depth <= 0:
             return root_only(committed)

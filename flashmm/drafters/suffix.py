@@ -165,14 +165,14 @@ class LookupBranch:
     def begin(self, prompt: list[int]) -> None:
         self._source, self._last = lookup_source(self.kind, self.outputs, prompt), None
 
-    def chain(self, committed, budget: int) -> tuple[list[int], int]:
-        """(the chain at this root, at most ``budget`` tokens; its match bucket), after the last
+    def chain(self, committed, max_tokens: int) -> tuple[list[int], int]:
+        """(the chain at this root, at most ``max_tokens`` tokens; its match bucket), after the last
         step's chain is read against the tokens committed since."""
         if self._last is not None:
             position, chain, bucket = self._last
             self.chains.learn(chain, bucket, committed[0, position + 1:].tolist())
         self._source.sync(committed)
-        chain, match = self._source.continuation(min(self.tokens, budget))
+        chain, match = self._source.continuation(min(self.tokens, max_tokens))
         bucket = match_bucket(match)
         self._last = (committed.shape[1] - 1, chain, bucket) if chain else None
         return chain, bucket
@@ -211,7 +211,7 @@ class SuffixDecoding(Drafter):
     """SuffixDecoding over earlier outputs (kept across calls) and the current prompt + output.
 
     max_match: longest context suffix matched; budget_per_match: speculated nodes per matched
-    token (the match-length-dependent budget); merge=False verifies each trie's tree as its own
+    token (the tree's size grows with the match length); merge=False verifies each trie's tree as its own
     branch instead of merging them (graph-structured drafting off). datastore: a REST datastore
     (rest.Datastore or its safetensors file) whose retrieved continuations join the tree as a
     third source, consulted only while the context's own match (prompt and outputs) is shorter

@@ -18,7 +18,8 @@ The search is paid for out of decoding time: a step runs only while the seconds 
 at most ``search_share`` of the seconds this drafter's requests have spent decoding (SWIFT amortises
 its optimisation phase over requests the same way; unpaced, the first request on a CPU ran at a third
 of plain speed; at a 0.1 share its first three requests ran at 0.90× plain, hence 0.05).
-``search_share=None`` searches every step until the budget is spent. With ``adaptive`` pricing, the search also stops once the random trials are done if a chain drafted at
+``search_share=None`` searches every step until ``search_budget`` candidates are scored. With ``adaptive``
+pricing, the search also stops once the random trials are done if a chain drafted at
 the best matchness found could not pay for itself (AdaptiveDraftLength.choose at α = that matchness
 returns 0): on SmolLM2-135M, with 45% of the sub-layers skipped, the best set matches 2-8% of
 positions, far below what a draft costing ~55% of a forward needs.

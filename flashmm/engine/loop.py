@@ -433,7 +433,7 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
                 pricing.priced([drafters[b] for b in active])
 
             t0 = time.perf_counter()
-            # The budget is not cut near max_new_tokens: emission is truncated instead, so tree-shaped
+            # The draft cap is not cut near max_new_tokens: emission is truncated instead, so tree-shaped
             # drafts keep their width on the last step.
             drafts = [drafters[b].propose(rows[b].committed, spec.max_draft_tokens, rows[b].decoding.sampling,
                                           generator) for b in active]

@@ -349,7 +349,7 @@ class FrozenEmbedding(torch.nn.Module):
 
 
 @torch.no_grad()
-def replay_tau(drafter, ex: Example, budget: int, max_new: int | None = None) -> tuple[int, int]:
+def replay_tau(drafter, ex: Example, max_draft_tokens: int, max_new: int | None = None) -> tuple[int, int]:
     """Exact offline greedy replay of speculative decoding on one corpus sequence whose answer is
     the target's greedy text: the drafter (bound) begins on the prompt's cached features, drafts
     after each committed prefix, and a drafted node is accepted when it and its ancestors match
@@ -367,7 +367,7 @@ def replay_tau(drafter, ex: Example, budget: int, max_new: int | None = None) ->
     sampling = SamplingParams()
     while n + 1 < end:
         committed = ids[None, : n + 1]
-        draft = drafter.propose(committed, budget, sampling, None)
+        draft = drafter.propose(committed, max_draft_tokens, sampling, None)
         tokens, parents = draft.tokens[0].tolist(), draft.tree.parents.tolist()
         depth = [0] * len(tokens)
         ok = [True] + [False] * (len(tokens) - 1)
@@ -391,10 +391,10 @@ def replay_tau(drafter, ex: Example, budget: int, max_new: int | None = None) ->
     return emitted, steps
 
 
-def replay_examples(drafter, examples, budget: int, max_new: int | None = None) -> tuple[int, int]:
+def replay_examples(drafter, examples, max_draft_tokens: int, max_new: int | None = None) -> tuple[int, int]:
     """replay_tau summed over ``examples``: (tokens emitted, verification steps)."""
     emitted = steps = 0
     for ex in examples:
-        e, s = replay_tau(drafter, ex, budget, max_new)
+        e, s = replay_tau(drafter, ex, max_draft_tokens, max_new)
         emitted, steps = emitted + e, steps + s
     return emitted, steps

@@ -189,7 +189,7 @@ def price_for_batch(drafters, target, rows: int) -> None:
             drafter.reprice(cost)
 
 
-def best_tree_budget(accept: Sequence[float], verify_cost: VerifyCost, max_nodes: int,
+def best_paying_sequoia_tree(accept: Sequence[float], verify_cost: VerifyCost, max_nodes: int,
                      max_depth: int | None = 8, draft_token_cost: float = 0.0):
     """The node count n (root included) and Sequoia tree maximising expected tokens per second:
     (1 + expected accepted of the best n-node tree) / (t(n) / t(1) + draft_token_cost * (n - 1)).
@@ -205,13 +205,13 @@ def best_tree_budget(accept: Sequence[float], verify_cost: VerifyCost, max_nodes
     return best
 
 
-def sequoia_rank_paths(accept: Sequence[float], budget: int, depth: int | None,
+def sequoia_rank_paths(accept: Sequence[float], max_tokens: int, depth: int | None,
                        verify_cost: VerifyCost | None) -> list[tuple[int, ...]]:
-    """Rank paths of the Sequoia tree for ``accept`` with at most ``budget`` drafted nodes: with a
+    """Rank paths of the Sequoia tree for ``accept`` with at most ``max_tokens`` drafted nodes: with a
     measured ``verify_cost``, the node count maximising expected tokens per unit of verify time
-    (best_tree_budget; possibly no node), else all ``budget`` of them."""
+    (best_paying_sequoia_tree; possibly no node), else all ``max_tokens`` of them."""
     if verify_cost is not None:
-        _, tree, _ = best_tree_budget(accept, verify_cost, budget + 1, depth)
+        _, tree, _ = best_paying_sequoia_tree(accept, verify_cost, max_tokens + 1, depth)
     else:
-        _, tree = sequoia_tree(accept, budget + 1, depth)
+        _, tree = sequoia_tree(accept, max_tokens + 1, depth)
     return tree.rank_paths()

@@ -9,7 +9,7 @@ itself). Growth, per depth:
 2. depths 2 .. ``depth``: the ``top_k`` nodes of the previous depth with the largest cumulative
    log probability (the product of draft probabilities along the path) are expanded, each adding
    its ``top_k`` children (score = parent score + log p(child));
-3. rerank: the ``budget`` nodes of largest score among all grown ones are kept. A child's score
+3. rerank: the ``max_tokens`` nodes of largest score among all grown ones are kept. A child's score
    never exceeds its parent's, and ties keep the earlier-grown node first, so the kept set always
    holds every kept node's parent (checked).
 
@@ -82,15 +82,15 @@ def _best(indices: list[int], nodes: list[Node], count: int) -> list[int]:
     return sorted(indices, key=lambda i: (-nodes[i].score, i))[:count]
 
 
-def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, budget: int,
+def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, max_tokens: int,
          score: Score | None = None, stop_below: float | None = None, level_mass: float = 0.0) -> GrownTree:
     """EAGLE-2 growth from root log probabilities [V'] (see the module docstring). ``stop_below``
     (a probability): nodes whose cumulative probability falls below it are neither expanded nor
     kept (SpecDec++'s stop, or a node too unlikely to repay its verification); ``level_mass``: no
     further depth is expanded once the nodes it would expand hold less total probability than this
     (their children can hold no more)."""
-    if top_k < 1 or depth < 1 or budget < 1:
-        raise ValueError(f"top_k, depth and budget must be >= 1, got {top_k}, {depth}, {budget}")
+    if top_k < 1 or depth < 1 or max_tokens < 1:
+        raise ValueError(f"top_k, depth and max_tokens must be >= 1, got {top_k}, {depth}, {max_tokens}")
     floor = -math.inf if stop_below is None else math.log(max(stop_below, 1e-30))
     nodes: list[Node] = []
     frontier = [i for i in _children(nodes, [-1], root_logp[None], top_k, 1, score) if nodes[i].score >= floor]
@@ -104,7 +104,7 @@ def grow(root_logp: torch.Tensor, expand: Expand, *, top_k: int, depth: int, bud
         logps = expand(chosen, nodes)                                  # [len(chosen), V']
         expanded, levels = expanded + len(chosen), levels + 1
         frontier = [i for i in _children(nodes, chosen, logps, top_k, level, score) if nodes[i].score >= floor]
-    kept = _best([i for i in range(len(nodes)) if nodes[i].score >= floor], nodes, budget)
+    kept = _best([i for i in range(len(nodes)) if nodes[i].score >= floor], nodes, max_tokens)
     kept_set = set(kept)
     if any(nodes[i].parent >= 0 and nodes[i].parent not in kept_set for i in kept):
         raise AssertionError("rerank dropped a kept node's parent (scores must not grow along a path)")

@@ -55,12 +55,12 @@ class DraftTree:
         return len(self.tokens) - 1
 
 
-def profile_within(branching: tuple[int, ...], budget: int) -> tuple[int, ...]:
-    """The longest prefix of ``branching`` whose full tree has at most ``budget`` drafted nodes."""
+def profile_within(branching: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    """The longest prefix of ``branching`` whose full tree has at most ``max_tokens`` drafted nodes."""
     kept, level, total = [], 1, 0
     for b in branching:
         level *= b
-        if total + level > budget:
+        if total + level > max_tokens:
             break
         total += level
         kept.append(b)

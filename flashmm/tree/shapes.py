@@ -14,8 +14,8 @@ computed over ranks: G(i, m) = best total of children 1..i using m nodes, O(n^2 
 
 DySpec (Xiong et al. 2024, arXiv 2410.11744) grows the tree greedily: a candidate's priority is
 its estimated path acceptance, the product of the draft probabilities along its path; the best
-candidate is added and its first child and next sibling become candidates, until the node budget
-is spent. With priorities that never grow along a path this is the set of the ``budget`` highest
+candidate is added and its first child and next sibling become candidates, until ``max_tokens``
+nodes are chosen. With priorities that never grow along a path this is the set of the ``max_tokens`` highest
 path products (ties broken by node order), which the tests check by enumeration.
 """
 from __future__ import annotations
@@ -89,13 +89,13 @@ def sequoia_tree(accept: Sequence[float], num_nodes: int, max_depth: int | None 
     return value, TokenTree.from_choices(choices)  # no choices: the root alone (ranks recorded)
 
 
-def dyspec_tree(child_probs: Callable[[tuple[int, ...]], Sequence[float]], budget: int
+def dyspec_tree(child_probs: Callable[[tuple[int, ...]], Sequence[float]], max_tokens: int
                 ) -> tuple[list[tuple[int, ...]], list[float]]:
-    """Greedy dynamic expansion under a node budget.
+    """Greedy dynamic expansion up to ``max_tokens`` drafted nodes (the root not counted).
 
     child_probs(path) -> the draft probabilities of the children of the node reached by ``path``
     (a tuple of sibling ranks from the root), in rank order (decreasing). Returns (rank paths of
-    the ``budget`` chosen nodes in the order they were added, their path products).
+    the ``max_tokens`` chosen nodes in the order they were added, their path products).
     """
     heap: list[tuple[float, int, tuple[int, ...], float]] = []
     counter = 0
@@ -110,7 +110,7 @@ def dyspec_tree(child_probs: Callable[[tuple[int, ...]], Sequence[float]], budge
 
     push((0,), 1.0)
     chosen, scores = [], []
-    while heap and len(chosen) < budget:
+    while heap and len(chosen) < max_tokens:
         neg_score, _, path, parent_score = heapq.heappop(heap)
         chosen.append(path)
         scores.append(-neg_score)

@@ -120,15 +120,15 @@ def best_paying_prefix(values: list[float], cost) -> int:
     return best_n
 
 
-def best_first_paths(top_p: list[list[float]], depth: int, budget: int, min_path_prob: float = 0.0
+def best_first_paths(top_p: list[list[float]], depth: int, max_tokens: int, min_path_prob: float = 0.0
                      ) -> tuple[list[tuple[int, ...]], list[float]]:
-    """A block drafter's tree from its per-depth top probabilities ``top_p[level][rank]``: the ``budget``
+    """A block drafter's tree from its per-depth top probabilities ``top_p[level][rank]``: the ``max_tokens``
     rank paths of highest cumulative probability (prefix-closed, best first; none below
     ``min_path_prob``) and their cumulative probabilities."""
     heap = [(-top_p[0][0], (0,), 1.0)]
     chosen: list[tuple[int, ...]] = []
     scores: list[float] = []
-    while heap and len(chosen) < budget:
+    while heap and len(chosen) < max_tokens:
         neg, path, parent_score = heapq.heappop(heap)
         score = -neg
         if score < min_path_prob:
