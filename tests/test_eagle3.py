@@ -270,7 +270,7 @@ def test_greedy_is_token_identical(tree, arch):
                            target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
 
 
-def test_budget_keeps_the_best_paying_prefix_and_stays_exact():
+def test_pricing_keeps_the_best_paying_prefix_and_stays_exact():
     """adaptive: the verified tree is the grown tree's best nodes by score (parents included, tree
     order kept); a head that never pays pauses drafting; greedy output stays generate's."""
     target = tiny_lm("llama", seed=0)

@@ -171,7 +171,7 @@ def random_medusa(target, seed=0, scale=0.3):
     return heads
 
 
-def test_budget_drafts_only_what_pays(corpus):
+def test_pricing_drafts_only_what_pays(corpus):
     """planned_tree: heads whose accuracy table says they are never right draft nothing (a plain step,
     still exact); accurate heads draft their whole tree. expected_accepted is the sum of path products."""
     target, data, _ = corpus

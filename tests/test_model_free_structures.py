@@ -1,6 +1,6 @@
 """The data structures behind the model-free drafters, against brute force: the suffix trie of
 SuffixDecoding, REST's suffix array and retrieval, Token Recycling's matrix on disk, trie merging
-(graph-structured drafting) and the budget that stops drafting when it does not pay."""
+(graph-structured drafting) and the tree sizer that stops drafting when it does not pay."""
 from collections import Counter
 
 import numpy as np
@@ -13,7 +13,7 @@ from flashmm.drafters.base import SequenceStart, StepResult
 from flashmm.drafters.rest import Datastore, read_documents, suffix_array
 from flashmm.drafters.suffix import SuffixTrie
 from flashmm.sampling import SamplingParams
-from flashmm.tree.trie import DraftTrie, TreeBudget, shadow_accepted
+from flashmm.tree.trie import DraftTrie, TreeSizer, shadow_accepted
 
 from text_models import prompt, tiny_lm
 
@@ -213,7 +213,7 @@ def test_merging_shares_prefixes():
     assert paths == {(1, 2, 3), (1, 2, 4), (1, 5), (6,)}
 
 
-def test_budget_stops_drafting_what_is_rejected():
+def test_pricing_stops_drafting_what_is_rejected():
     """A datastore whose continuations the target never writes: drafting stops after a few steps
     (and the output stays exact)."""
     target = tiny_lm("llama", seed=0)
@@ -243,51 +243,51 @@ def test_shadow_accepted_reads_the_committed_text():
     assert shadow_accepted(paths, [5, 6, 7, 1]) == 3
 
 
-def test_plain_steps_teach_the_budget_through_shadows():
+def test_plain_steps_teach_the_sizer_through_shadows():
     """A drafter whose hypotheses stopped paying resumes as soon as the text it declined to draft
     starts matching them (no costly retries); without the text it only drifts back by idle decay."""
     trie = DraftTrie()
     trie.add([1, 2, 3, 4], [0.9, 0.8, 0.7, 0.6])
-    budget = TreeBudget()
+    sizer = TreeSizer()
     for _ in range(20):                      # drafted and rejected: drafting stops
-        budget.choose(trie, 8)
-        budget.update(0)
-    assert budget.choose(trie, 8) == []
+        sizer.choose(trie, 8)
+        sizer.update(0)
+    assert sizer.choose(trie, 8) == []
     text = [7, 7]
     for _ in range(6):                       # plain steps whose text is exactly what would have been drafted
-        budget.choose(trie, 8, position=len(text))
+        sizer.choose(trie, 8, position=len(text))
         text += [1, 2, 3, 4]
-        budget.update(0, torch.tensor([text]))
-    assert not budget.shadows and len(budget.choose(trie, 8, position=len(text))) == 4
-    budget.new_sequence()
-    assert not budget.shadows
+        sizer.update(0, torch.tensor([text]))
+    assert not sizer.shadows and len(sizer.choose(trie, 8, position=len(text))) == 4
+    sizer.new_sequence()
+    assert not sizer.shadows
 
 
-def test_budget_learns_acceptance_per_depth():
+def test_sizer_learns_acceptance_per_depth():
     """Frequency scores need not fall with depth as acceptance does: a chain scored 1.0 throughout
     whose first token is always accepted and whose second never is ends up drafted one node deep
     (one calibration for all depths would have kept all four at c = 1/4), and the depth-1
     calibration approaches 1, the deeper ones 0."""
-    budget = TreeBudget()
+    sizer = TreeSizer()
     trie = DraftTrie()
     trie.add([1, 2, 3, 4], 1.0)
     for _ in range(60):
-        budget.choose(trie, 8)
-        budget.update(1)
-    assert len(budget.choose(trie, 8)) == 1
-    assert budget.calibration(0, 1) > 0.9 and budget.calibration(0, 2) < 0.1
-    assert budget.calibration(0) == pytest.approx(budget.evidence[(0, None)][0] / budget.evidence[(0, None)][1], rel=0.1)
+        sizer.choose(trie, 8)
+        sizer.update(1)
+    assert len(sizer.choose(trie, 8)) == 1
+    assert sizer.calibration(0, 1) > 0.9 and sizer.calibration(0, 2) < 0.1
+    assert sizer.calibration(0) == pytest.approx(sizer.evidence[(0, None)][0] / sizer.evidence[(0, None)][1], rel=0.1)
 
 
-def test_budget_calibration_learns_and_recovers():
-    budget = TreeBudget()
+def test_sizer_calibration_learns_and_recovers():
+    sizer = TreeSizer()
     trie = DraftTrie()
     trie.add([1, 2, 3, 4], [0.9, 0.8, 0.7, 0.6])
-    assert len(budget.choose(trie, 8)) == 4
+    assert len(sizer.choose(trie, 8)) == 4
     for _ in range(20):
-        budget.choose(trie, 8)
-        budget.update(0)
-    assert budget.choose(trie, 8) == []
+        sizer.choose(trie, 8)
+        sizer.update(0)
+    assert sizer.choose(trie, 8) == []
     for _ in range(1000):  # plain steps: the estimate drifts back to its prior and drafting resumes
-        budget.update(0)
-    assert len(budget.choose(trie, 8)) == 4
+        sizer.update(0)
+    assert len(sizer.choose(trie, 8)) == 4

@@ -131,8 +131,8 @@ def test_exit_layer_choice_measures_exact_chain_acceptance():
     assert sm.last_stats.accepted_tokens > 0
 
 
-def test_adaptive_budget_declines_drafts_that_cost_a_whole_step():
-    """The budget prices a draft token by the weights it reads: SWIFT skipping nothing costs a full
+def test_adaptive_pricing_declines_drafts_that_cost_a_whole_step():
+    """Pricing values a draft token by the weights it reads: SWIFT skipping nothing costs a full
     target step per draft token, so it never drafts (plain decoding, exact); LayerSkip's first layer
     of four plus the LM head costs less, and its price is exactly that share of the weights."""
     model = deep("qwen3")

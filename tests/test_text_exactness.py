@@ -92,7 +92,7 @@ def test_eos_inside_accepted_block(target):
 
 
 class _Overdrafter(Drafter):
-    """Ignores the budget: always drafts the target's own next 6 tokens (to test truncation)."""
+    """Ignores max_tokens: always drafts the target's own next 6 tokens (to test truncation)."""
 
     def __init__(self, model):
         self.inner = DraftModel(model, max_draft_tokens=6, adaptive=False)

@@ -11,7 +11,7 @@ n-grams that start with the root token, merged into one trie (shared prefixes ve
 
 On a CPU every row costs: the pool is also fed the N-grams of the prompt and output (what
 prompt lookup finds), and the window rides only on forwards whose candidates pay for
-themselves and for it (TreeBudget with the window's rows in the cost); otherwise the step is
+themselves and for it (TreeSizer with the window's rows in the cost); otherwise the step is
 plain or verifies the candidates alone.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import AuxRows
-from ..tree.trie import DraftTrie, TreeBudget
+from ..tree.trie import DraftTrie, TreeSizer
 from .base import Drafter, StepResult, register, root_only
 from .options import DrafterOptions
 
@@ -53,7 +53,7 @@ class Lookahead(Drafter):
     pool_size: n-grams kept per first token (most recent first). always_window=True runs the
     window in every forward, as the paper does (also on steps without candidates).
 
-    Options: LookaheadOptions, as keywords or ``options=``; ``cost``: the TreeBudget's cost model."""
+    Options: LookaheadOptions, as keywords or ``options=``; ``cost``: the TreeSizer's cost model."""
 
     name = "lookahead"
 
@@ -62,7 +62,7 @@ class Lookahead(Drafter):
         self.window, self.ngram, self.candidates, self.pool_size = o.window, o.ngram, o.candidates, o.pool_size
         self.seed_from_context, self.merge, self.seed = o.seed_from_context, o.merge, o.seed
         self.always_window = o.always_window
-        self.sizer = TreeBudget(cost=cost)
+        self.sizer = TreeSizer(cost=cost)
         self.pool: dict[int, list[tuple[int, ...]]] = {}
         self.levels: list[list[int]] = []    # N-1 levels of W guessed tokens
         self.hits = [0.0] * o.ngram          # per depth: accepted / drafted, for candidate scores

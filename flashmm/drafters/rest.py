@@ -6,7 +6,7 @@ Each step the longest suffix of the context (at most ``max_match`` tokens, at le
 which the continuations are sorted, so every token sequence following the match is a
 contiguous sub-range and its count a run length. The speculation tree grows best-first from
 those counts (a node's score: the fraction of occurrences passing through it) without listing
-the continuations, up to ``max_draft_tokens`` nodes of depth ``max_depth``; TreeBudget drafts
+the continuations, up to ``max_draft_tokens`` nodes of depth ``max_depth``; TreeSizer drafts
 the part that pays.
 
     drafter = Rest.from_corpus(["answers.jsonl.xz", "notes.txt"], tokenizer)
@@ -32,7 +32,7 @@ import torch
 from .. import disk_cache
 from ..paths import cache_dir
 from ..tree.cost import AdaptiveDraftLength, price_with_target
-from ..tree.trie import DraftTrie, TreeBudget, match_bucket
+from ..tree.trie import DraftTrie, TreeSizer, match_bucket
 from .base import Drafter, StepResult, register, root_only
 from .files import DrafterFileError, read_safetensors
 from .options import DrafterOptions
@@ -351,7 +351,7 @@ class Rest(Drafter):
     retrieved continuation its own branch (graph-structured drafting off). max_occurrences: past
     this many occurrences of the match, an evenly spaced sample of them is counted.
 
-    Options: RestOptions, as keywords or ``options=``; ``cost``: the TreeBudget's cost model.
+    Options: RestOptions, as keywords or ``options=``; ``cost``: the TreeSizer's cost model.
     """
 
     name = "rest"
@@ -364,7 +364,7 @@ class Rest(Drafter):
         self.datastore = datastore
         self.max_match, self.min_match, self.max_depth = o.max_match, o.min_match, o.max_depth
         self.max_occurrences, self.max_draft_tokens, self.merge = o.max_occurrences, o.max_draft_tokens, o.merge
-        self.sizer = TreeBudget(cost=cost)
+        self.sizer = TreeSizer(cost=cost)
 
     @classmethod
     def from_corpus(cls, paths, tokenizer=None, max_tokens: int | None = None, **kwargs) -> "Rest":

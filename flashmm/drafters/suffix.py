@@ -7,7 +7,7 @@ tokens (p as long as a trie holds with a continuation, at most ``max_match``) se
 from it a speculation tree grows best-first by empirical continuation frequency
 (score(child) = score(parent) · count(child) / Σ count(siblings)), with at most
 ``budget_per_match · p`` nodes: longer matches are trusted with larger trees. Both tries' trees
-are merged into one (shared prefixes verified once), and TreeBudget drafts only what pays.
+are merged into one (shared prefixes verified once), and TreeSizer drafts only what pays.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import heapq
 from dataclasses import dataclass
 
 from ..tree.cost import AdaptiveDraftLength, price_with_target
-from ..tree.trie import ChainCalibration, DraftTrie, TreeBudget, match_bucket
+from ..tree.trie import ChainCalibration, DraftTrie, TreeSizer, match_bucket
 from .base import Drafter, StepResult, register, root_only
 from .options import DrafterOptions, check_at_least
 from .prompt_lookup import NgramIndex
@@ -218,7 +218,7 @@ class SuffixDecoding(Drafter):
     than ``corpus_below`` tokens (0: always): where the prompt already holds the continuation
     (extraction, summarization) the corpus only adds nodes to verify. max_draft_tokens: most drafted
     tokens per step; max_global_tokens: tokens of earlier outputs kept. Options: SuffixOptions, as
-    keywords or ``options=``; ``datastore`` and ``cost`` (the TreeBudget's AdaptiveDraftLength) are
+    keywords or ``options=``; ``datastore`` and ``cost`` (the TreeSizer's AdaptiveDraftLength) are
     arguments of their own.
     """
 
@@ -234,7 +234,7 @@ class SuffixDecoding(Drafter):
         self.outputs = SuffixTrie(max_depth, self.options.max_global_tokens)  # shared by forks
         # a REST datastore (Datastore or its file) as a third source: text the target wrote before
         self.corpus = None if datastore is None else Rest(datastore, max_match=max_match, max_depth=max_depth // 2)
-        self.sizer = TreeBudget(cost=cost)
+        self.sizer = TreeSizer(cost=cost)
         self.context: SuffixLookup | None = None  # the current sequence's tries (begin)
 
     def fork(self) -> "SuffixDecoding":

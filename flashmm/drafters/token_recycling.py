@@ -17,7 +17,7 @@ import torch
 
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.token_tree import TokenTree
-from ..tree.trie import DraftTrie, TreeBudget
+from ..tree.trie import DraftTrie, TreeSizer
 from .base import Drafter, StepResult, register, root_only
 from .files import DrafterFileError, read_safetensors
 from .options import DrafterOptions, check_at_least
@@ -55,9 +55,9 @@ class TokenRecycling(Drafter):
     template: rank paths of the BFS tree (see TokenTree.from_choices); k = its widest branching.
     vocab_size: rows of the matrix (set from the target at bind when None).
     Each template node's acceptance is estimated online (prior: 0.6^depth · 0.5^rank), and
-    TreeBudget drafts only the nodes that pay for their verification.
+    TreeSizer drafts only the nodes that pay for their verification.
 
-    Options: TokenRecyclingOptions, as keywords or ``options=``; ``cost``: the TreeBudget's cost model.
+    Options: TokenRecyclingOptions, as keywords or ``options=``; ``cost``: the TreeSizer's cost model.
     """
 
     name = "token_recycling"
@@ -73,7 +73,7 @@ class TokenRecycling(Drafter):
         self.prior = [float(0.6 ** depth[i] * 0.5 ** ranks[i]) for i in range(self.template.num_nodes)]
         self.hits = [0.0] * self.template.num_nodes
         self.tries = [0.0] * self.template.num_nodes
-        self.sizer = TreeBudget(cost=cost)
+        self.sizer = TreeSizer(cost=cost)
         self._nodes: list[int] = []       # template node of each drafted node (draft order), root first
         self._tokens: torch.Tensor | None = None
 

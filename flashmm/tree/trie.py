@@ -7,7 +7,7 @@ token is drafted and verified once. ``merge=False`` merges only within a group (
 own tree) and keeps the groups separate branches (the unmerged baseline, for measuring what
 merging saves).
 
-``TreeBudget`` then keeps the best-scored nodes: a node's score estimates the probability that
+``TreeSizer`` then keeps the best-scored nodes: a node's score estimates the probability that
 it is accepted, so a tree of n nodes is expected to emit 1 + Σ c(depth)·score tokens (c: a
 calibration per depth band learned online from what was accepted: frequency scores do not fall
 with depth the way acceptance does), and costs what AdaptiveDraftLength's cost model says. The
@@ -149,7 +149,7 @@ def match_bucket(length: int) -> int:
 
 
 @dataclass
-class TreeBudget:
+class TreeSizer:
     """Chooses how many of a trie's ranked nodes to verify, from their acceptance estimates.
 
     calibration: accepted tokens per unit of predicted score, estimated per ``bucket`` (a
@@ -320,7 +320,7 @@ class ChainCalibration:
     (``decay`` per observation) and a prior of ``prior_weight`` observations at ``prior``.
 
     ``learn`` reads the chain against the tokens committed after its root (drafted or not, as
-    TreeBudget's shadows): depth d is observed once the text is d tokens long or has already left
+    TreeSizer's shadows): depth d is observed once the text is d tokens long or has already left
     the chain, so an unverified chain teaches as much as a verified one (exactly under greedy
     decoding, a slight underestimate under sampling), and a chain that was priced out resumes as
     soon as it starts matching."""
