@@ -49,13 +49,12 @@ from safetensors.torch import save_file
 from ..config import SamplingParams
 from ..tree.cost import measured_verify_cost, sequoia_rank_paths
 from ..tree.draft import Draft
-from ..tree.dynamic import TreeUnits, grow
 from ..tree.token_tree import TokenTree
-from ..tree.trie import best_first_paths, best_paying_prefix, fit_chain
+from ..tree.trie import best_first_paths, best_paying_prefix, chain_merged_draft
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import (DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json,
                     read_safetensors, refuse_renamed)
-from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, head_logits
+from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, grow_eagle2, head_logits
 from .options import DrafterOptions, check_at_least, check_choice, check_pricing
 from .suffix import SuffixTrie, lookup_source
 
@@ -318,7 +317,7 @@ class FlashDrafter(Drafter):
                                self.compression, query=feats[-1], pool_spans=self.pool_spans)
         self._visual = self.net.global_visual(feats, list(start.visual_spans))
         if units.shape[0]:
-            self._past = self._run(units[None], None, predict=False)[1]
+            self._past = self.net.extend(units[None], None, predict=False)[1]
             self._num_units = units.shape[0]
         self._prompt_embeds = embeds
         self._pending = feats[length - 1:]
@@ -361,19 +360,6 @@ class FlashDrafter(Drafter):
         return top_p, self._token_ids(top)
 
     # ------------------------------------------------------------------ internals
-    def _run(self, units: torch.Tensor, past, predict: bool = True):
-        """units [1, T, d] after ``past`` (U units) → (predicted features [1, 1, K, d] at the last
-        unit, or None when not ``predict``; new past). Every caller reads the last unit only, so
-        the SAR head runs there alone (and not at all for the prompt: the first draft starts
-        from the unit of the token the prefill emits)."""
-        start = 0 if past is None else past[0].shape[2]
-        length = units.shape[1]
-        positions = torch.arange(start, start + length, device=units.device)
-        mask = torch.ones(length, start + length, dtype=torch.bool, device=units.device)
-        mask[:, start:] = torch.tril(mask[:, start:])
-        out, present = self.net.block(units, positions, mask[None, None], past)
-        return (self.net.predict(out[:, -1:]) if predict else None), present
-
     def _next_embeds(self, committed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Input embeddings of x_{t+1} for text positions t [P] → [P, d] (prompt rows merged)."""
         following = positions + 1
@@ -393,7 +379,7 @@ class FlashDrafter(Drafter):
                 f"{0 if self._pending is None else self._pending.shape[0]} features (begin/observe not called?)")
         positions = torch.arange(self._next_pos, root, device=committed.device)
         units = self.net.text_units(self._next_embeds(committed, positions), self._pending[:count], self._visual)
-        predicted, self._past = self._run(units[None], self._past)
+        predicted, self._past = self.net.extend(units[None], self._past)
         self._num_units += count
         self._pending = self._pending[count:]
         self._next_pos = root
@@ -415,7 +401,7 @@ class FlashDrafter(Drafter):
             # feed the last K predicted features with the top-1 tokens they predict as units
             tokens = self._token_ids(probs[-1].argmax(-1))                     # [K]
             units = self.net.text_units(self._embed(tokens[None])[0], feats[-1], self._visual)
-            predicted, past = self._run(units[None], past)
+            predicted, past = self.net.extend(units[None], past)
             feats.append(predicted[0, -1])
             probs.append(head_logits(self._head, feats[-1], softcap).softmax(-1))
             have += k
@@ -470,26 +456,12 @@ class FlashDrafter(Drafter):
             paths, scores = best_first_paths(top_p.tolist(), depth, arg, self.min_path_prob)
             if self.pricing == "measured" and self.verify_cost is not None:
                 paths = paths[:self._paying_prefix(scores)]
-        chain = chain[:max_tokens]
-        paths, shared = fit_chain(list(paths), chain, ids, max_tokens)
-        if not paths and not chain:
-            return root_only(committed)
-        ordered = sorted(set(paths), key=lambda p: (len(p), p))               # from_choices' node order
-        tokens = [int(committed[0, -1])] + [ids[len(p) - 1][p[-1]] for p in ordered]
-        tree = TokenTree.from_choices(paths) if paths else TokenTree.chain(0)
-        if len(chain) > len(shared):                                           # new nodes below the shared ones
-            parents = tree.parents.tolist()
-            parent = ordered.index(shared[-1]) + 1 if shared else 0
-            for token in chain[len(shared):]:
-                parents.append(parent)
-                tokens.append(token)
-                parent = len(parents) - 1
-            tree = TokenTree.from_parents(parents)
-        return Draft(tokens=committed.new_tensor([tokens]), tree=tree, q_probs=None)
+        draft = chain_merged_draft(committed[:, -1:], list(paths), ids, chain, max_tokens)
+        return root_only(committed) if draft is None else draft
 
     def _eagle2(self, committed: torch.Tensor, root_feature: torch.Tensor, max_tokens: int) -> Draft:
-        """EAGLE-2 tree (flashmm.tree.dynamic.grow) for a K = 1 head: every expanded node runs the head on its
-        own path (its unit attends to the committed units, its ancestors' units and itself)."""
+        """EAGLE-2 tree for a K = 1 head (flash_modules.grow_eagle2: every expanded node runs the head on its
+        own path)."""
         if self.net.tokens_per_step != 1:
             raise ValueError(f"tree='eagle2' needs a K = 1 FLASH head (tokens_per_step = 1), this one has "
                              f"K = {self.net.tokens_per_step}; use tree='dynamic' for K > 1")
@@ -497,28 +469,8 @@ class FlashDrafter(Drafter):
             max_tokens = min(max_tokens, self.max_draft_tokens)
         if max_tokens <= 0:
             return root_only(committed)
-        softcap = self.net.cfg.final_logit_softcapping
-        past_len = 0 if self._past is None else self._past[0].shape[2]
-        units = TreeUnits()
-
-        def expand(chosen, nodes):
-            feats = torch.stack([root_feature if nodes[i].parent < 0 else units.outputs[nodes[i].parent]
-                                 for i in chosen])                                           # [m, d]
-            tokens = self._token_ids(torch.tensor([nodes[i].row for i in chosen], device=feats.device))
-            x = self.net.text_units(self._embed(tokens), feats, self._visual)[None]         # [1, m, d]
-            positions = torch.tensor([past_len - 1 + nodes[i].depth for i in chosen], device=feats.device)
-            mask = units.mask(chosen, nodes, past_len, feats.device)[:, None]               # [1, 1, m, P + M + m]
-            past = self._past if units.count == 0 else (torch.cat([self._past[0], units.keys], 2),
-                                                         torch.cat([self._past[1], units.values], 2))
-            if past is None:
-                past = (x.new_zeros(1, self.net.block.num_kv_heads, 0, self.net.block.head_dim),) * 2
-            out, (keys, values) = self.net.block(x, positions, mask, past)
-            predicted = self.net.predict(out)[0, :, 0]                                      # [m, d] (K = 1)
-            units.add(chosen, keys[:, :, -len(chosen):], values[:, :, -len(chosen):], predicted)
-            return head_logits(self._head, predicted, softcap).log_softmax(-1)
-
-        root_logp = head_logits(self._head, root_feature, softcap).log_softmax(-1)
-        grown = grow(root_logp, expand, top_k=self.top_k, depth=self.depth or 5, max_tokens=max_tokens)
-        ids = self._token_ids(torch.tensor(grown.rows, device=root_logp.device)).to(committed.device)
+        grown = grow_eagle2(self.net, self._head, self._embed, self._past, root_feature, self._visual, self._token_ids,
+                            top_k=self.top_k, depth=self.depth or 5, max_tokens=max_tokens)
+        ids = self._token_ids(torch.tensor(grown.rows, device=root_feature.device)).to(committed.device)
         tokens = torch.cat([committed[0, -1:], ids])[None]
         return Draft(tokens=tokens, tree=TokenTree.from_parents([-1] + grown.parents), q_probs=None)

@@ -14,7 +14,8 @@ with depth the way acceptance does), and costs what AdaptiveDraftLength's cost m
 size with the best ratio is drafted, or nothing (a plain step) when no size beats plain decoding,
 so a drafter that does not pay stops drafting.
 
-``fit_chain`` merges one chain hypothesis (FLASH's lookup branch) into a head's rank paths.
+``fit_chain`` merges one chain hypothesis (FLASH's lookup branch) into a head's rank paths, and
+``chain_merged_draft`` makes the draft of both.
 """
 from __future__ import annotations
 
@@ -311,6 +312,30 @@ def fit_chain(paths: list[tuple[int, ...]], chain: list[int], ids: list[list[int
     while len(paths) + len(chain) - len(shared) > max_tokens:
         paths.remove(next(p for p in reversed(paths) if p not in on_chain))
     return paths, shared
+
+
+def chain_merged_draft(root: torch.Tensor, paths: list[tuple[int, ...]], ids: list[list[int]], chain: list[int],
+                       max_tokens: int) -> Draft | None:
+    """The draft of a head's rank ``paths`` (priority order, children after parents; ``ids[level][rank]``:
+    the token of that rank at that depth) with the ``chain`` hypothesis merged in by ``fit_chain``: the
+    nodes they share once, the chain's further tokens below the last shared one, at most ``max_tokens``
+    drafted nodes. root: LongTensor [1, 1], the root token. None when neither drafts a token."""
+    chain = chain[:max_tokens]
+    paths, shared = fit_chain(list(paths), chain, ids, max_tokens)
+    if not paths and not chain:
+        return None
+    ordered = sorted(set(paths), key=lambda p: (len(p), p))               # from_choices' node order
+    tokens = [int(root[0, 0])] + [ids[len(p) - 1][p[-1]] for p in ordered]
+    tree = TokenTree.from_choices(paths) if paths else TokenTree.chain(0)
+    if len(chain) > len(shared):                                           # new nodes below the shared ones
+        parents = tree.parents.tolist()
+        parent = ordered.index(shared[-1]) + 1 if shared else 0
+        for token in chain[len(shared):]:
+            parents.append(parent)
+            tokens.append(token)
+            parent = len(parents) - 1
+        tree = TokenTree.from_parents(parents)
+    return Draft(tokens=root.new_tensor([tokens]), tree=tree, q_probs=None)
 
 
 class ChainCalibration:

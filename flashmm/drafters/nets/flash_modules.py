@@ -29,15 +29,22 @@ visual token of the prompt by a learned query, g = W·softmax(q·Fᵀ/√d)·F +
 unit, so each position the head reads carries the image's gist however far the visual units lie
 behind it. W and b start at zero: a new option leaves a trained drafter's output unchanged until
 training moves them.
+
+**Drafting runs.** ``FlashNet.extend`` runs the block over new units after the drafter's cache and
+predicts at the last one; ``grow_eagle2`` grows an EAGLE-2 tree with a K = 1 net, each node's unit
+attending to the committed units and its own path (tree attention).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ...tree.dynamic import GrownTree, TreeUnits, grow
 
 COMPRESSIONS = ("learned", "prune", "merge", "none")
 
@@ -319,6 +326,19 @@ class FlashNet(nn.Module):
         out, present = self.block(units, positions, mask, past)
         return self.predict(out), present
 
+    def extend(self, units: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None, predict: bool = True):
+        """units [1, T, d] after ``past`` (U units; causal among themselves) → (predicted features [1, 1, K, d]
+        at the last unit, or None when not ``predict``; present (keys, values) [1, Hkv, U + T, hd]). Drafting
+        reads the last unit only, so the SAR head runs there alone (and not at all for the prompt: the first
+        draft starts from the unit of the token the prefill emits)."""
+        start = 0 if past is None else past[0].shape[2]
+        length = units.shape[1]
+        positions = torch.arange(start, start + length, device=units.device)
+        mask = torch.ones(length, start + length, dtype=torch.bool, device=units.device)
+        mask[:, start:] = torch.tril(mask[:, start:])
+        out, present = self.block(units, positions, mask[None, None], past)
+        return (self.predict(out[:, -1:]) if predict else None), present
+
 
 def unit_layout(num_text: int, spans: list[tuple[int, int]]) -> list[tuple[str, int]]:
     """Order of the drafter's units for text positions 0 .. num_text-1 and the visual spans.
@@ -389,3 +409,36 @@ def head_logits(head: torch.nn.Module, features: torch.Tensor, softcap: float | 
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
+
+
+def grow_eagle2(net: FlashNet, head: nn.Module, embed: nn.Module, past: tuple[torch.Tensor, torch.Tensor] | None,
+                root_feature: torch.Tensor, visual: torch.Tensor | None,
+                token_ids: Callable[[torch.Tensor], torch.Tensor], *, top_k: int, depth: int,
+                max_tokens: int) -> GrownTree:
+    """The EAGLE-2 tree (flashmm.tree.dynamic.grow) of a K = 1 ``net`` after the committed units ``past``
+    ((keys, values) [1, Hkv, P, hd], or None): every expanded node runs the block on its own path, its
+    unit attending to the committed units, its ancestors' units and itself. root_feature [d]: f̂ at the
+    root; head: the draft head (the target's LM head, or its ``draft_vocab`` rows); token_ids: head rows
+    [m] → token ids [m]; embed: the target's input embeddings; visual: the global visual feature [d] or
+    None. The grown tree's rows are head rows."""
+    softcap = net.cfg.final_logit_softcapping
+    past_len = 0 if past is None else past[0].shape[2]
+    units = TreeUnits()
+
+    def expand(chosen, nodes):
+        feats = torch.stack([root_feature if nodes[i].parent < 0 else units.outputs[nodes[i].parent]
+                             for i in chosen])                                               # [m, d]
+        tokens = token_ids(torch.tensor([nodes[i].row for i in chosen], device=feats.device))
+        x = net.text_units(embed(tokens), feats, visual)[None]                              # [1, m, d]
+        positions = torch.tensor([past_len - 1 + nodes[i].depth for i in chosen], device=feats.device)
+        mask = units.mask(chosen, nodes, past_len, feats.device)[:, None]                   # [1, 1, m, P + M + m]
+        seen = past if units.count == 0 else (torch.cat([past[0], units.keys], 2), torch.cat([past[1], units.values], 2))
+        if seen is None:
+            seen = (x.new_zeros(1, net.block.num_kv_heads, 0, net.block.head_dim),) * 2
+        out, (keys, values) = net.block(x, positions, mask, seen)
+        predicted = net.predict(out)[0, :, 0]                                               # [m, d] (K = 1)
+        units.add(chosen, keys[:, :, -len(chosen):], values[:, :, -len(chosen):], predicted)
+        return head_logits(head, predicted, softcap).log_softmax(-1)
+
+    root_logp = head_logits(head, root_feature, softcap).log_softmax(-1)
+    return grow(root_logp, expand, top_k=top_k, depth=depth, max_tokens=max_tokens)
