@@ -19,11 +19,14 @@ class TargetOutput:
     hidden_states: FloatTensor [B, N', d] last-layer features or None (prefill: all T prompt
     positions; tree step: the N tree nodes);
     input_embeds: a multimodal prefill's (asked for hidden states): the embeddings its language model
-    consumed [B, T, d], visual features merged in, else None."""
+    consumed [B, T, d], visual features merged in, else None;
+    last_attention: a prefill's (asked for it): FloatTensor [B, T], float32, the attention of the last prompt
+    position over the prompt, mean over layers and heads (flashmm.targets.last_attention), else None."""
 
     logits: torch.Tensor
     hidden_states: torch.Tensor | None = None
     input_embeds: torch.Tensor | None = None
+    last_attention: torch.Tensor | None = None
 
 
 @dataclass
@@ -38,6 +41,10 @@ class SequenceStart:
                     visual features at the visual positions (multimodal targets; hidden drafters).
     visual_spans:   list of (start, end) half-open index ranges of visual tokens in input_ids.
     model_inputs:   the extra model inputs given to generate (pixel_values, image_grid_thw, ...).
+    last_attention: FloatTensor [B, T] (float32) or None; the target's attention from the last prompt
+                    position over the prompt's positions, mean over its attention layers and query heads
+                    (each row sums to 1; flashmm.targets.last_attention), read off the prefill's own
+                    forward; only filled when the drafter sets needs_last_attention.
     """
 
     input_ids: torch.Tensor
@@ -45,6 +52,7 @@ class SequenceStart:
     input_embeds: torch.Tensor | None = None
     visual_spans: list[tuple[int, int]] = field(default_factory=list)
     model_inputs: dict = field(default_factory=dict)
+    last_attention: torch.Tensor | None = None
 
 
 
@@ -78,8 +86,9 @@ class Target:
 
     # --- sequence lifecycle -------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                want_hidden: bool, **model_inputs) -> TargetOutput:
-        """Run the prompt [B, T]; cache holds T positions afterwards; logits [B, 1, V]."""
+                want_hidden: bool, want_attention: bool = False, **model_inputs) -> TargetOutput:
+        """Run the prompt [B, T]; cache holds T positions afterwards; logits [B, 1, V]; with want_attention,
+        last_attention [B, T] too."""
         raise NotImplementedError
 
     def forward_tree(self, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
