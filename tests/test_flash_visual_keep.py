@@ -169,3 +169,15 @@ def test_reference_lmm_video_with_the_shipped_drafter(smollm2):
     sm = flashmm.wrap(model, drafter, processor=processor)
     assert torch.equal(sm.generate(**inputs, max_new_tokens=24), plain)
     assert sm.last_stats.accepted_tokens > 0
+
+
+def test_continuous_batching_with_pruning_is_exact():
+    """generate_many: rows that join a running batch (BatchSession.admit) get their own attention too."""
+    model, processor = mm.tiny_vlm("llava")
+    items = [mm.make_inputs(processor, "llava", images=n, text=text)
+             for n, text in ((1, "Describe."), (2, "Compare the two pictures, please."), (1, "What is it?"))]
+    sm = flashmm.wrap(model, drafter_for(model, visual_keep=0.25), processor=processor)
+    outputs = dict(sm.generate_many(items, batch_size=2, max_new_tokens=MAX_NEW, do_sample=False))
+    for index, item in enumerate(items):
+        assert torch.equal(outputs[index], model.generate(**item, max_new_tokens=MAX_NEW, do_sample=False)), index
+    assert sm.last_stats.drafted_tokens > 0

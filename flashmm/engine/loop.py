@@ -425,7 +425,7 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
                     rows.append(row)
                     drafters.append(drafter.fork())
                     logits, sequence_start = session.admit(new.input_ids, want_hidden, new.model_inputs,
-                                                           want_attention)
+                                                           want_attention=want_attention)
                     active.append(len(rows) - 1)
                     start_row(row, drafters[-1], logits[0], lambda start=sequence_start: start(0), generator)
                     row.out.stats.total_seconds += time.perf_counter() - t0
