@@ -20,9 +20,10 @@ model's extra keyword arguments to every attention call); each call runs the mod
 unchanged (its outputs are bitwise those of a forward without the probe) and adds the last query's
 probabilities to the reading. Leaving the block restores the implementation found on entry.
 
-Cost: per attention layer, one [H, 1, hd] × [hd, T] product and a softmax over T in float32 (for
-SmolLM2-135M on a 4,500-token prompt ~1 MFLOP per layer against ~0.2 TFLOP of the prefill), and on a
-CPU the prefill of a text model then runs the model's own forward rather than flashmm's fused step.
+Cost: per attention layer, one [H, 1, hd] × [hd, T] product and a softmax over T in float32, no copy of
+the keys (SmolLM2-135M on a 64-frame clip, T = 4,569: 5 MFLOP per layer, 0.16 GFLOP in all, against
+about 1.7 TFLOP for the prefill's forward); on a CPU the prefill of a text model then runs the model's own
+forward rather than flashmm's fused step. eval/mm_video_prune.py times it (flash against flash_keep1).
 """
 from __future__ import annotations
 
@@ -57,18 +58,18 @@ class LastAttentionReading:
         """query [B, H, Q, hd] (rotary applied), key [B, Hkv, S, hd] (the cache's, after this layer's update),
         attention_mask: a bool [B, 1, Q, S] (True: visible), an additive float one, or None (causal, aligned
         top-left as SDPA's is_causal: the last query sees keys 0 .. Q-1)."""
-        q = query[:, :, -1:].detach().float()                                      # [B, H, 1, hd]
+        batch, heads, _, dim = query.shape
         k = key.detach().float()                                                   # [B, Hkv, S, hd]
         if attention_mask is None:
             k = k[:, :, : query.shape[2]]
-        groups = query.shape[1] // k.shape[1]
-        k = k.repeat_interleave(groups, dim=1) if groups > 1 else k                # [B, H, S, hd]
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        scores = (q @ k.transpose(-1, -2)) * scale                                 # [B, H, 1, S]
+        # query head h reads KV head h // groups (transformers' repeat_kv): group the queries, copy no keys
+        q = query[:, :, -1].detach().float().view(batch, k.shape[1], -1, dim)      # [B, Hkv, groups, hd]
+        scale = scaling if scaling is not None else dim ** -0.5
+        scores = ((q @ k.transpose(-1, -2)) * scale).view(batch, heads, 1, -1)     # [B, H, 1, S]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if attention_mask is not None:
-            row = attention_mask[..., -1:, : k.shape[2]]                           # [B or 1, 1 or H, 1, S]
+            row = attention_mask[..., -1:, : scores.shape[-1]]                     # [B or 1, 1 or H, 1, S]
             scores = scores.masked_fill(~row, float("-inf")) if row.dtype == torch.bool else scores + row.float()
         probs = scores.softmax(-1).mean(dim=1)[:, 0]                               # [B, S]
         if self.total is None:
