@@ -8,7 +8,10 @@ Clips are made as the benchmark's 8-frame ones (tools.reference.scenes.make_vide
 drafter's training seeds) with ``--frames`` frames, each a labelled image of 64 visual tokens ("Frame i:" lines,
 as CaptionPipeline and training format them), asked "Describe the video.". A frame count whose prompt is
 longer than the language model's context (SmolLM2: 8,192 positions; 128 frames make 9,142 tokens) is refused
-unless ``--past-context``.
+unless ``--past-context``. From about 96 frames on the reference LMM answers "Describe the video." with its
+end-of-turn token at once (nothing to decode); ``--min-new-tokens N`` makes every method, plain ones included,
+decode at least N tokens (generate's own ``min_new_tokens``: a logits processor keeps the end-of-sequence
+tokens out for the first N, the same for all).
 
 Methods, run back to back per clip in a rotating order (greedy): plain (``model.generate``), plain_onednn (the
 same on the step flashmm's forwards run: speculation alone), flash (the shipped drafter as it ships: every
@@ -170,6 +173,13 @@ def run(model, processor, items: list[dict], methods: dict, wrapped: dict, max_n
     return records
 
 
+def limited(extra: dict, max_new_tokens: int) -> dict:
+    """generate kwargs ``extra`` with min_new_tokens cut to ``max_new_tokens`` (the 4-token warm-up runs)."""
+    if "min_new_tokens" not in extra:
+        return extra
+    return {**extra, "min_new_tokens": min(extra["min_new_tokens"], max_new_tokens)}
+
+
 def cpu_records(records: list[dict], names: list[str]) -> list[dict]:
     """The records with CPU seconds in place of wall seconds (for summarize)."""
     out = []
@@ -233,6 +243,8 @@ def main(argv=None):
     ap.add_argument("--none-keep", type=float, nargs="*", default=[],
                     help="keep fractions of extra rows with compression='none' (every kept token a drafter unit)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--min-new-tokens", type=int, default=None,
+                    help="generate's min_new_tokens for every method (EOS kept out of the first N tokens)")
     ap.add_argument("--max-draft-tokens", type=int, default=16, help="SpecConfig.max_draft_tokens (as mm_speed)")
     ap.add_argument("--begin-repeats", type=int, default=3)
     ap.add_argument("--past-context", action="store_true",
@@ -254,7 +266,10 @@ def main(argv=None):
         if length > context and not args.past_context:
             raise SystemExit(f"--frames {count}: the prompt has {length} tokens, past the language model's "
                              f"{context}-position context; pass fewer frames or --past-context")
-        notes.append(f"{count} frames: {length} prompt tokens ({count * 64} visual), context {context}.")
+        notes.append(f"{count} frames: {length} prompt tokens ({count * 64} visual), context {context}"
+                     + (": past the language model's context (--past-context); its answers there are outside what "
+                        "SmolLM2 was trained on, while exactness and the costs measured still hold." if length > context
+                        else "."))
     drafters = build_drafters(args.flash, args.keep, args.none_keep)
     shipped = drafters["flash"]
     notes.append(f"FLASH drafter: {args.flash} as shipped (K={shipped.net.tokens_per_step}, num_queries="
@@ -267,15 +282,20 @@ def main(argv=None):
         notes.append("flash_none_keepK = the same weights with compression='none', pool_spans=1 (training-free: "
                      "every kept visual token is a drafter unit) and visual_keep=K.")
     missing = onednn_baseline_missing(model)
-    methods = {"plain": lambda inputs, n, streamer: model.generate(**inputs, max_new_tokens=n, do_sample=False,
-                                                                   streamer=streamer)}
+    extra = {} if args.min_new_tokens is None else {"min_new_tokens": args.min_new_tokens}
+    if extra:
+        notes.append(f"Every method ran with min_new_tokens={args.min_new_tokens} (end-of-sequence kept out of the "
+                     "first tokens by generate's own logits processor, flashmm's generate applying the same).")
+    methods = {"plain": lambda inputs, n, streamer: model.generate(**inputs, max_new_tokens=n,
+                                                                   do_sample=False, streamer=streamer,
+                                                                   **limited(extra, n))}
     if missing is None:
         methods["plain_onednn"] = on_onednn(model, methods["plain"])
     wrapped = {}
     for name, drafter in drafters.items():
         wrapped[name] = flashmm.wrap(model, drafter, processor=processor, max_draft_tokens=args.max_draft_tokens)
-        methods[name] = (lambda sm: lambda inputs, n, streamer: sm.generate(**inputs, max_new_tokens=n,
-                                                                             streamer=streamer))(wrapped[name])
+        methods[name] = (lambda sm: lambda inputs, n, streamer: sm.generate(**inputs, max_new_tokens=n, streamer=streamer,
+                                                                             **limited(extra, n)))(wrapped[name])
     names = list(methods)
     begin_drafters = {name: FlashDrafter(d.net, **d.drafting_options()) for name, d in drafters.items()}
 
