@@ -66,6 +66,10 @@ class Drafter:
     #: concatenated in this order (0 = embeddings, num_hidden_layers = the final-normed state);
     #: () = the last entry alone. A class or an instance attribute.
     feature_layers: tuple[int, ...] = ()
+    #: True: begin gets SequenceStart.last_attention, the target's attention from the last prompt position over
+    #: the prompt (mean over layers and heads, read off the prefill's forward: flashmm.targets.last_attention).
+    #: A class or an instance attribute
+    needs_last_attention: bool = False
     #: k > 0: observe gets StepResult.node_topk, the target's top-k ids at every scored node
     score_topk: ClassVar[int] = 0
     #: True: observe gets StepResult.path_logits, the target's raw logits at the accepted nodes

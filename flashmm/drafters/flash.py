@@ -24,6 +24,12 @@ step drafts up to its cap.
 Children are deterministic, so q_probs is None and sampling is verified by the multi-round tree
 rule in its deterministic-children form (lossless).
 
+Visual-token pruning (``visual_keep``; SpecVLM, arXiv 2508.16201): the drafter asks the target for its
+attention from the last prompt position (``needs_last_attention``: SequenceStart.last_attention, read off the
+prefill's own forward) and its compressor reads only the ⌈visual_keep·n⌉ most attended tokens of each
+n-token visual span, in their order (flash_modules.top_attended). A drafter-side change: what is verified,
+and so the output, stays exact.
+
 Lookup branch (``lookup_tokens``): captions repeat themselves, and a K-token SAR pass cannot
 draft past depth K. When the last 3 (or 2) committed tokens occurred earlier in prompt + output,
 the tokens that followed that occurrence are merged into the tree as one more path (sharing the
@@ -54,7 +60,7 @@ from ..tree.trie import best_first_paths, best_paying_prefix, chain_merged_draft
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import (DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json,
                     read_safetensors, refuse_renamed)
-from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, grow_eagle2, head_logits
+from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, grow_eagle2, head_logits, top_attended
 from .options import DrafterOptions, check_at_least, check_choice, check_pricing
 from .suffix import SuffixTrie, lookup_source
 
@@ -98,6 +104,7 @@ class FlashOptions(DrafterOptions):
     pricing: str = "none"
     calibration: float = 1.0
     lookup: str = "ngram"
+    visual_keep: float | None = None
 
     def __post_init__(self):
         check_choice(self, "compression", COMPRESSIONS)
@@ -118,6 +125,9 @@ class FlashOptions(DrafterOptions):
         check_pricing(self, ("none", "measured"))
         if not self.calibration > 0:
             raise ValueError(f"calibration must be > 0, got {self.calibration}")
+        if self.visual_keep is not None and not 0 < self.visual_keep <= 1:
+            raise ValueError(f"visual_keep must be a fraction in (0, 1] of each visual span's tokens (or None: "
+                             f"all), got {self.visual_keep}")
         if self.accept is not None:
             object.__setattr__(self, "accept", tuple(float(a) for a in self.accept))
             if not self.accept or min(self.accept) < 0 or sum(self.accept) > 1 + 1e-6:
@@ -164,6 +174,9 @@ class FlashDrafter(Drafter):
                   ``build_units``). 1: each span alone.
     pricing:      "none" (each step drafts up to its cap) or "measured" (the tree is cut to what the
                   target's measured verify cost pays for; see the module docstring).
+    visual_keep:  fraction in (0, 1] of each visual span's tokens the compressor reads: the ⌈visual_keep·n⌉
+                  the target's last prompt position attends to most (mean over its layers and heads), in
+                  their order; None: all. Sets ``needs_last_attention``.
     Options: FlashOptions, as keywords or ``options=``; ``net`` is an argument of its own.
     """
 
@@ -187,6 +200,8 @@ class FlashDrafter(Drafter):
         self._outputs = SuffixTrie() if self.lookup == "suffix" else None   # earlier outputs, kept across calls
         self.accept = None if options.accept is None else list(options.accept)
         self.pricing, self.calibration = options.pricing, float(options.calibration)
+        self.visual_keep = options.visual_keep
+        self.needs_last_attention = options.visual_keep is not None
         self.verify_cost, self.cost_source = None, "none"       # set at bind with pricing="measured"
         self._sequoia: dict[int, list[tuple[int, ...]]] = {}        # max_tokens -> rank paths
         self._head = self._embed = None
@@ -214,7 +229,8 @@ class FlashDrafter(Drafter):
                     max_draft_tokens=self.max_draft_tokens, min_path_prob=self.min_path_prob,
                     draft_vocab=self.draft_vocab,
                     lookup_tokens=self.lookup_tokens, pool_spans=self.pool_spans, accept=self.accept,
-                    pricing=self.pricing, calibration=self.calibration, lookup=self.lookup)
+                    pricing=self.pricing, calibration=self.calibration, lookup=self.lookup,
+                    visual_keep=self.visual_keep)
 
     def save_pretrained(self, directory: str | os.PathLike, info: dict | None = None) -> None:
         """Write flash_config.json (sizes + drafting options), flash_model.safetensors and drafter.json (as
@@ -314,7 +330,8 @@ class FlashDrafter(Drafter):
         embeds = start.input_embeds[0] if start.input_embeds is not None else self._embed(start.input_ids[0])
         length = feats.shape[0]
         units, _ = build_units(self.net, feats, embeds, length - 1, list(start.visual_spans),
-                               self.compression, query=feats[-1], pool_spans=self.pool_spans)
+                               self.compression, query=feats[-1], pool_spans=self.pool_spans,
+                               visual_index=self.visual_index(start))
         self._visual = self.net.global_visual(feats, list(start.visual_spans))
         if units.shape[0]:
             self._past = self.net.extend(units[None], None, predict=False)[1]
@@ -322,6 +339,16 @@ class FlashDrafter(Drafter):
         self._prompt_embeds = embeds
         self._pending = feats[length - 1:]
         self._next_pos = length - 1
+
+    def visual_index(self, start: SequenceStart) -> list[torch.Tensor] | None:
+        """Per visual span of ``start``, the positions its compressor reads (flash_modules.top_attended of
+        the target's last-position attention), or None: every token (no visual_keep, or no visual span)."""
+        if self.visual_keep is None or not start.visual_spans:
+            return None
+        if start.last_attention is None:
+            raise RuntimeError("FlashDrafter(visual_keep=...) needs the target's last-position attention "
+                               "(SequenceStart.last_attention, asked for by needs_last_attention)")
+        return top_attended(start.last_attention[0], list(start.visual_spans), self.visual_keep)
 
     def observe(self, step: StepResult) -> None:
         if step.hidden_states is None:

@@ -397,10 +397,12 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
                                    backend=getattr(target, "backend", "torch"),
                                    drafting_scheme=drafting_scheme_of(drafter))  # a mismatch is refused here
         want_hidden = forward_hidden(drafter, spec)
+        want_attention = bool(drafter.needs_last_attention)
 
         t0 = time.perf_counter()
         session, logits, sequence_start = open_session(target, input_ids, attention_mask, want_hidden,
-                                                       model_inputs or {}, batched=not alone)
+                                                       model_inputs or {}, batched=not alone,
+                                                       want_attention=want_attention)
         if spec.prune != "none":
             session = PruningSession(session, spec, decodings[0].sampling)
         for b, row in enumerate(rows):
@@ -422,7 +424,8 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
                     row = RowWriter(new.input_ids[0], new.decoding)
                     rows.append(row)
                     drafters.append(drafter.fork())
-                    logits, sequence_start = session.admit(new.input_ids, want_hidden, new.model_inputs)
+                    logits, sequence_start = session.admit(new.input_ids, want_hidden, new.model_inputs,
+                                                           want_attention=want_attention)
                     active.append(len(rows) - 1)
                     start_row(row, drafters[-1], logits[0], lambda start=sequence_start: start(0), generator)
                     row.out.stats.total_seconds += time.perf_counter() - t0

@@ -20,11 +20,14 @@ class TargetOutput:
     hidden_states: FloatTensor [B, N', d] last-layer features or None (prefill: all T prompt
     positions; tree step: the N tree nodes);
     input_embeds: a multimodal prefill's (asked for hidden states): the embeddings its language model
-    consumed [B, T, d], visual features merged in, else None."""
+    consumed [B, T, d], visual features merged in, else None;
+    last_attention: a prefill's (asked for it): FloatTensor [B, T], float32, the attention of the last prompt
+    position over the prompt, mean over layers and heads (flashmm.targets.last_attention), else None."""
 
     logits: torch.Tensor
     hidden_states: torch.Tensor | None = None
     input_embeds: torch.Tensor | None = None
+    last_attention: torch.Tensor | None = None
 
 
 @dataclass
@@ -43,6 +46,10 @@ class SequenceStart:
                     DynamicCache of this sequence for one draft (drafters that set needs_target_cache;
                     Target.drafting_cache); None where there is none to lend (a batch, CUDA graphs,
                     recurrent states).
+    last_attention: FloatTensor [B, T] (float32) or None; the target's attention from the last prompt
+                    position over the prompt's positions, mean over its attention layers and query heads
+                    (each row sums to 1; flashmm.targets.last_attention), read off the prefill's own
+                    forward; only filled when the drafter sets needs_last_attention.
     """
 
     input_ids: torch.Tensor
@@ -50,6 +57,7 @@ class SequenceStart:
     input_embeds: torch.Tensor | None = None
     visual_spans: list[tuple[int, int]] = field(default_factory=list)
     model_inputs: dict = field(default_factory=dict)
+    last_attention: torch.Tensor | None = None
     target_cache: Callable[[], AbstractContextManager] | None = None
 
 
@@ -111,8 +119,9 @@ class Target:
 
     # --- sequence lifecycle -------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                want_hidden: bool, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
-        """Run the prompt [1, T] → (its output: logits [1, 1, V]; the sequence's cache, holding T positions)."""
+                want_hidden: bool, want_attention: bool = False, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
+        """Run the prompt [1, T] → (its output: logits [1, 1, V], with want_attention last_attention [1, T] too;
+        the sequence's cache, holding T positions)."""
         raise NotImplementedError
 
     def forward_tree(self, seq: SequenceCache, tokens: torch.Tensor, tree: TokenTree,

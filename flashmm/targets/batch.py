@@ -104,14 +104,16 @@ def _widened(tensor: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
-def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_hidden, model_inputs: dict):
+def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_hidden, model_inputs: dict,
+            want_attention: bool = False):
     """Run the padded prompts [B, T] as model.generate does: the model's own forward on the whole
     batch, its media (model_inputs: pixel_values, image_grid_thw, ...) and the positions generate
     gives (target.batch_prompt: from the mask; M-RoPE from get_rope_index).
 
     Returns (logits [B, V] of each row's last position, hidden [B, T, d] or None, the language
     model's input embeddings [B, T, d] (multimodal targets asked for hidden states) or None,
-    BatchState).
+    BatchState, and with want_attention the last position's attention over the prompt [B, T] (0 at
+    padding; flashmm.targets.last_attention), else None).
     """
     from transformers import DynamicCache  # noqa: PLC0415
 
@@ -126,14 +128,16 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     kwargs, offset = target.batch_prompt(input_ids, mask, dict(model_inputs))
     if attention is not None:
         kwargs["attention_mask"] = attention
-    with target.watching_prompt(input_ids, bool(want_hidden)) as embeds:
-        logits, hidden = target.forward_model(cache, want_hidden, 1, input_ids=input_ids, **kwargs)
+    with target.watching_prompt(input_ids, bool(want_hidden)) as embeds, \
+            target.reading_attention(want_attention) as reading:
+        logits, hidden = target.forward_model(cache, want_hidden, 1, reading=reading, input_ids=input_ids, **kwargs)
     if isinstance(cache, SlotCache):
         cache.length = input_ids.shape[1]
     hidden = select_hidden(hidden, want_hidden)
     state = BatchState(cache=cache, valid=mask.bool(), slot_pos=positions, root_pos=mask.long().sum(-1),
                        offset=offset.to(mask.device))
-    return logits[:, -1], hidden, (embeds[0] if embeds else None), state
+    attention = None if reading is None else reading.mean(input_ids.shape[1])
+    return logits[:, -1], hidden, (embeds[0] if embeds else None), state, attention
 
 
 def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dtype) -> tuple[dict, torch.Tensor]:

@@ -293,7 +293,7 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
         """[B, W] → [R, B, W], equal in every row."""
         return positions[None].expand(self.rope_rows, -1, -1)
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
+    def prefill(self, input_ids, attention_mask, want_hidden, want_attention=False, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
         """input_ids [1, T]; any position_ids given are replaced by the model's own rope index."""
         model_inputs.pop("position_ids", None)
         audio = [k for k in media_keys(model_inputs) if "audio" in k or "input_features" in k]
@@ -303,7 +303,8 @@ class RopeIndexVLMTarget(PlaceholderVLMTarget):
                                    "run it with model.generate (images, videos and text are served)")
         self.check_media(input_ids, model_inputs)
         positions, delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
-        out, seq = super().prefill(input_ids, attention_mask, want_hidden, position_ids=positions, **model_inputs)
+        out, seq = super().prefill(input_ids, attention_mask, want_hidden, want_attention,
+                                   position_ids=positions, **model_inputs)
         seq.rope_delta = int(delta.reshape(-1)[0])
         return out, seq
 
@@ -319,9 +320,9 @@ class UnplacedMediaTarget(CausalLMTarget):
     def __init__(self, model, processor=None, attention: str = "auto", linear: str = "auto"):
         super().__init__(model, attention=attention, linear=linear)
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
+    def prefill(self, input_ids, attention_mask, want_hidden, want_attention=False, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
         self.refuse_media(model_inputs)
-        return super().prefill(input_ids, attention_mask, want_hidden, **model_inputs)
+        return super().prefill(input_ids, attention_mask, want_hidden, want_attention, **model_inputs)
 
     def batch_prompt(self, input_ids, attention_mask, model_inputs: dict):
         self.refuse_media(model_inputs)

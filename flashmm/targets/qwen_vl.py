@@ -82,12 +82,13 @@ class QwenVLTarget(VisualTarget):
             kwargs["position_ids"] = self.prompt_position_ids(input_ids, attention_mask, model_inputs)[0]
         return kwargs
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
+    def prefill(self, input_ids, attention_mask, want_hidden, want_attention=False, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
         """input_ids [1, T]; any position_ids given are replaced by the model's M-RoPE index."""
         model_inputs.pop("position_ids", None)
         self.check_media(input_ids, model_inputs)
         positions, delta = self.prompt_position_ids(input_ids, attention_mask, model_inputs)
-        out, seq = super().prefill(input_ids, attention_mask, want_hidden, position_ids=positions, **model_inputs)
+        out, seq = super().prefill(input_ids, attention_mask, want_hidden, want_attention,
+                                   position_ids=positions, **model_inputs)
         seq.rope_delta = int(delta.reshape(-1)[0])
         return out, seq
 

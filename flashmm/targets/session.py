@@ -109,17 +109,19 @@ class BatchSession:
     def select(self, rows) -> None:
         self.state.select(torch.tensor(list(rows), dtype=torch.long))
 
-    def admit(self, input_ids: torch.Tensor, want_hidden, model_inputs: dict):
+    def admit(self, input_ids: torch.Tensor, want_hidden, model_inputs: dict, want_attention: bool = False):
         """Prefill one more row, input_ids [1, T] (no padding) with its own media, and append it after the
         running rows (continuous batching). Returns (logits [1, V], start(0): its SequenceStart)."""
         mask = torch.ones_like(input_ids)
-        logits, hidden, embeds, state = padded.prefill(self.target, input_ids, mask, want_hidden, model_inputs)
+        logits, hidden, embeds, state, attention = padded.prefill(self.target, input_ids, mask, want_hidden,
+                                                                  model_inputs, want_attention)
         self.state.extend(state)
-        return logits, _batch_starts(self.target, input_ids, [0], hidden, embeds, want_hidden)
+        return logits, _batch_starts(self.target, input_ids, [0], hidden, embeds, want_hidden, attention)
 
 
-def _batch_starts(target: Target, input_ids, padding: list[int], hidden, embeds, want_hidden):
-    """start(b) of a padded batch's prefill: row b's SequenceStart, without its padding."""
+def _batch_starts(target: Target, input_ids, padding: list[int], hidden, embeds, want_hidden, attention=None):
+    """start(b) of a padded batch's prefill: row b's SequenceStart, without its padding (attention [B, T]:
+    the last position's attention over the prompt, or None)."""
     def start(b: int) -> SequenceStart:
         ids = input_ids[b : b + 1, padding[b]:]
         row_embeds = target.input_embeddings()(ids) if want_hidden else None
@@ -127,29 +129,32 @@ def _batch_starts(target: Target, input_ids, padding: list[int], hidden, embeds,
         if embeds is not None:  # a multimodal target: its visual features merged in, and their spans
             row_embeds, spans = embeds[b : b + 1, padding[b]:], target.visual_spans(ids)
         return SequenceStart(input_ids=ids, hidden_states=None if hidden is None else hidden[b : b + 1, padding[b]:],
-                             input_embeds=row_embeds, visual_spans=spans)
+                             input_embeds=row_embeds, visual_spans=spans,
+                             last_attention=None if attention is None else attention[b : b + 1, padding[b]:])
 
     return start
 
 
 def open_session(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, want_hidden,
-                 model_inputs: dict, batched: bool = False) -> tuple[Session, torch.Tensor, Callable[[int], SequenceStart]]:
+                 model_inputs: dict, batched: bool = False,
+                 want_attention: bool = False) -> tuple[Session, torch.Tensor, Callable[[int], SequenceStart]]:
     """Prefill ``input_ids`` [B, T] (left-padded when B > 1, with ``attention_mask`` [B, T]; one row
     carries no padding) with the call's media ``model_inputs``. ``batched``: a BatchSession even for
-    one row (one that more rows may join, ``BatchSession.admit``).
+    one row (one that more rows may join, ``BatchSession.admit``). ``want_attention``: each row's
+    SequenceStart carries the last position's attention over its prompt (``last_attention``).
 
     Returns (the session, logits [B, V] at each row's last prompt position, start(b): row b's
     SequenceStart, computed when asked for: a row finished by its first token needs none).
     """
     if input_ids.shape[0] == 1 and not batched:
-        out, seq = target.prefill(input_ids, attention_mask, want_hidden, **model_inputs)
+        out, seq = target.prefill(input_ids, attention_mask, want_hidden, want_attention, **model_inputs)
         lends = target.lends_cache()
 
         def start(b: int) -> SequenceStart:
             embeds, spans = target.prompt_features(input_ids, out.input_embeds, **model_inputs) if want_hidden \
                 else (None, [])
             return SequenceStart(input_ids=input_ids, hidden_states=out.hidden_states, input_embeds=embeds,
-                                 visual_spans=spans, model_inputs=model_inputs,
+                                 visual_spans=spans, model_inputs=model_inputs, last_attention=out.last_attention,
                                  target_cache=partial(target.drafting_cache, seq) if lends else None)
 
         return SequenceSession(target, seq), out.logits[:, -1], start
@@ -158,22 +163,27 @@ def open_session(target: Target, input_ids: torch.Tensor, attention_mask: torch.
         attention_mask = torch.ones_like(input_ids)
     padding = (attention_mask == 0).long().cumprod(1).sum(1).tolist()
     if not model_inputs and not getattr(target, "cuda_graphs", False) and input_ids.shape[0] > 1:
-        return _ragged_session(target, [input_ids[b : b + 1, pad:] for b, pad in enumerate(padding)], want_hidden)
-    logits, hidden, embeds, state = padded.prefill(target, input_ids, attention_mask, want_hidden, model_inputs)
-    return BatchSession(target, state), logits, _batch_starts(target, input_ids, padding, hidden, embeds, want_hidden)
+        return _ragged_session(target, [input_ids[b : b + 1, pad:] for b, pad in enumerate(padding)], want_hidden,
+                               want_attention)
+    logits, hidden, embeds, state, attention = padded.prefill(target, input_ids, attention_mask, want_hidden,
+                                                              model_inputs, want_attention)
+    return BatchSession(target, state), logits, _batch_starts(target, input_ids, padding, hidden, embeds, want_hidden,
+                                                              attention)
 
 
-def _ragged_session(target: Target, rows: list[torch.Tensor], want_hidden):
+def _ragged_session(target: Target, rows: list[torch.Tensor], want_hidden, want_attention: bool = False):
     """Text prompts (rows [1, T_b], no padding) prefilled one by one and joined as one BatchSession (each row's
     slots after its own prompt are holes): the prefill forwards run on Σ T_b tokens, not B · max T_b, which on a
     CPU is most of a ragged batch's prefill (Spec-Bench prompts of 40 to 1,600 tokens)."""
     session, logits, starts = None, [], []
     for ids in rows:
         if session is None:
-            row_logits, hidden, embeds, state = padded.prefill(target, ids, torch.ones_like(ids), want_hidden, {})
-            session, start = BatchSession(target, state), _batch_starts(target, ids, [0], hidden, embeds, want_hidden)
+            row_logits, hidden, embeds, state, attention = padded.prefill(target, ids, torch.ones_like(ids), want_hidden,
+                                                                          {}, want_attention)
+            session = BatchSession(target, state)
+            start = _batch_starts(target, ids, [0], hidden, embeds, want_hidden, attention)
         else:
-            row_logits, start = session.admit(ids, want_hidden, {})
+            row_logits, start = session.admit(ids, want_hidden, {}, want_attention)
         logits.append(row_logits)
         starts.append(start)
     return session, torch.cat(logits), lambda b: starts[b](0)

@@ -30,6 +30,7 @@ from . import cache as kv
 from . import graphs
 from .base import SequenceCache, Target, TargetOutput, select_hidden
 from .layers import crop_layers, layer_len
+from .last_attention import LastAttentionProbe
 from .layout import CHUNKED, SLIDING, attention_layout
 from .onednn import OneDNNLinears, resolve_linear_backend
 from .support import derived_position_modules, generate_position_ids, positions_given, takes_position_ids
@@ -70,6 +71,7 @@ class CausalLMTarget(Target):
         if self._tree_attention is None:
             self.backend = "torch"
         self._warned_window = False
+        self._attention_probe: LastAttentionProbe | None = None  # built at the first prefill that wants it
         # BART-family decoders number positions themselves: tree forwards hand them the tree's
         self._position_modules = derived_position_modules(model)
         #: positions counted from the cache length, padding included (api refuses padded batches)
@@ -110,16 +112,20 @@ class CausalLMTarget(Target):
         return fused.supports(self.model, self.layout)
 
     def forward_model(self, cache, want_hidden=False, logits_to_keep: int = 0, nodes: list[int] | None = None,
-                      **inputs):
+                      reading=None, **inputs):
         """One forward of the model on ``cache`` (``inputs``: the model's keyword inputs) → (logits, the
         forward's hidden-states tuple or None). Text inputs (input_ids, position_ids, attention_mask) of a
         model flashmm fuses run its fused step as the model's forward (flashmm.targets.fused: the same
         function to fp32 rounding); everything else runs the model's own forward inside ``linears()``.
         nodes: a padded batch's real positions per row (the first nodes[b] of row b): the fused step computes
         only those; elsewhere every position is computed. The padding positions' outputs are then not to be
-        read."""
+        read. reading: a LastAttentionReading (``reading_attention``) the forward feeds: the model's own forward
+        then runs, unfused."""
         text = set(inputs) <= {"input_ids", "position_ids", "attention_mask"}
-        fuse = self.unfused is None and not self.cuda_graphs and text and not isinstance(inputs.get("attention_mask"), dict)
+        fuse = (self.unfused is None and not self.cuda_graphs and text and reading is None
+                and not isinstance(inputs.get("attention_mask"), dict))
+        if reading is not None:
+            inputs.update(reading.kwargs)
         if fuse and nodes is not None:
             inputs["nodes"] = nodes
         with fused.FusedForward(self.model) if fuse else self._linears:
@@ -156,6 +162,19 @@ class CausalLMTarget(Target):
     def verify_cost(self, batch: int = 1):
         linear = "fused" if self.unfused is None else self.linear_backend
         return measure_verify_cost(self.model, linear=linear, batch=batch)
+
+    @contextmanager
+    def reading_attention(self, wanted: bool):
+        """Around a prefill forward: yields None, or with ``wanted`` a LastAttentionReading
+        (flashmm.targets.last_attention) whose ``kwargs`` that forward passes to the model and whose
+        ``mean(T)`` afterwards is the last prompt position's attention [B, T]."""
+        if not wanted:
+            yield None
+            return
+        if self._attention_probe is None:
+            self._attention_probe = LastAttentionProbe(self.model)
+        with self._attention_probe.reading() as reading:
+            yield reading
 
     def linears(self):
         """The context flashmm's forwards of the model (prefill and tree forwards) run its linear
@@ -255,15 +274,18 @@ class CausalLMTarget(Target):
         if self.recurrent:
             seq.kv.counted = input_ids.shape[1]
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
+    def prefill(self, input_ids, attention_mask, want_hidden, want_attention=False, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
         seq = self.new_sequence(input_ids.shape[1])
         model_inputs = {**generate_position_ids(self.model, input_ids, attention_mask), **model_inputs}
         attention_mask = self.prompt_attention(seq, input_ids, attention_mask)
         if attention_mask is not None:
             model_inputs["attention_mask"] = attention_mask
-        logits, hidden = self.forward_model(seq.kv, want_hidden, 1, input_ids=input_ids, **model_inputs)
+        with self.reading_attention(want_attention) as reading:
+            logits, hidden = self.forward_model(seq.kv, want_hidden, 1, reading=reading, input_ids=input_ids,
+                                                **model_inputs)
         self.prompt_written(seq, input_ids)
-        return TargetOutput(logits[:, -1:], select_hidden(hidden, want_hidden)), seq
+        return TargetOutput(logits[:, -1:], select_hidden(hidden, want_hidden),
+                            last_attention=None if reading is None else reading.mean(input_ids.shape[1])), seq
 
     def forward_tree(self, seq: SequenceCache, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
         """tokens [1, N] → logits [1, N, V] (and last-layer hidden [1, N, d])."""

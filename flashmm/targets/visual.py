@@ -86,23 +86,27 @@ class VisualTarget(CausalLMTarget):
     #: the prefill captures them even without want_hidden, to run check_filled on them
     check_filled_on_prefill = False
 
-    def prefill(self, input_ids, attention_mask, want_hidden, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
+    def prefill(self, input_ids, attention_mask, want_hidden, want_attention=False, **model_inputs) -> tuple[TargetOutput, SequenceCache]:
         """input_ids [1, T] with placeholders expanded, plus the processor's media tensors.
 
         Checks placeholders against media first. With want_hidden the merged input embeddings
-        are returned (``input_embeds``), so hidden-state drafters cost no second vision pass.
+        are returned (``input_embeds``), so hidden-state drafters cost no second vision pass; with
+        want_attention the last position's attention over the prompt (``last_attention`` [1, T]), read
+        off this same forward.
         """
         self.check_media(input_ids, model_inputs)
         model_inputs = self.model_kwargs(input_ids, attention_mask, model_inputs)
         seq = self.new_sequence(input_ids.shape[1])
         attention_mask = self.prompt_attention(seq, input_ids, attention_mask)
-        with self.watching_prompt(input_ids, bool(want_hidden)) as captured, self._linears:
+        with (self.watching_prompt(input_ids, bool(want_hidden)) as captured, self._linears,
+              self.reading_attention(want_attention) as reading):
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                              output_hidden_states=bool(want_hidden), logits_to_keep=1,
-                             **{self.cache_argument: seq.kv}, **model_inputs)
+                             **{self.cache_argument: seq.kv}, **model_inputs, **(reading.kwargs if reading else {}))
         self.prompt_written(seq, input_ids)
         hidden = select_hidden(out.hidden_states, want_hidden)
-        return TargetOutput(out.logits[:, -1:], hidden, captured[0] if captured and want_hidden else None), seq
+        return TargetOutput(out.logits[:, -1:], hidden, captured[0] if captured and want_hidden else None,
+                            last_attention=None if reading is None else reading.mean(input_ids.shape[1])), seq
 
     @contextlib.contextmanager
     def watching_prompt(self, input_ids: torch.Tensor, want_embeds: bool):

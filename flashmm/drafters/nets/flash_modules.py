@@ -24,6 +24,10 @@ pooling of the target's own last-layer features at the visual positions), or tra
 "prune" (top-C tokens by attention from the last prompt token's feature, SpecVLM-style),
 "merge" (size-weighted merging of the most similar adjacent tokens, ToMe-style), "none".
 
+**Visual-token pruning** (``top_attended``; SpecVLM, arXiv 2508.16201): before the compressor, each visual
+span keeps only its ⌈keep·n⌉ tokens the target's last prompt position attends to most (in their original
+order), so the compressor (or, with "none", the units themselves) reads fewer tokens.
+
 **Global visual feature** (``global_visual``; ViSpec, arXiv 2509.15235): one vector pooled from every
 visual token of the prompt by a learned query, g = W·softmax(q·Fᵀ/√d)·F + b, is added to every text
 unit, so each position the head reads carries the image's gist however far the visual units lie
@@ -358,9 +362,24 @@ def unit_layout(num_text: int, spans: list[tuple[int, int]]) -> list[tuple[str, 
     return [item for _, item in keyed]
 
 
+def top_attended(attention: torch.Tensor, spans: list[tuple[int, int]], keep: float) -> list[torch.Tensor]:
+    """Per visual span [s, e) of a prompt: the positions of its ⌈keep·(e−s)⌉ tokens of largest ``attention``
+    (FloatTensor [T]: the target's last-position attention, SequenceStart.last_attention[0]), ascending.
+
+    Returns one LongTensor [k_j] per span (absolute positions, s <= p < e); keep in (0, 1]."""
+    if not 0 < keep <= 1:
+        raise ValueError(f"keep must be in (0, 1], got {keep}")
+    kept = []
+    for s, e in spans:
+        count = max(1, math.ceil(keep * (e - s) - 1e-9))   # 1e-9: 0.1 * 70 is 7.000000000000001, not 8 tokens
+        kept.append(s + attention[s:e].topk(count).indices.sort().values)
+    return kept
+
+
 def build_units(net: FlashNet, features: torch.Tensor, input_embeds: torch.Tensor, num_text: int,
                 spans: list[tuple[int, int]], compression: str,
-                query: torch.Tensor | None, pool_spans: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                query: torch.Tensor | None, pool_spans: int = 1,
+                visual_index: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The unit sequence of one prompt (or a whole training sequence).
 
     features [L, d] (f_t), input_embeds [L', d] (L' >= num_text + 1; row t+1 is the input after
@@ -368,6 +387,8 @@ def build_units(net: FlashNet, features: torch.Tensor, input_embeds: torch.Tenso
     pool_spans: consecutive visual spans compressed together (video frames given as images share
     most of their content): spans j*P .. j*P+P-1 are concatenated and compressed as one, their
     units placed where the group's last span sits; 1 compresses each span alone.
+    visual_index: per span, the positions of ``features`` its compressor reads (LongTensor [k_j], inside the
+    span; ``top_attended``); None: every position of every span. Text units are the same either way.
     Returns (units [U, d], text_pos LongTensor [U] with the text position of each unit, -1 for
     visual units).
     """
@@ -393,7 +414,8 @@ def build_units(net: FlashNet, features: torch.Tensor, input_embeds: torch.Tenso
         if i != last:
             continue  # compressed with the rest of its group
         flush()
-        group = [features[s:e] for s, e in spans[first:last + 1]]
+        group = [features[s:e] if visual_index is None else features[visual_index[j]]
+                 for j, (s, e) in enumerate(spans[first:last + 1], start=first)]
         compressed = net.compressor(group[0] if len(group) == 1 else torch.cat(group), compression, query)
         pieces.append(net.visual_units(compressed))
         text_pos.extend([-1] * compressed.shape[0])
