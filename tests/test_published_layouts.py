@@ -15,7 +15,8 @@ import flashmm
 from flashmm.drafters import load
 from flashmm.drafters.base import SequenceStart
 from flashmm.drafters.files import DrafterFileError
-from flashmm.drafters.published import PublishedEagle3Drafter, UnsupportedDrafterFormat, published_format
+from flashmm.drafters.formats import published_format
+from flashmm.drafters.published import PublishedEagle3Drafter, UnsupportedDrafterFormat
 from flashmm.drafters.published_heads import PublishedMedusa
 from flashmm.targets import CausalLMTarget
 
