@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -196,17 +197,20 @@ def render(summary: dict, cpu_summary: dict, records: list[dict], names: list[st
               "t(draft) ms/step", "t(verify) ms/step", "begin ms", "prefill s", "end to end s/clip", "×plain",
               "×plain_onednn", "decode ×plain_onednn", "×plain_onednn (CPU s)", "decode ×plain_onednn (CPU s)",
               "exact"]
-    rows = []
-    for task, s in summary.items():
-        if task == "all":
-            continue
+    rows, attended = [], []
+    for task in sorted((t for t in summary if t != "all"), key=lambda t: int(t.split()[0])):
+        s = summary[task]
         rs = [r for r in records if r["task"] == task]
         prompt = sum(r["prompt_len"] for r in rs) / len(rs)
+        mass = [r["begin"]["visual_attention_mass"] for r in rs]
+        attended.append(f"{task}: the visual tokens get {min(mass):.1%} to {max(mass):.1%} of the last prompt "
+                        f"position's attention ({len(rs)} clips).")
         for name in names:
             m, c = s[name], cpu_summary[task][name]
             begin = [r["begin"].get(name) for r in rs]
             per = (lambda key: sum(b[key] for b in begin) / len(begin)) if all(begin) else (lambda key: None)
-            rows.append([task, f"{prompt:.0f}", name, per("visual_read"), per("units"), per("kept_mass"),
+            count = (lambda key: f"{per(key):.0f}") if all(begin) else (lambda key: None)
+            rows.append([task, f"{prompt:.0f}", name, count("visual_read"), count("units"), per("kept_mass"),
                          m.get("tau", 1.0), m.get("draft_ms"), m.get("verify_ms"), per("begin_ms"),
                          m["prefill_ms"] / 1000, sum(r[name]["seconds"] for r in rs) / len(rs), m["speedup"],
                          m["over_plain_onednn"], m["decode_over_plain_onednn"], c["over_plain_onednn"],
@@ -226,8 +230,7 @@ def render(summary: dict, cpu_summary: dict, records: list[dict], names: list[st
           "a streamer; ×… = tokens/s over the baseline's, decode ×… = the same for the tokens after the first over "
           "the time after it (a drafter's begin() falls there); exact = output identical to plain greedy.\n",
           markdown_table(header, rows) + "\n"]
-    if notes:
-        md += ["## Notes\n"] + [f"- {n}" for n in notes] + [""]
+    md += ["## Notes\n"] + [f"- {n}" for n in notes + attended] + [""]
     return "\n".join(md)
 
 
@@ -250,7 +253,19 @@ def main(argv=None):
                     help="run frame counts whose prompt exceeds the language model's max_position_embeddings")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="eval/results/mm_video_prune_reference")
+    ap.add_argument("--render-only", action="store_true",
+                    help="rewrite OUT.md from the records in OUT.json (no model run)")
     args = ap.parse_args(argv)
+    if args.render_only:
+        saved = json.loads(Path(args.out + ".json").read_text())
+        names = [n for n in saved["records"][0] if isinstance(saved["records"][0][n], dict) and "seconds" in saved["records"][0][n]]
+        names = [n for n in ("plain", "plain_onednn") if n in names] + [n for n in names if n not in ("plain", "plain_onednn")]
+        missing = None if "plain_onednn" in names else "not among this run's methods"
+        md = render(saved["summary"], saved["summary_cpu_seconds"], saved["records"], names, saved["machine"],
+                    saved["command"], saved["notes"], missing)
+        Path(args.out + ".md").write_text(md)
+        print(md)
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     command = "python eval/mm_video_prune.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -271,7 +286,7 @@ def main(argv=None):
                         else "."))
     drafters = build_drafters(args.flash, args.keep, args.none_keep)
     shipped = drafters["flash"]
-    notes.append(f"FLASH drafter: {args.flash} as shipped (K={shipped.net.tokens_per_step}, num_queries="
+    notes.append(f"FLASH drafter: {os.path.relpath(args.flash, root)} as shipped (K={shipped.net.tokens_per_step}, num_queries="
                  f"{shipped.net.cfg.num_queries}, compression={shipped.compression}, pool_spans={shipped.pool_spans}, "
                  f"tree={shipped.tree}, max_draft_tokens={shipped.max_draft_tokens}, lookup_tokens="
                  f"{shipped.lookup_tokens}), trained on 8-frame clips, not retrained; flash_keepK = the same with "
