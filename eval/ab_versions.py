@@ -4,9 +4,10 @@
     python eval/ab_versions.py --old /tmp/ab_old --new . --per-category 1 --max-new-tokens 128 --rounds 3 \
         --drafters prompt_lookup suffix assets/text_drafters/smollm2/eagle3 --out eval/results/ab_<name>
 
-Each round runs one worker process per checkout (the order alternates from round to round), with
+Each round runs one worker process per checkout (the order alternates from round to round; a first
+warm-up round is not counted, see --warmup-rounds), with
 ``PYTHONPATH`` set to that checkout so it imports its own flashmm. A worker loads SmolLM2 once and, for
-every drafter in turn, decodes every question greedily through ``flashmm.wrap`` (its first question once
+every drafter in turn (a name, ``name:key=value,...`` or a trained folder, as eval/text_speed.py reads them), decodes every question greedily through ``flashmm.wrap`` (its first question once
 untimed, to warm up), timing only the ``generate`` calls. Reported per drafter and checkout: tokens/s over
 all rounds (total tokens / total seconds), the median round's tokens/s, τ, and new / old; and whether the
 two checkouts emitted the same tokens for every question (they should: a refactor changes no output).
@@ -34,7 +35,7 @@ def worker(args) -> None:
 
     import flashmm  # noqa: PLC0415
     from flashmm.weights import load_gguf_lm  # noqa: PLC0415
-    from text_speed import load_questions, prompt_ids  # noqa: PLC0415
+    from text_speed import load_questions, parse_drafter, prompt_ids  # noqa: PLC0415
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_gguf_lm("smollm2")
@@ -42,7 +43,7 @@ def worker(args) -> None:
     prompts = [prompt_ids(tokenizer, q["turns"][0]) for q in questions]
     results = {"flashmm": flashmm.__file__}
     for spec in args.drafters:
-        sm = flashmm.wrap(model, spec)
+        sm = flashmm.wrap(model, parse_drafter(spec, tokenizer)[1])
         sm.generate(prompts[0], max_new_tokens=8, do_sample=False)  # warm-up, untimed
         seconds, tokens, steps, accepted, outputs = 0.0, 0, 0, 0, []
         for ids in prompts:
@@ -79,6 +80,9 @@ def main(argv=None) -> None:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="rounds run first and not counted: the first run on a machine measures and caches the "
+                         "target's verify cost (flashmm.disk_cache), which the checkout that runs first would pay")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -88,9 +92,13 @@ def main(argv=None) -> None:
     child = ["--drafters", *args.drafters, "--questions", args.questions, "--per-category", str(args.per_category),
              "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--old", "unused"]
     runs = {"old": [], "new": []}
-    for r in range(args.rounds):
+    for r in range(-args.warmup_rounds, args.rounds):
         for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            runs[side].append(run_worker(getattr(args, side), child))
+            result = run_worker(getattr(args, side), child)
+            if r < 0:
+                print(f"warm-up round {side}: not counted", flush=True)
+                continue
+            runs[side].append(result)
             print(f"round {r + 1} {side}:", {d: round(runs[side][-1][d]["tokens"] / runs[side][-1][d]["seconds"], 1)
                                            for d in args.drafters}, flush=True)
     rows = []
@@ -106,7 +114,8 @@ def main(argv=None) -> None:
     md = "\n".join([
         f"# Two checkouts of flashmm on SmolLM2-135M-Instruct (fp32, greedy, {args.max_new_tokens} new tokens)", "",
         f"Machine: {machine()}", "", f"Command: `{command}`", "",
-        f"old: {runs['old'][0]['flashmm']}; new: {runs['new'][0]['flashmm']}. {args.rounds} rounds, one worker process "
+        f"old: {runs['old'][0]['flashmm']}; new: {runs['new'][0]['flashmm']}. {args.rounds} rounds after "
+        f"{args.warmup_rounds} uncounted warm-up round(s), one worker process "
         "per checkout and round, the order alternating; tok/s = total tokens / total seconds of the timed generate "
         "calls; new/old median = ratio of the median round's tok/s; same tokens = every question's output equal "
         "in every round of both.", "",
