@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -305,8 +306,8 @@ def weight_names(folder: Path) -> set[str] | None:
     if (folder / "pytorch_model.bin").is_file():
         try:
             state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # noqa: BLE001 (a pickle with code, an old non-zip file: read_pickled names it)
-            return None
+        except (pickle.UnpicklingError, RuntimeError, OSError, EOFError):
+            return None  # code in it, corrupt, or an old non-zip file mmap cannot map (RuntimeError): the loader names it
         return set(state) if isinstance(state, dict) else None
     return None
 
