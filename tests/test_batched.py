@@ -197,6 +197,36 @@ def test_cut_drafts_stay_exact(models, monkeypatch):
     assert max(shared) == 2 and sm.last_stats.accepted_tokens > 0  # cut, and cut drafts were accepted
 
 
+@pytest.mark.parametrize("holes", [0.0, 1.0])
+def test_compacting_the_cache_every_step_or_never_is_generate(models, monkeypatch, holes):
+    """A batch whose rows keep different numbers of tokens per step leaves holes in the cache;
+    compacting it after every step (COMPACT_HOLES 0) or never (1) changes no token of the model's own batched
+    generate, and holes were there to compact."""
+    import flashmm.targets.batch as padded
+
+    target, _ = models
+    compactions = []
+    original = padded.compact
+
+    def counting(state):
+        before = padded.holes_read(state)
+        original(state)
+        compactions.append((before, padded.holes_read(state)))
+
+    monkeypatch.setattr(padded, "COMPACT_HOLES", holes)
+    monkeypatch.setattr(padded, "compact", counting)
+    ids, mask = ragged_batch((30, 9, 20))
+    ids[0, -24:] = prompt(6, seed=11)[0].repeat(4)  # row 0 repeats itself: its lookup drafts are accepted
+    sm = flashmm.wrap(target, PromptLookup())
+    out = sm.generate(ids, attention_mask=mask, max_new_tokens=24)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=24))
+    assert sm.last_stats.accepted_tokens > 0
+    if holes == 1.0:
+        assert not compactions
+    else:
+        assert any(before > 0 for before, _ in compactions) and all(after == 0 for _, after in compactions)
+
+
 @torch.no_grad()
 def test_a_ragged_batch_keeps_each_rows_slots_in_one_run_and_drops_a_left_prompts():
     """Rows prefilled one by one hold their slots as one run up to the end (holes in front), so attention

@@ -254,3 +254,23 @@ def test_transformers_own_output_recorders_do_not_unfuse():
     model = tiny_lm("llama")
     model(prompt(5), output_hidden_states=True)
     assert fused.supports(model, attention_layout(model.config)) is None
+
+
+@torch.no_grad()
+def test_folded_grouped_attention_is_attention():
+    """``attend`` (a step's query heads folded onto their kv head) against attention written out in float64 with
+    every kv head repeated per query head: masks of [n, S] and [B, 1, n, S], 1 to 20 positions, every grouping."""
+    gen = torch.Generator().manual_seed(0)
+    for heads, kv_heads, n, batch in ((9, 3, 2, 4), (8, 2, 5, 1), (4, 4, 3, 2), (6, 1, 20, 3), (9, 3, 1, 2)):
+        slots = 37
+        q = torch.randn(batch, heads, n, 16, generator=gen)
+        keys, values = torch.randn(2, batch, kv_heads, slots, 16, generator=gen)
+        allowed = torch.rand(batch, 1, n, slots, generator=gen) > 0.4
+        allowed[..., -1] = True  # every position sees at least itself
+        for mask in (torch.zeros(batch, 1, n, slots).masked_fill_(~allowed, torch.finfo(torch.float32).min),
+                     torch.zeros(n, slots).masked_fill_(~allowed[0, 0], torch.finfo(torch.float32).min)):
+            group = heads // kv_heads
+            scores = q.double() @ keys.double().repeat_interleave(group, 1).transpose(-1, -2) * 0.25
+            reference = (scores + mask.double()).softmax(-1) @ values.double().repeat_interleave(group, 1)
+            got = fused.attend(q, keys, values, mask, False, 0.25)
+            torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)

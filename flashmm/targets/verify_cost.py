@@ -40,7 +40,8 @@ DEFAULT_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 16, 18, 19, 24, 32, 48, 64)
 # what a model's forward raises when it cannot take flashmm's cache or a cached multi-token forward
 # (a recurrent mixer indexing layers a DynamicCache lacks, a mask of the wrong size, a NotImplemented path)
 _REFUSALS = (AttributeError, IndexError, NotImplementedError, RuntimeError, TypeError, ValueError)
-_COST_FORMAT = "verify-cost-2"   # the entry's layout and the timing method (rounds over sizes, staircase kept)
+_COST_FORMAT = "verify-cost-3"   # the entry's layout, the timing method (rounds over sizes, staircase kept) and the
+# step it times (3: the fused step's folded grouped attention)
 # costs measured in this process whose entry could not be written (an unwritable cache directory):
 # without them every wrap and every batch size change would time the model again
 _unstored: dict[Path, VerifyCost] = {}
