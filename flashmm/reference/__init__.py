@@ -4,7 +4,7 @@ trained on procedural scenes (``tools/reference/scenes.py`` in the repository) s
 depend on the image.
 
     from flashmm.reference import load_reference_llava
-    model, processor = load_reference_llava()   # assets/reference_lmm + the GGUF (~20-35 s)
+    model, processor = load_reference_llava()   # assets/reference_lmm + the GGUF (~20-35 s the first time)
 
 Images: 128 x 128 after the processor, 64 visual tokens each. Videos: a list of >= 8 frames,
 each an image with its 64 tokens (``flashmm.CaptionPipeline`` writes the labelled-frame prompt).

