@@ -66,7 +66,7 @@ from ..tree.token_tree import TokenTree
 from ..tree.trie import best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, blamed_on, load_weights, read_json
-from .head_base import committed_embeds
+from .head_base import feed_committed
 from .nets.eagle_net import EagleConfig, EagleNet
 from .options import DrafterOptions, check_at_least, check_choice
 from .published import UnsupportedDrafterFormat, read_weights
@@ -246,20 +246,9 @@ class EagleDrafter(Drafter):
 
     def _sync(self, committed: torch.Tensor) -> None:
         """Add units next .. root-1 to the committed cache; keep the last one's output."""
-        root = committed.shape[1] - 1
-        count = root - self._next
-        if count < 1 or self._pending is None or self._pending.shape[0] < count:
-            raise RuntimeError(f"EagleDrafter is out of step with the target: {count} new positions, "
-                               f"{0 if self._pending is None else self._pending.shape[0]} features")
-        embeds = committed_embeds(self._embed, self._prompt_embeds, committed[0, self._next + 1: root + 1],
-                                  self._next + 1)[None]                                 # [1, count, d]
-        positions = torch.arange(self._next, root, device=committed.device)[None]
-        past_len = 0 if self._past is None else self._past[0].shape[2]
-        mask = torch.ones(1, count, past_len + count, dtype=torch.bool, device=committed.device)
-        mask[:, :, past_len:] = torch.tril(mask[:, :, past_len:])
-        out, self._past = self.net(embeds, self._pending[None, :count], positions, mask, self._past)
-        self._pending = self._pending[count:]
-        self._next = root
+        out, self._past, self._pending = feed_committed(self.net, self._embed, self._prompt_embeds, committed,
+                                                        self._next, self._pending, self._past, "EagleDrafter")
+        self._next = committed.shape[1] - 1
         self._root_out = out[0, -1]
 
     def grow(self, committed: torch.Tensor, max_tokens: int) -> GrownTree:

@@ -51,7 +51,7 @@ from ..tree.trie import DraftTrie, best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
 from .options import DrafterOptions, check_at_least, check_choice
-from .head_base import committed_embeds
+from .head_base import feed_committed
 from .nets.eagle3_net import Eagle3Config, Eagle3Net
 from .saved import read_info
 from .suffix import LookupBranch
@@ -326,19 +326,8 @@ class Eagle3Drafter(Drafter):
     def _sync(self, committed: torch.Tensor) -> None:
         """Add units next .. root-1 to the committed cache; keep the last one's output."""
         root = committed.shape[1] - 1
-        count = root - self._next
-        if count < 1 or self._pending is None or self._pending.shape[0] < count:
-            raise RuntimeError(f"Eagle3Drafter is out of step with the target: {count} new positions, "
-                               f"{0 if self._pending is None else self._pending.shape[0]} features")
-        # unit t reads the embedding of x_{t+1} the target consumed: a visual feature inside an image
-        embeds = committed_embeds(self._embed, self._prompt_embeds, committed[0, self._next + 1: root + 1],
-                                  self._next + 1)[None]                                 # [1, count, d]
-        positions = torch.arange(self._next, root, device=committed.device)[None]
-        past_len = 0 if self._past is None else self._past[0].shape[2]
-        mask = torch.ones(1, count, past_len + count, dtype=torch.bool, device=committed.device)
-        mask[:, :, past_len:] = torch.tril(mask[:, :, past_len:])
-        out, self._past = self.net(embeds, self._pending[None, :count], positions, mask, self._past)
-        self._pending = self._pending[count:]
+        out, self._past, self._pending = feed_committed(self.net, self._embed, self._prompt_embeds, committed,
+                                                        self._next, self._pending, self._past, "Eagle3Drafter")
         if self.context_vocab:
             self._extend_vocab(committed[0, self._next + 1: root + 1])
         self._next = root

@@ -86,6 +86,30 @@ def committed_embeds(embed, prompt_embeds: torch.Tensor | None, ids: torch.Tenso
     return torch.cat([prompt_embeds[first: first + inside].to(device=tail.device, dtype=tail.dtype), tail])
 
 
+def feed_committed(net, embed, prompt_embeds: torch.Tensor | None, committed: torch.Tensor, first: int,
+                   features: torch.Tensor | None, past, who: str):
+    """An EAGLE head's units for the committed positions first .. root - 1 (root: committed [1, T]'s last
+    position), each reading the target's features at its position and the input embedding of the token
+    after it, appended to the head's cache ``past`` under a causal mask.
+
+    features: [P, F] target features not yet in a unit, oldest first (P >= the new positions, else the
+    head is out of step with its target: a RuntimeError naming ``who``).
+    Returns (the units' outputs [1, count, d], the new past, the features left over)."""
+    root = committed.shape[1] - 1
+    count = root - first
+    if count < 1 or features is None or features.shape[0] < count:
+        raise RuntimeError(f"{who} is out of step with the target: {count} new positions, "
+                           f"{0 if features is None else features.shape[0]} features")
+    # unit t reads the embedding of x_{t+1} the target consumed: a visual feature inside an image
+    embeds = committed_embeds(embed, prompt_embeds, committed[0, first + 1: root + 1], first + 1)[None]  # [1, count, d]
+    positions = torch.arange(first, root, device=committed.device)[None]
+    past_len = 0 if past is None else past[0].shape[2]
+    mask = torch.ones(1, count, past_len + count, dtype=torch.bool, device=committed.device)
+    mask[:, :, past_len:] = torch.tril(mask[:, :, past_len:])
+    out, past = net(embeds, features[None, :count], positions, mask, past)
+    return out, past, features[count:]
+
+
 def chain_tree(depth: int) -> TokenTree:
     """A chain of ``depth`` drafted nodes, each taking its head's top-1 token (ranks all 0)."""
     return TokenTree.from_choices([[0] * j for j in range(1, depth + 1)]) if depth else TokenTree.chain(0)
