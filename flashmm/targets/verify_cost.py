@@ -110,11 +110,13 @@ def _read_cost(path: Path, identity: dict) -> tuple[VerifyCost | None, str]:
 
 @torch.no_grad()
 def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GRID, prefix_len: int = 128,
-                        repeats: int = 5, directory: Path | None = None, linear: str = "torch",
+                        repeats: int = 3, directory: Path | None = None, linear: str = "torch",
                         batch: int = 1) -> VerifyCost:
     """Time ``model``'s forward of N new tokens after a ``prefix_len``-token cache for N in grid:
     the fastest of ``repeats`` rounds over every size (after one warm-up round), never below the
-    one-token forward's.
+    one-token forward's. (Three rounds: SmolLM2's fused step measured twice each way on the 2-core machine,
+    the relative costs at 4, 8, 16 and 32 nodes moved as much between two 5-round measurements as between
+    two 3-round ones, up to 10-15 %; the first wrap at batch 1 and 3 pays 5 + 10 s instead of 8 + 14.)
 
     batch: rows forwarded together (each N new tokens after its own prefix); the seconds returned
     are per row, a batch forward's time / batch, so ``seconds[0]`` is one row's share of a plain
