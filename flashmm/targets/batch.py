@@ -8,14 +8,14 @@ slots it may see (``valid``).
 The cache is one ``DynamicCache`` of B rows laid out by *slot*: the prompt's slots (left padding
 included), then, each step, the kept path rows of every row written side by side. Rows keep
 different numbers of tokens per step, so a row's slots past its own kept count are holes:
-``valid[b, s]`` says whether slot s of row b holds a real token and ``slot_pos[b, s]`` its
-position id. Masks come from ``valid`` (holes and padding are never attended to); positions
-and sliding windows (or attention chunks) from ``slot_pos``, so each row attends exactly what ``model.generate``
-attends in the same batch. Once a quarter of the slots the rows attend over are holes, the cache
-is compacted (``compact``: each row's real slots moved to the end, in order). The kernel applies a window as one first visible slot per node
-(a row's real slots have increasing positions); a step whose deepest tree reaches past the
-window runs on the 4D-mask path instead, as the single-sequence target does. Rows that finish
-leave the batch (their cache rows are dropped).
+``valid[b, s]`` says whether slot s of row b holds a real token and ``slot_pos[b, s]`` its position id. Masks
+come from ``valid`` (holes and padding are never attended to); positions and sliding windows (or
+attention chunks) from ``slot_pos``, so each row attends exactly what ``model.generate`` attends in
+the same batch. Once a quarter of the slots the rows attend over are holes, the cache is compacted
+(``compact``: each row's real slots moved to the end, in order). The kernel applies a window as one
+first visible slot per node (a row's real slots have increasing positions); a step whose deepest
+tree reaches past the window runs on the 4D-mask path instead, as the single-sequence target does.
+Rows that finish leave the batch (their cache rows are dropped).
 """
 from __future__ import annotations
 

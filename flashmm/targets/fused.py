@@ -16,7 +16,8 @@ runs the same arithmetic as the model's own layers with the overhead taken out:
   are views of the first rows, so every cache operation flashmm has (keep a path, crop, select rows,
   admit a row) and the model's own forward still work on it;
 - attention is ``scaled_dot_product_attention``, a step's grouped query heads folded onto their kv head
-  (``attend``): one call per layer, or in a batch one per run of rows, from the first key slot one of them sees (``row_groups``); a batch's
+  (``attend``): one call per layer, or in a batch one per run of rows, from the first key slot one of
+  them sees (``row_groups``); a batch's
   linear layers run on each row's real positions alone (``nodes``).
 
 It computes the model's function to fp32 rounding, not bit for bit (as oneDNN's linears already
@@ -270,12 +271,15 @@ FOLD_MAX = 64
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, causal: bool,
            scale: float) -> torch.Tensor:
     """Attention of q [B, H, n, D] over keys / values [B, KV, S, D] (H a multiple of KV, head h reading
-    kv head h // (H / KV), as transformers' ``repeat_kv``) under the additive ``mask`` [B or 1, 1, n, S] or [n, S].
+    kv head h // (H / KV), as transformers' ``repeat_kv``) under the additive ``mask`` [B or 1, 1, n, S]
+    or [n, S].
 
     A verification step's few positions (2 <= n <= FOLD_MAX) with grouped heads fold each kv head's
     H / KV query heads into its query axis, [B, KV, H / KV * n, D], so that one call reads every key
     once and none is repeated per query head: the same sums (to fp32 rounding), 1.5-1.8x faster for
-    a batch's drafts on the 2-core CPU (B = 8, n = 2-6, 100-1,600 slots). One position, a prompt
+    a batch's drafts on the 2-core CPU (B = 8, n = 2-6, 100-1,600 slots, the attention alone; whole
+    decodes at batch 8, where most steps verify one token a row, gain 0-2 %,
+    eval/results/batch_attention_ab.md). One position, a prompt
     (``causal``) and full heads take ``scaled_dot_product_attention`` as it is."""
     heads, kv_heads = q.shape[1], keys.shape[1]
     batch, _, n, dim = q.shape

@@ -190,7 +190,7 @@ def train_specdecpp(args, argv, s, aligned) -> None:
 
 
 def _cached(path, make):
-    """torch.load(path), written first by ``make()`` (atomically) when missing."""
+    """torch.load(path, weights_only=True), written first by ``make()`` (atomically) when missing."""
     import torch  # noqa: PLC0415
 
     if not path.exists():
