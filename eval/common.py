@@ -169,6 +169,14 @@ def summarize_batches(records: list[dict], names: list[str], batch_sizes) -> dic
     return summary
 
 
+def step_counters(stats) -> dict:
+    """A wrapped call's GenerationStats as a benchmark record's fields: tokens, steps, drafted and accepted
+    tokens, drafting and verification seconds, and the accepted-length histogram."""
+    return dict(new_tokens=stats.new_tokens, verify_steps=stats.verify_steps, accepted=stats.accepted_tokens,
+                drafted=stats.drafted_tokens, draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
+                accepted_hist={int(k): v for k, v in stats.accepted_hist.items()})
+
+
 def write_results(out_prefix: str, payload: dict, markdown: str) -> None:
     path = Path(out_prefix)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root: tools.reference
 from common import (baseline_legend, machine, markdown_table, median, on_onednn, onednn_baseline_missing,  # noqa: E402
-                    over, parse_options, speedup_lines, timed, write_results)
+                    over, parse_options, speedup_lines, timed, step_counters, write_results)
 
 import flashmm  # noqa: E402
 from flashmm.drafters.flash import FlashDrafter  # noqa: E402
@@ -180,11 +180,7 @@ def run_benchmark(model, processor, items: list[dict], methods: dict, wrapped: d
             entry = {"seconds": seconds, "new_tokens": int(out.shape[1] - prompt_len),
                      "prefill_seconds": prefill_seconds}
             if name in wrapped:
-                stats = wrapped[name].last_stats
-                entry.update(new_tokens=stats.new_tokens, verify_steps=stats.verify_steps,
-                             accepted=stats.accepted_tokens, drafted=stats.drafted_tokens,
-                             draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
-                             accepted_hist={int(k): v for k, v in stats.accepted_hist.items()})
+                entry.update(step_counters(wrapped[name].last_stats))
             rec[name] = entry
         plain = outs["plain"]
         for name in names:

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root: tools.reference
 from common import (baseline_legend, machine, markdown_table, median, on_onednn, onednn_baseline_missing,  # noqa: E402
-                    write_results)
+                    step_counters, write_results)
 from mm_speed import summarize  # noqa: E402
 
 import flashmm  # noqa: E402
@@ -156,11 +156,7 @@ def run(model, processor, items: list[dict], methods: dict, wrapped: dict, max_n
             outs[name] = out
             entry["new_tokens"] = int(out.shape[1] - prompt_len)
             if name in wrapped:
-                stats = wrapped[name].last_stats
-                entry.update(new_tokens=stats.new_tokens, verify_steps=stats.verify_steps,
-                             accepted=stats.accepted_tokens, drafted=stats.drafted_tokens,
-                             draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
-                             accepted_hist={int(k): v for k, v in stats.accepted_hist.items()})
+                entry.update(step_counters(wrapped[name].last_stats))
             rec[name] = entry
             print(f"[{time.strftime('%H:%M:%S')}] {item['task']} seed {item['seed']} {name}: {entry['seconds']:.1f} s "
                   f"(prefill {entry['prefill_seconds']:.1f} s)", flush=True)
