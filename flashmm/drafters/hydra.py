@@ -61,6 +61,11 @@ class Hydra(HeadDrafter):
         self._fed += states.shape[0]
         self._feature = out[0, -1]
 
+    def head_logits(self, k: int, states: torch.Tensor) -> torch.Tensor:
+        """Head k's logits [..., Vd] for its states [..., d]: flashmm's heads all read the target's LM head
+        (PublishedHydra's heads have their own)."""
+        return self.logits(states)
+
     def _propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
                  generator: torch.Generator | None) -> Draft:
         if committed.shape[0] != 1:
@@ -77,7 +82,7 @@ class Hydra(HeadDrafter):
             embeds = torch.stack([path_embeds[node] for node in parents])       # [P, k + 1, d]
             states = self.heads.head(k, self._feature.expand(len(parents), -1), embeds)  # [P, d]
             width = max(ranks[c] for node in parents for c in children[node]) + 1
-            top = self.target_ids(self.logits(states).topk(width, dim=-1).indices)  # [P, s]
+            top = self.target_ids(self.head_logits(k, states).topk(width, dim=-1).indices)  # [P, s]
             level = []
             for row, node in enumerate(parents):
                 for child in children[node]:
