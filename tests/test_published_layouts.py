@@ -2,7 +2,8 @@
 Medusa-1 layout (flashmm.drafters.published_eagle3, published_heads): tiny random checkpoints written in
 those layouts (config.json + weights under the keys those projects save), checked against float64 forwards
 written here from the reference code (EAGLE cnets.py, SGLang llama_eagle3.py, Medusa medusa_model.py), and
-greedy output identical to the target's own generate; Hydra is refused."""
+greedy output identical to the target's own generate; Hydra's heads other than its MLP heads are refused (the MLP
+heads: tests/test_published_hydra.py)."""
 import json
 import math
 
@@ -354,13 +355,19 @@ def test_medusa_refusals(tmp_path, medusa_folder):
         load(write_medusa(tmp_path / "differ", differing, layers=2))
 
 
-def test_hydra_is_refused_saying_why(tmp_path):
+@pytest.mark.parametrize("arch, words", [("prefix-mlp", "Hydra++"), ("cross-attn", "attention heads"),
+                                         ("eagle-attn", "EAGLE-style decoder layer")])
+def test_hydra_heads_other_than_mlp_are_refused_saying_why(tmp_path, arch, words):
+    """Hydra's MLP heads load (tests/test_published_hydra.py); its other head architectures are refused, naming
+    the file and what the architecture is, before any weights are read."""
     (tmp_path / "config.json").write_text(json.dumps({"hydra_num_heads": 4, "hydra_num_layers": 4,
-                                                      "hydra_head_arch": "prefix-mlp", "grounded_heads": True}))
+                                                      "hydra_head_arch": arch, "grounded_heads": True}))
     torch.save({}, tmp_path / "hydra_lm_head.pt")
-    with pytest.raises(UnsupportedDrafterFormat, match="no exact mapping") as err:
+    with pytest.raises(UnsupportedDrafterFormat, match=words) as err:
         load(tmp_path)
-    assert str(tmp_path) in str(err.value) and "'prefix-mlp'" in str(err.value)
+    message = str(err.value)
+    assert str(tmp_path / "config.json") in message and f"hydra_head_arch {arch!r}" in message
+    assert "'mlp' heads only" in message
 
 
 def test_flashmm_sglang_export_reads_back_through_the_same_loader(tmp_path):

@@ -3,7 +3,7 @@
     flashmm.drafters.load("path/to/published/drafter")   # flashmm.drafters.resolve.load calls load_published
 
 The layouts (``published_format``): vLLM's speculators (every algorithm flashmm has a drafter for), the EAGLE
-repository's EAGLE-1/2 and EAGLE-3 heads, SpecForge / SGLang's EAGLE-3, Medusa-1 and Hydra heads, AMD's PARD
+repository's EAGLE-1/2 and EAGLE-3 heads, SpecForge / SGLang's EAGLE-3, Medusa-1 and Hydra (MLP) heads, AMD's PARD
 drafts. Each is read by its method's module (flashmm.drafters.published and the modules beside it say which
 commit of its reference code they follow).
 """
@@ -19,7 +19,8 @@ from .files import DrafterFileError, read_json
 from .peagle import PEagle
 from .published import CONFIG_FILE, SPECULATORS_VERSION, UnsupportedDrafterFormat, eagle3_from_speculators
 from .published_eagle3 import load_eagle3_checkpoint
-from .published_heads import load_hydra, load_medusa
+from .published_heads import load_medusa
+from .published_hydra import load_hydra
 from .published_pard import load_pard
 from .speculators_mtp import SpeculatorsMTP
 
@@ -43,7 +44,8 @@ def is_speculators_folder(path) -> bool:
 def published_format(path) -> str | None:
     """The published layout folder ``path`` holds, from its config.json: "speculators", "eagle3" (the EAGLE
     repository's / SpecForge's / SGLang's EAGLE-3 head: ``draft_vocab_size`` with one layer, or
-    architectures ``LlamaForCausalLMEagle3``), "medusa" (``medusa_num_heads``), "hydra" (``hydra_num_heads``),
+    architectures ``LlamaForCausalLMEagle3``), "medusa" (``medusa_num_heads``), "hydra" (``hydra_num_heads``;
+    flashmm.drafters.published_hydra reads Hydra's MLP heads and refuses its other head architectures),
     "pard" (AMD's PARD drafts: a causal LM's config with ``pard_token``; flashmm.drafters.published_pard refuses
     one that is not a transformers causal LM or is PARD-2, saying why), "eagle" (the EAGLE repository's EAGLE-1/2
     head: one layer, no ``draft_vocab_size``, weights ``fc.weight`` and ``layers.0.*``; flashmm.drafters.eagle);
@@ -78,7 +80,7 @@ def load_published(path, **options):
     if kind is None:
         raise FileNotFoundError(f"{path} holds no published drafter flashmm reads (a config.json of vLLM "
                                 "speculators, an EAGLE-1/2 or EAGLE-3 head of the EAGLE repository, an EAGLE-3 head of "
-                                "SpecForge / SGLang, Medusa-1, a PARD draft)")
+                                "SpecForge / SGLang, Medusa-1, Hydra, a PARD draft)")
     return readers[kind](path, **options)
 
 

@@ -1,4 +1,4 @@
-"""Medusa-1 heads in FasterDecoding/Medusa's layout, read into flashmm's Medusa drafter; Hydra's refused.
+"""Medusa-1 heads in FasterDecoding/Medusa's layout, read into flashmm's Medusa drafter.
 
     flashmm.drafters.load("path/to/medusa-heads")      # or flashmm.wrap(model, "path/to/medusa-heads")
 
@@ -23,8 +23,7 @@ be equal (a checkpoint whose blocks differ was not written by that code, and it 
 last; refused). The number of heads is the number the weights hold. Where every head's LM head equals the
 target's, the drafter shares the target's at bind (as vLLM's ``original_lm_head`` does).
 
-Hydra (zankner/Hydra 3f39fbd2c22552e788b62dfd29a12b07ad63abfe, hydra/model/hydra_heads/mlp_head.py and
-prefix_mlp_head.py, hydra/model/hydra_model.py) is refused: see HYDRA_REASON.
+Hydra's heads (zankner/Hydra) are read by flashmm.drafters.published_hydra.
 """
 from __future__ import annotations
 
@@ -41,21 +40,7 @@ from .published import CONFIG_FILE, UnsupportedDrafterFormat, read_pickled
 
 MEDUSA_COMMIT = "e2a5d20c048a9b0a4092e6933c34313687422518"
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
-HYDRA_REASON = (
-    "Hydra's MLP head k (hydra/model/hydra_heads/mlp_head.py) computes R_k x + SiLU(L_k x) on "
-    "x = [h; E(root); E(d_1) .. E(d_k)], with R_k a full Linear (with a bias) and L_k another, then its own LM head "
-    "with a bias; flashmm's HydraHeads computes z = h + U_k x, z + SiLU(W_k z + b_k) and reads the target's LM "
-    "head, which equals Hydra's only when L_k = W_k R_k, so no exact mapping exists (prefix-mlp adds a Llama "
-    "model over the prefix and dropout layers to the same heads; cross-attn and eagle-attn are attention heads)")
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
-
-
-def load_hydra(path, **options):
-    """Refuse a zankner/Hydra folder, saying why (HYDRA_REASON)."""
-    config = read_json(Path(path) / CONFIG_FILE)
-    arch = config.get("hydra_head_arch", "mlp")
-    raise UnsupportedDrafterFormat(f"{path}: a Hydra checkpoint (hydra_head_arch {arch!r}); flashmm's hydra drafter "
-                                   f"cannot run it exactly: {HYDRA_REASON}")
 
 
 def _weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -166,4 +151,4 @@ class PublishedMedusa(Medusa):
         super().bind(target)
 
 
-__all__ = ["HYDRA_REASON", "MEDUSA_COMMIT", "PublishedMedusa", "load_hydra", "load_medusa", "medusa_heads"]
+__all__ = ["MEDUSA_COMMIT", "PublishedMedusa", "load_medusa", "medusa_heads"]
