@@ -20,6 +20,9 @@ own KV cache of those states) whose output at the root's parent replaces h as th
 head reads. Its cache only grows: the engine hands over the states of accepted nodes, each step's
 positions right after the last ones fed. Trained with the heads (o_proj and down_proj start at
 zero, so an untrained layer is the identity and the heads start as plain Hydra's).
+
+Heads trained with zankner/Hydra's own code (its MLP heads, each with its own LM head) draft through this
+class as PublishedHydra (flashmm.drafters.published_hydra), which scores head k with head k's LM head.
 """
 from __future__ import annotations
 
