@@ -29,7 +29,8 @@ D, V = 64, 128
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_lm("llama", num_hidden_layers=3)
+    """tests/test_published_layouts.py's target: the verify cost the first wrap times is cached for both."""
+    return tiny_lm("llama", num_hidden_layers=7)
 
 
 class ResBlock(nn.Module):
@@ -207,7 +208,8 @@ def second_third_histogram(sm) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """(a target of SMALL_V tokens, the folder of grounded Hydra heads for it): its drafts are often right."""
+    """(a target of SMALL_V tokens, the folder of grounded Hydra heads for it): its drafts are often right. The
+    config of tests/test_published_pard.py's and test_eagle12.py's sampling targets: one verify cost timing."""
     target = tiny_lm("llama", seed=1, vocab_size=SMALL_V, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     with torch.no_grad():
         # soft enough that drafts are often rejected, sharp enough that 150 trials leave 7 cells of >= 5
@@ -272,6 +274,8 @@ def test_variants_and_malformed_files_are_refused_naming_the_file(tmp_path, targ
     with pytest.raises(DrafterFileError, match=r"holds 3 heads .*config.json names 4") as err:
         load(more)
     assert str(more / "hydra_lm_head.pt") in str(err.value)
+    fewer = load(write_hydra(tmp_path / "fewer", state, 2, 1, True))  # from_pretrained builds the config's K
+    assert fewer.heads.num_heads == 2
     ungrounded = write_hydra(tmp_path / "ungrounded", state, 3, 1, False)
     with pytest.raises(DrafterFileError, match=r"unexpected \['hydra_mlp.0.0.res_connection.bias'"):
         load(ungrounded)
