@@ -87,7 +87,7 @@ def hydra_mlp_heads(where: Path, state: dict[str, torch.Tensor], num_heads: int,
     if lm is None or lm.dim() != 2:
         raise DrafterFileError(where, "is not a Hydra MLP head state dict: no hydra_lm_head.0.weight [V, d]")
     vocab, d = lm.shape
-    shape = f"hydra_num_heads={num_heads}, hydra_num_layers={num_layers}, grounded_heads={grounded}, width {d}"
+    described = f"hydra_num_heads={num_heads}, hydra_num_layers={num_layers}, grounded_heads={grounded}, width {d}"
     held = sorted({_head_of(key) for key in state if _LM_KEY.match(key)})
     if held[-1] + 1 < num_heads:
         raise DrafterFileError(where, f"holds {held[-1] + 1} heads (hydra_lm_head.{{k}}), config.json names "
@@ -98,33 +98,31 @@ def hydra_mlp_heads(where: Path, state: dict[str, torch.Tensor], num_heads: int,
             for part in ("linear", "res_connection"):
                 want[f"hydra_mlp.{k}.0.{part}.weight"], want[f"hydra_mlp.{k}.0.{part}.bias"] = (d, (k + 2) * d), (d,)
         want[f"hydra_lm_head.{k}.weight"], want[f"hydra_lm_head.{k}.bias"] = (vocab, d), (vocab,)
-    first_square = 1 if grounded else 0
-    square = {(k, j): (f"hydra_mlp.{k}.{j}.linear.weight", f"hydra_mlp.{k}.{j}.linear.bias")
-              for k in range(num_heads) for j in range(first_square, num_layers)}
-    square_shapes = {key: shape for keys in square.values() for key, shape in zip(keys, ((d, d), (d,)))}
+    # the square block's copies: hydra_mlp.{k}.{j}.linear.{part} for j in ``repeated``, per (head, part)
+    repeated = range(1 if grounded else 0, num_layers)
+    copies = {(k, part): [f"hydra_mlp.{k}.{j}.linear.{part}" for j in repeated] for k in range(num_heads)
+              for part in ("weight", "bias")}
+    square_shapes = {key: (d, d) if part == "weight" else (d,) for (_, part), keys in copies.items() for key in keys}
     unexpected = sorted(key for key in state if key not in want and key not in square_shapes
                         and key != EMBEDDING_KEY and not (_head_of(key) is not None and _head_of(key) >= num_heads))
     missing = sorted(set(want) - set(state))
-    blocks = {k: [j for j in range(first_square, num_layers) if all(key in state for key in square[k, j])]
-              for k in range(num_heads)}
-    missing += [f"hydra_mlp.{k}.{{{first_square}..{num_layers - 1}}}.linear.*" for k, js in blocks.items()
-                if num_layers > first_square and not js]
+    saved = {head_part: [key for key in keys if key in state] for head_part, keys in copies.items()}
+    missing += [f"hydra_mlp.{k}.{{{repeated.start}..{num_layers - 1}}}.linear.{part}"
+                for (k, part), keys in saved.items() if copies[k, part] and not keys]
     wrong = {key: tuple(state[key].shape) for key, shape in {**want, **square_shapes}.items()
              if key in state and tuple(state[key].shape) != shape}
     embedding = state.get(EMBEDDING_KEY)
     if embedding is not None and (embedding.dim() != 2 or embedding.shape[1] != d):
         wrong[EMBEDDING_KEY] = tuple(embedding.shape)
     if missing or unexpected or wrong:
-        raise DrafterFileError(where, f"does not match {shape}: missing {missing[:6]}, unexpected {unexpected[:6]}, "
-                                      f"wrong shapes {wrong}")
-    for k, js in blocks.items():
-        for key in square[k, js[0]] if js else ():
-            part = key.rsplit(".", 1)[1]
-            if not all(torch.equal(state[key], state[f"hydra_mlp.{k}.{j}.linear.{part}"]) for j in js[1:]):
-                raise UnsupportedDrafterFormat(
-                    f"{where}: head {k}'s square ResBlocks hydra_mlp.{k}.{js}.linear.{part} differ, but Hydra's "
-                    f"mlp_head.py repeats one block ([ResBlock] * n) and would run only the last; this checkpoint "
-                    f"was not written by Hydra {HYDRA_COMMIT[:7]}")
+        raise DrafterFileError(where, f"does not match {described}: missing {missing[:6]}, "
+                                      f"unexpected {unexpected[:6]}, wrong shapes {wrong}")
+    for (k, part), keys in saved.items():
+        if not all(torch.equal(state[keys[0]], state[key]) for key in keys[1:]):
+            raise UnsupportedDrafterFormat(
+                f"{where}: head {k}'s square ResBlocks differ ({', '.join(keys)}), but Hydra's mlp_head.py repeats "
+                f"one block ([ResBlock] * n) and would run only the last; this checkpoint was not written by Hydra "
+                f"{HYDRA_COMMIT[:7]}")
     net = HydraMLPHeads(d, num_heads, num_layers, vocab, grounded)
     with torch.no_grad():
         for k in range(num_heads):
@@ -133,9 +131,8 @@ def hydra_mlp_heads(where: Path, state: dict[str, torch.Tensor], num_heads: int,
                     linear.weight.copy_(state[f"hydra_mlp.{k}.0.{part}.weight"].float())
                     linear.bias.copy_(state[f"hydra_mlp.{k}.0.{part}.bias"].float())
             if net.repeats:
-                weight_key, bias_key = square[k, blocks[k][0]]
-                net.block[k].weight.copy_(state[weight_key].float())
-                net.block[k].bias.copy_(state[bias_key].float())
+                net.block[k].weight.copy_(state[saved[k, "weight"][0]].float())
+                net.block[k].bias.copy_(state[saved[k, "bias"][0]].float())
             net.lm_head[k].weight.copy_(state[f"hydra_lm_head.{k}.weight"].float())
             net.lm_head[k].bias.copy_(state[f"hydra_lm_head.{k}.bias"].float())
     return net
