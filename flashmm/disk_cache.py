@@ -7,14 +7,25 @@ reader sees the old entry or the new one, never half of one, and two writers nev
 temporary file. A directory that cannot be written (read-only, full, not ours) leaves flashmm
 running without the cache, with one warning per directory per process naming it; readers
 validate what they read and rebuild an entry that is not what they expect.
+
+An entry that is expensive to build (a GGUF conversion, a verify-cost timing) is built under
+``exclusive(path)``: processes that need it at the same time (the workers of a multi-process captioning
+run, a test suite's workers) wait for the first one and read its entry instead of each building their
+own, which for a timing would also measure forwards slowed by the others'.
 """
 from __future__ import annotations
 
 import os
 import tempfile
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): entries are built without the lock, as before
+    fcntl = None
 
 # directories already warned about in this process: one warning each, not one per entry or per wrap
 _warned: set[Path] = set()
@@ -51,3 +62,28 @@ def warn_unwritable(directory: Path, err: OSError) -> None:
     warnings.warn(f"flashmm's cache directory {directory} cannot be written ({type(err).__name__}: {err}); "
                   "running without the on-disk cache: what it would hold is recomputed in each process. "
                   "Set FLASHMM_CACHE_DIR to a writable directory to keep it", RuntimeWarning, stacklevel=3)
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on entry ``path`` (a ``.<name>.lock`` file beside it) while the block runs:
+    another process, or thread, entering ``exclusive`` for the same entry waits until this one leaves. The
+    caller re-checks for the entry inside the block (a waiter finds the one its predecessor stored). The lock
+    goes with the process if it dies. Without a lock file (the directory cannot be written) or without
+    POSIX file locks the block runs unlocked: a cache never makes flashmm fail."""
+    path = Path(path)
+    lock = path.with_name(f".{path.name}.lock")
+    handle = None
+    if fcntl is not None:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            handle = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            warn_unwritable(lock.parent, err)
+    try:
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        if handle is not None:
+            os.close(handle)  # (closing releases the lock)

@@ -68,17 +68,19 @@ def load_gguf(directory: str, name: str, dtype=None):
     (safetensors, config, generation config, tokenizer) to ``converted_folder``, and later loads, in any
     process, read that folder in about a second, the same weights bit for bit. A folder is only used
     once complete (written beside it, then renamed); one that cannot be written leaves the load as it
-    was, with flashmm.disk_cache's one warning."""
+    was, with flashmm.disk_cache's one warning. Processes that load the same file at once convert it once
+    (``disk_cache.exclusive``): the others wait and read the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     folder = converted_folder(directory, name)
-    if (folder / COMPLETE).is_file():
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-        _keep_conversion(folder, model, tokenizer)
+    with disk_cache.exclusive(folder):  # processes loading it at once: one converts, the others read its folder
+        if (folder / COMPLETE).is_file():
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+            _keep_conversion(folder, model, tokenizer)
     if dtype is not None and dtype != torch.float32:
         model = model.to(dtype)
     return model.eval(), tokenizer

@@ -19,7 +19,7 @@ def test_a_converted_gguf_loads_as_the_gguf_itself(tmp_path, monkeypatch):
     assert folder.parent == tmp_path / "gguf" and not folder.exists()
     direct, direct_tokenizer = load_gguf(directory, name)          # read from the GGUF, conversion kept
     assert (folder / COMPLETE).is_file()
-    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no staging folder left
+    assert not [p for p in folder.parent.iterdir() if p.name.endswith(".tmp")]  # no staging folder left (the lock stays)
     kept, kept_tokenizer = load_gguf(directory, name)               # read from the folder
     assert kept.name_or_path == str(folder) and not kept.training
     ours, theirs = kept.state_dict(), direct.state_dict()

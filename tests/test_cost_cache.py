@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import warnings
 
 import pytest
@@ -82,8 +83,59 @@ def test_an_unwritable_cache_directory_costs_one_warning_not_an_error(target, me
         cost_model.price_for_batch([first.drafter], first.target, rows=2)
     assert sum("cannot be written" in str(w.message) for w in caught) == 1
     assert measured == [1, 2]                       # batch 1 once for both wraps, batch 2 once
-    assert not list(tmp_path.glob("verify_cost_*")) and not list(tmp_path.glob(".verify_cost_*"))
+    assert not list(tmp_path.glob("verify_cost_*")) and not list(tmp_path.glob(".verify_cost_*.tmp"))
     assert_drafts_exactly(target, second)
+
+
+def test_a_measurement_under_way_is_waited_for_and_read_not_repeated(target, measured, monkeypatch):
+    """Two wraps timing the same model at once (threads here; processes lock the same way): the second
+    waits for the first's entry and reads it, so the model is timed once, not twice at half speed."""
+    inside, release = threading.Event(), threading.Event()
+    stand_in = verify_cost._measure
+
+    def slow(*args):
+        inside.set()
+        assert release.wait(30)
+        return stand_in(*args)
+    monkeypatch.setattr(verify_cost, "_measure", slow)
+    costs = {}
+    first = threading.Thread(target=lambda: costs.setdefault("first", measure_verify_cost(target)))
+    first.start()
+    assert inside.wait(30)
+    second = threading.Thread(target=lambda: costs.setdefault("second", measure_verify_cost(target)))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second measurement must wait for the first"
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert measured == [1] and costs["first"] == costs["second"]
+
+
+def test_the_lock_orders_holders_and_an_unwritable_directory_runs_unlocked(tmp_path, monkeypatch):
+    """A second holder of the same entry's lock enters after the first leaves; where no lock file can be
+    made, the block runs anyway, with the directory's one warning."""
+    entry, order = tmp_path / "entry", []
+
+    def wait_then_enter():
+        with disk_cache.exclusive(entry):
+            order.append("waiter")
+    with disk_cache.exclusive(entry):
+        waiter = threading.Thread(target=wait_then_enter)
+        waiter.start()
+        waiter.join(0.3)
+        order.append("holder")
+    waiter.join(30)
+    assert order == ["holder", "waiter"]
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+    monkeypatch.setattr(disk_cache, "_warned", set())
+    monkeypatch.setattr(disk_cache.os, "open", refuse)
+    with pytest.warns(RuntimeWarning, match="cannot be written"):
+        with disk_cache.exclusive(tmp_path / "other"):
+            order.append("unlocked")
+    assert order[-1] == "unlocked"
 
 
 def drop_seconds(entry: dict) -> None:

@@ -141,16 +141,19 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     path = _cost_path(directory, identity)
     if path in _unstored:
         return _unstored[path]
-    if path.is_file():
-        cost, problem = _read_cost(path, identity)
-        if cost is not None:
-            return cost
-        warnings.warn(f"verify-cost cache entry {path} is invalid ({problem}); measuring again and overwriting it",
-                      RuntimeWarning, stacklevel=3)   # (2 is torch.no_grad's wrapper)
-    cost = _measure(model, grid, prefix_len, repeats, linear, batch)
-    entry = json.dumps({"identity": identity, "nodes": list(cost.nodes), "seconds": list(cost.seconds)})
-    if not disk_cache.store(path, lambda fh: fh.write(entry.encode())):
-        _unstored[path] = cost
+    # processes wrapping the same model at once (multi-process captioning's workers) time it once: the others
+    # wait and read the entry, instead of each timing forwards slowed by the others' timing
+    with disk_cache.exclusive(path):
+        if path.is_file():
+            cost, problem = _read_cost(path, identity)
+            if cost is not None:
+                return cost
+            warnings.warn(f"verify-cost cache entry {path} is invalid ({problem}); measuring again and overwriting "
+                          "it", RuntimeWarning, stacklevel=3)   # (2 is torch.no_grad's wrapper)
+        cost = _measure(model, grid, prefix_len, repeats, linear, batch)
+        entry = json.dumps({"identity": identity, "nodes": list(cost.nodes), "seconds": list(cost.seconds)})
+        if not disk_cache.store(path, lambda fh: fh.write(entry.encode())):
+            _unstored[path] = cost
     return cost
 
 
