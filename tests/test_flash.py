@@ -82,7 +82,7 @@ class OracleFlash(FlashDrafter):
         self.log.append((committed.clone(), predicted.clone()))
         return predicted
 
-    def _make_draft(self, committed, dists, shape, chain, max_tokens):
+    def _make_draft(self, committed, dists, shape, chain, chain_values, max_tokens):
         n = committed.shape[1]
         cont = self.reference[0, n : n + self.chain].tolist()
         return Draft(tokens=committed.new_tensor([[int(committed[0, -1])] + cont]),
@@ -433,6 +433,12 @@ def test_incremental_ngram_index_matches_the_brute_force_lookup():
         assert index.continuation(3) == lz77_reference([3, 1, 2, 0, 1, 2], 3)
 
 
+def ancestors(parents, node):
+    while parents[node] > 0:
+        node = parents[node]
+        yield node
+
+
 def token_paths(draft):
     tokens, parents = draft.tokens[0].tolist(), draft.tree.parents.tolist()
     paths = {0: ()}
@@ -454,7 +460,8 @@ def test_lookup_chain_merges_into_the_flash_tree(chain, max_tokens):
     dists = dists / dists.sum(-1, keepdim=True)
     committed = torch.tensor([[3, 4]])
     shape = ("dynamic", depth, min(max_tokens, 8))
-    draft = drafter._make_draft(committed, dists, shape, list(chain), max_tokens)
+    chain_values = [0.9 * 0.8 ** j for j in range(len(chain))]
+    draft = drafter._make_draft(committed, dists, shape, list(chain), chain_values, max_tokens)
     paths = token_paths(draft)
     nodes = list(paths.values())[1:]
     assert len(nodes) == len(set(nodes)) <= max_tokens                         # distinct siblings, within the cap
@@ -468,6 +475,16 @@ def test_lookup_chain_merges_into_the_flash_tree(chain, max_tokens):
     assert set(flash_only) <= set(priority)
     others = [p for p in priority if p not in set(kept_chain)]
     assert set(flash_only) == set(others[:len(flash_only)])                     # highest priority kept
+    # best first, every node after its parent, valued at the larger of its path probability and the chain's
+    values, parents = draft.values.tolist(), draft.tree.parents.tolist()
+    assert values[0] == 1.0 and values == sorted(values, reverse=True)
+    assert all(parents[i] < i for i in range(1, len(parents)))
+    prob = {tuple(int(top_ids[i][r]) for i, r in enumerate(p)): math.prod(float(top_p[i][r]) for i, r in enumerate(p))
+            for p in best_first_paths(top_p.tolist(), depth, 64)[0]}
+    on_chain = {tuple(chain[:i]): chain_values[i - 1] for i in range(1, len(chain) + 1)}
+    for node, path in list(paths.items())[1:]:
+        own = max(prob.get(path, 0.0), on_chain.get(path, 0.0))
+        assert values[node] == pytest.approx(min([own] + [values[a] for a in ancestors(parents, node)]))
 
 
 @pytest.mark.parametrize("k, lookup", [(1, "ngram"), (5, "ngram"), (5, "suffix")])

@@ -62,7 +62,7 @@ from .files import (DrafterFileError, blamed_on, check_section, load_weights, pa
                     read_safetensors, refuse_renamed)
 from .nets.flash_modules import COMPRESSIONS, FlashConfig, FlashNet, build_units, grow_eagle2, head_logits, top_attended
 from .options import DrafterOptions, check_at_least, check_choice, check_pricing
-from .suffix import SuffixTrie, lookup_source
+from .suffix import LookupBranch
 
 CONFIG_NAME, WEIGHTS_NAME = "flash_config.json", "flash_model.safetensors"
 # flash_config.json's top level: "training" is the optional record resolve.training_record reads
@@ -197,7 +197,8 @@ class FlashDrafter(Drafter):
         self.max_draft_tokens, self.min_path_prob = options.max_draft_tokens, options.min_path_prob
         self.draft_vocab = None if options.draft_vocab is None else list(options.draft_vocab)
         self.lookup_tokens, self.pool_spans, self.lookup = options.lookup_tokens, options.pool_spans, options.lookup
-        self._outputs = SuffixTrie() if self.lookup == "suffix" else None   # earlier outputs, kept across calls
+        # the lookup chain (suffix: earlier outputs; its ChainCalibration), kept across calls
+        self._branch = LookupBranch(self.lookup, self.lookup_tokens) if self.lookup_tokens else None
         self.accept = None if options.accept is None else list(options.accept)
         self.pricing, self.calibration = options.pricing, float(options.calibration)
         self.visual_keep = options.visual_keep
@@ -325,7 +326,8 @@ class FlashDrafter(Drafter):
             raise NotImplementedError("FlashDrafter drafts one sequence at a time")
         self._reset_sequence()
         # the lookup branch's source, grown by new tokens only
-        self._lookup = lookup_source(self.lookup, self._outputs, start.input_ids[0].tolist())
+        if self._branch is not None:
+            self._branch.begin(start.input_ids[0].tolist())
         feats = start.hidden_states[0]                                          # [T, d]
         embeds = start.input_embeds[0] if start.input_embeds is not None else self._embed(start.input_ids[0])
         length = feats.shape[0]
@@ -371,11 +373,11 @@ class FlashDrafter(Drafter):
             return root_only(committed)
         depth = shape[1]
         dists = self._draft_distributions(predicted, depth)                     # [depth, V]
-        chain = []
-        if self.lookup_tokens:
-            self._lookup.sync(committed)
-            chain, _ = self._lookup.continuation(min(self.lookup_tokens, max_tokens))
-        return self._make_draft(committed, dists, shape, chain, max_tokens)
+        chain, chain_values = [], []
+        if self._branch is not None:
+            chain, bucket = self._branch.chain(committed, max_tokens)
+            chain_values = self._branch.chains.probabilities(bucket, len(chain))
+        return self._make_draft(committed, dists, shape, chain, chain_values, max_tokens)
 
     @torch.no_grad()
     def ranked_drafts(self, committed: torch.Tensor, depth: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,18 +474,23 @@ class FlashDrafter(Drafter):
                                   lambda n: self.verify_cost.relative(n + 1))
 
     def _make_draft(self, committed: torch.Tensor, dists: torch.Tensor, shape, chain: list[int],
-                    max_tokens: int) -> Draft:
+                    chain_values: list[float], max_tokens: int) -> Draft:
+        """The step's rank paths (``shape``) over the draft distributions ``dists`` [depth, V'] with the lookup
+        ``chain`` merged in; each node valued at its path probability ** calibration (the chain's: its
+        ChainCalibration probabilities), the values a batch cuts the draft by."""
         kind, depth, arg = shape
         width = min(dists.shape[-1], self.top_k if kind == "dynamic" else 1 + max(max(p) for p in arg))
         top_p, top_ids = dists.topk(width, dim=-1)                              # [depth, W]
-        ids = self._token_ids(top_ids).tolist()
+        ids, probs = self._token_ids(top_ids).tolist(), top_p.tolist()
         if kind == "static":
             paths = arg
         else:
-            paths, scores = best_first_paths(top_p.tolist(), depth, arg, self.min_path_prob)
+            paths, scores = best_first_paths(probs, depth, arg, self.min_path_prob)
             if self.pricing == "measured" and self.verify_cost is not None:
                 paths = paths[:self._paying_prefix(scores)]
-        draft = chain_merged_draft(committed[:, -1:], list(paths), ids, chain, max_tokens)
+        values = [math.prod(probs[level][rank] for level, rank in enumerate(path)) ** self.calibration
+                  for path in paths]
+        draft = chain_merged_draft(committed[:, -1:], list(paths), values, ids, chain, chain_values, max_tokens)
         return root_only(committed) if draft is None else draft
 
     def _eagle2(self, committed: torch.Tensor, root_feature: torch.Tensor, max_tokens: int) -> Draft:

@@ -314,28 +314,39 @@ def fit_chain(paths: list[tuple[int, ...]], chain: list[int], ids: list[list[int
     return paths, shared
 
 
-def chain_merged_draft(root: torch.Tensor, paths: list[tuple[int, ...]], ids: list[list[int]], chain: list[int],
-                       max_tokens: int) -> Draft | None:
+def chain_merged_draft(root: torch.Tensor, paths: list[tuple[int, ...]], path_values: list[float],
+                       ids: list[list[int]], chain: list[int], chain_values: list[float], max_tokens: int
+                       ) -> Draft | None:
     """The draft of a head's rank ``paths`` (priority order, children after parents; ``ids[level][rank]``:
     the token of that rank at that depth) with the ``chain`` hypothesis merged in by ``fit_chain``: the
     nodes they share once, the chain's further tokens below the last shared one, at most ``max_tokens``
-    drafted nodes. root: LongTensor [1, 1], the root token. None when neither drafts a token."""
+    drafted nodes. root: LongTensor [1, 1], the root token. None when neither drafts a token.
+
+    ``path_values[i]`` / ``chain_values[j]`` estimate the chance that path i's last node / the chain's
+    (j + 1)-th token is accepted (a shared node keeps the larger). The draft's nodes come best first
+    (``DraftTrie.ranked``: values capped along paths, every node after its parent) and carry those values
+    (``Draft.values``), so that a batch verifying every row's own nodes cuts it to its first nodes at its
+    measured cost (flashmm.engine.loop.packed_cuts); which nodes are drafted does not depend on the values."""
     chain = chain[:max_tokens]
+    if len(path_values) != len(paths) or len(chain_values) < len(chain):
+        raise ValueError(f"{len(paths)} paths and a {len(chain)}-token chain need as many values, got "
+                         f"{len(path_values)} and {len(chain_values)}")
+    value_of = dict(zip(paths, path_values))
     paths, shared = fit_chain(list(paths), chain, ids, max_tokens)
     if not paths and not chain:
         return None
-    ordered = sorted(set(paths), key=lambda p: (len(p), p))               # from_choices' node order
-    tokens = [int(root[0, 0])] + [ids[len(p) - 1][p[-1]] for p in ordered]
-    tree = TokenTree.from_choices(paths) if paths else TokenTree.chain(0)
-    if len(chain) > len(shared):                                           # new nodes below the shared ones
-        parents = tree.parents.tolist()
-        parent = ordered.index(shared[-1]) + 1 if shared else 0
-        for token in chain[len(shared):]:
-            parents.append(parent)
-            tokens.append(token)
-            parent = len(parents) - 1
-        tree = TokenTree.from_parents(parents)
-    return Draft(tokens=root.new_tensor([tokens]), tree=tree, q_probs=None)
+    trie, node_of = DraftTrie(), {(): 0}
+    for path in sorted(set(paths), key=lambda p: (len(p), p)):              # parents first
+        node_of[path] = trie.add_node(node_of[path[:-1]], ids[len(path) - 1][path[-1]], value_of[path])
+    node = 0
+    for token, value in zip(chain, chain_values):      # follows the shared nodes (fit_chain's), then new ones
+        node = trie.add_node(node, token, value)
+    order = trie.ranked()
+    index = {0: 0, **{trie_node: k for k, trie_node in enumerate(order, start=1)}}
+    parents = [-1] + [index[trie.parents[i]] for i in order]
+    tokens = root.new_tensor([[int(root[0, 0])] + [trie.tokens[i] for i in order]])
+    values = torch.tensor([1.0] + [trie.capped[i] for i in order])
+    return Draft(tokens=tokens, tree=TokenTree.from_parents(parents), q_probs=None, values=values)
 
 
 class ChainCalibration:
