@@ -24,6 +24,7 @@ from flashmm.tree.token_tree import TokenTree
 from flashmm.tree.trie import best_first_paths
 
 import mm_models as mm
+from flashmm.serve.collate import collate
 from text_models import prompt, tiny_lm
 
 MAX_NEW = 20
@@ -597,3 +598,54 @@ def test_calibration_fit_recovers_the_power_that_generated_the_outcomes(gamma):
     rank = (u >= accept.cumsum(-1)).sum(-1)                                 # 8: none of the top 8
     outcomes = list(zip(q.tolist(), rank.tolist()))
     assert fit_calibration(outcomes, 8) == pytest.approx(gamma, abs=0.06)
+
+
+# ----------------------------------------------------------------------------------- a batch's rows together
+def test_extend_rows_computes_each_rows_extend():
+    """Rows with pasts of 0, 3 and 7 units and 1, 4 and 2 new units, padded into one forward: each row's
+    predicted features and present keys / values are what its own ``extend`` gives."""
+    net = FlashDrafter.from_target(tiny_lm("llama"), num_queries=4, tokens_per_step=3, seed=0).net.eval()
+    g = torch.Generator().manual_seed(5)
+    d = net.cfg.hidden_size
+    pasts, units = [], []
+    with torch.no_grad():
+        for past_len, new in ((0, 1), (3, 4), (7, 2)):
+            past = net.extend(torch.randn(1, past_len, d, generator=g), None, predict=False)[1] if past_len else None
+            pasts.append(past)
+            units.append(torch.randn(new, d, generator=g))
+        predicted, presents = net.extend_rows(units, pasts)
+        for b, (row, past) in enumerate(zip(units, pasts)):
+            want, want_present = net.extend(row[None], past)
+            torch.testing.assert_close(predicted[b], want[0, -1], rtol=1e-5, atol=1e-5)
+            for got, expected in zip(presents[b], want_present):
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_drafts_its_rows_together_as_each_row_would(monkeypatch):
+    """Batched FLASH drafting (propose_batch: one net pass for every row) against the same ragged batch
+    (an image, text only, two images) drafted row by row: the same draft at every step, and the model's
+    own batched generate."""
+    model, processor = mm.tiny_vlm("llava")
+    rows = [mm.make_inputs(processor, "llava", images=1, text="Describe this picture in detail, please."),
+            mm.make_inputs(processor, "llava", images=0, text="Hi."),
+            mm.make_inputs(processor, "llava", images=2, text="Compare them.")]
+    batch = collate(rows, processor.tokenizer.pad_token_id)
+    reference = model.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
+    drafter = drafter_for(model, 3, lookup_tokens=4)
+    propose_rows = flashmm.engine.loop.propose_rows
+
+    def run():
+        drafts = []
+
+        def recording(*args):
+            out = propose_rows(*args)
+            drafts.append([(d.tokens.tolist(), d.tree.parents.tolist()) for d in out])
+            return out
+        monkeypatch.setattr(flashmm.engine.loop, "propose_rows", recording)
+        out = flashmm.wrap(model, drafter, processor=processor).generate(**batch, max_new_tokens=MAX_NEW)
+        return out, drafts
+    together, drafted_together = run()
+    monkeypatch.setattr(FlashDrafter, "propose_batch", None)
+    apart, drafted_apart = run()
+    assert torch.equal(together, reference) and torch.equal(apart, reference)
+    assert drafted_together == drafted_apart and len(drafted_together) > 2

@@ -115,6 +115,11 @@ class Drafter:
         """Draft at most ``max_tokens`` tokens after committed [B, T] (last = root)."""
         raise NotImplementedError
 
+    #: drafts the rows of a batch in one pass: a classmethod (drafters, committed, max_tokens, samplings,
+    #: generator) → drafts, called by ``propose_rows`` with every running row's drafter (all of this class)
+    #: where it is not None; it returns what each row's ``propose`` would, computed together
+    propose_batch = None
+
     def observe(self, step: StepResult) -> None:
         """Learn what the target accepted."""
 
@@ -164,6 +169,18 @@ def fork_shared(drafter: Drafter) -> dict[int, object]:
         elif hasattr(item, "__dict__"):
             pending += vars(item).values()
     return found
+
+
+def propose_rows(drafters: list[Drafter], committed: list[torch.Tensor], max_tokens: int,
+                 samplings: list[SamplingParams], generator: torch.Generator | None) -> list[Draft]:
+    """Each running row's draft (drafters[i] drafts after committed[i] [1, T_i]): one pass for all rows where
+    their class drafts rows together (``Drafter.propose_batch``: the drafter's weights read once a step, not
+    once a row), else each row's ``propose`` in turn."""
+    batched = type(drafters[0]).propose_batch
+    if len(drafters) > 1 and batched is not None and all(type(d) is type(drafters[0]) for d in drafters):
+        return batched(drafters, committed, max_tokens, samplings, generator)
+    return [drafter.propose(ids, max_tokens, sampling, generator)
+            for drafter, ids, sampling in zip(drafters, committed, samplings)]
 
 
 def hidden_request(drafter: Drafter) -> bool | tuple[int, ...]:

@@ -371,8 +371,46 @@ class FlashDrafter(Drafter):
             return self._eagle2(committed, predicted[0], max_tokens)
         if shape is None:
             return root_only(committed)
-        depth = shape[1]
-        dists = self._draft_distributions(predicted, depth)                     # [depth, V]
+        return self._finish(committed, self._draft_distributions(predicted, shape[1]), shape, max_tokens)
+
+    @classmethod
+    @torch.no_grad()
+    def propose_batch(cls, drafters: list["FlashDrafter"], committed: list[torch.Tensor], max_tokens: int,
+                      samplings, generator) -> list[Draft]:
+        """``propose`` for the rows of a batch (their drafters, forks of one), the net's passes run for every
+        row at once (FlashNet.extend_rows) and the draft head once a depth pass: a row's draft is its own
+        ``propose``'s (to float rounding). EAGLE-2 trees grow row by row."""
+        if drafters[0].tree == "eagle2":
+            return [d.propose(c, max_tokens, s, generator) for d, c, s in zip(drafters, committed, samplings)]
+        first, roots = drafters[0], [c.shape[1] - 1 for c in committed]
+        units = [d._new_units(c, root) for d, c, root in zip(drafters, committed, roots)]
+        predicted, presents = first.net.extend_rows(units, [d._past for d in drafters])      # [B, K, d]
+        for d, root, row, past in zip(drafters, roots, units, presents):
+            d._advance(root, row.shape[0], past)
+        shapes = [d._shape_for(max_tokens) for d in drafters]
+        depth = max((shape[1] for shape in shapes if shape is not None), default=0)
+        dists = cls._rows_distributions(drafters, predicted, depth) if depth else None   # [B, depth, V']
+        return [root_only(c) if shape is None else d._finish(c, dists[b, : shape[1]], shape, max_tokens)
+                for b, (d, c, shape) in enumerate(zip(drafters, committed, shapes))]
+
+    @staticmethod
+    def _rows_distributions(drafters: list["FlashDrafter"], predicted: torch.Tensor, depth: int) -> torch.Tensor:
+        """``_draft_distributions`` of every row at once: predicted [B, K, d] → [B, depth, V']."""
+        first = drafters[0]
+        softcap = first.net.cfg.final_logit_softcapping
+        feats, probs = predicted, [head_logits(first._head, predicted, softcap).softmax(-1)]
+        pasts, have = [d._past for d in drafters], first.net.tokens_per_step
+        while have < depth:
+            tokens = first._token_ids(probs[-1].argmax(-1))                    # [B, K]
+            embeds = first._embed(tokens)
+            units = [first.net.text_units(embeds[b], feats[b], d._visual) for b, d in enumerate(drafters)]
+            feats, pasts = first.net.extend_rows(units, pasts)
+            probs.append(head_logits(first._head, feats, softcap).softmax(-1))
+            have += first.net.tokens_per_step
+        return torch.cat(probs, dim=1)[:, :depth]
+
+    def _finish(self, committed: torch.Tensor, dists: torch.Tensor, shape, max_tokens: int) -> Draft:
+        """The step's draft from its draft distributions [depth, V'], the lookup chain merged in."""
         chain, chain_values = [], []
         if self._branch is not None:
             chain, bucket = self._branch.chain(committed, max_tokens)
@@ -401,18 +439,27 @@ class FlashDrafter(Drafter):
 
     def _sync(self, committed: torch.Tensor, root: int) -> torch.Tensor:
         """Add the text units n_pos .. root-1 to the committed cache; return f̂ [K, d] at unit root-1."""
+        units = self._new_units(committed, root)
+        predicted, past = self.net.extend(units[None], self._past)
+        self._advance(root, units.shape[0], past)
+        return predicted[0, -1]
+
+    def _new_units(self, committed: torch.Tensor, root: int) -> torch.Tensor:
+        """The text units [n, d] of positions n_pos .. root-1, not yet in the committed cache."""
         count = root - self._next_pos
         if count < 1 or self._pending is None or self._pending.shape[0] < count:
             raise RuntimeError(
                 f"FlashDrafter is out of step with the target: {count} new positions but "
                 f"{0 if self._pending is None else self._pending.shape[0]} features (begin/observe not called?)")
         positions = torch.arange(self._next_pos, root, device=committed.device)
-        units = self.net.text_units(self._next_embeds(committed, positions), self._pending[:count], self._visual)
-        predicted, self._past = self.net.extend(units[None], self._past)
+        return self.net.text_units(self._next_embeds(committed, positions), self._pending[:count], self._visual)
+
+    def _advance(self, root: int, count: int, past) -> None:
+        """The committed cache is ``past`` now, ``count`` units longer, up to unit root-1."""
+        self._past = past
         self._num_units += count
         self._pending = self._pending[count:]
         self._next_pos = root
-        return predicted[0, -1]
 
     def _token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into the draft head's rows → token ids (identity without draft_vocab)."""

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..config import SamplingParams, SpecConfig
-from ..drafters.base import Drafter, StepResult, hidden_request
+from ..drafters.base import Drafter, StepResult, hidden_request, propose_rows
 from ..sampling import sample
 from ..targets.base import Target
 from ..targets.prune import PruningSession
@@ -438,8 +438,8 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
             t0 = time.perf_counter()
             # The draft cap is not cut near max_new_tokens: emission is truncated instead, so tree-shaped
             # drafts keep their width on the last step.
-            drafts = [drafters[b].propose(rows[b].committed, spec.max_draft_tokens, rows[b].decoding.sampling,
-                                          generator) for b in active]
+            drafts = propose_rows([drafters[b] for b in active], [rows[b].committed for b in active],
+                                  spec.max_draft_tokens, [rows[b].decoding.sampling for b in active], generator)
             if pricing is not None:
                 drafts = pricing.fit([drafters[b] for b in active], drafts)
             t1 = time.perf_counter()

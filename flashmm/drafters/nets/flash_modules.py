@@ -344,6 +344,40 @@ class FlashNet(nn.Module):
         return (self.predict(out[:, -1:]) if predict else None), present
 
 
+    def extend_rows(self, units: list[torch.Tensor], pasts: list) -> tuple[torch.Tensor, list]:
+        """``extend`` for several rows in one forward: units[b] [T_b, d] after pasts[b] ((keys, values)
+        [1, Hkv, U_b, hd], or None) → (predicted features [B, K, d] at each row's last unit, each row's
+        present (keys, values) [1, Hkv, U_b + T_b, hd]). The rows' pasts and new units are padded on the
+        left to the longest of each and the padding masked out (a padding query sees itself alone), so each
+        row computes what ``extend`` computes for it, to float rounding."""
+        rows, width = len(units), max(u.shape[0] for u in units)
+        lengths = [0 if past is None else past[0].shape[2] for past in pasts]
+        longest = max(lengths)
+        device = units[0].device
+        x = units[0].new_zeros(rows, width, units[0].shape[-1])
+        positions = torch.zeros(rows, width, dtype=torch.long, device=device)
+        mask = torch.zeros(rows, 1, width, longest + width, dtype=torch.bool, device=device)
+        mask[:, 0, :, longest:] = torch.eye(width, dtype=torch.bool, device=device)
+        padded = None
+        if longest:
+            sample = next(past for past in pasts if past is not None)[0]
+            padded = tuple(sample.new_zeros(rows, sample.shape[1], longest, sample.shape[3]) for _ in range(2))
+        for b, (row, length, past) in enumerate(zip(units, lengths, pasts)):
+            new = row.shape[0]
+            x[b, width - new:] = row
+            positions[b, width - new:] = torch.arange(length, length + new, device=device)
+            mask[b, 0, width - new:, longest - length:longest] = True
+            mask[b, 0, width - new:, longest + width - new:] = torch.ones(new, new, dtype=torch.bool,
+                                                                           device=device).tril()
+            if length:
+                padded[0][b, :, longest - length:], padded[1][b, :, longest - length:] = past[0][0], past[1][0]
+        out, (keys, values) = self.block(x, positions, mask, padded)
+        presents = [tuple(torch.cat([t[b : b + 1, :, longest - length:longest], t[b : b + 1, :, longest + width - row.shape[0]:]],
+                                    dim=2) for t in (keys, values))
+                    for b, (row, length) in enumerate(zip(units, lengths))]
+        return self.predict(out[:, -1]), presents
+
+
 def unit_layout(num_text: int, spans: list[tuple[int, int]]) -> list[tuple[str, int]]:
     """Order of the drafter's units for text positions 0 .. num_text-1 and the visual spans.
 
