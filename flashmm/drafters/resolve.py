@@ -10,9 +10,9 @@ from pathlib import Path
 
 from .base import _REGISTRY, Drafter, drafter_names, make_drafter
 from .files import DrafterFileError, refuse_renamed
-from .flash import CONFIG_NAME as FLASH_CONFIG_NAME
 from .flash import FlashDrafter
-from .flash import read_config as read_flash_config
+from .flash_config import CONFIG_NAME as FLASH_CONFIG_NAME
+from .flash_config import read_config as read_flash_config
 from .formats import load_published, published_format
 from .saved import CONFIG_FILE, read_info
 
