@@ -315,7 +315,9 @@ class FlashDrafter(Drafter):
 
     @staticmethod
     def _rows_distributions(drafters: list["FlashDrafter"], predicted: torch.Tensor, depth: int) -> torch.Tensor:
-        """``_draft_distributions`` of every row at once: predicted [B, K, d] → [B, depth, V']."""
+        """Each row's draft probabilities for depths 1..depth after its root, predicted [B, K, d] (f̂_root ..)
+        → [B, depth, V']: while too shallow, the last K predicted features are fed back with the top-1 tokens
+        they predict as units, every row in one forward."""
         first = drafters[0]
         softcap = first.net.cfg.final_logit_softcapping
         feats, probs = predicted, [head_logits(first._head, predicted, softcap).softmax(-1)]
@@ -387,21 +389,8 @@ class FlashDrafter(Drafter):
 
     def _draft_distributions(self, predicted: torch.Tensor, depth: int) -> torch.Tensor:
         """Draft probabilities [depth, V'] for depths 1..depth after the root (float32; V' =
-        len(draft_vocab) or V, indexed by draft-head row)."""
-        k = self.net.tokens_per_step
-        softcap = self.net.cfg.final_logit_softcapping
-        feats = [predicted]
-        probs = [head_logits(self._head, predicted, softcap).softmax(-1)]
-        past, have = self._past, k
-        while have < depth:
-            # feed the last K predicted features with the top-1 tokens they predict as units
-            tokens = self._token_ids(probs[-1].argmax(-1))                     # [K]
-            units = self.net.text_units(self._embed(tokens[None])[0], feats[-1], self._visual)
-            predicted, past = self.net.extend(units[None], past)
-            feats.append(predicted[0, -1])
-            probs.append(head_logits(self._head, feats[-1], softcap).softmax(-1))
-            have += k
-        return torch.cat(probs, dim=0)[:depth]
+        len(draft_vocab) or V, indexed by draft-head row): a batch of this row alone."""
+        return self._rows_distributions([self], predicted[None], depth)[0]
 
     def _shape_for(self, max_tokens: int):
         """(kind, depth, max_tokens or paths) for this step, or None when nothing can be drafted."""
