@@ -621,7 +621,11 @@ def test_extend_rows_computes_each_rows_extend():
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_batch_drafts_its_rows_together_as_each_row_would(monkeypatch):
+@pytest.mark.parametrize("options", [dict(lookup_tokens=4), dict(tree="chain", depth=5),
+                                     dict(tree=[[0], [1], [0, 0], [0, 0, 0], [0, 1]], lookup_tokens=3, lookup="suffix"),
+                                     dict(pricing="measured", max_draft_tokens=6)],
+                         ids=["dynamic_lookup", "chain", "static_suffix", "priced"])
+def test_a_batch_drafts_its_rows_together_as_each_row_would(monkeypatch, options):
     """Batched FLASH drafting (propose_batch: one net pass for every row) against the same ragged batch
     (an image, text only, two images) drafted row by row: the same draft at every step, and the model's
     own batched generate."""
@@ -631,7 +635,7 @@ def test_a_batch_drafts_its_rows_together_as_each_row_would(monkeypatch):
             mm.make_inputs(processor, "llava", images=2, text="Compare them.")]
     batch = collate(rows, processor.tokenizer.pad_token_id)
     reference = model.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
-    drafter = drafter_for(model, 3, lookup_tokens=4)
+    drafter = drafter_for(model, 3, **options)
     propose_rows = flashmm.engine.loop.propose_rows
 
     def run():
