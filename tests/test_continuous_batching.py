@@ -75,3 +75,29 @@ def test_what_cannot_join_a_batch_decodes_item_by_item():
         assert torch.equal(outs[index], model.generate(**item, max_new_tokens=8, do_sample=False))
     with pytest.raises(ValueError, match="batch_size"):
         next(sm.generate_many(items(), batch_size=0))
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_items_with_media_join_together_and_equal_their_own_generate(kind, monkeypatch):
+    """Image items (ragged: one or two images, prompts of different lengths) joining a running batch: the
+    ones that join at the same step are prefilled in one forward, their media collated (BatchSession.admit_rows),
+    and every item still decodes as the model's own generate of that item alone (multimodal RoPE included)."""
+    from flashmm.targets import session  # noqa: PLC0415
+
+    from mm_models import make_inputs, tiny_vlm  # noqa: PLC0415
+
+    model, processor = tiny_vlm(kind)
+    texts = ("Describe this picture in detail, please.", "Compare them.", "What is it?", "Colours?", "Hi there.")
+    entries = [make_inputs(processor, kind, images=1 + i % 2, text=t) for i, t in enumerate(texts)]
+    groups = []
+    admit_rows = session.BatchSession.admit_rows
+
+    def recording(self, rows, *args, **kwargs):
+        groups.append(len(rows))
+        return admit_rows(self, rows, *args, **kwargs)
+    monkeypatch.setattr(session.BatchSession, "admit_rows", recording)
+    sm = flashmm.wrap(model, PromptLookup(), processor=processor)
+    outputs = dict(sm.generate_many(entries, batch_size=3, max_new_tokens=10, do_sample=False))
+    assert max(groups) >= 2                         # some items joined together
+    for index, item in enumerate(entries):
+        assert torch.equal(outputs[index], model.generate(**item, max_new_tokens=10, do_sample=False)), index

@@ -1,4 +1,4 @@
-"""Each item's own media out of a batch's (the inverse of flashmm.serve.collate), for batches decoded row by row.
+"""Each item's own media out of a batch's (the inverse of flashmm.targets.collate), for batches decoded row by row.
 
 A batch holds its media item after item along dim 0, in the order the model scatters them over the
 placeholders (row by row). To decode one row alone it needs its own media, as its processor gives them

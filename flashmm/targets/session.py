@@ -21,6 +21,7 @@ import torch
 
 from ..tree.draft import Draft
 from . import batch as padded
+from .collate import collate
 from .base import SequenceCache, SequenceStart, Target, TargetOutput
 
 
@@ -117,6 +118,25 @@ class BatchSession:
                                                                   model_inputs, want_attention)
         self.state.extend(state)
         return logits, _batch_starts(self.target, input_ids, [0], hidden, embeds, want_hidden, attention)
+
+
+    def admit_rows(self, rows: list[tuple[torch.Tensor, dict]], want_hidden, want_attention: bool = False):
+        """``admit`` for several rows at once, appended in order: rows [(input_ids [1, T], its own media)].
+        Rows that all bring media are prefilled together, one padded forward with their media collated as
+        their processor batches them (flashmm.targets.collate: the vision tower and the prompt's linears
+        run once for all of them); otherwise one by one (text rows: Σ T prompt tokens, not k · max T).
+        Returns (logits [k, V], start(i): row i's SequenceStart)."""
+        if len(rows) < 2 or not all(media for _, media in rows):
+            admitted = [self.admit(ids, want_hidden, media, want_attention=want_attention) for ids, media in rows]
+            return torch.cat([logits for logits, _ in admitted]), lambda i: admitted[i][1](0)
+        batch = collate([{"input_ids": ids, "attention_mask": torch.ones_like(ids), **media} for ids, media in rows],
+                        pad_token_id=0)   # (padding is masked out: its id is never read)
+        input_ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
+        logits, hidden, embeds, state, attention = padded.prefill(self.target, input_ids, mask, want_hidden, batch,
+                                                                  want_attention)
+        self.state.extend(state)
+        padding = (mask == 0).long().cumprod(1).sum(1).tolist()
+        return logits, _batch_starts(self.target, input_ids, padding, hidden, embeds, want_hidden, attention)
 
 
 def _batch_starts(target: Target, input_ids, padding: list[int], hidden, embeds, want_hidden, attention=None):
