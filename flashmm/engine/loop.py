@@ -426,12 +426,11 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
                 prefill = (time.perf_counter() - t0) / max(len(joining), 1)
                 for i, new in enumerate(joining):
                     t0 = time.perf_counter()
-                    row = RowWriter(new.input_ids[0], new.decoding)
-                    rows.append(row)
+                    rows.append(RowWriter(new.input_ids[0], new.decoding))
                     drafters.append(drafter.fork())
                     active.append(len(rows) - 1)
-                    start_row(row, drafters[-1], logits[i], lambda i=i: sequence_start(i), generator)
-                    row.out.stats.total_seconds += prefill + time.perf_counter() - t0
+                    start_row(rows[-1], drafters[-1], logits[i], lambda i=i: sequence_start(i), generator)
+                    rows[-1].out.stats.total_seconds += prefill + time.perf_counter() - t0
                 done, active = leave(session, rows, active)
                 yield from done
                 if not active:
