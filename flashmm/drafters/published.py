@@ -83,6 +83,16 @@ def read_pickled(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_first(folder: Path, names: tuple[str, ...], what: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """(the file, its tensors) of the first of ``names`` present in ``folder`` (safetensors as such, anything
+    else with ``read_pickled``); FileNotFoundError naming the folder and ``what`` it holds otherwise."""
+    for name in names:
+        path = folder / name
+        if path.is_file():
+            return path, (read_safetensors(path) if name.endswith(".safetensors") else read_pickled(path))
+    raise FileNotFoundError(f"{folder} holds a {what} config.json but no {' or '.join(names)}")
+
+
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint in ``folder``: model.safetensors, the shards a
     model.safetensors.index.json lists, or pytorch_model.bin (``torch.load(weights_only=True)``: tensors

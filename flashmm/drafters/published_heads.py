@@ -33,22 +33,14 @@ from pathlib import Path
 
 import torch
 
-from .files import DrafterFileError, blamed_on, read_json, read_safetensors
+from .files import DrafterFileError, blamed_on, read_json
 from .medusa import Medusa
 from .nets.medusa_net import MedusaHeads
-from .published import CONFIG_FILE, UnsupportedDrafterFormat, read_pickled
+from .published import CONFIG_FILE, UnsupportedDrafterFormat, read_first
 
 MEDUSA_COMMIT = "e2a5d20c048a9b0a4092e6933c34313687422518"
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
-
-
-def _weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    for name in MEDUSA_FILES:
-        path = folder / name
-        if path.is_file():
-            return path, (read_safetensors(path) if name.endswith(".safetensors") else read_pickled(path))
-    raise FileNotFoundError(f"{folder} holds a Medusa config.json but no {' or '.join(MEDUSA_FILES)}")
 
 
 def medusa_heads(where: Path, state: dict[str, torch.Tensor], num_layers: int) -> MedusaHeads:
@@ -112,7 +104,7 @@ def load_medusa(path, **options) -> "PublishedMedusa":
     layers = config.get("medusa_num_layers", 1)
     if not isinstance(layers, int) or layers < 1:
         raise DrafterFileError(config_path, f"medusa_num_layers should be an integer >= 1, got {layers!r}")
-    where, state = _weights(folder)
+    where, state = read_first(folder, MEDUSA_FILES, "Medusa")
     heads = medusa_heads(where, state, layers)
     named = config.get("medusa_num_heads")
     if isinstance(named, int) and named > heads.num_heads:

@@ -46,10 +46,10 @@ from pathlib import Path
 
 import torch
 
-from .files import DrafterFileError, blamed_on, read_json, read_safetensors
+from .files import DrafterFileError, blamed_on, read_json
 from .hydra import Hydra
 from .nets.hydra_published_net import HydraMLPHeads
-from .published import CONFIG_FILE, UnsupportedDrafterFormat, read_pickled
+from .published import CONFIG_FILE, UnsupportedDrafterFormat, read_first
 
 HYDRA_COMMIT = "3f39fbd2c22552e788b62dfd29a12b07ad63abfe"
 HYDRA_FILES = ("hydra_lm_head.safetensors", "hydra_lm_head.pt")
@@ -63,14 +63,6 @@ UNREAD_ARCHS = {
 _MLP_KEY = re.compile(r"^hydra_mlp\.(\d+)\.(\d+)\.(linear|res_connection)\.(weight|bias)$")
 _LM_KEY = re.compile(r"^hydra_lm_head\.(\d+)\.(weight|bias)$")
 EMBEDDING_KEY = "input_embed_fn.weight"
-
-
-def _weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    for name in HYDRA_FILES:
-        path = folder / name
-        if path.is_file():
-            return path, (read_safetensors(path) if name.endswith(".safetensors") else read_pickled(path))
-    raise FileNotFoundError(f"{folder} holds a Hydra config.json but no {' or '.join(HYDRA_FILES)}")
 
 
 def _head_of(key: str) -> int | None:
@@ -167,7 +159,7 @@ def load_hydra(path, **options) -> "PublishedHydra":
         raise UnsupportedDrafterFormat(
             f"{config_path}: hidden_state_offset {offset}: these heads read the state {offset} layers before the "
             "last one; flashmm's head drafters read the target's final normed state (hidden_state_offset 0)")
-    where, state = _weights(folder)
+    where, state = read_first(folder, HYDRA_FILES, "Hydra")
     heads = hydra_mlp_heads(where, state, num_heads, num_layers, grounded)
     embedding = state.get(EMBEDDING_KEY)
     with blamed_on(config_path, "the drafting options", options):
