@@ -298,6 +298,36 @@ def test_pricing_keeps_the_best_paying_prefix_and_stays_exact():
     assert drafter._draft(ids, grown, [], 0, max_tokens=8).tokens.shape == (1, 1) and drafter._pause >= 1
 
 
+def test_a_rows_head_passes_are_priced_at_its_share_of_a_batched_step():
+    """In a batch every row's head passes still run on their own while the row's share of the verify step
+    shrinks: repriced for the batch, a pass costs t1 alone / t1 share times as many of the new unit, so a
+    tree that repaid its passes alone pauses in a batch of rows whose share is a quarter of that step."""
+    from flashmm.tree.cost import VerifyCost
+    from flashmm.tree.dynamic import GrownTree
+
+    target = tiny_lm("llama", seed=0)
+    drafter = Eagle3Drafter(head_for(target, list(range(3, VOCAB)), seed=1), tree="dynamic", depth=3, top_k=3)
+    drafter.pricing = "constants"
+    flashmm.wrap(target, drafter)
+    drafter.length.verify_cost = VerifyCost((1, 2, 4, 8), (0.04, 0.042, 0.044, 0.05))
+    drafter._pass_cost = 0.3                    # a pass reads 0.3 of the target's weights
+    grown = GrownTree(parents=[0, 0, 1, 2], rows=[5, 6, 7, 8], scores=[-0.1, -0.2, -0.3, -0.4], expanded=3,
+                      levels=3)
+    ids = prompt(9, seed=2)
+
+    def pauses() -> bool:
+        drafter.evidence, drafter._backoff, drafter._pause = [0.0, 0.0], 0, 0
+        drafter._draft(ids, grown, [], 0, max_tokens=8)
+        return drafter._pause > 0
+
+    alone = drafter._worth_growing(4)["level_mass"]
+    assert not pauses()      # (1 + 3.1 expected) / (~1.1 verify + 4 passes * 0.3) > 1
+    drafter.reprice(VerifyCost((1, 2, 4, 8), (0.01, 0.0105, 0.011, 0.0125)))   # a row's share: t1 / 4
+    assert drafter.length.lone_forward == pytest.approx(4.0)
+    assert drafter._worth_growing(4)["level_mass"] == pytest.approx(4 * alone)
+    assert pauses()          # (1 + 3.1) / (~1.1 + 4 passes * 1.2) < 1
+
+
 # ---------------------------------------------------------------- sampling
 
 class ClaimsSampled(Eagle3Drafter):

@@ -166,6 +166,7 @@ def test_reprice_keeps_the_drafts_own_cost_in_units_of_the_new_step():
     # a draft forward of 0.01 s was 0.25 of 0.04 s; it is 1.0 of a 0.01 s share
     assert length.draft_token_cost == pytest.approx(1.0) and length.draft_step_cost == pytest.approx(2.0)
     assert length.cost(1) == pytest.approx(2.0 + 1.0 + 2.0)
+    assert length.lone_forward == pytest.approx(4.0)           # what a lone row's forward is in the new unit
     with pytest.raises(ValueError, match="constants"):
         AdaptiveDraftLength().reprice(batched)
 

@@ -317,7 +317,8 @@ class Eagle3Drafter(Drafter):
         keep = order[:best_paying_prefix([trie.capped[i] for i in order], self.length.cost)]
         if grown is not None and grown.rows:
             mine = [trie.capped[i] for i in keep if head[i]]
-            spent = (1 + grown.levels) * self._pass_cost   # the root's output, then one pass per expanded depth
+            # the root's output, then one pass per expanded depth, each a row's own work even in a batch
+            spent = (1 + grown.levels) * self._pass_cost * self.length.lone_forward
             paid = bool(mine) and (1.0 + sum(mine)) / (self.length.cost(len(mine)) + spent) > 1.0
             self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
             self._pause, self._predicted = self._backoff, sum(mine) / calibration
@@ -391,7 +392,8 @@ class Eagle3Drafter(Drafter):
         calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
         n = max(max_tokens, 2)
         per_node = max(self.length.cost(n) - self.length.cost(1), 0.0) / (n - 1)
-        return dict(stop_below=per_node / calibration, level_mass=self._pass_cost / calibration)
+        pass_cost = self._pass_cost * self.length.lone_forward
+        return dict(stop_below=per_node / calibration, level_mass=pass_cost / calibration)
 
     def sequoia_paths(self, max_tokens: int) -> list[tuple[int, ...]]:
         """The rank paths of the Sequoia tree for at most ``max_tokens`` drafted nodes: the node count

@@ -355,7 +355,7 @@ class HeadDrafter(Drafter):
         best, best_rate, best_expected = None, 1.0, 0.0
         for n in sorted({n for n in (1, 2, 4, 8) if n < full.num_nodes - 1} | {full.num_nodes - 1}):
             tree, predicted, own_cost = self._sized(n)
-            rate = (1.0 + calibration * predicted) / (self.length.cost(n) + own_cost)
+            rate = (1.0 + calibration * predicted) / (self.length.cost(n) + own_cost * self.length.lone_forward)
             if rate > best_rate:
                 best, best_rate, best_expected = tree, rate, predicted
         self._predicted = best_expected

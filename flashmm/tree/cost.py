@@ -122,6 +122,10 @@ class AdaptiveDraftLength:
     verify_cost: VerifyCost | None = None
     draft_token_cost: float = 0.0
     draft_step_cost: float = 0.0
+    #: the one-token forward drafts were first priced in (a lone row's), in the current one's units: t1 then / t1
+    #: now, above 1 in a batch, where a row's share of a step costs less. A drafter that states its own work in
+    #: lone-row forwards (a head pass: the weights it reads over the target's) multiplies it by this
+    lone_forward: float = 1.0
 
     @property
     def alpha(self) -> float:
@@ -167,6 +171,7 @@ class AdaptiveDraftLength:
         scale = self.verify_cost.seconds[0] / verify_cost.seconds[0]
         self.draft_token_cost *= scale
         self.draft_step_cost *= scale
+        self.lone_forward *= scale
         self.verify_cost = verify_cost
 
 
