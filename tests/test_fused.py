@@ -141,6 +141,34 @@ def test_rows_attending_from_different_slots_equal_the_models_own(arch):
     close(step(nodes, positions, mine, bias)[0], own(model, nodes, theirs, attention_mask=bias, position_ids=positions)[0])
 
 
+@pytest.mark.parametrize("arch", FUSED)
+def test_rows_with_fewer_real_nodes_attend_with_their_own_queries(arch):
+    """A padded tree forward whose rows have 3, 1, 2 and 1 real nodes (``nodes``): rows attend in runs by
+    how many queries they need (query_runs), and each row's real positions equal the model's own forward
+    under the same mask; padding positions are zeros."""
+    assert fused.query_runs([(0, 4, 0)], [3, 1, 1, 2]) == [(0, 1, 0, 3), (1, 3, 0, 1), (3, 4, 0, 2)]
+    assert fused.query_runs([(0, 2, 5), (2, 4, 0)], [1, 1, 4, 2]) == [(0, 2, 5, 1), (2, 4, 0, 4)]
+    model = tiny_lm(arch)
+    step = fused.fused_step(model)
+    lengths, nodes = (300, 12, 290, 20), [3, 1, 2, 1]
+    ids, attention = ragged_batch(lengths)
+    places = (attention.cumsum(-1) - 1).clamp(min=0)
+    mine, theirs = DynamicCache(), DynamicCache()
+    step(ids, places, mine, attention)
+    own(model, ids, theirs, attention_mask=attention, position_ids=places)
+    tree = TokenTree(torch.tensor([-1, 0, 0]))   # a real node never sees a later (padding) one
+    drafted = torch.cat([prompt(3, seed=60 + b) for b in range(len(lengths))])
+    allowed = torch.cat([attention.bool()[:, None, :].expand(-1, 3, -1),
+                         tree.attention_bias(0, torch.float32, torch.device("cpu"))[0, 0].eq(0)[None].expand(4, -1, -1)], 2)
+    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[:, None]
+    positions = attention.sum(1, keepdim=True) + tree.positions(0)[None]
+    got = step(drafted, positions, mine, bias, nodes=nodes)[0]
+    want = own(model, drafted, theirs, attention_mask=bias, position_ids=positions)[0]
+    for b, count in enumerate(nodes):
+        close(got[b, :count], want[b, :count])
+        assert not got[b, count:].any()
+
+
 class StepCounter:
     def __init__(self, monkeypatch):
         self.calls = []

@@ -208,6 +208,10 @@ class FusedDecoder:
         cos, sin = cos[:, :, None], sin[:, :, None]                        # [B, n, 1, D]
         mask, causal = self._mask(attention_mask, n, cached, x.dtype, x.device)
         groups = row_groups(mask) if mask is not None and mask.dim() == 4 and mask.shape[0] == batch > 1 else None
+        if real is not None and groups is None and mask is not None and mask.dim() == 4 and mask.shape[0] == batch:
+            groups = [(0, batch, 0)]
+        if groups is not None:  # with nodes, a run of rows attends with as many queries as its widest has nodes
+            groups = query_runs(groups, nodes) if real is not None else [(*group, n) for group in groups]
         width = x.shape[-1]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         half = dim // 2
@@ -226,11 +230,12 @@ class FusedDecoder:
             keys, values = append(cache, index, qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2))
             if groups is None:
                 attended = attend(q, keys, values, mask, causal, self.scaling)
-            else:  # each run of rows attends from the first key slot one of its rows sees
-                attended = q.new_empty(batch, heads, n, dim)
-                for start, end, first in groups:
-                    attended[start:end] = attend(q[start:end], keys[start:end, :, first:], values[start:end, :, first:],
-                                                 mask[start:end, :, :, first:], False, self.scaling)
+            else:  # each run of rows attends from the first key slot one of its rows sees, with its queries
+                attended = q.new_zeros(batch, heads, n, dim) if real is not None else q.new_empty(batch, heads, n, dim)
+                for start, end, first, queries in groups:
+                    attended[start:end, :, :queries] = attend(
+                        q[start:end, :, :queries], keys[start:end, :, first:], values[start:end, :, first:],
+                        mask[start:end, :, :queries, first:], False, self.scaling)
             attended = attended.transpose(1, 2).reshape(batch * n, heads * dim)
             x = x + _linear(attended if real is None else attended[real], o_w, o_b)
             gated = _linear(F.rms_norm(x, (width,), norm2, eps2), gate_up)
@@ -318,6 +323,22 @@ def row_groups(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
         groups.append((cut[end], end, min(first[cut[end]:end])))
         end = cut[end]
     return None if groups == [(0, batch, 0)] else groups[::-1]
+
+
+def query_runs(groups: list[tuple], nodes: list[int]) -> list[tuple[int, int, int, int]]:
+    """``row_groups``' calls [(first row, end row, first key slot)] split where a padded batch's rows change
+    between one real node and several: [(first row, end row, first key slot, queries)], a run attending with
+    the most real nodes one of its rows has. A row's padding positions then attend with nothing (zeros): only
+    its real positions are read on (``FusedDecoder``'s ``nodes``), and a plain step's rows among drafting rows
+    no longer pay for the widest row's queries."""
+    runs = []
+    for start, end, first in groups:
+        run = start
+        for row in range(start + 1, end + 1):
+            if row == end or (nodes[row] > 1) != (nodes[run] > 1):
+                runs.append((run, row, first, max(nodes[run:row])))
+                run = row
+    return runs
 
 
 def _weights_key(params: list[torch.Tensor]) -> tuple:
