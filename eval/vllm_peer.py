@@ -7,7 +7,8 @@ speculators layout (``flashmm export-drafter --format speculators``) and with fl
 heads exported to vLLM's Medusa layout (``--format vllm-medusa --no-token-map``: vLLM 0.32 cannot load
 the heads' reduced-vocabulary token_map, so there they rank every token; vLLM drafts a chain of the
 heads' top-1 tokens), with flashmm's DFlash block drafter exported to speculators' dflash layout
-(``--format speculators``; vLLM drafts block_size - 1 tokens from one block forward); flashmm prompt lookup
+(``--format speculators``; vLLM drafts block_size - 1 tokens from one block forward); flashmm drafting nothing
+(no_drafting: its loop and forwards alone, against vLLM without speculation), flashmm prompt lookup
 and flashmm with the shipped EAGLE-3, Medusa and DFlash folders (``--dflash DIR`` names another DFlash
 folder). Per question (or batch of --batch questions, left-padded for transformers and flashmm, one
 ``llm.generate`` call of B prompts for vLLM) the configurations run back to back in a rotating order.
@@ -193,7 +194,10 @@ def make_methods(args, model, tokenizer, eos: set[int]):
             prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, mask)]
             return [trim(list(o.outputs[0].token_ids), eos) for o in llm.generate(prompts, params, use_tqdm=False)]
         methods[name] = run
-    wrapped = {"flashmm:prompt_lookup": flashmm.wrap(model, "prompt_lookup", max_draft_tokens=args.max_draft_tokens),
+    # flashmm:no_drafting: flashmm's loop and forwards with nothing drafted (prompt lookup capped at 0 tokens), the
+    # engine's own step against vLLM's without speculation
+    wrapped = {"flashmm:no_drafting": flashmm.wrap(model, "prompt_lookup", max_draft_tokens=0),
+               "flashmm:prompt_lookup": flashmm.wrap(model, "prompt_lookup", max_draft_tokens=args.max_draft_tokens),
                "flashmm:eagle3": flashmm.wrap(model, str(EAGLE3), max_draft_tokens=args.max_draft_tokens)}
     if not args.skip_medusa:
         wrapped["flashmm:medusa"] = flashmm.wrap(model, str(MEDUSA), max_draft_tokens=args.max_draft_tokens)
@@ -261,6 +265,7 @@ def report(args, records, names, missing, info) -> str:
              "the heads' 8,192-token vocabulary, a static tree); ") +
           ("" if args.skip_dflash else f"DFlash (both engines): `{args.dflash}`, exported with `flashmm export-drafter "
            "--format speculators` for vLLM (k = block_size - 1), a chain of block_size - 1 tokens in flashmm; ") +
+          "flashmm:no_drafting = flashmm's loop with nothing drafted (prompt lookup capped at 0 tokens); "
           f"vLLM {'eager' if args.eager else 'torch.compiled'}. tok/s median = median over units of that unit's "
           "tokens / seconds; tok/s total = all tokens / all seconds; ×X = total tok/s over X's, ×X median = median "
           "per-unit ratio; vLLM mean acc. len = 1 + accepted / drafts (its spec-decode counters over the timed "
