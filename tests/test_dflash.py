@@ -57,7 +57,7 @@ def test_loads_by_folder_and_decodes_exactly(target):
 
 def test_drafts_what_the_block_predicts(target):
     """A step's draft is the chain of the block's argmaxes, mapped through d2t."""
-    drafter = DFlash.from_speculators(FIXTURES / "dflash", max_draft_tokens=2)
+    drafter = DFlash.from_speculators(FIXTURES / "dflash", max_draft_tokens=2, adaptive=False)
     sm = flashmm.wrap(target, drafter)
     prompt = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -73,6 +73,48 @@ def test_drafts_what_the_block_predicts(target):
         block = torch.tensor([77, *[net.config.mask_token_id] * 3])
         logits = net.block_logits(sm.target.input_embeddings()(block), torch.arange(9, 13), context)
     assert draft.tokens[0].tolist() == [77, *net.draft_to_target[logits[1:3].argmax(-1)].tolist()]
+
+
+def test_an_adaptive_chain_keeps_its_best_paying_prefix_and_pauses_when_nothing_pays(target):
+    """adaptive (the default): the chain is cut where (1 + the calibrated cumulative top-1 probabilities kept)
+    per unit of verify time is highest, found here by enumerating every length; a free verify keeps the whole
+    chain, and when nothing repays the block forward the step is a plain one and drafting pauses."""
+    from flashmm.drafters.base import SequenceStart
+    from flashmm.tree.cost import VerifyCost
+
+    drafter = DFlash.from_speculators(FIXTURES / "dflash")
+    sm = flashmm.wrap(target, drafter)
+    prompt = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden = target(prompt, output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i] for i in drafter.feature_layers], -1)[0]
+        net = drafter.net
+        block = torch.tensor([77, *[net.config.mask_token_id] * 3])
+        logits = net.block_logits(sm.target.input_embeddings()(block), torch.arange(9, 13),
+                                  net.context(features, torch.arange(9)))
+    probs = logits[1:].double().softmax(-1)
+    reach = probs.max(-1).values.cumprod(0).tolist()
+    chain = [77, *net.draft_to_target[probs.argmax(-1)].tolist()]
+    committed = torch.cat([prompt, torch.tensor([[77]])], dim=1)
+
+    def propose(step_seconds, evidence):
+        drafter.begin(SequenceStart(input_ids=prompt, hidden_states=features[None]))
+        drafter.length.verify_cost = VerifyCost((1, 2, 3, 4), step_seconds)
+        drafter.evidence, drafter._backoff, drafter._pause, drafter._pass_cost = list(evidence), 0, 0, 0.0
+        return drafter.propose(committed, 8, None, None).tokens[0].tolist()
+
+    assert propose((1.0, 1.0, 1.0, 1.0), (0.0, 0.0)) == chain                 # verifying more costs nothing
+    calibration = 0.5 / reach[1]                             # (e0 + 2) / (e1 + 2): the second token's value is 0.5
+    values = [min(1.0, calibration * r) for r in reach]
+    seconds = (1.0, 1.0 + 0.6 * values[0], 1.0 + 0.6 * values[0] + 0.9 * values[1], 9.0)
+    rates = [(1 + sum(values[:n])) / (seconds[n] / seconds[0]) for n in range(4)]   # n drafted: n + 1 nodes
+    best = max(range(4), key=lambda n: (rates[n], -n))
+    assert 0 < best < 3                                      # (1 here: the second token does not repay its 0.9)
+    assert propose(seconds, (2.0 * calibration - 2.0, 0.0) if calibration >= 1 else (0.0, 2.0 / calibration - 2.0)) \
+        == chain[: best + 1]
+    assert propose((1.0, 5.0, 5.0, 5.0), (0.0, 1000.0)) == [77] and drafter._pause >= 1
+    pause = drafter._pause
+    assert drafter.propose(committed, 8, None, None).tokens.shape == (1, 1) and drafter._pause == pause - 1
 
 
 def test_refusals(tmp_path, target):
@@ -107,9 +149,9 @@ def test_sampling_distribution():
                           mask_token_id=vocab - 1, rms_norm_eps=1e-6, rope_theta=10000.0)
     prompt = torch.tensor([[3, 5, 3, 5, 3]])
     joint = two_token_joint(target, prompt, SAMPLING)
-    exact = flashmm.wrap(target, DFlash(DFlashNet(config)))
+    exact = flashmm.wrap(target, DFlash(DFlashNet(config), adaptive=False))   # drafting every step: the test's power
     assert chi_square_pvalue(two_token_histogram(exact, prompt, SAMPLING, 300, vocab), joint) > 1e-3
-    biased = flashmm.wrap(target, DFlash(DFlashNet(config)), verifier="typical_lossy", typical_epsilon=0.05,
+    biased = flashmm.wrap(target, DFlash(DFlashNet(config), adaptive=False), verifier="typical_lossy", typical_epsilon=0.05,
                           typical_delta=0.05)
     assert chi_square_pvalue(two_token_histogram(biased, prompt, SAMPLING, 300, vocab), joint) < 1e-3
 
@@ -156,7 +198,8 @@ def test_training_learns_and_the_folder_decodes_exactly(tmp_path):
     folder = save_dflash(tmp_path / "dflash", net, {"method": "dflash", "target": {"name": "tiny"}, "accept": accept})
     prompt = torch.randint(3, 120, (1, 6), generator=torch.Generator().manual_seed(1))
     expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
-    sm = flashmm.wrap(target, folder)
+    assert torch.equal(flashmm.wrap(target, folder).generate(prompt, max_new_tokens=30, do_sample=False), expected)
+    sm = flashmm.wrap(target, flashmm.drafters.load(folder, adaptive=False))  # every step drafts, paying or not
     assert torch.equal(sm.generate(prompt, max_new_tokens=30, do_sample=False), expected)
     assert sm.last_stats.tau > 1.5  # it learned the target's continuations of this prompt
     tree = flashmm.wrap(target, flashmm.drafters.load(folder, tree=True, max_draft_tokens=6))

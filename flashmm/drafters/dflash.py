@@ -21,8 +21,10 @@ from typing import Sequence
 import torch
 
 from ..config import SamplingParams
+from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
+from ..tree.trie import best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, load_weights, read_json, read_safetensors
 from .head_base import static_tree
@@ -44,6 +46,7 @@ class DFlashOptions(DrafterOptions):
     max_draft_tokens: int | None = None
     tree: bool = False
     accept: Sequence[Sequence[float]] | None = None
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.accept is not None:
@@ -63,6 +66,12 @@ class DFlash(Drafter):
     among the ``max_draft_tokens`` most likely paths, by ``accept`` [position][rank] (the rate at which the
     target's token was the block's r-th at position j once the chain before it was accepted; measured in
     training and stored in drafter.json). Every position's distribution is read from the one forward.
+    adaptive (chains): verify only the chain's best-paying prefix, each token valued at the block's
+    cumulative top-1 probability up to it times a calibration learned online (accepted / predicted),
+    priced by the target's measured verify cost (``best_paying_prefix``); when even that prefix does not
+    repay the block forward (its weights read, over the target's), drafting pauses for 1, 2, 4, .. 32
+    steps before trying again, so a drafter that cannot pay for itself decodes at plain speed (as
+    EAGLE-3's adaptive drafting). Trees keep their planned size.
 
     Options: DFlashOptions, as keywords or ``options=``."""
 
@@ -82,6 +91,13 @@ class DFlash(Drafter):
                              f"got {options.max_draft_tokens!r}")
         self.tree = options.tree
         self.accept = [list(row) for row in options.accept[:chain]] if options.accept else None
+        self.adaptive, self.length = options.adaptive and not options.tree, AdaptiveDraftLength()
+        self.evidence = [0.0, 0.0]             # forgetting sums of accepted and predicted tokens
+        self._predicted, self._pause, self._backoff = 0.0, 0, 0
+        self._pass_cost = 0.0                  # bind: one block forward, in target forwards (the weights it reads)
+
+    def cost_models(self) -> list:
+        return [self.length]
 
     def bind(self, target) -> None:
         config = target.model.config.get_text_config()
@@ -99,6 +115,10 @@ class DFlash(Drafter):
                              f"{max(int(self.net.draft_to_target.max()), c.mask_token_id)}; the target has {vocab}")
         self._embed = target.input_embeddings()
         self.net.to(target.output_embeddings().weight.device)
+        if self.adaptive and self.pricing == "measured":
+            self.cost_source = price_with_target(target, self.cost_models())
+        self._pass_cost = sum(p.numel() for p in self.net.parameters()) / max(
+            sum(p.numel() for p in target.model.parameters()), 1)
 
     def begin(self, start: SequenceStart) -> None:
         self._features = start.hidden_states[0]                       # [T, F]: positions 0 .. T-1
@@ -107,6 +127,11 @@ class DFlash(Drafter):
 
     def observe(self, step: StepResult) -> None:
         self._features = torch.cat([self._features, step.hidden_states[0].to(self._features.dtype)])
+        if self._predicted:
+            self.evidence = [0.95 * self.evidence[0] + step.accepted_len, 0.95 * self.evidence[1] + self._predicted]
+        else:
+            self.evidence = [0.995 * e for e in self.evidence]
+        self._predicted = 0.0
 
     def _extend_context(self, upto: int) -> None:
         """Project the features of positions fed .. upto - 1 into every layer's context keys / values."""
@@ -137,7 +162,12 @@ class DFlash(Drafter):
         n = min(self.max_draft_tokens, max_tokens)
         if n < 1 or root < 1:
             return root_only(committed)
+        if self.adaptive and self._pause > 0:
+            self._pause -= 1
+            return root_only(committed)
         logits = self.net.block_logits(*self._block(committed), self._context)                # [size, Vd]
+        if self.adaptive:
+            return self._paying_chain(committed, logits, n)
         tree = planned_tree(json.dumps(self.accept), n) if self.tree else TokenTree.from_choices(
             [tuple([0] * d) for d in range(1, n + 1)])
         if tree.num_nodes < 2:
@@ -147,6 +177,32 @@ class DFlash(Drafter):
         drafted = self.net.draft_to_target[top[depth - 1, ranks]]
         return Draft(tokens=torch.cat([committed[0, -1:], drafted.to(committed.device)])[None],
                      tree=tree, q_probs=None)
+
+    def cut(self, draft: Draft, nodes: int) -> Draft:
+        """A batch's cut of the last chain: its prediction counts only the tokens kept."""
+        if self._predicted:
+            self._predicted = sum(self._reach[: nodes - 1])
+        return draft.head(nodes)
+
+    def _paying_chain(self, committed: torch.Tensor, logits: torch.Tensor, n: int) -> Draft:
+        """The chain of the block's top-1 tokens cut to its best-paying prefix (see the class), its nodes
+        valued at their calibrated cumulative probability."""
+        top = logits[1: n + 1].float().softmax(-1).max(-1)                                     # positions 1 .. n
+        calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)     # prior: 2 steps as predicted
+        reach = top.values.cumprod(0)
+        values = (calibration * reach).clamp(max=1.0).tolist()
+        keep = best_paying_prefix(values, self.length.cost)
+        spent = self._pass_cost * self.length.lone_forward
+        paid = keep > 0 and (1.0 + sum(values[:keep])) / (self.length.cost(keep) + spent) > 1.0
+        self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
+        self._reach = reach.tolist()
+        self._pause, self._predicted = self._backoff, sum(self._reach[:keep])
+        if keep == 0:
+            return root_only(committed)
+        drafted = self.net.draft_to_target[top.indices[:keep]]
+        return Draft(tokens=torch.cat([committed[0, -1:], drafted.to(committed.device)])[None],
+                     tree=TokenTree.chain(keep), q_probs=None,
+                     values=torch.tensor([1.0] + values[:keep]))
 
     @classmethod
     def from_dir(cls, path, **options) -> "DFlash":

@@ -57,7 +57,7 @@ class DFlash2(DFlash):
         chain = net.backbone.config.block_size - 1
         if options.max_draft_tokens is not None and options.max_draft_tokens > chain:
             raise ValueError(f"max_draft_tokens must be 1 .. {chain} (block_size - 1), got {options.max_draft_tokens}")
-        super().__init__(net.backbone, max_draft_tokens=options.max_draft_tokens)
+        super().__init__(net.backbone, max_draft_tokens=options.max_draft_tokens, adaptive=False)  # (its own chain)
         self._options = options                                       # DFlash-2's, in place of DFlash's
         self.dflash2_net = net.eval().requires_grad_(False)
         self.folder = None if folder is None else Path(folder)

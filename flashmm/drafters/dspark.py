@@ -65,7 +65,7 @@ class DSpark(DFlash):
         if not isinstance(net, DSparkNet):
             raise TypeError(f"DSpark needs a DSparkNet, got {type(net).__name__}")
         options = DSparkOptions.build(type(self).__name__, given, options)
-        super().__init__(net.backbone)
+        super().__init__(net.backbone, adaptive=False)              # (its confidence head sizes its chains)
         self._options = options                                       # DSpark's, in place of DFlash's defaults
         self.dspark_net = net.eval().requires_grad_(False)
         self.folder = None if folder is None else Path(folder)
