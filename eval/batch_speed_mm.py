@@ -117,6 +117,12 @@ def main(argv=None):
     names = list(methods)
     for fn in methods.values():
         fn(inputs[:2], 2)
+    # the per-row verify costs batched drafts are priced by (measured once per machine and batch size, cached on
+    # disk), measured before the clock runs, as eval/vllm_peer.py does
+    from flashmm.tree.cost import batch_bucket  # noqa: PLC0415
+    for sm in {id(sm): sm for sm in wrapped.values()}.values():
+        for rows in range(1, max(args.batch_sizes) + 1):
+            sm.target.verify_cost(batch=batch_bucket(rows))
 
     records, cursor = [], 0
     for size in args.batch_sizes:

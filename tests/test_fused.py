@@ -146,8 +146,10 @@ def test_rows_with_fewer_real_nodes_attend_with_their_own_queries(arch):
     """A padded tree forward whose rows have 3, 1, 2 and 1 real nodes (``nodes``): rows attend in runs by
     how many queries they need (query_runs), and each row's real positions equal the model's own forward
     under the same mask; padding positions are zeros."""
-    assert fused.query_runs([(0, 4, 0)], [3, 1, 1, 2]) == [(0, 1, 0, 3), (1, 3, 0, 1), (3, 4, 0, 2)]
-    assert fused.query_runs([(0, 2, 5), (2, 4, 0)], [1, 1, 4, 2]) == [(0, 2, 5, 1), (2, 4, 0, 4)]
+    # a call costs CALL_SLOTS + rows x slots x (1 + QUERY_WEIGHT x (queries - 1)): long rows split, short ones not
+    assert fused.query_runs([(0, 4, 0)], [3, 1, 1, 2], 2000) == [(0, 1, 0, 3), (1, 3, 0, 1), (3, 4, 0, 2)]
+    assert fused.query_runs([(0, 4, 0)], [3, 1, 1, 2], 100) == [(0, 4, 0, 3)]
+    assert fused.query_runs([(0, 2, 5), (2, 4, 0)], [1, 1, 4, 2], 2000) == [(0, 2, 5, 1), (2, 4, 0, 4)]
     model = tiny_lm(arch)
     step = fused.fused_step(model)
     lengths, nodes = (300, 12, 290, 20), [3, 1, 2, 1]

@@ -62,6 +62,9 @@ ROOM_BLOCK = 256
 #: machine with SmolLM2's attention over 8 Spec-Bench prompts of 40 to 769 tokens: 64, 256 and 1,024 split
 #: them into 5, 5 and 2 calls a layer at 13.7, 15.6 and 18.6 ms for 30 layers, one call over every slot 22.1
 CALL_SLOTS = 256
+#: what each further query position of a row costs an attention call, in units of its first (``query_runs``):
+#: SmolLM2's grouped heads folded, 4 rows over 504 slots, 122 / 136 / 180 us for 1 / 2 / 4 positions a row
+QUERY_WEIGHT = 0.15
 _STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -211,7 +214,7 @@ class FusedDecoder:
         if real is not None and groups is None and mask is not None and mask.dim() == 4 and mask.shape[0] == batch:
             groups = [(0, batch, 0)]
         if groups is not None:  # with nodes, a run of rows attends with as many queries as its widest has nodes
-            groups = query_runs(groups, nodes) if real is not None else [(*group, n) for group in groups]
+            groups = query_runs(groups, nodes, mask.shape[-1]) if real is not None else [(*group, n) for group in groups]
         width = x.shape[-1]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         half = dim // 2
@@ -325,19 +328,27 @@ def row_groups(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
     return None if groups == [(0, batch, 0)] else groups[::-1]
 
 
-def query_runs(groups: list[tuple], nodes: list[int]) -> list[tuple[int, int, int, int]]:
-    """``row_groups``' calls [(first row, end row, first key slot)] split where a padded batch's rows change
-    between one real node and several: [(first row, end row, first key slot, queries)], a run attending with
-    the most real nodes one of its rows has. A row's padding positions then attend with nothing (zeros): only
-    its real positions are read on (``FusedDecoder``'s ``nodes``), and a plain step's rows among drafting rows
-    no longer pay for the widest row's queries."""
+def query_runs(groups: list[tuple], nodes: list[int], slots: int) -> list[tuple[int, int, int, int]]:
+    """``row_groups``' calls [(first row, end row, first key slot)] over ``slots`` key slots, each split where a
+    padded batch's rows change between one real node and several when that is cheaper:
+    [(first row, end row, first key slot, queries)], a run attending with the most real nodes one of its rows
+    has. A row's padding positions then attend with nothing (zeros): only its real positions are read on
+    (``FusedDecoder``'s ``nodes``). A call costs CALL_SLOTS + rows x slots x (1 + QUERY_WEIGHT x (queries - 1)),
+    so a plain step's rows among drafting rows stop paying for the widest row's queries where the extra
+    calls cost less than those queries."""
+    def cost(rows: int, seen: int, queries: int) -> float:
+        return CALL_SLOTS + rows * seen * (1.0 + QUERY_WEIGHT * (queries - 1))
+
     runs = []
     for start, end, first in groups:
-        run = start
+        split, run = [], start
         for row in range(start + 1, end + 1):
             if row == end or (nodes[row] > 1) != (nodes[run] > 1):
-                runs.append((run, row, first, max(nodes[run:row])))
+                split.append((run, row, first, max(nodes[run:row])))
                 run = row
+        whole = (start, end, first, max(nodes[start:end]))
+        cheaper = sum(cost(e - b, slots - f, q) for b, e, f, q in split) < cost(end - start, slots - first, whole[3])
+        runs.extend(split if cheaper else [whole])
     return runs
 
 
