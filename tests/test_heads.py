@@ -194,6 +194,25 @@ def test_pricing_drafts_only_what_pays(corpus):
     assert sure.expected_accepted(tree) == pytest.approx(sum(products.values()) - 1.0)
 
 
+def test_heads_are_priced_at_a_batch_rows_share(corpus):
+    """In a batch a row's heads still run on their own while its share of the verify step shrinks: repriced
+    for rows whose share is a quarter of a lone step, the heads' own cost is 4x as many of the new unit, and a
+    tree that repaid it alone is not drafted."""
+    from flashmm.tree.cost import VerifyCost
+
+    target, _, _ = corpus
+    sure = Medusa(random_medusa(target), tree="static", max_draft_tokens=6, accuracy=[[0.95, 0.6, 0.3, 0.1]] * 3)
+    sure.pricing = "constants"
+    flashmm.wrap(target, sure)
+    sure.draft_cost = lambda tree: 2.0          # the heads cost two lone-row target steps, for any tree
+    sure.length.verify_cost = VerifyCost((1, 2, 4, 8), (0.04, 0.04, 0.04, 0.04))
+    full = sure.tree_for(6)
+    assert (1 + sure.expected_accepted(full)) / (1 + 2.0) > 1 > (1 + sure.expected_accepted(full)) / (1 + 4 * 2.0)
+    assert sure.planned_tree(6).num_nodes == 7
+    sure.reprice(VerifyCost((1, 2, 4, 8), (0.01, 0.01, 0.01, 0.01)))
+    assert sure.length.lone_forward == pytest.approx(4.0) and sure.planned_tree(6) is None
+
+
 def tree_path(tree, node):
     """Nodes from ``node`` up to (not including) the root."""
     out = []
