@@ -22,7 +22,7 @@ from flashmm.sampling import warp_logits
 from flashmm.targets import CausalLMTarget
 
 from stats_utils import chi_square_pvalue
-from text_models import tiny_lm
+from text_models import assert_decodes_as_generate, tiny_lm
 
 D, V = 64, 128
 
@@ -161,16 +161,8 @@ def test_logits_and_chain_equal_a_float64_forward(target, folders, name):
 @pytest.mark.parametrize("name", ["grounded", "ungrounded"])
 def test_wrap_generates_exactly(target, folders, name):
     folder, _ = folders[name]
-    prompt = torch.randint(3, V, (1, 8), generator=torch.Generator().manual_seed(4))
-    want = target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
-    assert torch.equal(flashmm.wrap(target, str(folder)).generate(prompt, max_new_tokens=12, eos_token_id=[]), want)
-    ids = torch.cat([prompt, torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt[:, 3:].flip(1)], dim=1)])
-    mask = (torch.arange(8) >= torch.tensor([[0], [3]])).long()
-    want = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    sm = flashmm.wrap(target, load(folder, tree="static", max_draft_tokens=6, adaptive=False))
-    assert torch.equal(sm.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[], pad_token_id=0), want)
-    assert sm.last_stats.drafted_tokens > 0
+    assert_decodes_as_generate(target, folder, load(folder, tree="static", max_draft_tokens=6, adaptive=False), V,
+                               seed=4, padding=3)
 
 
 SMALL_V = 8

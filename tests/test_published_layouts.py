@@ -21,7 +21,7 @@ from flashmm.drafters.published import PublishedEagle3Drafter, UnsupportedDrafte
 from flashmm.drafters.published_heads import PublishedMedusa
 from flashmm.targets import CausalLMTarget
 
-from text_models import tiny_lm
+from text_models import assert_decodes_as_generate, tiny_lm
 
 LAYERS, D, V = 7, 64, 128           # the target: 7 layers, so EAGLE's (2, n // 2, n - 3) are 3 distinct layers
 HEAD = dict(hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96)
@@ -174,16 +174,8 @@ def test_eagle3_logits_equal_a_float64_forward(target, eagle3_folders, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_eagle3_wrap_generates_exactly(target, eagle3_folders, name):
     folder, _ = eagle3_folders[name]
-    prompt = torch.randint(3, V, (1, 8), generator=torch.Generator().manual_seed(1))
-    want = target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
-    assert torch.equal(flashmm.wrap(target, str(folder)).generate(prompt, max_new_tokens=12, eos_token_id=[]), want)
-    ids = torch.cat([prompt, torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt[:, 2:].flip(1)], dim=1)])
-    mask = (torch.arange(8) >= torch.tensor([[0], [2]])).long()
-    want = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    sm = flashmm.wrap(target, load(folder, tree="chain", depth=3, adaptive=False))
-    assert torch.equal(sm.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[], pad_token_id=0), want)
-    assert sm.last_stats.drafted_tokens > 0
+    assert_decodes_as_generate(target, folder, load(folder, tree="chain", depth=3, adaptive=False), V, seed=1,
+                               padding=2)
 
 
 @pytest.mark.parametrize("name, overrides, drafter_side, target_side", [

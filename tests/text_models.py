@@ -95,3 +95,21 @@ def tiny_causal_lm(model_type: str, seed: int = 0, **overrides) -> torch.nn.Modu
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
     return model
+
+
+def assert_decodes_as_generate(target, folder, every_step_drafter, vocab: int, seed: int, padding: int) -> None:
+    """A drafter ``folder`` wrapped on ``target`` decodes one prompt as ``target.generate`` does greedily, and
+    ``every_step_drafter`` (the folder loaded to draft every step) a batch of two rows, the second left-padded
+    by ``padding``, as the batched ``generate`` does, drafting something."""
+    import flashmm  # noqa: PLC0415
+
+    one = torch.randint(3, vocab, (1, 8), generator=torch.Generator().manual_seed(seed))
+    want = target.generate(one, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(flashmm.wrap(target, str(folder)).generate(one, max_new_tokens=12, eos_token_id=[]), want)
+    ids = torch.cat([one, torch.cat([torch.zeros(1, padding, dtype=torch.long), one[:, padding:].flip(1)], dim=1)])
+    mask = (torch.arange(8) >= torch.tensor([[0], [padding]])).long()
+    want = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    sm = flashmm.wrap(target, every_step_drafter)
+    assert torch.equal(sm.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[], pad_token_id=0), want)
+    assert sm.last_stats.drafted_tokens > 0
