@@ -94,6 +94,7 @@ class DFlash(Drafter):
         self.adaptive, self.length = options.adaptive and not options.tree, AdaptiveDraftLength()
         self.evidence = [0.0, 0.0]             # forgetting sums of accepted and predicted tokens
         self._predicted, self._pause, self._backoff = 0.0, 0, 0
+        self._reach: list[float] = []          # the last chain's cumulative top-1 probabilities (``cut`` reads them)
         self._pass_cost = 0.0                  # bind: one block forward, in target forwards (the weights it reads)
 
     def cost_models(self) -> list:
