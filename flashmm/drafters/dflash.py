@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from ..config import SamplingParams
-from ..tree.cost import AdaptiveDraftLength, price_with_target
+from ..tree.cost import AdaptiveDraftLength, calibration_of, observed_evidence, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_paying_prefix
@@ -128,11 +128,7 @@ class DFlash(Drafter):
 
     def observe(self, step: StepResult) -> None:
         self._features = torch.cat([self._features, step.hidden_states[0].to(self._features.dtype)])
-        if self._predicted:
-            self.evidence = [0.95 * self.evidence[0] + step.accepted_len, 0.95 * self.evidence[1] + self._predicted]
-        else:
-            self.evidence = [0.995 * e for e in self.evidence]
-        self._predicted = 0.0
+        self.evidence, self._predicted = observed_evidence(self.evidence, step.accepted_len, self._predicted), 0.0
 
     def _extend_context(self, upto: int) -> None:
         """Project the features of positions fed .. upto - 1 into every layer's context keys / values."""
@@ -189,7 +185,7 @@ class DFlash(Drafter):
         """The chain of the block's top-1 tokens cut to its best-paying prefix (see the class), its nodes
         valued at their calibrated cumulative probability."""
         top = logits[1: n + 1].float().softmax(-1).max(-1)                                     # positions 1 .. n
-        calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)     # prior: 2 steps as predicted
+        calibration = calibration_of(self.evidence)
         reach = top.values.cumprod(0)
         values = (calibration * reach).clamp(max=1.0).tolist()
         keep = best_paying_prefix(values, self.length.cost)

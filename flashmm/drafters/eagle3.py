@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 
 from ..config import SamplingParams
 from ..targets.onednn import routed_like
-from ..tree.cost import AdaptiveDraftLength, price_with_target, sequoia_rank_paths
+from ..tree.cost import AdaptiveDraftLength, calibration_of, observed_evidence, price_with_target, sequoia_rank_paths
 from ..tree.draft import Draft
 from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.trie import DraftTrie, best_paying_prefix
@@ -257,13 +257,9 @@ class Eagle3Drafter(Drafter):
         if step.hidden_states is None:
             raise RuntimeError("Eagle3Drafter needs the target's features at the accepted nodes")
         self._pending = torch.cat([self._pending, step.hidden_states[0]], dim=0)
-        if self._predicted:
-            by_head = sum(self._head_nodes[i] for i in step.path[0, 1:].tolist()) if self._head_nodes \
-                else step.accepted_len
-            self.evidence = [0.95 * self.evidence[0] + by_head, 0.95 * self.evidence[1] + self._predicted]
-        else:
-            self.evidence = [0.995 * e for e in self.evidence]
-        self._predicted = 0.0
+        by_head = sum(self._head_nodes[i] for i in step.path[0, 1:].tolist()) if self._head_nodes and self._predicted \
+            else step.accepted_len
+        self.evidence, self._predicted = observed_evidence(self.evidence, by_head, self._predicted), 0.0
 
     @torch.no_grad()
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
@@ -292,7 +288,7 @@ class Eagle3Drafter(Drafter):
         adaptive drafting its best-paying nodes (head nodes valued at their calibrated probability,
         chain nodes at ChainCalibration's), else all of them within ``max_tokens``."""
         trie, head = DraftTrie(), [False]
-        calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
+        calibration = calibration_of(self.evidence)
         if grown is not None and grown.rows:
             node_of = [0]
             ids = self._row_ids[torch.tensor(grown.rows, device=self._row_ids.device)].tolist()
@@ -389,7 +385,7 @@ class Eagle3Drafter(Drafter):
         calibrated probability is below the verify cost one more node adds (in one-token forwards)
         cannot repay it, and a depth whose expanded nodes hold less calibrated probability than one
         head pass costs cannot repay the pass (on SmolLM2, 6-deep trees were grown for ~3.6 kept nodes)."""
-        calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
+        calibration = calibration_of(self.evidence)
         n = max(max_tokens, 2)
         per_node = max(self.length.cost(n) - self.length.cost(1), 0.0) / (n - 1)
         pass_cost = self._pass_cost * self.length.lone_forward

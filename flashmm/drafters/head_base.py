@@ -31,7 +31,7 @@ from torch import nn
 
 from ..config import SamplingParams
 from ..targets.onednn import routed_like
-from ..tree.cost import AdaptiveDraftLength, price_with_target
+from ..tree.cost import AdaptiveDraftLength, calibration_of, observed_evidence, price_with_target
 from ..tree.draft import Draft
 from ..tree.shapes import dyspec_tree
 from ..tree.token_tree import TokenTree
@@ -243,13 +243,10 @@ class HeadDrafter(Drafter):
         if step.hidden_states is None:
             raise RuntimeError(f"{type(self).__name__} needs the target's hidden states at accepted nodes")
         self._feature = step.hidden_states[0, -1]
-        if self._predicted:  # decay 0.95 per drafted step; the heads' calibration counts their own nodes
-            accepted = step.accepted_len if self._head_nodes is None else \
-                sum(self._head_nodes[i] for i in step.path[0, 1:].tolist())
-            self.evidence = [0.95 * self.evidence[0] + accepted, 0.95 * self.evidence[1] + self._predicted]
-        else:  # slowly back to the prior, so a drafter that stopped tries again
-            self.evidence = [0.995 * e for e in self.evidence]
-        self._predicted = 0.0
+        # the heads' calibration counts their own nodes
+        accepted = step.accepted_len if self._head_nodes is None or not self._predicted else \
+            sum(self._head_nodes[i] for i in step.path[0, 1:].tolist())
+        self.evidence, self._predicted = observed_evidence(self.evidence, accepted, self._predicted), 0.0
 
     @torch.no_grad()
     def propose(self, committed: torch.Tensor, max_tokens: int, sampling: SamplingParams,
@@ -267,7 +264,7 @@ class HeadDrafter(Drafter):
             return draft
         trie, by_heads, reach = DraftTrie(), [False], {}
         if draft.tree.num_nodes > 1:
-            calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)
+            calibration = calibration_of(self.evidence)
             tokens, parents, node_of = draft.tokens[0].tolist(), draft.tree.parents.tolist(), [0]
             for i, p in enumerate(self.path_products(draft.tree)[1:], start=1):
                 node_of.append(trie.add_node(node_of[parents[i]], tokens[i], calibration * p))
@@ -351,7 +348,7 @@ class HeadDrafter(Drafter):
         self._predicted = 0.0
         if full is None or not self.adaptive:
             return full
-        calibration = (self.evidence[0] + 2.0) / (self.evidence[1] + 2.0)  # prior: 2 steps as predicted
+        calibration = calibration_of(self.evidence)
         best, best_rate, best_expected = None, 1.0, 0.0
         for n in sorted({n for n in (1, 2, 4, 8) if n < full.num_nodes - 1} | {full.num_nodes - 1}):
             tree, predicted, own_cost = self._sized(n)

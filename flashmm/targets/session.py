@@ -119,7 +119,6 @@ class BatchSession:
         self.state.extend(state)
         return logits, _batch_starts(self.target, input_ids, [0], hidden, embeds, want_hidden, attention)
 
-
     def admit_rows(self, rows: list[tuple[torch.Tensor, dict]], want_hidden, want_attention: bool = False):
         """``admit`` for several rows at once, appended in order: rows [(input_ids [1, T], its own media)].
         Rows that all bring media are prefilled together, one padded forward with their media collated as

@@ -175,6 +175,21 @@ class AdaptiveDraftLength:
         self.verify_cost = verify_cost
 
 
+def observed_evidence(evidence: list[float], accepted: float, predicted: float) -> list[float]:
+    """A drafter's forgetting sums [accepted, predicted tokens] after a step: when the step's draft predicted
+    ``predicted`` tokens, both decay by 0.95 and take the step's counts; after a step that drafted nothing they
+    decay by 0.995, slowly back to the prior, so a drafter that stopped tries again."""
+    if predicted:
+        return [0.95 * evidence[0] + accepted, 0.95 * evidence[1] + predicted]
+    return [0.995 * e for e in evidence]
+
+
+def calibration_of(evidence: list[float]) -> float:
+    """Accepted over predicted tokens from a drafter's forgetting sums, with a prior of 2 steps as predicted:
+    what its own probability estimates are multiplied by."""
+    return (evidence[0] + 2.0) / (evidence[1] + 2.0)
+
+
 def batch_bucket(rows: int) -> int:
     """The batch size verify costs are measured at for ``rows`` rows: the next power of two (the
     per-row cost curve changes slowly with the batch, and each size measured is a disk entry)."""

@@ -343,7 +343,6 @@ class FlashNet(nn.Module):
         out, present = self.block(units, positions, mask[None, None], past)
         return (self.predict(out[:, -1:]) if predict else None), present
 
-
     def extend_rows(self, units: list[torch.Tensor], pasts: list) -> tuple[torch.Tensor, list]:
         """``extend`` for several rows in one forward: units[b] [T_b, d] after pasts[b] ((keys, values)
         [1, Hkv, U_b, hd], or None) → (predicted features [B, K, d] at each row's last unit, each row's
