@@ -68,6 +68,8 @@ from flashmm.weights import load_gguf_lm  # noqa: E402
 EAGLE3 = assets_dir("text_drafters", "smollm2", "eagle3")
 MEDUSA = assets_dir("text_drafters", "smollm2", "medusa")
 DFLASH = assets_dir("text_drafters", "smollm2", "dflash")
+EAGLE = assets_dir("text_drafters", "smollm2", "eagle")
+BASELINES = ("plain", "plain_onednn", "vllm")
 
 
 def pick_questions(path: Path, n: int) -> list[dict]:
@@ -103,6 +105,13 @@ def exported_eagle3() -> str:
     from flashmm.drafters.export import export_drafter  # noqa: PLC0415
 
     return str(export_drafter(EAGLE3, "speculators", work_dir("smollm2_eagle3_speculators")))
+
+
+def exported_eagle(folder) -> str:
+    """The EAGLE-1/2 head in ``folder`` in vLLM's EAGLE-1 layout (``flashmm export-drafter --format vllm-eagle``)."""
+    from flashmm.drafters.export_eagle import export_vllm_eagle  # noqa: PLC0415
+
+    return str(export_vllm_eagle(folder, work_dir("smollm2_eagle_vllm")))
 
 
 def exported_medusa(model) -> str:
@@ -160,8 +169,13 @@ def vllm_engines(args, folder: str, model) -> dict:
     if not args.skip_dflash:
         exported, k = exported_dflash(args.dflash, folder)
         specs["vllm:dflash"] = {"method": "dflash", "model": exported, "num_speculative_tokens": k}
+    if args.eagle is not None:
+        specs["vllm:eagle"] = {"method": "eagle", "model": exported_eagle(args.eagle),
+                               "num_speculative_tokens": args.eagle_k}
     engines = {}
     for name, spec in specs.items():
+        if not wanted(args, name):
+            continue
         engines[name] = LLM(model=folder, dtype="float32", seed=0, max_model_len=args.max_model_len,
                             kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), enforce_eager=args.eager,
                             disable_log_stats=False, speculative_config=spec)
@@ -170,6 +184,11 @@ def vllm_engines(args, folder: str, model) -> dict:
         # the first one is in place for all of them anyway
         type(current_platform).register_triton_kernel_overrides = classmethod(lambda cls: None)
     return engines
+
+
+def wanted(args, name: str) -> bool:
+    """Whether configuration ``name`` runs: every one, or with --only those named and the baselines."""
+    return args.only is None or name in args.only or name in BASELINES
 
 
 def make_methods(args, model, tokenizer, eos: set[int]):
@@ -203,6 +222,9 @@ def make_methods(args, model, tokenizer, eos: set[int]):
         wrapped["flashmm:medusa"] = flashmm.wrap(model, str(MEDUSA), max_draft_tokens=args.max_draft_tokens)
     if not args.skip_dflash:  # a chain of block_size - 1 tokens, as vLLM drafts it
         wrapped["flashmm:dflash"] = flashmm.wrap(model, str(args.dflash))
+    if args.eagle is not None:  # EAGLE-2's dynamic tree, as the folder's drafting options say
+        wrapped["flashmm:eagle"] = flashmm.wrap(model, str(args.eagle), max_draft_tokens=args.max_draft_tokens)
+    wrapped = {name: sm for name, sm in wrapped.items() if wanted(args, name)}
     for name, sm in wrapped.items():
         methods[name] = hf(sm.generate)
     return methods, wrapped, engines, missing
@@ -265,6 +287,9 @@ def report(args, records, names, missing, info) -> str:
              "the heads' 8,192-token vocabulary, a static tree); ") +
           ("" if args.skip_dflash else f"DFlash (both engines): `{args.dflash}`, exported with `flashmm export-drafter "
            "--format speculators` for vLLM (k = block_size - 1), a chain of block_size - 1 tokens in flashmm; ") +
+          ("" if args.eagle is None else f"EAGLE-1/2 (both engines): `{args.eagle}`, exported with `flashmm "
+           f"export-drafter --format vllm-eagle` for vLLM's EAGLE-1 (k={args.eagle_k}, a chain), EAGLE-2's dynamic "
+           "tree in flashmm; ") +
           "flashmm:no_drafting = flashmm's loop with nothing drafted (prompt lookup capped at 0 tokens); "
           f"vLLM {'eager' if args.eager else 'torch.compiled'}. tok/s median = median over units of that unit's "
           "tokens / seconds; tok/s total = all tokens / all seconds; ×X = total tok/s over X's, ×X median = median "
@@ -291,6 +316,13 @@ def main(argv=None):
     ap.add_argument("--skip-dflash", action="store_true", help="neither engine runs the DFlash drafter")
     ap.add_argument("--dflash", type=Path, default=DFLASH, metavar="DIR",
                     help="the flashmm DFlash folder both engines run (vLLM: its speculators export)")
+    ap.add_argument("--eagle", type=Path, default=EAGLE if (EAGLE / "config.json").is_file() else None,
+                    metavar="DIR", help="an EAGLE-1/2 head folder both engines run (vLLM: exported with --format "
+                    "vllm-eagle; default: the shipped SmolLM2 head, when there is one)")
+    ap.add_argument("--eagle-k", type=int, default=5, help="vLLM EAGLE-1 num_speculative_tokens")
+    ap.add_argument("--only", type=lambda text: set(text.split(",")), default=None, metavar="NAMES",
+                    help="run only these configurations (comma-separated names, e.g. vllm:eagle,flashmm:eagle), "
+                         "besides the baselines plain, plain_onednn and vllm")
     ap.add_argument("--skip-vllm", action="store_true", help="no vLLM at all (transformers and flashmm only)")
     ap.add_argument("--eager", action="store_true", help="vLLM enforce_eager (no torch.compile)")
     ap.add_argument("--plain-onednn", action=argparse.BooleanOptionalAction, default=True)

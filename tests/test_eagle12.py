@@ -440,3 +440,40 @@ def test_options_are_frozen_and_checked_in_one_place(folder):
         EagleDrafter(drafter.net, tree="sequoia")
     with pytest.raises(ValueError, match="trained drafter: give the folder"):
         flashmm.wrap(tiny_lm("llama"), "eagle")
+
+
+def test_the_training_loss_is_the_papers(target):
+    """flashmm.train.eagle's loss of one sequence (noise off) is EAGLE-1's: SmoothL1 between each guess and the
+    target's next feature, plus 0.1 × the cross-entropy of the target's top-k distribution of the token after
+    under the LM head applied to the guess, over the units whose guess predicts an answer token; computed here
+    from the float64 forward of the layout."""
+    from flashmm.drafters.nets.eagle_net import EagleConfig, EagleNet
+    from flashmm.train import eagle as trainer
+    from flashmm.train.eagle3 import Example, FrozenEmbedding
+
+    config = head_config(target, bias=False)
+    state = head_state(target, config, seed=5)
+    net = EagleNet(EagleConfig(hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
+                               num_key_value_heads=2, intermediate_size=96, vocab_size=config["vocab_size"],
+                               rms_norm_eps=1e-6, rope_theta=10000.0, fc_bias=False))
+    net.load_state_dict({k: v for k, v in state.items() if k != "embed_tokens.weight"})
+    ids = prompt(12, seed=6)[0]
+    with torch.no_grad():
+        feats = target.model(ids[None]).last_hidden_state[0]
+        logits = target(ids[None]).logits[0]
+    top, lse = logits.topk(4), logits.logsumexp(-1)
+    lm_head = target.get_output_embeddings().weight.detach()
+    ex = Example(ids, feats, top.indices, top.values, lse, prompt_len=5)
+    loss, counts = trainer.sequence_loss(net, FrozenEmbedding(state["embed_tokens.weight"]), lm_head, ex,
+                                         trainer.Eagle1Loss(noise=0.0))
+
+    d, first, length = config["hidden_size"], 3, ids.shape[0]        # unit 3's guess is f_4, which predicts x_5
+    guess = reference_logits(state, config, torch.eye(d), ids[1:], feats[:-1])[first:]      # [L - 1 - first, d]
+    diff = (guess - feats[first + 1:].double()).abs()
+    regression = torch.where(diff < 1, 0.5 * diff ** 2, diff - 0.5).mean()
+    logq = (guess @ lm_head.double().T).log_softmax(-1)
+    pos = torch.arange(first + 1, length)
+    p = (top.values[pos].double() - lse[pos, None].double()).exp()
+    classification = -(p * logq.gather(1, top.indices[pos])).sum(-1).mean()
+    assert abs(float(loss.detach()) - float(regression + 0.1 * classification)) < 1e-5
+    assert counts == {0: [int((logq.argmax(-1) == top.indices[pos, 0]).sum()), length - 1 - first]}

@@ -20,6 +20,7 @@ DRAFT_LM = ["--vocab", "64", "--hidden", "32", "--heads", "2", "--intermediate",
             "--pretrain-epochs", "1"]
 METHODS = {
     "eagle3": ["--steps", "3", "--vocab", "64", "--checkpoint-every", "2"],
+    "eagle": ["--steps", "3", "--checkpoint-every", "2", "--holdout-every", "2"],
     "dflash": ["--steps", "3", "--vocab", "64", "--block-size", "4", "--anchors", "4", "--checkpoint-every", "2"],
     "medusa": ["--steps", "3", "--batch", "16", "--vocab", "64"],
     "hydra": ["--steps", "3", "--batch", "16", "--vocab", "64", "--prefix-attention", "--objective", "distill",
@@ -34,7 +35,7 @@ METHODS = {
     "kangaroo": ["--exit-layer", "1", "--epochs", "1", "--batch", "2"],
 }
 DRAFTER = {"dflash": "dflash", "draft_lm": "fastdraft", "distillspec": "fastdraft", "adaspec": "fastdraft", "eagle3": "eagle3",
-           "medusa": "medusa", "hydra": "hydra", "mtp": "mtp", "pard": "pard", "s2d": "s2d", "specdecpp": "specdecpp",
+           "eagle": "eagle", "medusa": "medusa", "hydra": "hydra", "mtp": "mtp", "pard": "pard", "s2d": "s2d", "specdecpp": "specdecpp",
            "kangaroo": "kangaroo"}
 
 
@@ -164,6 +165,34 @@ def test_bad_input_names_the_argument(prompts, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit, match="WORLD_SIZE=2.*flash only"):
         train_cli(args_for("kangaroo", prompts, tmp_path / "out"))
+
+
+def test_a_corpus_the_target_wrote_trains_without_prompts(corpus, tmp_path, monkeypatch):
+    """--corpus DIR (instead of --data): the records of a corpus folder, the first --take of them; a corpus
+    another target wrote is refused naming both."""
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    out = tmp_path / "from_corpus"
+    argv = ["medusa", "--target", "test_train_cli:tiny_target", "--corpus", str(corpus), "--take", "3", "--out",
+            str(out), "--threads", "1", *METHODS["medusa"], "--holdout-every", "0"]
+    assert train_cli(argv) == 0
+    info = json.loads((out / "drafter.json").read_text())
+    assert info["training"]["train_sequences"] == 3 and not (out / "corpus").exists()
+    model, tokenizer = tiny_target()
+    ids = torch.tensor([tokenizer.encode("Count to three.", add_special_tokens=False)])
+    assert torch.equal(flashmm.wrap(model, str(out)).generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False),
+                       model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False))
+
+    other = tmp_path / "other_corpus"
+    shutil.copytree(corpus, other)
+    build = json.loads((other / "build_info.json").read_text())
+    build["settings"]["target"] = "someone-else"
+    (other / "build_info.json").write_text(json.dumps(build))
+    argv[argv.index(str(corpus))] = str(other)
+    with pytest.raises(SystemExit, match=r"--corpus .*other_corpus: its answers were written by 'someone-else'.*"
+                                         r"not by --target 'test_train_cli:tiny_target'"):
+        train_cli(argv)
+    with pytest.raises(SystemExit, match="--corpus .*nowhere.*no build_info.json"):
+        train_cli([*argv[:argv.index(str(other))], str(tmp_path / "nowhere"), *argv[argv.index(str(other)) + 1:]])
 
 
 def test_other_options_on_the_same_out_are_refused(prompts, corpus, tmp_path, monkeypatch):

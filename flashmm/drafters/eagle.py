@@ -65,7 +65,7 @@ from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, register, root_only
-from .files import DrafterFileError, blamed_on, load_weights, read_json
+from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json
 from .head_base import feed_committed
 from .nets.eagle_net import EagleConfig, EagleNet
 from .options import DrafterOptions, check_at_least, check_choice
@@ -143,7 +143,14 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def from_dir(cls, path, **options) -> "EagleDrafter":
-        """The head in the EAGLE repository's folder ``path`` (see the module docstring)."""
+        """The head in the EAGLE repository's folder ``path`` (see the module docstring). A head flashmm trained
+        (``python -m flashmm.train eagle``) also carries drafter.json: its "drafting" options come first,
+        ``options`` override them."""
+        info_path = Path(path) / "drafter.json"
+        if info_path.is_file():
+            drafting = check_section(info_path, "'drafting'", read_json(info_path).get("drafting", {}),
+                                     *parameters_of(EagleOptions))
+            options = {**drafting, **options}
         return load_eagle_checkpoint(path, **options)
 
     # ------------------------------------------------------------------ protocol

@@ -79,8 +79,18 @@ SINGLE_PROCESS = ("One process: multi-process data parallel is not implemented f
 
 
 def add_text_arguments(p: argparse.ArgumentParser) -> None:
-    """--target / --data / --out and the corpus options of every text method."""
-    add_target_arguments(p, TEXT_DATA)
+    """--target / --data or --corpus / --out and the corpus options of every text method."""
+    p.add_argument("--target", required=True, help="model directory, 'smollm2', 'gemma3' or module:function")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--data", help=TEXT_DATA)
+    given.add_argument("--corpus", help="a corpus the target already wrote, instead of --data: a folder in "
+                       "flashmm.train.corpus's format (corpus.jsonl.xz + build_info.json naming its target), such "
+                       "as an earlier run's --out/corpus or this repository's assets/corpus/smollm2")
+    p.add_argument("--take", type=int, default=None, help="train on the first N corpus records only")
+    p.add_argument("--out", required=True, help="output directory: the drafter, and its corpus, features and "
+                   "checkpoints (a rerun with the same options resumes there)")
+    p.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16, float16)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer the target writes per prompt")
     p.add_argument("--top-k", type=int, default=32, help="target logits cached per position")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -141,9 +151,12 @@ def text_setup(args, method: str, settings: dict) -> TextSetup:
     from .self_corpus import build_self_corpus, read_prompts  # noqa: PLC0415
 
     refuse_multi_process(method)
+    if args.take is not None and args.take < 1:
+        raise SystemExit(f"--take must be >= 1, got {args.take}")
     try:
-        conversations = read_prompts(args.data)
-    except (FileNotFoundError, ValueError) as err:  # the messages name --data, the file and the line
+        conversations = None if args.data is None else read_prompts(args.data)
+        records = None if args.corpus is None else given_corpus(args.corpus, args.target)
+    except (FileNotFoundError, ValueError) as err:  # the messages name --data / --corpus, the file and the line
         raise SystemExit(f"python -m flashmm.train {method}: {err}") from None
     out = Path(args.out)
     work = out / "work" / method
@@ -155,9 +168,28 @@ def text_setup(args, method: str, settings: dict) -> TextSetup:
     tokenizer = getattr(processor, "tokenizer", processor)
     if tokenizer is None:
         raise SystemExit(f"--target {args.target}: gives no tokenizer; a text method renders --data with it")
-    records = build_self_corpus(model, tokenizer, conversations, out / "corpus", max_new_tokens=args.max_new_tokens,
-                                target=args.target, log=log)
-    return TextSetup(model, tokenizer, records, out, work)
+    if records is None:
+        records = build_self_corpus(model, tokenizer, conversations, out / "corpus", max_new_tokens=args.max_new_tokens,
+                                    target=args.target, log=log)
+    return TextSetup(model, tokenizer, records[:args.take], out, work)
+
+
+def given_corpus(folder, target: str) -> list:
+    """The records of the --corpus folder, refused (naming it) when its build_info.json names another target
+    than --target: its answers are another model's, not the target's own."""
+    from .corpus import INFO_FILE, read_corpus, read_info  # noqa: PLC0415
+
+    folder = Path(folder)
+    if not (folder / INFO_FILE).is_file():
+        raise FileNotFoundError(f"--corpus {str(folder)!r}: no {INFO_FILE} there (a corpus folder holds "
+                                f"corpus.jsonl.xz and {INFO_FILE})")
+    info = read_info(folder)
+    settings = info.get("settings")
+    built_for = info.get("target") or (settings.get("target") if isinstance(settings, dict) else None)
+    if built_for is not None and built_for != target:
+        raise ValueError(f"--corpus {folder}: its answers were written by {built_for!r} ({folder / INFO_FILE}), "
+                         f"not by --target {target!r}")
+    return read_corpus(folder)
 
 
 def check_settings(work: Path, settings: dict) -> None:

@@ -1,6 +1,7 @@
-"""``python -m flashmm.train eagle3|dflash``: drafters that read the target's features at several layers.
+"""``python -m flashmm.train eagle3|eagle|dflash``: drafters that read the target's features.
 
-eagle3: an EAGLE-3 head trained with training-time test (flashmm.train.eagle3). dflash: a DFlash
+eagle3: an EAGLE-3 head trained with training-time test (flashmm.train.eagle3). eagle: an EAGLE-1 / EAGLE-2
+head on the target's final-normed state (flashmm.train.eagle). dflash: a DFlash
 block drafter (flashmm.train.dflash). The target answers --data (the corpus), its features at
 --layers are cached over those answers (flashmm.train.corpus.features, resumable), and the network
 trains ``--steps`` steps on them (checkpointed every --checkpoint-every steps; a rerun resumes).
@@ -148,7 +149,58 @@ def run_dflash(args, argv: list[str]) -> int:
     return 0
 
 
+def add_eagle_arguments(p) -> None:
+    add_text_arguments(p)
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps, one sequence each")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--noise", type=float, default=0.1, help="features read with U(-noise, noise) added")
+    p.add_argument("--classification-weight", type=float, default=0.1, help="the classification loss's weight")
+    p.add_argument("--holdout-every", type=int, default=20, help="hold out every N-th sequence to measure the "
+                   "head's accuracy (0: measured on the training sequences)")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--depth", type=int, default=6, help="drafting: tree depth (EAGLE-2's dynamic tree)")
+    p.add_argument("--tree-top-k", type=int, default=8, help="drafting: children per node of the dynamic tree")
+    p.epilog = SINGLE_PROCESS
+
+
+def run_eagle(args, argv: list[str]) -> int:
+    from . import eagle as H  # noqa: PLC0415
+    from . import eagle3 as E  # noqa: PLC0415
+    from .cli_common import text_setup  # noqa: PLC0415
+    from .corpus import features  # noqa: PLC0415
+
+    s = text_setup(args, "eagle", method_settings(args))
+    model = s.model
+    last = model.config.get_text_config().num_hidden_layers          # its final-normed state (the LM head's input)
+    cached = features(model, s.records, layers=(last,), top_k=args.top_k, cache_dir=s.features_dir, log=log)
+    every = args.holdout_every
+    held = [i for i in range(len(cached)) if every and i % every == every - 1]
+    train = [E.example_from(cached[i], [0]) for i in range(len(cached)) if i not in set(held)]
+    held_out = [E.example_from(cached[i], [0]) for i in held] or train
+    net = H.new_head(model, args.seed)
+    embed = E.frozen_embedding(model)
+    lm_weight = model.get_output_embeddings().weight.detach().float()
+    loss = H.Eagle1Loss(classification_weight=args.classification_weight, noise=args.noise)
+    opts = E.TrainOptions(lr=args.lr, steps=args.steps, warmup=min(args.warmup, args.steps // 10), seed=args.seed,
+                          checkpoint_every=args.checkpoint_every)
+    summary = E.train(net, embed, train, opts, s.work, log=log,
+                      loss_of=lambda ex: H.sequence_loss(net, embed, lm_weight, ex, loss))
+    top1 = H.accuracy(net, embed, lm_weight, held_out, loss)
+    log(f"top-1 accuracy of the head's guesses: {top1:.3f}")
+    info = {"method": "eagle", "target": target_info(args.target, model),
+            "training": {**method_settings(args), "history": summary["history"][-3:], "train_sequences": len(train),
+                         "held_out_sequences": len(held), "top1": round(top1, 4),
+                         "top1_measured_on": "held-out sequences" if held else "the training sequences"},
+            "command": command_line(argv)}
+    H.save_head(s.out, net, info, dict(tree="dynamic", depth=args.depth, top_k=args.tree_top_k))
+    log(f"EAGLE-1/2 head written to {s.out}")
+    return 0
+
+
 COMMANDS = {"eagle3": Command("train an EAGLE-3 head (training-time test; plain, HASS or GRIFFIN loss)",
                               add_arguments, run),
+            "eagle": Command("train an EAGLE-1 / EAGLE-2 head (feature regression + classification; the "
+                             "EAGLE repository's layout)", add_eagle_arguments, run_eagle),
             "dflash": Command("train a DFlash block drafter (a block of tokens per forward from the target's "
                               "features)", add_dflash_arguments, run_dflash)}

@@ -158,23 +158,31 @@ def _lr(opts: TrainOptions, step: int) -> float:
     return opts.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def train(net: Eagle3Net, embed: torch.nn.Module, examples, opts: TrainOptions, work_dir,
-          log=print) -> dict:
+def train(net: torch.nn.Module, embed: torch.nn.Module, examples, opts: TrainOptions, work_dir,
+          log=print, loss_of=None) -> dict:
     """Train ``net`` on ``examples`` (a sequence of Example, indexed, one per step; or a store with
     its own ``batches`` and ``loss``, eagle3_batched.PaddedExamples, ``opts.batch`` sequences per
     step) read in a seeded order, cycled, for
     ``opts.steps`` steps; resumable from ``work_dir/checkpoint.pt``. Returns a summary, also
-    written to ``work_dir/summary.json`` (a finished run is read back, not retrained)."""
+    written to ``work_dir/summary.json`` (a finished run is read back, not retrained).
+    ``loss_of(example)`` → (loss, {step: [correct, counted]}) is one example's loss (default: the
+    EAGLE-3 head's training-time-test loss, ``sequence_loss``)."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     done = work / "summary.json"
     if done.exists():
         net.load_state_dict(torch.load(work / "final.pt", weights_only=True))
         return json.loads(done.read_text())
-    rows = target_rows(net).to(net.fc.weight.device)
+    batched = hasattr(examples, "batches")
+    if batched and loss_of is not None:
+        raise ValueError("a batched store (eagle3_batched.PaddedExamples) computes its own loss: pass no loss_of")
+    if loss_of is None:
+        rows = target_rows(net).to(net.fc.weight.device)
+
+        def loss_of(example):
+            return sequence_loss(net, embed, example, rows, opts)
     optim = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=opts.lr,
                               betas=(0.9, 0.95), weight_decay=0.0)
-    batched = hasattr(examples, "batches")
     if batched:
         order = examples.batches(opts.batch, opts.seed)
     else:
@@ -198,7 +206,7 @@ def train(net: Eagle3Net, embed: torch.nn.Module, examples, opts: TrainOptions, 
         if batched:
             loss, counts = examples.loss(net, embed, order[step % len(order)], rows, opts)
         else:
-            loss, counts = sequence_loss(net, embed, examples[order[step % len(order)]], rows, opts)
+            loss, counts = loss_of(examples[order[step % len(order)]])
         optim.zero_grad(set_to_none=True)
         if loss.requires_grad:
             loss.backward()
