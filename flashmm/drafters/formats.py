@@ -4,8 +4,8 @@
 
 The layouts (``published_format``): vLLM's speculators (every algorithm flashmm has a drafter for), the EAGLE
 repository's EAGLE-1/2 and EAGLE-3 heads, SpecForge / SGLang's EAGLE-3, Medusa-1 and Hydra (MLP) heads, AMD's PARD
-drafts. Each is read by its method's module (flashmm.drafters.published and the modules beside it say which
-commit of its reference code they follow).
+drafts, ViSpec heads. Each is read by its method's module (flashmm.drafters.published and the modules beside it
+say which commit of its reference code they follow).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from .published_eagle3 import load_eagle3_checkpoint
 from .published_heads import load_medusa
 from .published_hydra import load_hydra
 from .published_pard import load_pard
+from .published_vispec import is_vispec_folder, load_vispec
 from .speculators_mtp import SpeculatorsMTP
 
 #: the speculators algorithms flashmm reads
@@ -47,7 +48,8 @@ def published_format(path) -> str | None:
     architectures ``LlamaForCausalLMEagle3``), "medusa" (``medusa_num_heads``), "hydra" (``hydra_num_heads``;
     flashmm.drafters.published_hydra reads Hydra's MLP heads and refuses its other head architectures),
     "pard" (AMD's PARD drafts: a causal LM's config with ``pard_token``; flashmm.drafters.published_pard refuses
-    one that is not a transformers causal LM or is PARD-2, saying why), "eagle" (the EAGLE repository's EAGLE-1/2
+    one that is not a transformers causal LM or is PARD-2, saying why), "vispec" (KangJialiang/ViSpec's head: weights
+    with ``imadpt.q``; flashmm.drafters.published_vispec), "eagle" (the EAGLE repository's EAGLE-1/2
     head: one layer, no ``draft_vocab_size``, weights ``fc.weight`` and ``layers.0.*``; flashmm.drafters.eagle);
     None for anything else (no config.json, or a flashmm folder with drafter.json)."""
     folder = Path(path)
@@ -66,6 +68,8 @@ def published_format(path) -> str | None:
     if "LlamaForCausalLMEagle3" in architectures or ("draft_vocab_size" in data
                                                      and data.get("num_hidden_layers") == 1):
         return "eagle3"
+    if is_vispec_folder(folder, data):
+        return "vispec"
     if is_eagle_folder(folder, data):     # the EAGLE repository's EAGLE-1/2 head (flashmm.drafters.eagle)
         return "eagle"
     return None
@@ -76,11 +80,11 @@ def load_published(path, **options):
     its constructor."""
     kind = published_format(path)
     readers = {"speculators": load_speculators, "eagle3": load_eagle3_checkpoint, "medusa": load_medusa,
-               "hydra": load_hydra, "pard": load_pard, "eagle": load_eagle_checkpoint}
+               "hydra": load_hydra, "pard": load_pard, "eagle": load_eagle_checkpoint, "vispec": load_vispec}
     if kind is None:
         raise FileNotFoundError(f"{path} holds no published drafter flashmm reads (a config.json of vLLM "
                                 "speculators, an EAGLE-1/2 or EAGLE-3 head of the EAGLE repository, an EAGLE-3 head of "
-                                "SpecForge / SGLang, Medusa-1, Hydra, a PARD draft)")
+                                "SpecForge / SGLang, Medusa-1, Hydra, a PARD draft, a ViSpec head)")
     return readers[kind](path, **options)
 
 
