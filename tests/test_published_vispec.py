@@ -335,10 +335,11 @@ def sampled(sm, inputs, joint, trials: int) -> tuple[float, int]:
 
 
 def test_sampling_follows_the_targets_distribution(tmp_path, tiny):
-    """Sampled with images, an EAGLE-2 tree (two children a node): the first two tokens' histogram matches the VLM's exact joint (χ²);
-    the lossy typical verifier fails the same test. For drafts to be accepted at all, the target's LM head reads
-    one coordinate of its final state (so the top-k set depends on its sign) and the head passes its feature
-    through (fc and img_fc near the identity on it): its drafts then fall inside the target's top-k."""
+    """Sampled with images, an EAGLE-2 tree (two children a node): the first two tokens' histogram matches the
+    VLM's exact joint (χ²); the lossy typical verifier fails the same test. For drafts to be accepted at all, the
+    target's LM head reads one coordinate of its final state (so the top-k set depends on its sign) and the head
+    passes its feature through (fc and img_fc near the identity on it): its drafts then fall inside the target's
+    top-k, and some are accepted, some rejected."""
     base, processor, _ = tiny
     model = copy.deepcopy(base)
     inputs = mm.make_inputs(processor, "llava", images=1, text="Hi.")
