@@ -117,19 +117,24 @@ class EagleDrafter(Drafter):
     name = "eagle"
     needs_hidden_states = True
     feature_layers = ()                     # the last output_hidden_states entry: after the final norm
+    #: what a subclass running a head of another layout changes: its network class, options class and the
+    #: layout's name in messages (flashmm.drafters.published_vispec)
+    net_class = EagleNet
+    options_class = EagleOptions
+    layout = LAYOUT
 
     def __init__(self, net: EagleNet, *, embedding: torch.Tensor | None = None, folder: str | os.PathLike | None = None,
                  verifier: str | None = None, options: EagleOptions | None = None, **given):
-        if not isinstance(net, EagleNet):
-            raise TypeError(f"net must be an EagleNet (flashmm.drafters.load(dir) reads an EAGLE-1/2 head), "
-                            f"got {type(net).__name__}")
-        self._options = options = EagleOptions.build(type(self).__name__, given, options)
+        if not isinstance(net, self.net_class):
+            raise TypeError(f"net must be a {self.net_class.__name__} (flashmm.drafters.load(dir) reads a "
+                            f"{self.layout} head), got {type(net).__name__}")
+        self._options = options = self.options_class.build(type(self).__name__, given, options)
         self.net = net.eval()
         self.tree, self.depth, self.top_k = options.tree, options.depth, options.top_k
         self.paths = sorted(options.paths or (), key=lambda path: (len(path), path))   # parents first
         self.max_draft_tokens = options.max_draft_tokens
         self.folder = None if folder is None else Path(folder)
-        self.info = {"method": "eagle", "target": verifier, "format": f"{LAYOUT} {EAGLE_COMMIT[:7]}",
+        self.info = {"method": self.name, "target": verifier, "format": f"{LAYOUT} {EAGLE_COMMIT[:7]}",
                      **({} if folder is None else {"source": os.fspath(folder)})}
         self.embedding = None if embedding is None else nn.Embedding.from_pretrained(embedding.float(), freeze=True)
         self._embed = None                      # bind: the embedding table drafted tokens are read with
@@ -164,7 +169,7 @@ class EagleDrafter(Drafter):
             ("vocabulary", cfg.vocab_size, target.vocab_size)) if ours != theirs]
         if wrong:
             where = f"{self.folder}: this" if self.folder is not None else "This"
-            raise ValueError(f"{where} {LAYOUT} head does not fit the target: " + "; ".join(
+            raise ValueError(f"{where} {self.layout} head does not fit the target: " + "; ".join(
                 f"{what}: drafter {ours}, target {theirs}" for what, ours, theirs in wrong)
                 + "; use the head trained for this target")
         if self.adaptive and self.pricing == "measured":
@@ -247,13 +252,19 @@ class EagleDrafter(Drafter):
         return keep
 
     # ------------------------------------------------------------------ the head
+    def head_pass(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                  past=None):
+        """One pass of the head over units (EagleNet.forward's arguments and result); a drafter whose head
+        reads more than the units (ViSpec's global visual feature) passes it here."""
+        return self.net(embeds, features, positions, mask, past)
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """The target's LM head on head outputs ``out`` [.., d] → float32 logits [.., V]."""
         return self._lm_head(out.to(self._lm_head.weight.dtype))[..., : self._vocab].float()
 
     def _sync(self, committed: torch.Tensor) -> None:
         """Add units next .. root-1 to the committed cache; keep the last one's output."""
-        out, self._past, self._pending = feed_committed(self.net, self._embed, self._prompt_embeds, committed,
+        out, self._past, self._pending = feed_committed(self.head_pass, self._embed, self._prompt_embeds, committed,
                                                         self._next, self._pending, self._past, "EagleDrafter")
         self._next = committed.shape[1] - 1
         self._root_out = out[0, -1]
@@ -275,7 +286,7 @@ class EagleDrafter(Drafter):
             mask = units.mask(chosen, nodes, past_len, feats.device)
             past = self._past if units.count == 0 else (torch.cat([self._past[0], units.keys], 2),
                                                          torch.cat([self._past[1], units.values], 2))
-            out, (keys, values) = self.net(embeds, feats, positions, mask, past)
+            out, (keys, values) = self.head_pass(embeds, feats, positions, mask, past)
             units.add(chosen, keys[:, :, -len(chosen):], values[:, :, -len(chosen):], out[0])
             return self.logits(out[0]).log_softmax(-1)
 
@@ -323,25 +334,24 @@ def is_eagle_folder(folder, config: dict) -> bool:
     return "fc.weight" in names and any(n.startswith("layers.0.") for n in names)
 
 
-def _refuse(config_path: Path, what: str, value, why: str):
-    return UnsupportedDrafterFormat(f"{config_path}: {what} is {value!r}; flashmm's EAGLE-1/2 head cannot run "
-                                    f"it ({why})")
+def _refuse(config_path: Path, what: str, value, why: str, head: str):
+    return UnsupportedDrafterFormat(f"{config_path}: {what} is {value!r}; flashmm's {head} cannot run it ({why})")
 
 
-def eagle_config(config_path: Path, config: dict) -> EagleConfig:
+def eagle_config(config_path: Path, config: dict, head: str = "EAGLE-1/2 head") -> EagleConfig:
     """The EagleConfig of an EAGLE-1/2 config.json, read as EConfig / cnets1 read it; refuses what flashmm's
-    head cannot run exactly."""
+    head cannot run exactly (``head`` names it in the refusal: ViSpec's config is read here too)."""
     checks = (
         ("num_hidden_layers", config.get("num_hidden_layers"), 1, "one decoder layer"),
         ("hidden_act", config.get("hidden_act", "silu"), "silu", "SwiGLU"),
     )
     for what, value, want, why in checks:
         if value != want:
-            raise _refuse(config_path, what, value, why)
+            raise _refuse(config_path, what, value, why, head)
     rope = config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
-        raise _refuse(config_path, "rope_scaling", rope, "unscaled rotary positions")
+        raise _refuse(config_path, "rope_scaling", rope, "unscaled rotary positions", head)
     heads = config.get("num_attention_heads")
     with blamed_on(config_path, "the head's sizes", errors=(KeyError, TypeError, ValueError)):
         return EagleConfig(

@@ -4,8 +4,8 @@
 
 The layouts (``published_format``): vLLM's speculators (every algorithm flashmm has a drafter for), the EAGLE
 repository's EAGLE-1/2 and EAGLE-3 heads, SpecForge / SGLang's EAGLE-3, Medusa-1 and Hydra (MLP) heads, AMD's PARD
-drafts, FlashSD's drafters. Each is read by its method's module (flashmm.drafters.published and the modules
-beside it say which commit of its reference code they follow).
+drafts, FlashSD's drafters, ViSpec heads. Each is read by its method's module (flashmm.drafters.published
+and the modules beside it say which commit of its reference code they follow).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .published_flashsd import is_flashsd_folder, load_flashsd
 from .published_heads import load_medusa
 from .published_hydra import load_hydra
 from .published_pard import load_pard
+from .published_vispec import is_vispec_folder, load_vispec
 from .speculators_mtp import SpeculatorsMTP
 
 #: the speculators algorithms flashmm reads
@@ -48,11 +49,12 @@ def published_format(path) -> str | None:
     architectures ``LlamaForCausalLMEagle3``), "medusa" (``medusa_num_heads``), "hydra" (``hydra_num_heads``;
     flashmm.drafters.published_hydra reads Hydra's MLP heads and refuses its other head architectures),
     "pard" (AMD's PARD drafts: a causal LM's config with ``pard_token``; flashmm.drafters.published_pard refuses
-    one that is not a transformers causal LM or is PARD-2, saying why), "eagle" (the EAGLE repository's EAGLE-1/2
-    head: one layer, no ``draft_vocab_size``, weights ``fc.weight`` and ``layers.0.*``; flashmm.drafters.eagle),
-    "flashsd" (FlashSD's checkpoints: the same head with a config naming its target VLM, or its refused
-    semi-autoregressive head; flashmm.drafters.published_flashsd); None for anything else (no config.json, or a
-    flashmm folder with drafter.json)."""
+    one that is not a transformers causal LM or is PARD-2, saying why), "vispec" (KangJialiang/ViSpec's head: weights
+    with ``imadpt.q``; flashmm.drafters.published_vispec), "flashsd" (FlashSD's checkpoints: the EAGLE-1 head with a
+    config naming its target VLM, or its refused semi-autoregressive head; flashmm.drafters.published_flashsd),
+    "eagle" (the EAGLE repository's EAGLE-1/2 head: one layer, no ``draft_vocab_size``, weights ``fc.weight`` and
+    ``layers.0.*``; flashmm.drafters.eagle); None for anything else (no config.json, or a flashmm folder with
+    drafter.json)."""
     folder = Path(path)
     if not (folder / CONFIG_FILE).is_file() or (folder / "drafter.json").is_file():
         return None
@@ -69,6 +71,8 @@ def published_format(path) -> str | None:
     if "LlamaForCausalLMEagle3" in architectures or ("draft_vocab_size" in data
                                                      and data.get("num_hidden_layers") == 1):
         return "eagle3"
+    if is_vispec_folder(folder, data):    # before "flashsd": a ViSpec config may name its target VLM too
+        return "vispec"
     if is_flashsd_folder(folder, data):   # before "eagle": FlashSD's drafter is an EAGLE-1 head for a VLM
         return "flashsd"
     if is_eagle_folder(folder, data):     # the EAGLE repository's EAGLE-1/2 head (flashmm.drafters.eagle)
@@ -81,11 +85,12 @@ def load_published(path, **options):
     its constructor."""
     kind = published_format(path)
     readers = {"speculators": load_speculators, "eagle3": load_eagle3_checkpoint, "medusa": load_medusa,
-               "hydra": load_hydra, "pard": load_pard, "eagle": load_eagle_checkpoint, "flashsd": load_flashsd}
+               "hydra": load_hydra, "pard": load_pard, "eagle": load_eagle_checkpoint, "flashsd": load_flashsd,
+               "vispec": load_vispec}
     if kind is None:
         raise FileNotFoundError(f"{path} holds no published drafter flashmm reads (a config.json of vLLM "
                                 "speculators, an EAGLE-1/2 or EAGLE-3 head of the EAGLE repository, an EAGLE-3 head of "
-                                "SpecForge / SGLang, Medusa-1, Hydra, a PARD draft, FlashSD)")
+                                "SpecForge / SGLang, Medusa-1, Hydra, a PARD draft, FlashSD, a ViSpec head)")
     return readers[kind](path, **options)
 
 
