@@ -379,9 +379,11 @@ class NotATensor:
 
 
 def test_a_pickle_that_is_not_plain_tensors_is_refused(tmp_path, tiny):
-    folder = write_head(tmp_path / "head", tiny[0])
+    # unlistable weights are judged by the config: ViSpec's name LLaVA-NeXT (train/llava_1.6_7B_config.json), or
+    # Qwen2.5-VL with qkv_bias; a plain LLaVA / Qwen2.5-VL config without q/k/v biases is FlashSD's layout
+    folder = write_head(tmp_path / "head", tiny[0], architectures=["LlavaNextForConditionalGeneration"])
     torch.save({"imadpt.q": NotATensor(), "fc.weight": torch.zeros(1)}, folder / "pytorch_model.bin")
-    assert published_format(folder) == "vispec"           # unlistable weights: judged by the VLM config
+    assert published_format(folder) == "vispec"
     with pytest.raises(DrafterFileError, match="weights_only") as err:
         load(folder)
     assert str(folder / "pytorch_model.bin") in str(err.value)
@@ -411,4 +413,5 @@ def test_malformed_weights_and_a_head_without_the_adaptor(tmp_path, tiny):
     with pytest.raises(DrafterFileError, match="pytorch_model.bin"):
         load(folder)
     plain = {k: v for k, v in head_state(model, config).items() if not k.startswith(("imadpt.", "img_fc."))}
-    assert published_format(write_head(tmp_path / "stage1", model, state=plain)) == "eagle"
+    stage1 = write_head(tmp_path / "stage1", model, state=plain, architectures=["LlavaNextForConditionalGeneration"])
+    assert published_format(stage1) == "eagle"   # (under a plain LLaVA config it is FlashSD's layout, the same head)

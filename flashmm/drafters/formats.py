@@ -71,10 +71,10 @@ def published_format(path) -> str | None:
     if "LlamaForCausalLMEagle3" in architectures or ("draft_vocab_size" in data
                                                      and data.get("num_hidden_layers") == 1):
         return "eagle3"
-    if is_vispec_folder(folder, data):    # before "flashsd": a ViSpec config may name its target VLM too
-        return "vispec"
     if is_flashsd_folder(folder, data):   # before "eagle": FlashSD's drafter is an EAGLE-1 head for a VLM
         return "flashsd"
+    if is_vispec_folder(folder, data):
+        return "vispec"
     if is_eagle_folder(folder, data):     # the EAGLE repository's EAGLE-1/2 head (flashmm.drafters.eagle)
         return "eagle"
     return None

@@ -86,17 +86,19 @@ def _semi_autoregressive(names: set[str] | None, config: dict) -> bool:
 
 def is_flashsd_folder(folder, config: dict) -> bool:
     """Whether ``folder`` (its config.json parsed as ``config``) holds a FlashSD checkpoint: a config naming one
-    of FlashSD's target VLMs beside weights with ``fc.weight`` (the EeModel head), or weights with
-    ``layers.ar_proj.*`` (llama_sar's semi-autoregressive head, which ``load_flashsd`` refuses by name)."""
+    of FlashSD's target VLMs without q/k/v biases beside weights with ``fc.weight`` and without ViSpec's adaptor
+    (``imadpt.q``; ViSpec's configs for the same targets say ``qkv_bias: true`` or ``LlavaNext...``), or weights
+    with ``layers.ar_proj.*`` (llama_sar's semi-autoregressive head, which ``load_flashsd`` refuses by name).
+    Weights that cannot be listed are judged by the config alone."""
     folder = Path(folder)
     if "draft_vocab_size" in config or not any((folder / name).is_file() for name in WEIGHT_FILES):
         return False
     names = weight_names(folder)
     if _semi_autoregressive(names, config):
         return True
-    if _architecture(config) not in TARGET_ARCHITECTURES:
+    if _architecture(config) not in TARGET_ARCHITECTURES or config.get("qkv_bias"):
         return False
-    return names is None or "fc.weight" in names
+    return names is None or ("fc.weight" in names and "imadpt.q" not in names)
 
 
 def _refuse(config_path: Path, what: str, value, why: str) -> UnsupportedDrafterFormat:
