@@ -477,3 +477,30 @@ def test_the_training_loss_is_the_papers(target):
     classification = -(p * logq.gather(1, top.indices[pos])).sum(-1).mean()
     assert abs(float(loss.detach()) - float(regression + 0.1 * classification)) < 1e-5
     assert counts == {0: [int((logq.argmax(-1) == top.indices[pos, 0]).sum()), length - 1 - first]}
+
+
+def test_a_draft_vocabulary_drafts_its_own_tokens_only_and_stays_exact(tmp_path, target):
+    """With draft_vocab.safetensors beside the head (FR-Spec), each drafted token is the float64 forward's argmax
+    over those ids only; decoding stays identical to generate; ids outside the target's vocabulary are refused."""
+    head = write_head(tmp_path / "head", target, fmt="safetensors", bias=False)
+    config = json.loads((head / "config.json").read_text())
+    state = {k: v.float() for k, v in load_file(head / "model.safetensors").items()}
+    ids = prompt(10, seed=4)
+    with torch.no_grad():
+        features = target.model(ids).last_hidden_state
+    lm_head = target.get_output_embeddings().weight.detach()
+    vocab = torch.randperm(config["vocab_size"], generator=torch.Generator().manual_seed(1))[:7]
+    save_file({"ids": vocab}, str(head / "draft_vocab.safetensors"))
+    chain = load(head, tree="chain", depth=2)
+    assert torch.equal(chain.draft_vocab, vocab)
+    chain.bind(CausalLMTarget(target))
+    chain.begin(SequenceStart(input_ids=ids[:, :-1], hidden_states=features[:, :-1]))
+    draft = chain.propose(ids, 2, None, None)
+    first = int(vocab[reference_logits(state, config, lm_head, ids[0, 1:], features[0, :-1])[-1, vocab].argmax()])
+    second = int(vocab[reference_logits(state, config, lm_head, ids[0, 1:], features[0, :-1], [first])[-1, vocab].argmax()])
+    assert draft.tokens[0, 1:].tolist() == [first, second]
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(flashmm.wrap(target, str(head)).generate(ids, max_new_tokens=12, do_sample=False), expected)
+    save_file({"ids": torch.tensor([0, config["vocab_size"]])}, str(head / "draft_vocab.safetensors"))
+    with pytest.raises(ValueError, match=f"draft_vocab holds ids up to {config['vocab_size']}, outside"):
+        flashmm.wrap(target, str(head))

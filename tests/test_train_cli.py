@@ -20,7 +20,7 @@ DRAFT_LM = ["--vocab", "64", "--hidden", "32", "--heads", "2", "--intermediate",
             "--pretrain-epochs", "1"]
 METHODS = {
     "eagle3": ["--steps", "3", "--vocab", "64", "--checkpoint-every", "2"],
-    "eagle": ["--steps", "3", "--checkpoint-every", "2", "--holdout-every", "2"],
+    "eagle": ["--steps", "3", "--checkpoint-every", "2", "--holdout-every", "2", "--draft-vocab", "64"],
     "dflash": ["--steps", "3", "--vocab", "64", "--block-size", "4", "--anchors", "4", "--checkpoint-every", "2"],
     "medusa": ["--steps", "3", "--batch", "16", "--vocab", "64"],
     "hydra": ["--steps", "3", "--batch", "16", "--vocab", "64", "--prefix-attention", "--objective", "distill",

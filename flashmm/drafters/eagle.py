@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -59,13 +60,15 @@ import torch
 from torch import nn
 
 from ..config import SamplingParams
+from ..targets.onednn import routed_like
 from ..tree.cost import AdaptiveDraftLength, price_with_target
 from ..tree.draft import Draft
 from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_paying_prefix
 from .base import Drafter, SequenceStart, StepResult, register, root_only
-from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json
+from .files import (DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_json,
+                    read_safetensors)
 from .head_base import feed_committed
 from .nets.eagle_net import EagleConfig, EagleNet
 from .options import DrafterOptions, check_at_least, check_choice
@@ -74,6 +77,8 @@ from .published import UnsupportedDrafterFormat, read_weights
 EAGLE_COMMIT = "cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b"
 LAYOUT = "EAGLE-1/2 (EAGLE repository)"
 CONFIG_FILE = "config.json"
+#: beside a head flashmm trained: the target ids it drafts from (``ids``, FR-Spec's frequency-ranked subset)
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
 _IGNORED = ("rotary_emb.inv_freq",)        # a buffer older Llama code saved; recomputed from rope_theta
 
@@ -124,7 +129,8 @@ class EagleDrafter(Drafter):
     layout = LAYOUT
 
     def __init__(self, net: EagleNet, *, embedding: torch.Tensor | None = None, folder: str | os.PathLike | None = None,
-                 verifier: str | None = None, options: EagleOptions | None = None, **given):
+                 verifier: str | None = None, draft_vocab: torch.Tensor | None = None,
+                 options: EagleOptions | None = None, **given):
         if not isinstance(net, self.net_class):
             raise TypeError(f"net must be a {self.net_class.__name__} (flashmm.drafters.load(dir) reads a "
                             f"{self.layout} head), got {type(net).__name__}")
@@ -138,7 +144,12 @@ class EagleDrafter(Drafter):
                      **({} if folder is None else {"source": os.fspath(folder)})}
         self.embedding = None if embedding is None else nn.Embedding.from_pretrained(embedding.float(), freeze=True)
         self._embed = None                      # bind: the embedding table drafted tokens are read with
-        self._lm_head = None                    # bind: the target's LM head module
+        self._lm_head = None                    # bind: the target's LM head module (its draft_vocab rows, if any)
+        self._linears = nullcontext()           # bind: OneDNNLinears when the target multiplies through oneDNN
+        if draft_vocab is not None and (draft_vocab.dim() != 1 or draft_vocab.is_floating_point()):
+            raise ValueError(f"draft_vocab must be a 1-D tensor of token ids, got {tuple(draft_vocab.shape)} "
+                             f"{draft_vocab.dtype}")
+        self.draft_vocab = None if draft_vocab is None else draft_vocab.long()
         self._vocab = 0
         self.adaptive, self.length = options.adaptive, AdaptiveDraftLength()
         self.evidence = [0.0, 0.0]              # forgetting sums of accepted and predicted drafted tokens
@@ -176,9 +187,19 @@ class EagleDrafter(Drafter):
             self.cost_source = price_with_target(target, self.cost_models())
         self._lm_head = target.output_embeddings()
         self._vocab = target.vocab_size
+        if self.draft_vocab is not None:  # FR-Spec: score only the vocabulary's most frequent tokens
+            if int(self.draft_vocab.max()) >= self._vocab or int(self.draft_vocab.min()) < 0:
+                raise ValueError(f"{self.folder or 'this head'}: draft_vocab holds ids up to "
+                                 f"{int(self.draft_vocab.max())}, outside the target's {self._vocab}-token vocabulary")
+            rows = self._lm_head.weight.detach()[self.draft_vocab.to(self._lm_head.weight.device)]
+            self._lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False).to(rows)
+            self._lm_head.weight.data.copy_(rows)
         table = target.input_embeddings()
         device = table.weight.device
         self.net = self.net.to(device)
+        # the head and the LM head it scores with multiply as the target does (SmolLM2, 2 cores: drafting an
+        # EAGLE-2 tree took ~60 ms a step through torch's linear, most of it the 49,152-row LM head)
+        self._linears = routed_like(target, nn.ModuleList([self.net, self._lm_head]))
         if self.embedding is not None:
             self.embedding = self.embedding.to(device)
         self._embed = table if self.embedding is None else self.embedding
@@ -220,12 +241,13 @@ class EagleDrafter(Drafter):
                 generator: torch.Generator | None) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("EagleDrafter drafts one sequence at a time")
-        self._sync(committed)
-        if self.max_draft_tokens is not None:
-            max_tokens = min(max_tokens, self.max_draft_tokens)
-        if max_tokens <= 0:
-            return root_only(committed)
-        grown = self.grow(committed, max_tokens)
+        with self._linears:
+            self._sync(committed)
+            if self.max_draft_tokens is not None:
+                max_tokens = min(max_tokens, self.max_draft_tokens)
+            if max_tokens <= 0:
+                return root_only(committed)
+            grown = self.grow(committed, max_tokens)
         keep = self._best_paying(grown) if self.adaptive else list(range(len(grown.rows)))
         if not keep:
             return root_only(committed)
@@ -259,8 +281,13 @@ class EagleDrafter(Drafter):
         return self.net(embeds, features, positions, mask, past)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """The target's LM head on head outputs ``out`` [.., d] → float32 logits [.., V]."""
-        return self._lm_head(out.to(self._lm_head.weight.dtype))[..., : self._vocab].float()
+        """The target's LM head on head outputs ``out`` [.., d] → float32 logits [.., V] (with a draft_vocab,
+        -inf outside it: the head drafts from those tokens only; the target still verifies every token)."""
+        scores = self._lm_head(out.to(self._lm_head.weight.dtype)).float()
+        if self.draft_vocab is None:
+            return scores[..., : self._vocab]
+        full = scores.new_full((*scores.shape[:-1], self._vocab), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab.to(scores.device), scores)
 
     def _sync(self, committed: torch.Tensor) -> None:
         """Add units next .. root-1 to the committed cache; keep the last one's output."""
@@ -362,7 +389,7 @@ def eagle_config(config_path: Path, config: dict, head: str = "EAGLE-1/2 head") 
             fc_bias=bool(config.get("bias", True)), qkv_bias=bool(config.get("qkv_bias", False)))
 
 
-def load_eagle_checkpoint(path, **options) -> EagleDrafter:
+def load_eagle_checkpoint(path, draft_vocab: torch.Tensor | None = None, **options) -> EagleDrafter:
     """An EagleDrafter from the EAGLE repository's EAGLE-1/2 folder ``path``; ``options`` go to EagleDrafter.
     UnsupportedDrafterFormat for a variant flashmm cannot run, DrafterFileError naming the file for a
     malformed one (a pickle that is not plain tensors among them)."""
@@ -379,8 +406,13 @@ def load_eagle_checkpoint(path, **options) -> EagleDrafter:
     net = EagleNet(cfg)
     load_weights(net, state, where)
     name = config.get("base_model_name_or_path") or config.get("_name_or_path") or None
+    vocab_path = folder / DRAFT_VOCAB_FILE
+    if draft_vocab is None and vocab_path.is_file():  # a head flashmm trained: the tokens it drafts from
+        draft_vocab = read_safetensors(vocab_path).get("ids")
+        if draft_vocab is None or draft_vocab.dim() != 1 or draft_vocab.is_floating_point():
+            raise DrafterFileError(vocab_path, "needs one 1-D integer tensor 'ids' (the token ids drafted from)")
     with blamed_on(config_path, "the drafting options", options):
-        return EagleDrafter(net, embedding=embedding, folder=folder, verifier=name, **options)
+        return EagleDrafter(net, embedding=embedding, folder=folder, verifier=name, draft_vocab=draft_vocab, **options)
 
 
 __all__ = ["EAGLE_COMMIT", "LAYOUT", "EagleDrafter", "EagleOptions", "eagle_config", "is_eagle_folder",

@@ -159,8 +159,11 @@ def add_eagle_arguments(p) -> None:
     p.add_argument("--holdout-every", type=int, default=20, help="hold out every N-th sequence to measure the "
                    "head's accuracy (0: measured on the training sequences)")
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--depth", type=int, default=6, help="drafting: tree depth (EAGLE-2's dynamic tree)")
-    p.add_argument("--tree-top-k", type=int, default=8, help="drafting: children per node of the dynamic tree")
+    p.add_argument("--depth", type=int, default=4, help="drafting: tree depth (EAGLE-2's dynamic tree, verified as "
+                   "its best-paying prefix on the target's measured cost)")
+    p.add_argument("--tree-top-k", type=int, default=4, help="drafting: children per node of the dynamic tree")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="drafting: the head scores only the N most frequent "
+                   "corpus tokens (FR-Spec; the target still verifies every token; 0: the whole vocabulary)")
     p.epilog = SINGLE_PROCESS
 
 
@@ -170,7 +173,8 @@ def run_eagle(args, argv: list[str]) -> int:
     from .cli_common import text_setup  # noqa: PLC0415
     from .corpus import features  # noqa: PLC0415
 
-    s = text_setup(args, "eagle", method_settings(args))
+    drafting_only = ("depth", "tree_top_k", "draft_vocab")     # options of the folder, not of the training
+    s = text_setup(args, "eagle", method_settings(args, skip=drafting_only))
     model = s.model
     last = model.config.get_text_config().num_hidden_layers          # its final-normed state (the LM head's input)
     cached = features(model, s.records, layers=(last,), top_k=args.top_k, cache_dir=s.features_dir, log=log)
@@ -193,7 +197,17 @@ def run_eagle(args, argv: list[str]) -> int:
                          "held_out_sequences": len(held), "top1": round(top1, 4),
                          "top1_measured_on": "held-out sequences" if held else "the training sequences"},
             "command": command_line(argv)}
-    H.save_head(s.out, net, info, dict(tree="dynamic", depth=args.depth, top_k=args.tree_top_k))
+    vocab = None
+    if args.draft_vocab:
+        from .corpus import corpus_sequences  # noqa: PLC0415
+        from .draft_lm import choose_vocab  # noqa: PLC0415
+        from .self_corpus import stop_ids  # noqa: PLC0415
+
+        vocab = choose_vocab(corpus_sequences(s.records, "greedy", s.end_id()), args.draft_vocab,
+                             always=tuple(sorted(stop_ids(model, s.tokenizer))))
+    info["drafting_vocab"] = "the whole vocabulary" if vocab is None else \
+        f"{vocab.numel()} most frequent corpus tokens ({H.DRAFT_VOCAB_FILE})"
+    H.save_head(s.out, net, info, dict(tree="dynamic", depth=args.depth, top_k=args.tree_top_k, adaptive=True), vocab)
     log(f"EAGLE-1/2 head written to {s.out}")
     return 0
 

@@ -9,13 +9,17 @@ flashmm.train.corpus), and the features read with uniform noise U(-noise, noise)
 augmentation against the head's own errors at drafting time). Positions before the answer are context only.
 
 The head starts from the target: its decoder layer is a copy of the target's last one (attention, MLP and
-post-attention norm), and ``fc`` passes the feature half through (the embedding half starts small), so the
-untrained head already guesses "the feature stays as it is". ``fc`` has no bias, as vLLM's EAGLE-1 head is
-built (flashmm.drafters.export_eagle).
+post-attention norm) with the two output projections (``o_proj``, ``down_proj``) zeroed, and ``fc`` passes the
+feature half through (the embedding half starts small), so the untrained head guesses "the feature stays as it
+is" (a copy with open branches starts several times further from the next feature, and trains slower). ``fc``
+has no bias, as vLLM's EAGLE-1 head is built (flashmm.drafters.export_eagle).
 
 The folder it writes is the EAGLE repository's layout (config.json, model.safetensors with ``fc.*`` and
 ``layers.0.*``), which ``flashmm.drafters.load`` and vLLM (after ``flashmm export-drafter --format
-vllm-eagle``) read, plus flashmm's drafter.json (provenance and drafting options).
+vllm-eagle``) read, plus flashmm's drafter.json (provenance and drafting options) and, by default, the drafting
+vocabulary (``draft_vocab.safetensors``: the most frequent corpus tokens, FR-Spec, arXiv 2502.14856): the head
+then scores those LM head rows only, which on a target whose LM head is a large part of its weights (SmolLM2:
+28M of 135M parameters) is most of a drafting pass.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torch.nn import functional as F
 
+from ..drafters.eagle import DRAFT_VOCAB_FILE
 from ..drafters.nets.eagle_net import EagleConfig, EagleNet
 from .eagle3 import Example
 
@@ -62,6 +67,8 @@ def new_head(model, seed: int) -> EagleNet:
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(layer.mlp, name).weight.copy_(getattr(last.mlp, name).weight.float())
         layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
+        layer.self_attn.o_proj.weight.zero_()      # the residual branches start closed: the layer passes its
+        layer.mlp.down_proj.weight.zero_()         # input through, and the copied weights open them as they train
         d = cfg.hidden_size
         net.fc.weight[:, :d].mul_(0.1)
         net.fc.weight[:, d:].copy_(torch.eye(d))
@@ -108,8 +115,9 @@ def accuracy(net: EagleNet, embed: torch.nn.Module, lm_weight: torch.Tensor, exa
     return right / max(1, total)
 
 
-def save_head(out, net: EagleNet, info: dict, drafting: dict) -> Path:
-    """``out`` as the EAGLE repository's folder (config.json, model.safetensors, fp16) plus drafter.json."""
+def save_head(out, net: EagleNet, info: dict, drafting: dict, draft_vocab: torch.Tensor | None = None) -> Path:
+    """``out`` as the EAGLE repository's folder (config.json, model.safetensors, fp16) plus drafter.json, and with
+    ``draft_vocab`` (target ids) the drafting vocabulary (DRAFT_VOCAB_FILE, read by EagleDrafter.from_dir)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = net.cfg
@@ -122,5 +130,10 @@ def save_head(out, net: EagleNet, info: dict, drafting: dict) -> Path:
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in net.state_dict().items()
              if not k.endswith("inv_freq")}
     save_file(state, str(out / "model.safetensors"))
+    vocab_path = out / DRAFT_VOCAB_FILE
+    if draft_vocab is not None:
+        save_file({"ids": draft_vocab.long().contiguous()}, str(vocab_path))
+    elif vocab_path.is_file():
+        vocab_path.unlink()
     (out / "drafter.json").write_text(json.dumps({**info, "drafter": "eagle", "drafting": drafting}, indent=1) + "\n")
     return out
