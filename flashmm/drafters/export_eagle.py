@@ -17,8 +17,10 @@ vLLM feeds the head the target's final-normed hidden state and scores its output
 the EAGLE repository does.
 
 So the export keeps the keys, writes safetensors (fp16), drops a zero ``fc.bias`` and refuses a nonzero one (vLLM
-0.32 cannot hold it), and writes ``bias: false``, ``attention_bias: false`` and the head's ``qkv_bias``. Not run
-in vLLM here: the layout is checked against those files' key names and read back by flashmm's own loader.
+0.32 cannot hold it), and writes ``bias: false``, ``attention_bias: false`` and the head's ``qkv_bias``. Run in
+vLLM 0.32's CPU build by eval/vllm_peer.py (``--eagle DIR``) on SmolLM2 with the head ``python -m flashmm.train
+eagle`` built (eval/results/vllm_peer_smollm2_eagle.md: vLLM loads it, drafts with it, and every greedy output
+equals plain ``generate``); the suite checks the layout against those files' key names and reads it back.
 """
 from __future__ import annotations
 
