@@ -23,7 +23,7 @@ from flashmm.drafters.formats import published_format
 from flashmm.drafters.published import UnsupportedDrafterFormat
 from flashmm.targets import CausalLMTarget
 
-from text_models import prompt, ragged_batch, tiny_lm
+from text_models import prompt, ragged_batch, tiny_lm, write_published_folder
 
 
 def head_config(target, **changes) -> dict:
@@ -62,15 +62,8 @@ def head_state(target, config: dict, seed: int = 0, scale: float = 0.15) -> dict
 
 
 def write_head(folder, target, fmt: str = "bin", seed: int = 0, state=None, **changes):
-    folder.mkdir(parents=True, exist_ok=True)
     config = head_config(target, **changes)
-    (folder / "config.json").write_text(json.dumps(config))
-    state = head_state(target, config, seed) if state is None else state
-    if fmt == "bin":
-        torch.save({k: v.half() for k, v in state.items()}, folder / "pytorch_model.bin")
-    else:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
-    return folder
+    return write_published_folder(folder, config, head_state(target, config, seed) if state is None else state, fmt)
 
 
 def reference_logits(state, config, lm_head, ids, features, extra=()) -> torch.Tensor:

@@ -15,11 +15,11 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
 import flashmm
 import mm_models as mm
+from text_models import write_published_folder
 from flashmm.drafters import DrafterFileError, load
 from flashmm.drafters.formats import published_format
 from flashmm.drafters.published import UnsupportedDrafterFormat
@@ -64,15 +64,9 @@ def flashsd_state(model, config: dict, seed: int = 0, scale: float = 0.15) -> di
 
 
 def write_flashsd(folder, model, fmt: str = "safetensors", seed: int = 0, state=None, **changes):
-    folder.mkdir(parents=True, exist_ok=True)
+    """fmt "bin": what evaluation/merge_weight.py writes; "safetensors": what EeModel.from_pretrained reads."""
     config = flashsd_config(model, **changes)
-    (folder / "config.json").write_text(json.dumps(config))
-    state = flashsd_state(model, config, seed) if state is None else state
-    if fmt == "bin":                          # what evaluation/merge_weight.py writes
-        torch.save({k: v.half() for k, v in state.items()}, folder / "pytorch_model.bin")
-    else:                                     # what EeModel.from_pretrained reads
-        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
-    return folder
+    return write_published_folder(folder, config, flashsd_state(model, config, seed) if state is None else state, fmt)
 
 
 def reference_logits(state, config, lm_head, embeds, features, extra=()) -> torch.Tensor:

@@ -16,10 +16,11 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import flashmm
 import mm_models as mm
+from text_models import write_published_folder
 from flashmm.config import SamplingParams
 from flashmm.drafters import DrafterFileError, load
 from flashmm.drafters.base import SequenceStart, StepResult
@@ -85,15 +86,8 @@ def head_state(model, config: dict, num_q: int = 2, seed: int = 0, scale: float 
 
 
 def write_head(folder, model, fmt: str = "bin", num_q: int = 2, state=None, **changes):
-    folder.mkdir(parents=True, exist_ok=True)
     config = head_config(model, **changes)
-    (folder / "config.json").write_text(json.dumps(config))
-    state = head_state(model, config, num_q) if state is None else state
-    if fmt == "bin":
-        torch.save({k: v.half() for k, v in state.items()}, folder / "pytorch_model.bin")
-    else:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
-    return folder
+    return write_published_folder(folder, config, head_state(model, config, num_q) if state is None else state, fmt)
 
 
 def stored(folder) -> dict:

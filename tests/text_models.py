@@ -113,3 +113,20 @@ def assert_decodes_as_generate(target, folder, every_step_drafter, vocab: int, s
     sm = flashmm.wrap(target, every_step_drafter)
     assert torch.equal(sm.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[], pad_token_id=0), want)
     assert sm.last_stats.drafted_tokens > 0
+
+
+def write_published_folder(folder, config: dict, state: dict, fmt: str = "bin"):
+    """A published drafter's folder as its project writes it: ``config.json`` and the weights, either
+    ``pytorch_model.bin`` (fp16, torch.save: the EAGLE repository's and its descendants' layout) or
+    ``model.safetensors`` (fp32)."""
+    import json  # noqa: PLC0415
+
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if fmt == "bin":
+        torch.save({k: v.half() for k, v in state.items()}, folder / "pytorch_model.bin")
+    else:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    return folder

@@ -389,6 +389,19 @@ def eagle_config(config_path: Path, config: dict, head: str = "EAGLE-1/2 head") 
             fc_bias=bool(config.get("bias", True)), qkv_bias=bool(config.get("qkv_bias", False)))
 
 
+def read_head_weights(folder: Path, vocab_size: int, hidden_size: int) -> tuple[str, dict, torch.Tensor | None]:
+    """An EAGLE-style head folder's weights: (the weight file, for messages; its fp32 tensors but embed_tokens;
+    its own embed_tokens [V, d] or None). DrafterFileError naming the file for a pickle that is not plain tensors
+    or an embed_tokens of another shape than (vocab_size, hidden_size)."""
+    where = next((str(folder / n) for n in WEIGHT_FILES if (folder / n).is_file()), str(folder))
+    state = {k: v.float() for k, v in read_weights(folder).items() if not k.endswith(_IGNORED)}
+    embedding = state.pop("embed_tokens.weight", None)
+    if embedding is not None and tuple(embedding.shape) != (vocab_size, hidden_size):
+        raise DrafterFileError(where, f"embed_tokens.weight is {tuple(embedding.shape)}, the config says "
+                                      f"({vocab_size}, {hidden_size})")
+    return where, state, embedding
+
+
 def load_eagle_checkpoint(path, draft_vocab: torch.Tensor | None = None, **options) -> EagleDrafter:
     """An EagleDrafter from the EAGLE repository's EAGLE-1/2 folder ``path``; ``options`` go to EagleDrafter.
     UnsupportedDrafterFormat for a variant flashmm cannot run, DrafterFileError naming the file for a
@@ -397,12 +410,7 @@ def load_eagle_checkpoint(path, draft_vocab: torch.Tensor | None = None, **optio
     config_path = folder / CONFIG_FILE
     config = read_json(config_path)
     cfg = eagle_config(config_path, config)
-    where = next((str(folder / n) for n in WEIGHT_FILES if (folder / n).is_file()), str(folder))
-    state = {k: v.float() for k, v in read_weights(folder).items() if not k.endswith(_IGNORED)}
-    embedding = state.pop("embed_tokens.weight", None)
-    if embedding is not None and tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise DrafterFileError(where, f"embed_tokens.weight is {tuple(embedding.shape)}, the config says "
-                                      f"({cfg.vocab_size}, {cfg.hidden_size})")
+    where, state, embedding = read_head_weights(folder, cfg.vocab_size, cfg.hidden_size)
     net = EagleNet(cfg)
     load_weights(net, state, where)
     name = config.get("base_model_name_or_path") or config.get("_name_or_path") or None
@@ -416,4 +424,4 @@ def load_eagle_checkpoint(path, draft_vocab: torch.Tensor | None = None, **optio
 
 
 __all__ = ["EAGLE_COMMIT", "LAYOUT", "EagleDrafter", "EagleOptions", "eagle_config", "is_eagle_folder",
-           "load_eagle_checkpoint", "weight_names"]
+           "load_eagle_checkpoint", "read_head_weights", "weight_names"]

@@ -56,22 +56,20 @@ from pathlib import Path
 
 import torch
 
-from .eagle import EagleDrafter, EagleOptions, weight_names
-from .files import DrafterFileError, blamed_on, load_weights, read_json
+from .eagle import WEIGHT_FILES, EagleDrafter, EagleOptions, read_head_weights, weight_names
+from .files import blamed_on, load_weights, read_json
 from .nets.eagle_net import EagleConfig, EagleNet
-from .published import CONFIG_FILE, UnsupportedDrafterFormat, read_weights
+from .published import CONFIG_FILE, UnsupportedDrafterFormat
 
 FLASHSD_COMMIT = "598e999699b14be49610034f9a669976edf53980"
 LAYOUT = "FlashSD"
 #: the target classes EeModel.from_pretrained builds (the config's ``architectures[0]``)
 TARGET_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 #: FlashSD's draft tree (flash/model/choices.py ``mc_sim_7b_63``, which ee_model.eagenerate drafts): rank paths
 FLASHSD_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
                 (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
                 (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1))
 ROPE_BASE = 10000.0                             # cnets.LlamaRotaryEmbedding's default, the only base it uses
-_IGNORED = ("rotary_emb.inv_freq",)             # a buffer, recomputed
 
 
 def _architecture(config: dict) -> str | None:
@@ -146,12 +144,7 @@ def load_flashsd(path, **options) -> "FlashSDDrafter":
         raise _refuse(config_path, "architectures[0]", architecture,
                       f"FlashSD's EeModel drafts for {' and '.join(TARGET_ARCHITECTURES)}")
     cfg = flashsd_config(config_path, config)
-    where = next((str(folder / n) for n in WEIGHT_FILES if (folder / n).is_file()), str(folder))
-    state = {k: v.float() for k, v in read_weights(folder).items() if not k.endswith(_IGNORED)}
-    embedding = state.pop("embed_tokens.weight", None)
-    if embedding is not None and tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise DrafterFileError(where, f"embed_tokens.weight is {tuple(embedding.shape)}, the config says "
-                                      f"({cfg.vocab_size}, {cfg.hidden_size})")
+    where, state, embedding = read_head_weights(folder, cfg.vocab_size, cfg.hidden_size)
     net = EagleNet(cfg)
     load_weights(net, state, where)
     if "options" not in options:

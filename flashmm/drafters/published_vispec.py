@@ -56,16 +56,14 @@ from pathlib import Path
 import torch
 
 from .base import SequenceStart, register
-from .eagle import EagleDrafter, EagleOptions, eagle_config, weight_names
+from .eagle import WEIGHT_FILES, EagleDrafter, EagleOptions, eagle_config, read_head_weights, weight_names
 from .files import DrafterFileError, blamed_on, load_weights, read_json
 from .head_base import committed_embeds
 from .nets.vispec_net import ViSpecConfig, ViSpecNet
-from .published import CONFIG_FILE, read_weights
+from .published import CONFIG_FILE
 
 VISPEC_COMMIT = "d0240c8719ac279fc307834d06789cc3049b5622"
 LAYOUT = "ViSpec (KangJialiang/ViSpec)"
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-_IGNORED = ("rotary_emb.inv_freq",)        # a buffer older Llama code saved; recomputed from rope_theta
 
 
 @dataclass(frozen=True)
@@ -170,18 +168,13 @@ def load_vispec(path, **options) -> ViSpecDrafter:
     config_path = folder / CONFIG_FILE
     config = read_json(config_path)
     base = eagle_config(config_path, config, head="ViSpec head")
-    where = next((str(folder / n) for n in WEIGHT_FILES if (folder / n).is_file()), str(folder))
-    state = {k: v.float() for k, v in read_weights(folder).items() if not k.endswith(_IGNORED)}
+    where, state, embedding = read_head_weights(folder, base.vocab_size, base.hidden_size)
     queries = state.get("imadpt.q")
     if queries is None or queries.dim() != 3:
         raise DrafterFileError(where, "has no imadpt.q [num_q, heads, head_dim] (the vision adaptor's queries): "
                                       "not a ViSpec head")
     with blamed_on(where, "imadpt.q"):
         cfg = ViSpecConfig(**base.to_dict(), num_queries=int(queries.shape[0]))
-    embedding = state.pop("embed_tokens.weight", None)
-    if embedding is not None and tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise DrafterFileError(where, f"embed_tokens.weight is {tuple(embedding.shape)}, the config says "
-                                      f"({cfg.vocab_size}, {cfg.hidden_size})")
     net = ViSpecNet(cfg)
     load_weights(net, state, where)
     name = config.get("base_model_name_or_path") or config.get("_name_or_path") or None
