@@ -23,7 +23,7 @@ from flashmm.drafters.formats import published_format
 from flashmm.drafters.published import UnsupportedDrafterFormat
 from flashmm.targets import CausalLMTarget
 
-from text_models import prompt, ragged_batch, tiny_lm, write_published_folder
+from text_models import eagle_layer_f64, prompt, ragged_batch, tiny_lm, write_published_folder
 
 
 def head_config(target, **changes) -> dict:
@@ -71,31 +71,13 @@ def reference_logits(state, config, lm_head, ids, features, extra=()) -> torch.T
     embed(ids[t]) and features[t]; each of ``extra`` (token ids, chained) reads its predecessor unit's output;
     causal attention, positions 0 ..; fc, one Llama layer without input norm, then the target's lm_head."""
     w = {k: v.double() for k, v in state.items()}
-    d, heads, kvh = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    hd, eps, theta = d // heads, config["rms_norm_eps"], config["rope_theta"]
+    heads, kvh = config["num_attention_heads"], config["num_key_value_heads"]
+    eps, theta = config["rms_norm_eps"], config["rope_theta"]
     embed, head = w["embed_tokens.weight"], lm_head.double()
 
-    def linear(x, name):
-        return x @ w[name + ".weight"].T + (w[name + ".bias"] if name + ".bias" in w else 0)
-
-    def rope(x, t):                                         # x [t, h, hd]
-        inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-        angles = torch.arange(t, dtype=torch.float64)[:, None] * inv
-        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
-        return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
-
     def run(tokens, feats):
-        t = tokens.shape[0]
-        x = linear(torch.cat([embed[tokens], feats], -1), "fc")
-        q = rope(linear(x, "layers.0.self_attn.q_proj").view(t, heads, hd), t)
-        k = rope(linear(x, "layers.0.self_attn.k_proj").view(t, kvh, hd), t).repeat_interleave(heads // kvh, 1)
-        v = linear(x, "layers.0.self_attn.v_proj").view(t, kvh, hd).repeat_interleave(heads // kvh, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
-        scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
-        h = x + linear(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, d), "layers.0.self_attn.o_proj")
-        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w["layers.0.post_attention_layernorm.weight"]
-        gate, up = linear(n, "layers.0.mlp.gate_proj"), linear(n, "layers.0.mlp.up_proj")
-        return h + linear(torch.nn.functional.silu(gate) * up, "layers.0.mlp.down_proj")
+        x = torch.cat([embed[tokens], feats], -1) @ w["fc.weight"].T + (w["fc.bias"] if "fc.bias" in w else 0)
+        return eagle_layer_f64(w, x, torch.arange(tokens.shape[0]), heads, kvh, eps, theta)
 
     tokens, feats = ids.clone(), features.double()
     out = run(tokens, feats)

@@ -11,7 +11,6 @@ sampled run has the target's distribution (χ²; the lossy typical verifier fail
 checkpoint was not made for, a pickle payload and FlashSD's semi-autoregressive head are refused by name.
 """
 import json
-import math
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForCon
 
 import flashmm
 import mm_models as mm
-from text_models import write_published_folder
+from text_models import eagle_layer_f64, write_published_folder
 from flashmm.drafters import DrafterFileError, load
 from flashmm.drafters.formats import published_format
 from flashmm.drafters.published import UnsupportedDrafterFormat
@@ -75,30 +74,11 @@ def reference_logits(state, config, lm_head, embeds, features, extra=()) -> torc
     fc(cat(embed, feature)); one Llama layer without input norm, causal, 1-D positions 0 .. with rotary base
     10000 (cnets.LlamaRotaryEmbedding's default; the config's rope_theta is not read); the target's lm_head."""
     w = {k: v.double() for k, v in state.items()}
-    d, heads, kvh = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    hd, eps = d // heads, config["rms_norm_eps"]
-
-    def linear(x, name):
-        return x @ w[name + ".weight"].T + (w[name + ".bias"] if name + ".bias" in w else 0)
-
-    def rope(x, t):                                         # x [t, h, hd]
-        inv = 1.0 / 10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-        angles = torch.arange(t, dtype=torch.float64)[:, None] * inv
-        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
-        return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
+    heads, kvh, eps = config["num_attention_heads"], config["num_key_value_heads"], config["rms_norm_eps"]
 
     def run(e, f):
-        t = e.shape[0]
-        x = linear(torch.cat([e, f], -1), "fc")
-        q = rope(linear(x, "layers.0.self_attn.q_proj").view(t, heads, hd), t)
-        k = rope(linear(x, "layers.0.self_attn.k_proj").view(t, kvh, hd), t).repeat_interleave(heads // kvh, 1)
-        v = linear(x, "layers.0.self_attn.v_proj").view(t, kvh, hd).repeat_interleave(heads // kvh, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
-        scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
-        h = x + linear(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, d), "layers.0.self_attn.o_proj")
-        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w["layers.0.post_attention_layernorm.weight"]
-        return h + linear(torch.nn.functional.silu(linear(n, "layers.0.mlp.gate_proj")) * linear(n, "layers.0.mlp.up_proj"),
-                          "layers.0.mlp.down_proj")
+        x = torch.cat([e, f], -1) @ w["fc.weight"].T + (w["fc.bias"] if "fc.bias" in w else 0)
+        return eagle_layer_f64(w, x, torch.arange(e.shape[0]), heads, kvh, eps, 10000.0)
 
     e, f = embeds.double(), features.double()
     out = run(e, f)

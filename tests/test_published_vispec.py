@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import flashmm
 import mm_models as mm
-from text_models import write_published_folder
+from text_models import eagle_layer_f64, write_published_folder
 from flashmm.config import SamplingParams
 from flashmm.drafters import DrafterFileError, load
 from flashmm.drafters.base import SequenceStart, StepResult
@@ -119,23 +119,8 @@ def reference_logits(state, config, lm_head, embeds, features, placeholder, draf
     def text_unit(e, f, g):
         return linear(torch.cat([e, linear(torch.cat([f, g]), "img_fc")]), "fc")
 
-    def rope(x, positions):                                    # x [n, h, hd]
-        inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-        angles = positions.double()[:, None] * inv
-        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
-        return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
-
     def layer(x, positions):
-        n = x.shape[0]
-        q = rope(linear(x, "layers.0.self_attn.q_proj").view(n, heads, hd), positions)
-        k = rope(linear(x, "layers.0.self_attn.k_proj").view(n, kvh, hd), positions).repeat_interleave(heads // kvh, 1)
-        v = linear(x, "layers.0.self_attn.v_proj").view(n, kvh, hd).repeat_interleave(heads // kvh, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
-        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
-        h = x + linear(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, d), "layers.0.self_attn.o_proj")
-        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w["layers.0.post_attention_layernorm.weight"]
-        gate, up = linear(normed, "layers.0.mlp.gate_proj"), linear(normed, "layers.0.mlp.up_proj")
-        return h + linear(torch.nn.functional.silu(gate) * up, "layers.0.mlp.down_proj")
+        return eagle_layer_f64(w, x, positions, heads, kvh, eps, theta)
 
     embeds, features = embeds.double(), features.double()
     units = embeds.shape[0] - 1

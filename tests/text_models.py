@@ -130,3 +130,35 @@ def write_published_folder(folder, config: dict, state: dict, fmt: str = "bin"):
     else:
         save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def eagle_layer_f64(w: dict, x: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
+                    theta: float) -> torch.Tensor:
+    """float64 reference of an EAGLE-1-style head's decoder layer (keys ``layers.0.*``, as the EAGLE repository's
+    cnets1.py and its descendants FlashSD / ViSpec name them), written from that code: no input norm; RoPE
+    attention (base ``theta``, rotate-half) at ``positions`` [n], causal over x's n rows [n, d], grouped kv
+    heads; the residual; post_attention_layernorm; SwiGLU MLP; the residual. ``w``: float64 weights, biases
+    where present."""
+    import math  # noqa: PLC0415
+
+    n, d = x.shape
+    hd = d // heads
+
+    def linear(v, name):
+        return v @ w[name + ".weight"].T + (w[name + ".bias"] if name + ".bias" in w else 0)
+
+    def rope(v):                                           # v [n, h, hd]
+        inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        angles = positions.double()[:, None] * inv
+        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+        return v * cos + torch.cat([-v[..., hd // 2:], v[..., : hd // 2]], -1) * sin
+
+    q = rope(linear(x, "layers.0.self_attn.q_proj").view(n, heads, hd))
+    k = rope(linear(x, "layers.0.self_attn.k_proj").view(n, kv_heads, hd)).repeat_interleave(heads // kv_heads, 1)
+    v = linear(x, "layers.0.self_attn.v_proj").view(n, kv_heads, hd).repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+    h = x + linear(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, d), "layers.0.self_attn.o_proj")
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w["layers.0.post_attention_layernorm.weight"]
+    gate, up = linear(normed, "layers.0.mlp.gate_proj"), linear(normed, "layers.0.mlp.up_proj")
+    return h + linear(torch.nn.functional.silu(gate) * up, "layers.0.mlp.down_proj")
