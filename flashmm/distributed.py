@@ -84,6 +84,7 @@ class ProcessGroup:
         ...
         group.barrier()                      # every process waits for the slowest
         worst = group.max(status)            # the largest value over processes (also a barrier)
+        group.sum_(tensor)                   # a CPU tensor summed over processes, in place
         group.close()
     """
 
@@ -123,6 +124,13 @@ class ProcessGroup:
         tensor = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._handle)
         return int(tensor.item())
+
+    def sum_(self, tensor) -> None:
+        """Sum ``tensor`` (a CPU tensor) over all processes, in place (every process gets the sum)."""
+        if self.info.is_distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._handle)
 
     def close(self) -> None:
         if self._owned:

@@ -161,10 +161,10 @@ def test_bad_input_names_the_argument(prompts, tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         train_cli(["nonsense", "--target", "x"])
     assert "invalid choice: 'nonsense'" in capsys.readouterr().err
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    with pytest.raises(SystemExit, match="WORLD_SIZE=2.*flash only"):
-        train_cli(args_for("kangaroo", prompts, tmp_path / "out"))
+    with pytest.raises(SystemExit, match="--accumulate must be >= 1, got 0"):
+        train_cli(args_for("medusa", prompts, tmp_path / "out", "--accumulate", "0"))
+    with pytest.raises(SystemExit, match="--accumulate 2: Kangaroo accumulates its own --batch"):
+        train_cli(args_for("kangaroo", prompts, tmp_path / "out", "--accumulate", "2"))
 
 
 def test_a_corpus_the_target_wrote_trains_without_prompts(corpus, tmp_path, monkeypatch):

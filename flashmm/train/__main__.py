@@ -6,11 +6,12 @@ model directory (a vision-language model when its config has a vision part, else
 processor / tokenizer from the same directory), "smollm2" or "gemma3" (the GGUF reference weights,
 flashmm.weights), or "package.module:function" naming a callable that returns (model, processor).
 
-flash reads {"image"|"video": path, "prompt": str} records and runs unchanged under ``accelerate
-launch`` (one GPU per process, several machines, or CPU processes: ``accelerate launch --multi_gpu
---num_processes 2 -m flashmm.train flash ...`` on a machine without CUDA trains on gloo). The text
-methods read prompts ({"prompt"}, {"turns"} or {"messages"}), let the target answer them greedily
-(the self-distillation corpus, cached under --out/corpus) and run in one process; a rerun with the
+Every method runs unchanged under ``accelerate launch`` or ``torchrun`` (one GPU per process, several
+machines, or CPU processes: ``accelerate launch --multi_gpu --num_processes 2 -m flashmm.train METHOD
+...`` on a machine without CUDA trains on gloo). flash reads {"image"|"video": path, "prompt": str}
+records. The text methods read prompts ({"prompt"}, {"turns"} or {"messages"}), let the target answer
+them greedily (the self-distillation corpus, cached under --out/corpus), and split each step's
+--accumulate units per process over the processes (flashmm.train.data_parallel); a rerun with the
 same --out and options resumes (corpus, features and checkpoints are kept there).
 """
 from __future__ import annotations

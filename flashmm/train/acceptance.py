@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters.nets.specdecpp_net import AcceptanceHead, RankAcceptanceHead, output_layer
+from .data_parallel import ONE_PROCESS, DataParallel
 
 
 @torch.no_grad()
@@ -165,9 +166,12 @@ def auc(score: torch.Tensor, label: torch.Tensor) -> float:
 
 
 def train_head(head, examples: dict[str, torch.Tensor], *, work_dir, epochs: int = 4,
-               lr: float = 2e-3, batch_size: int = 1024, seed: int = 0, loss=head_loss, log=print) -> dict:
+               lr: float = 2e-3, batch_size: int = 1024, seed: int = 0, loss=head_loss, log=print,
+               parallel: DataParallel = ONE_PROCESS) -> dict:
     """AdamW on ``loss`` (BCE of an AcceptanceHead by default; rank_loss for a RankAcceptanceHead), checkpointed after each epoch under work_dir (a killed run resumes there;
-    a finished run is read back). Returns the summary (epochs done, last epoch's mean loss)."""
+    a finished run is read back). ``parallel``: a step's units (``batch_size`` rows each) over processes and
+    accumulation (flashmm.train.data_parallel); only process 0 writes work_dir. Returns the summary (epochs
+    done, last epoch's mean loss)."""
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "head_checkpoint.pt"
@@ -179,27 +183,33 @@ def train_head(head, examples: dict[str, torch.Tensor], *, work_dir, epochs: int
         optimizer.load_state_dict(state["optimizer"])
         done, losses = state["epochs"], state["losses"]
     n = len(examples["label"])
-    steps_per_epoch = math.ceil(n / batch_size)
+    steps_per_epoch = math.ceil(math.ceil(n / batch_size) / parallel.per_step)
     total_steps = epochs * steps_per_epoch
     head.train()
     for epoch in range(done, epochs):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-        total = 0.0
+        total, seen = 0.0, 0
         for b in range(steps_per_epoch):
-            rows = order[b * batch_size : (b + 1) * batch_size]
             step = epoch * steps_per_epoch + b  # cosine decay to 0, a function of the step (so resuming is exact)
             for group in optimizer.param_groups:
                 group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
-            value = loss(head, examples, rows)
             optimizer.zero_grad()
-            value.backward()
+            for unit in parallel.units(b):
+                rows = order[unit * batch_size : (unit + 1) * batch_size]
+                if len(rows) == 0:  # the epoch's last step has fewer batches than it reads
+                    continue
+                value = loss(head, examples, rows)
+                parallel.scaled(value).backward()
+                total, seen = total + float(value.detach()) * len(rows), seen + len(rows)
+            parallel.sum_gradients(head.parameters())
             optimizer.step()
-            total += float(value.detach()) * len(rows)
-        losses.append(total / n)
-        log(f"head epoch {epoch + 1}/{epochs}: loss {losses[-1]:.4f}")
-        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epochs": epoch + 1,
-                    "losses": losses}, checkpoint)
+        losses.append(total / max(seen, 1))
+        if parallel.is_main:
+            log(f"head epoch {epoch + 1}/{epochs}: loss {losses[-1]:.4f}")
+            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epochs": epoch + 1,
+                        "losses": losses}, checkpoint)
     head.eval()
     summary = {"epochs": epochs, "losses": losses, "examples": n, "lr": lr, "batch_size": batch_size, "seed": seed}
-    (work_dir / "head_summary.json").write_text(json.dumps(summary, indent=1))
+    if parallel.is_main:
+        (work_dir / "head_summary.json").write_text(json.dumps(summary, indent=1))
     return summary

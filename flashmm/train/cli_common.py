@@ -1,5 +1,6 @@
 """What every ``python -m flashmm.train <method>`` command shares: the target, the prompt file, the
-self-distillation corpus under --out, one process or refusal, and the drafter.json provenance.
+self-distillation corpus under --out, the processes of a launch (flashmm.train.data_parallel), and the
+drafter.json provenance.
 
 A text method's --out folder holds, besides the drafter (drafter.json + weights):
   corpus/    the target's greedy answers to --data (flashmm.train.self_corpus; resumable)
@@ -74,8 +75,9 @@ def add_target_arguments(p: argparse.ArgumentParser, data_help: str) -> None:
 
 TEXT_DATA = ('JSONL of prompts: {"prompt": str}, {"turns": [str, ...]} (Spec-Bench: each turn asked after the '
              'target\'s answer to the last) or {"messages": [{"role", "content"}, ...]}')
-SINGLE_PROCESS = ("One process: multi-process data parallel is not implemented for this method, and "
-                  "a launch with WORLD_SIZE > 1 is refused.")
+PARALLEL = ("Multi-process: accelerate launch --multi_gpu --num_processes P -m flashmm.train METHOD ... (or "
+            "torchrun; on a machine without CUDA the processes train on CPU over gloo) splits each step's units "
+            "over the P processes (see --accumulate).")
 
 
 def add_text_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,20 +96,33 @@ def add_text_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer the target writes per prompt")
     p.add_argument("--top-k", type=int, default=32, help="target logits cached per position")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--accumulate", type=int, default=1, help="units (examples / batches) per process per optimizer "
+                   "step, their gradients summed. Under accelerate launch or torchrun with P processes a step "
+                   "reads accumulate x P units, split over the processes (P processes with --accumulate A train "
+                   "exactly as one process with --accumulate A*P); process 0 builds the corpus and features and "
+                   "writes --out")
 
 
 def log(message: str) -> None:
     print(time.strftime("%H:%M:%S"), message, flush=True)
 
 
-def refuse_multi_process(method: str) -> None:
-    from ..distributed import process_info  # noqa: PLC0415
+def data_parallel(args):
+    """The DataParallel of this process (flashmm.train.data_parallel): --accumulate over the processes
+    of the launch (a gloo group, closed when the process exits), or this process alone."""
+    import atexit  # noqa: PLC0415
 
+    from ..distributed import ProcessGroup, process_info  # noqa: PLC0415
+    from .data_parallel import DataParallel  # noqa: PLC0415
+
+    if args.accumulate < 1:
+        raise SystemExit(f"--accumulate must be >= 1, got {args.accumulate}")
     info = process_info()
-    if info.is_distributed:
-        raise SystemExit(f"python -m flashmm.train {method}: runs in one process (WORLD_SIZE={info.world_size}); "
-                         "multi-process data parallel is implemented for flash only: launch it without "
-                         "accelerate launch / torchrun")
+    if not info.is_distributed:
+        return DataParallel(args.accumulate)
+    group = ProcessGroup.start(info)
+    atexit.register(group.close)
+    return DataParallel(args.accumulate, group)
 
 
 def command_line(argv: list[str]) -> str:
@@ -133,10 +148,19 @@ class TextSetup:
     records: list
     out: Path
     work: Path
+    parallel: object    # flashmm.train.data_parallel.DataParallel
 
     @property
     def features_dir(self) -> Path:
         return self.out / "features"
+
+    def features(self, **options):
+        """The target's cached features over the corpus (flashmm.train.corpus.features with ``options``),
+        computed by process 0 and read by the others."""
+        from .corpus import features  # noqa: PLC0415
+
+        return self.parallel.main_first(lambda: features(self.model, self.records, cache_dir=self.features_dir,
+                                                         log=log, **options))
 
     def end_id(self) -> int | None:
         eos = self.model.generation_config.eos_token_id
@@ -150,7 +174,7 @@ def text_setup(args, method: str, settings: dict) -> TextSetup:
 
     from .self_corpus import build_self_corpus, read_prompts  # noqa: PLC0415
 
-    refuse_multi_process(method)
+    parallel = data_parallel(args)
     if args.take is not None and args.take < 1:
         raise SystemExit(f"--take must be >= 1, got {args.take}")
     try:
@@ -160,7 +184,8 @@ def text_setup(args, method: str, settings: dict) -> TextSetup:
         raise SystemExit(f"python -m flashmm.train {method}: {err}") from None
     out = Path(args.out)
     work = out / "work" / method
-    check_settings(work, {"method": method, **settings})
+    per_step = {"units_per_step": parallel.per_step} if parallel.per_step > 1 else {}  # what a resume must keep
+    parallel.main_first(lambda: check_settings(work, {"method": method, **settings, **per_step}))
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -169,9 +194,10 @@ def text_setup(args, method: str, settings: dict) -> TextSetup:
     if tokenizer is None:
         raise SystemExit(f"--target {args.target}: gives no tokenizer; a text method renders --data with it")
     if records is None:
-        records = build_self_corpus(model, tokenizer, conversations, out / "corpus", max_new_tokens=args.max_new_tokens,
-                                    target=args.target, log=log)
-    return TextSetup(model, tokenizer, records[:args.take], out, work)
+        records = parallel.main_first(lambda: build_self_corpus(
+            model, tokenizer, conversations, out / "corpus", max_new_tokens=args.max_new_tokens, target=args.target,
+            log=log))
+    return TextSetup(model, tokenizer, records[:args.take], out, work, parallel)
 
 
 def given_corpus(folder, target: str) -> list:
@@ -209,5 +235,6 @@ def check_settings(work: Path, settings: dict) -> None:
 
 def method_settings(args, skip: tuple[str, ...] = ()) -> dict:
     """The options that shape a run's training (what check_settings compares)."""
-    ignored = {"target", "data", "out", "threads", "max_minutes", "method", "command", "no_progress", *skip}
+    ignored = {"target", "data", "out", "threads", "max_minutes", "method", "command", "no_progress", "accumulate",
+               *skip}
     return {k: v for k, v in sorted(vars(args).items()) if k not in ignored and not callable(v)}

@@ -16,7 +16,7 @@ Each stage is checkpointed under --out/work/<method>; a rerun resumes.
 """
 from __future__ import annotations
 
-from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
+from .cli_common import PARALLEL, Command, add_text_arguments, command_line, log, method_settings, target_info
 
 DIVERGENCES = ("fkl", "rkl", "tvd", "jsd")   # flashmm.drafters.nets.distill.DIVERGENCES
 STAGES = {"fastdraft": ("pretrain", "align"),
@@ -74,7 +74,7 @@ def arguments_for(method: str):
             p.add_argument("--ranks", type=int, default=8, help="EAGLE-3: children ranks the rank head tells apart")
             p.add_argument("--head-epochs", type=int, default=1)
             p.add_argument("--head-lr", type=float, default=2e-3)
-        p.epilog = SINGLE_PROCESS
+        p.epilog = PARALLEL
 
     return add_arguments
 
@@ -106,7 +106,7 @@ def run(args, argv: list[str]) -> int:
 
     def export(name, draft, summary, notes, drafter="fastdraft", extra=None, **more):
         trained[name] = (draft, summary)
-        if name != method:
+        if name != method or not s.parallel.is_main:
             return
         info = {"method": name, "target": target_info(args.target, s.model),
                 "training": {**summary, "options": method_settings(args)}, "notes": notes,
@@ -116,7 +116,8 @@ def run(args, argv: list[str]) -> int:
 
     # DraftLMStages reads every recipe's options by name; the other recipes' are None here
     options = SimpleNamespace(**{**dict.fromkeys(RECIPE_OPTIONS), **vars(args)})
-    stages = DraftLMStages(s.records, options, s.work, lambda: (s.model, s.tokenizer), export, log=log)
+    stages = DraftLMStages(s.records, options, s.work, lambda: (s.model, s.tokenizer), export, log=log,
+                           parallel=s.parallel)
     needs = () if method == "specdecpp" and args.draft else STAGES.get(method, ("pretrain", "align"))
     for stage in needs:
         getattr(stages, f"stage_{stage}")()
@@ -145,9 +146,12 @@ def train_s2d(args, argv, s, stages, aligned) -> None:
     train, heldout = examples[held:], examples[:held] or examples
     summary, chosen = train_nested(draft.lm, train, heldout, exits, s.work, target_to_draft=stages.rows(),
                                    epochs=args.s2d_epochs, lr=args.lr, tokens_per_batch=args.tokens_per_batch,
-                                   seed=args.seed, tolerance=args.tolerance, max_seconds=stages.seconds_left(), log=log)
+                                   seed=args.seed, tolerance=args.tolerance, max_seconds=stages.seconds_left(), log=log,
+                                   parallel=s.parallel)
     if not summary["finished"]:
         raise SystemExit(f"sorted training stopped at step {summary['step']}/{summary['total']}: run again to resume")
+    if not s.parallel.is_main:  # the others hold the same weights: process 0 chooses the thresholds and writes
+        return
     log(f"s2d thresholds {chosen['thresholds']} (agreement per exit {chosen['agreement_per_exit']})")
     info = {"method": "s2d", "target": target_info(args.target, s.model),
             "training": {**summary, "options": method_settings(args), "heldout_answers": held},
@@ -170,13 +174,16 @@ def train_specdecpp(args, argv, s, aligned) -> None:
     if args.draft is None:
         draft_dir = s.out / "draft"
         draft, summary = aligned
-        save_reduced_lm(draft_dir, draft, {"method": "fastdraft", "target": target_info(args.target, s.model),
-                                           "training": summary, "command": command_line(argv),
-                                           "notes": "the draft of the SpecDec++ folder above"})
+        s.parallel.main_writes(lambda: save_reduced_lm(
+            draft_dir, draft, {"method": "fastdraft", "target": target_info(args.target, s.model),
+                               "training": summary, "command": command_line(argv),
+                               "notes": "the draft of the SpecDec++ folder above"}))
     else:
         draft_dir = Path(args.draft)
     ranks = read_info(draft_dir)["drafter"] == "eagle3"
     head, summary, metrics = (rank_head if ranks else chain_head)(args, s, draft_dir)
+    if not s.parallel.is_main:
+        return
     info = {"method": "specdecpp", "target": target_info(args.target, s.model), "threshold": args.threshold,
             **({} if ranks else {"max_draft_tokens": args.max_draft_tokens}),
             "training": {**summary, "options": method_settings(args), "metrics_on_training_answers": metrics},
@@ -210,11 +217,12 @@ def chain_head(args, s, draft_dir):
 
     draft_lm = load(draft_dir).model
     sequences = corpus_sequences(s.records, "greedy", s.end_id())
-    examples = _cached(s.work / "acceptance_examples.pt", lambda: acceptance_examples(draft_lm, sequences, log=log))
+    examples = s.parallel.main_first(lambda: _cached(s.work / "acceptance_examples.pt",
+                                                     lambda: acceptance_examples(draft_lm, sequences, log=log)))
     torch.manual_seed(args.seed)
     head = AcceptanceHead(examples["hidden"].shape[1], args.width or 128)
     summary = train_head(head, examples, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
-                         log=log)
+                         log=log, parallel=s.parallel)
     return head, summary, head_metrics(head, examples)
 
 
@@ -227,7 +235,6 @@ def rank_head(args, s, draft_dir):
     from ..drafters.specdecpp import RankAcceptanceHead  # noqa: PLC0415
     from . import eagle3 as E  # noqa: PLC0415
     from .acceptance import rank_examples, rank_loss, rank_metrics, train_head  # noqa: PLC0415
-    from .corpus import features  # noqa: PLC0415
 
     head_drafter = load(draft_dir)
     if args.ranks < head_drafter.top_k:
@@ -235,15 +242,15 @@ def rank_head(args, s, draft_dir):
                          "children per node, and the rank head must tell each apart: give --ranks >= that")
     net = head_drafter.net.float()
     layers = tuple(net.cfg.feature_layers)
-    cached = features(s.model, s.records, layers=layers, top_k=args.top_k, cache_dir=s.features_dir, log=log)
+    cached = s.features(layers=layers, top_k=args.top_k)
     examples = [E.example_from(seq, list(range(len(layers)))) for seq in cached]
     embed = E.frozen_embedding(s.model)
-    data = _cached(s.work / "rank_examples.pt",
-                   lambda: rank_examples(net, embed, examples, args.depth, args.ranks, log=log))
+    data = s.parallel.main_first(lambda: _cached(s.work / "rank_examples.pt", lambda: rank_examples(
+        net, embed, examples, args.depth, args.ranks, log=log)))
     torch.manual_seed(args.seed)
     head = RankAcceptanceHead(net.cfg.hidden_size, args.ranks, max(args.depth, 8), args.width or 64)
     summary = train_head(head, data, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
-                         loss=rank_loss, log=log)
+                         loss=rank_loss, log=log, parallel=s.parallel)
     return head, summary, rank_metrics(head, data)
 
 

@@ -10,7 +10,8 @@ EAGLE-3's ``--batch`` > 1 computes the features on --device and holds them there
 """
 from __future__ import annotations
 
-from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
+from ..distributed import local_device, process_info
+from .cli_common import PARALLEL, Command, add_text_arguments, command_line, log, method_settings, target_info
 
 
 def add_arguments(p) -> None:
@@ -29,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--depth", type=int, default=6, help="drafting: tree depth")
     p.add_argument("--tree-top-k", type=int, default=8, help="drafting: children per node of the dynamic tree")
-    p.epilog = SINGLE_PROCESS
+    p.epilog = PARALLEL
 
 
 def layers_of(args, model) -> tuple[int, ...]:
@@ -51,26 +52,27 @@ def run(args, argv: list[str]) -> int:
     from ..drafters.eagle3 import save_head  # noqa: PLC0415
     from . import eagle3 as E  # noqa: PLC0415
     from .cli_common import text_setup  # noqa: PLC0415
-    from .corpus import corpus_sequences, features  # noqa: PLC0415
+    from .corpus import corpus_sequences  # noqa: PLC0415
     from .self_corpus import stop_ids  # noqa: PLC0415
 
     if args.batch > 1 and args.style == "hass":
         raise SystemExit("--style hass needs the cached target logits: use --batch 1")
     s = text_setup(args, "eagle3", method_settings(args))
     model = s.model
+    device = local_device(args.device, process_info())  # a launch's process trains on its own GPU
     layers = layers_of(args, model)
     sequences = corpus_sequences(s.records, "greedy", s.end_id())
     embed = E.frozen_embedding(model)
     if args.batch > 1:
         from .eagle3_batched import PaddedExamples  # noqa: PLC0415
 
-        model.to(args.device)
+        model.to(device)
         train = PaddedExamples.from_target(model, sequences, layers, log=log)
         model.cpu()
         rms_examples = [train.example(i) for i in range(min(8, len(train)))]
-        train_embed = E.FrozenEmbedding(embed.weight.to(args.device))
+        train_embed = E.FrozenEmbedding(embed.weight.to(device))
     else:
-        cached = features(model, s.records, layers=layers, top_k=args.top_k, cache_dir=s.features_dir, log=log)
+        cached = s.features(layers=layers, top_k=args.top_k)
         train = [E.example_from(seq, list(range(len(layers)))) for seq in cached]
         rms_examples, train_embed = train, embed
     net = E.new_head(model, sequences, args.vocab, layers, rms_examples, args.seed,
@@ -78,7 +80,10 @@ def run(args, argv: list[str]) -> int:
     opts = E.TrainOptions(style=args.style, ttt_steps=args.ttt_steps, lr=args.lr, steps=args.steps,
                           warmup=min(args.warmup, args.steps // 10), batch=args.batch, seed=args.seed,
                           checkpoint_every=args.checkpoint_every)
-    summary = E.train(net.to(args.device if args.batch > 1 else "cpu"), train_embed, train, opts, s.work, log=log)
+    summary = E.train(net.to(device if args.batch > 1 else "cpu"), train_embed, train, opts, s.work, log=log,
+                      parallel=s.parallel)
+    if not s.parallel.is_main:  # the others hold the same head: process 0 writes it
+        return 0
     net = net.cpu().float()
     info = {"method": "eagle3", "target": target_info(args.target, model),
             "training": {**summary["options"], "history": summary["history"][-3:], "layers": list(layers),
@@ -104,7 +109,7 @@ def add_dflash_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.epilog = SINGLE_PROCESS
+    p.epilog = PARALLEL
 
 
 def run_dflash(args, argv: list[str]) -> int:
@@ -112,7 +117,7 @@ def run_dflash(args, argv: list[str]) -> int:
 
     from . import eagle3 as E  # noqa: PLC0415
     from .cli_common import text_setup  # noqa: PLC0415
-    from .corpus import corpus_sequences, features  # noqa: PLC0415
+    from .corpus import corpus_sequences  # noqa: PLC0415
     from .dflash import DFlashTrainOptions, new_net, save_dflash, train  # noqa: PLC0415
     from .draft_lm import choose_vocab  # noqa: PLC0415
     from .self_corpus import stop_ids  # noqa: PLC0415
@@ -130,7 +135,7 @@ def run_dflash(args, argv: list[str]) -> int:
     vocab_size = model.config.get_text_config().vocab_size
     if not 0 <= mask < vocab_size:
         raise SystemExit(f"--mask-token {mask}: not an id of the target's {vocab_size}-token vocabulary")
-    cached = features(model, s.records, layers=layers, top_k=args.top_k, cache_dir=s.features_dir, log=log)
+    cached = s.features(layers=layers, top_k=args.top_k)
     examples = [E.example_from(seq, list(range(len(layers)))) for seq in cached]
     chosen = None
     if args.vocab:
@@ -140,7 +145,9 @@ def run_dflash(args, argv: list[str]) -> int:
     net = new_net(model, layers, args.block_size, mask, draft_vocab=chosen, num_layers=args.num_layers)
     opts = DFlashTrainOptions(lr=args.lr, warmup=min(args.warmup, args.steps // 10), steps=args.steps,
                               anchors=args.anchors, seed=args.seed, checkpoint_every=args.checkpoint_every)
-    history = train(net, model.get_input_embeddings(), examples, opts, s.work, log=log)
+    history = train(net, model.get_input_embeddings(), examples, opts, s.work, log=log, parallel=s.parallel)
+    if not s.parallel.is_main:  # the others hold the same drafter: process 0 writes it
+        return 0
     info = {"method": "dflash", "target": target_info(args.target, model),
             "training": {**method_settings(args), "history": history[-3:], "train_sequences": len(examples)},
             "command": command_line(argv), **({"accept": history[-1]["accept"]} if history else {})}
@@ -164,20 +171,18 @@ def add_eagle_arguments(p) -> None:
     p.add_argument("--tree-top-k", type=int, default=4, help="drafting: children per node of the dynamic tree")
     p.add_argument("--draft-vocab", type=int, default=8192, help="drafting: the head scores only the N most frequent "
                    "corpus tokens (FR-Spec; the target still verifies every token; 0: the whole vocabulary)")
-    p.epilog = SINGLE_PROCESS
+    p.epilog = PARALLEL
 
 
 def run_eagle(args, argv: list[str]) -> int:
     from . import eagle as H  # noqa: PLC0415
     from . import eagle3 as E  # noqa: PLC0415
     from .cli_common import text_setup  # noqa: PLC0415
-    from .corpus import features  # noqa: PLC0415
-
     drafting_only = ("depth", "tree_top_k", "draft_vocab")     # options of the folder, not of the training
     s = text_setup(args, "eagle", method_settings(args, skip=drafting_only))
     model = s.model
     last = model.config.get_text_config().num_hidden_layers          # its final-normed state (the LM head's input)
-    cached = features(model, s.records, layers=(last,), top_k=args.top_k, cache_dir=s.features_dir, log=log)
+    cached = s.features(layers=(last,), top_k=args.top_k)
     every = args.holdout_every
     held = [i for i in range(len(cached)) if every and i % every == every - 1]
     train = [E.example_from(cached[i], [0]) for i in range(len(cached)) if i not in set(held)]
@@ -189,7 +194,9 @@ def run_eagle(args, argv: list[str]) -> int:
     opts = E.TrainOptions(lr=args.lr, steps=args.steps, warmup=min(args.warmup, args.steps // 10), seed=args.seed,
                           checkpoint_every=args.checkpoint_every)
     summary = E.train(net, embed, train, opts, s.work, log=log,
-                      loss_of=lambda ex: H.sequence_loss(net, embed, lm_weight, ex, loss))
+                      loss_of=lambda ex: H.sequence_loss(net, embed, lm_weight, ex, loss), parallel=s.parallel)
+    if not s.parallel.is_main:  # the others hold the same head: process 0 measures and writes it
+        return 0
     top1 = H.accuracy(net, embed, lm_weight, held_out, loss)
     log(f"top-1 accuracy of the head's guesses: {top1:.3f}")
     info = {"method": "eagle", "target": target_info(args.target, model),

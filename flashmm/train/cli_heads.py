@@ -9,7 +9,7 @@ the training sequences).
 """
 from __future__ import annotations
 
-from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
+from .cli_common import PARALLEL, Command, add_text_arguments, command_line, log, method_settings, target_info
 
 DEFAULTS = {  # method: (heads, steps, batch)
     "medusa": (4, 600, 256),
@@ -46,7 +46,7 @@ def arguments_for(method: str):
                        help="drafting: nodes of the static tree (0: a chain of the heads)")
         p.add_argument("--lookup", choices=["ngram", "suffix", "none"], default="ngram",
                        help="drafting: a lookup chain merged into the heads' tree")
-        p.epilog = SINGLE_PROCESS
+        p.epilog = PARALLEL
 
     return add_arguments
 
@@ -60,7 +60,7 @@ def run(args, argv: list[str]) -> int:
     from ..drafters.mtp import MTP  # noqa: PLC0415
     from . import heads as H  # noqa: PLC0415
     from .cli_common import text_setup  # noqa: PLC0415
-    from .corpus import corpus_sequences, features  # noqa: PLC0415
+    from .corpus import corpus_sequences  # noqa: PLC0415
     from .draft_lm import choose_vocab  # noqa: PLC0415
     from .self_corpus import stop_ids  # noqa: PLC0415
 
@@ -70,7 +70,7 @@ def run(args, argv: list[str]) -> int:
     s = text_setup(args, method, method_settings(args))
     model = s.model
     n_layers = model.config.get_text_config().num_hidden_layers
-    cached = features(model, s.records, layers=(n_layers,), top_k=args.top_k, cache_dir=s.features_dir, log=log)
+    cached = s.features(layers=(n_layers,), top_k=args.top_k)
     every = args.holdout_every
     held = [i for i in range(len(cached)) if every and i % every == every - 1]
     train = [i for i in range(len(cached)) if i not in set(held)]
@@ -90,7 +90,9 @@ def run(args, argv: list[str]) -> int:
     state = H.train_heads(heads, train_data, lm_rows, embeddings, vocab, steps=args.steps, batch=args.batch, lr=args.lr,
                           loss_vocab=args.loss_vocab, objective=args.objective, seed=args.seed, work_dir=s.work,
                           checkpoint_every=args.checkpoint_every, log=log,
-                          prefix_lr_scale=getattr(args, "prefix_lr_scale", 1.0))
+                          prefix_lr_scale=getattr(args, "prefix_lr_scale", 1.0), parallel=s.parallel)
+    if not s.parallel.is_main:  # the others hold the same heads: process 0 measures and writes them
+        return 0
     accuracy = H.head_accuracy(heads, held_data, lm_rows, embeddings, vocab)
     log("rank accuracy per head: " + "; ".join(" ".join(f"{a:.3f}" for a in row[:4]) for row in accuracy))
     tail = state["losses"][-25:]

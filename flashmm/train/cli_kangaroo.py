@@ -8,7 +8,7 @@ folder holds the adapter only: layers [0, exit) and the LM head are the target's
 """
 from __future__ import annotations
 
-from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
+from .cli_common import PARALLEL, Command, add_text_arguments, command_line, log, method_settings, target_info
 
 
 def add_arguments(p) -> None:
@@ -23,7 +23,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint-every", type=int, default=128, help="sequences between checkpoints")
     p.add_argument("--max-draft-tokens", type=int, default=6, help="drafting: longest chain")
     p.add_argument("--confidence", type=float, default=0.6, help="drafting: stop below this top-1 probability")
-    p.epilog = SINGLE_PROCESS
+    p.epilog = PARALLEL
 
 
 def run(args, argv: list[str]) -> int:
@@ -31,21 +31,24 @@ def run(args, argv: list[str]) -> int:
 
     from ..drafters.kangaroo import Kangaroo  # noqa: PLC0415
     from .cli_common import text_setup  # noqa: PLC0415
-    from .corpus import features  # noqa: PLC0415
     from .kangaroo import AdapterTraining, agreement, train_adapter  # noqa: PLC0415
 
+    if args.accumulate != 1:
+        raise SystemExit(f"--accumulate {args.accumulate}: Kangaroo accumulates its own --batch sequences per step "
+                         "(split over the processes of a launch); raise --batch instead")
     s = text_setup(args, "kangaroo", method_settings(args))
     n_layers = s.model.config.get_text_config().num_hidden_layers
     if not 1 <= args.exit_layer < n_layers:
         raise SystemExit(f"--exit-layer {args.exit_layer}: must be in 1..{n_layers - 1} for this "
                          f"{n_layers}-layer target")
-    cached = features(s.model, s.records, layers=(args.exit_layer, n_layers), top_k=args.top_k,
-                      cache_dir=s.features_dir, log=log)
+    cached = s.features(layers=(args.exit_layer, n_layers), top_k=args.top_k)
     settings = AdapterTraining(exit_layer=args.exit_layer, epochs=args.epochs, lr=args.lr, batch=args.batch,
                                ce_positions=args.ce_positions, feature_weight=args.feature_weight, seed=args.seed,
                                checkpoint_every=args.checkpoint_every)
     every = list(range(len(cached)))
-    adapter = train_adapter(s.model, cached, every, s.work, 0, 1, settings, log=log)
+    adapter = train_adapter(s.model, cached, every, s.work, 0, 1, settings, log=log, parallel=s.parallel)
+    if not s.parallel.is_main:  # the others hold the same adapter: process 0 measures and writes it
+        return 0
     scores = agreement(adapter, s.model, cached, every, 0, 1, settings)
     log(f"top-1 agreement on the training answers: {scores}")
     info = {"method": "kangaroo", "drafter": "kangaroo", "target": target_info(args.target, s.model),

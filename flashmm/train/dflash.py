@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch.nn import functional as F
 
 from ..drafters.nets.dflash_net import DFlashConfig, DFlashNet, anchored_logits
+from .data_parallel import ONE_PROCESS, DataParallel
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,11 @@ def held_out_accept(net: DFlashNet, embed, examples: list, max_anchors: int = 64
             "counted": [int(n) for n in counted.tolist()], "chain_tau": round(tau, 3)}
 
 
-def train(net: DFlashNet, embed, examples: list, opts: DFlashTrainOptions, work_dir, log=None) -> list[dict]:
-    """Train ``net`` in place on ``examples`` (flashmm.train.eagle3.Example rows); resumable from work_dir."""
+def train(net: DFlashNet, embed, examples: list, opts: DFlashTrainOptions, work_dir, log=None,
+          parallel: DataParallel = ONE_PROCESS) -> list[dict]:
+    """Train ``net`` in place on ``examples`` (flashmm.train.eagle3.Example rows); resumable from work_dir.
+    ``parallel``: a step's units (one drawn example and its blocks each) over processes and accumulation
+    (flashmm.train.data_parallel); only process 0 writes the checkpoint."""
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "dflash_checkpoint.pt"
@@ -159,28 +163,36 @@ def train(net: DFlashNet, embed, examples: list, opts: DFlashTrainOptions, work_
     slots = net.config.block_size - 1
     losses, rank_sum, counted_sum = [], torch.zeros(slots, RANKS + 1), torch.zeros(slots)
     while step < opts.steps:
-        generator = random.Random(opts.seed * 1_000_003 + step)  # a resumed run draws what it would have drawn
-        example = examples[generator.randrange(len(examples))]
-        found = block_loss(net, embed, example, opts, generator)
+        optimizer.zero_grad()
+        graded = False
+        for unit in parallel.units(step):
+            generator = random.Random(opts.seed * 1_000_003 + unit)  # a resumed run draws what it would have drawn
+            example = examples[generator.randrange(len(examples))]
+            found = block_loss(net, embed, example, opts, generator)
+            if found is None:
+                continue
+            loss, counts, counted = found
+            parallel.scaled(loss).backward()
+            graded = True
+            losses.append(float(loss.detach()))
+            rank_sum += counts
+            counted_sum += counted
         step += 1
-        if found is None:
+        if not parallel.any(graded):
             continue
-        loss, counts, counted = found
         for group in optimizer.param_groups:
             group["lr"] = opts.lr * min(1.0, step / max(opts.warmup, 1)) * 0.5 * (1 + math.cos(math.pi * step / opts.steps))
-        optimizer.zero_grad()
-        loss.backward()
+        parallel.sum_gradients(net.parameters())
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         optimizer.step()
-        losses.append(float(loss.detach()))
-        rank_sum += counts
-        counted_sum += counted
         if step % opts.checkpoint_every == 0 or step == opts.steps:
             rates = rank_sum[:, :RANKS] / counted_sum.clamp(min=1)[:, None]  # [B-1, RANKS], given the chain so far
             history.append({"step": step, "loss": sum(losses) / max(len(losses), 1),
                             "accuracy": [round(a, 4) for a in rates[:, 0].tolist()],
                             "accept": [[round(a, 4) for a in row] for row in rates.tolist()]})
             losses, rank_sum, counted_sum = [], torch.zeros(slots, RANKS + 1), torch.zeros(slots)
+            if not parallel.is_main:
+                continue
             if log is not None:
                 log(f"dflash step {step}/{opts.steps}: {history[-1]}")
             tmp = checkpoint.with_name(checkpoint.name + ".tmp")

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..drafters.nets.distill import DIVERGENCES, divergence, target_distribution
 from ..targets.cache import cache_argument, output_cache
+from .data_parallel import ONE_PROCESS, DataParallel
 
 OBJECTIVES = ("ce",) + DIVERGENCES
 
@@ -213,7 +214,8 @@ def batch_loss(lm, batch: dict, objective: str, target_to_draft: torch.Tensor, r
 def train_draft(lm, examples: list[dict], *, objective: str, target_to_draft: torch.Tensor, work_dir,
                 epochs: float = 1.0, lr: float = 1e-3, tokens_per_batch: int = 4096, seed: int = 0,
                 reference=None, select_fraction: float = 1.0, checkpoint_every: int = 50,
-                max_seconds: float | None = None, log=print, group_loss=None) -> dict:
+                max_seconds: float | None = None, log=print, group_loss=None,
+                parallel: DataParallel = ONE_PROCESS) -> dict:
     """Train ``lm`` in place on ``examples``; returns the stage's summary (also in work_dir/summary.json).
 
     Resumable: the optimiser state, step and RNG are checkpointed every ``checkpoint_every`` steps
@@ -221,6 +223,9 @@ def train_draft(lm, examples: list[dict], *, objective: str, target_to_draft: to
     ``max_seconds`` the stage stops early (checkpointed) and reports ``finished: False``.
     ``group_loss(lm, examples) -> (loss, metrics with "agree")`` replaces the objective's loss for
     other training layouts (PARD's mask tokens, S2D's exits); ``objective`` then only names it.
+    ``parallel``: a step's units (a batch of the plan each) over processes and accumulation
+    (flashmm.train.data_parallel): the plan's batches make len(plan) // M steps; only process 0 writes
+    work_dir.
     """
     if group_loss is None and objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose one of {OBJECTIVES}")
@@ -235,8 +240,12 @@ def train_draft(lm, examples: list[dict], *, objective: str, target_to_draft: to
         return json.loads(summary_path.read_text())
     rng = random.Random(seed)
     plan = [g for _ in range(math.ceil(epochs)) for g in batches(examples, tokens_per_batch, rng)]
-    total = max(1, int(len(plan) * epochs / math.ceil(epochs)))
-    plan = plan[:total]
+    units = max(1, int(len(plan) * epochs / math.ceil(epochs)))
+    plan = plan[:units]
+    if units < parallel.per_step:
+        raise ValueError(f"{work}: {units} batches of {tokens_per_batch} tokens, fewer than the "
+                         f"{parallel.per_step} a step reads (--accumulate x processes): lower --tokens-per-batch")
+    total = units // parallel.per_step
     optimizer = torch.optim.AdamW(lm.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, total // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -262,36 +271,45 @@ def train_draft(lm, examples: list[dict], *, objective: str, target_to_draft: to
         reference.eval()
     pad_row = 0
     while step < total:
-        if group_loss is not None:
-            loss, metrics = group_loss(lm, plan[step])
-        else:
-            batch = collate(plan[step], pad_row)
-            loss, metrics = batch_loss(lm, batch, objective, target_to_draft, reference, select_fraction)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        unit_losses, unit_agrees = [], []
+        for unit in parallel.units(step):
+            parallel.seed_unit(seed, unit)
+            if group_loss is not None:
+                loss, metrics = group_loss(lm, plan[unit])
+            else:
+                batch = collate(plan[unit], pad_row)
+                loss, metrics = batch_loss(lm, batch, objective, target_to_draft, reference, select_fraction)
+            parallel.scaled(loss).backward()
+            unit_losses.append(float(loss.detach()))
+            unit_agrees.append(metrics["agree"])
+        parallel.sum_gradients(lm.parameters())
         torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         step += 1
-        losses.append(float(loss.detach()))
-        agrees.append(metrics["agree"])
+        losses.append(sum(unit_losses) / len(unit_losses))
+        agrees.append(sum(unit_agrees) / len(unit_agrees))
         if step % checkpoint_every == 0 or step == total:
             window = slice(-checkpoint_every, None)
             log(f"{objective} step {step}/{total}: loss {sum(losses[window]) / len(losses[window]):.4f}, "
                 f"top-1 agreement {sum(agrees[window]) / len(agrees[window]):.3f}, "
                 f"{time.time() - start:.0f} s")
-            save(checkpoint, dict(model=lm.state_dict(), optimizer=optimizer.state_dict(),
-                                  schedule=schedule.state_dict(), step=step, losses=losses, agrees=agrees))
-            if max_seconds is not None and time.time() - start > max_seconds and step < total:
+            if parallel.is_main:
+                save(checkpoint, dict(model=lm.state_dict(), optimizer=optimizer.state_dict(),
+                                      schedule=schedule.state_dict(), step=step, losses=losses, agrees=agrees))
+            if parallel.any(max_seconds is not None and time.time() - start > max_seconds and step < total):
                 lm.eval()
                 return dict(finished=False, step=step, total=total)
     lm.eval()
-    save(work / "final.pt", lm.state_dict())
+    if parallel.is_main:
+        save(work / "final.pt", lm.state_dict())
     tail = max(1, min(len(losses), checkpoint_every))
     summary = dict(finished=True, objective=objective, steps=total, epochs=epochs, lr=lr, seed=seed,
                    tokens_per_batch=tokens_per_batch, select_fraction=select_fraction,
                    final_loss=sum(losses[-tail:]) / tail, final_agreement=sum(agrees[-tail:]) / tail)
-    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    if parallel.is_main:
+        summary_path.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 

@@ -36,15 +36,17 @@ from ..drafters.pard import PardLM
 from . import draft_lm as T
 from . import pard as PARD
 from .corpus import corpus_sequences, features
+from .data_parallel import ONE_PROCESS, DataParallel
 from .self_corpus import stop_ids
 
 
 class DraftLMStages:
     def __init__(self, records, options, work, target: Callable, export: Callable, target_name: str | None = None,
-                 log=print):
+                 log=print, parallel: DataParallel = ONE_PROCESS):
         """records: the corpus (read_corpus's CorpusRecords); target: returns (model, tokenizer), called
-        once, when a stage first needs the target."""
-        self.records, self.options, self.work = records, options, Path(work)
+        once, when a stage first needs the target. parallel: the processes and accumulation the stages
+        train with (flashmm.train.data_parallel); process 0 writes what the stages cache."""
+        self.records, self.options, self.work, self.parallel = records, options, Path(work), parallel
         self.work.mkdir(parents=True, exist_ok=True)
         self.export, self.target_name, self.log = export, target_name, log
         self._load_target, self._target = target, None
@@ -71,6 +73,9 @@ class DraftLMStages:
 
     # ------------------------------------------------------------ pieces
     def vocab(self) -> torch.Tensor:
+        return self.parallel.main_first(self._vocab)
+
+    def _vocab(self) -> torch.Tensor:
         path = self.work / "vocab.pt"
         if not path.exists():
             sequences = corpus_sequences(self.records, "all", end_id=self.end_id())
@@ -110,15 +115,16 @@ class DraftLMStages:
         summary = T.train_draft(draft.lm, examples, objective=objective, target_to_draft=self.rows(),
                                 work_dir=self.work / stage, epochs=epochs, lr=o.lr, tokens_per_batch=o.tokens_per_batch,
                                 seed=o.seed, max_seconds=self.seconds_left(), log=lambda m: self.log(f"{stage}: {m}"),
-                                **extra)
+                                parallel=self.parallel, **extra)
         if not summary["finished"]:
             raise TimeoutError(f"{stage} stopped at step {summary['step']}/{summary['total']}: run again to resume")
         return summary
 
     def features(self, sequences):
         model, _ = self.target
-        return features(model, sequences, layers=(), top_k=self.options.top_k, cache_dir=self.work / "features",
-                        target_name=self.target_name, batch_size=8, log=self.log)
+        return self.parallel.main_first(lambda: features(
+            model, sequences, layers=(), top_k=self.options.top_k, cache_dir=self.work / "features",
+            target_name=self.target_name, batch_size=8, log=self.log))
 
     def greedy_examples(self, answers_only: bool = True) -> list[dict]:
         return T.examples_from_sequences(corpus_sequences(self.records, "greedy", self.end_id()), self.rows(),
@@ -156,11 +162,14 @@ class DraftLMStages:
         prompts = [r.prompt_ids for r in self.records]
         random.Random(o.seed).shuffle(prompts)
         cached = self.work / "on_policy.json"
-        if not cached.exists():
-            self.log(f"distillspec: {o.on_policy_prompts} on-policy continuations from the aligned draft")
-            data = T.on_policy_sequences(draft, prompts[:o.on_policy_prompts], o.on_policy_tokens, 1.0, o.seed,
-                                         set(self.end_ids()))
-            cached.write_text(json.dumps(data))
+
+        def write_on_policy():
+            if not cached.exists():
+                self.log(f"distillspec: {o.on_policy_prompts} on-policy continuations from the aligned draft")
+                data = T.on_policy_sequences(draft, prompts[:o.on_policy_prompts], o.on_policy_tokens, 1.0, o.seed,
+                                             set(self.end_ids()))
+                cached.write_text(json.dumps(data))
+        self.parallel.main_first(write_on_policy)
         on_policy = [tuple(x) for x in json.loads(cached.read_text())]
         examples = T.examples_from_features(self.features(on_policy), self.rows())
         greedy = T.examples_from_features(self.greedy_features(), self.rows())
@@ -189,12 +198,14 @@ class DraftLMStages:
         examples = self.greedy_examples()
         held = min(held_out_count, len(examples) // 2)
         examples, held_out = examples[:len(examples) - held], examples[len(examples) - held:]
-        rng = random.Random(o.seed)
+        # one stream of drops over the steps; with several units a step, the global stream each unit's seed restarts
+        rng = random.Random(o.seed) if self.parallel.per_step == 1 else random
         summary = T.train_draft(model, examples, objective="pard", target_to_draft=self.rows(),
                                 work_dir=self.work / "pard", epochs=o.pard_epochs, lr=o.lr,
                                 tokens_per_batch=o.tokens_per_batch, seed=o.seed, max_seconds=self.seconds_left(),
                                 log=lambda m: self.log(f"pard: {m}"), checkpoint_every=10,
-                                group_loss=lambda m, g: PARD.group_loss(m, g, o.pard_depth, o.pard_keep, rng))
+                                group_loss=lambda m, g: PARD.group_loss(m, g, o.pard_depth, o.pard_keep, rng),
+                                parallel=self.parallel)
         if not summary["finished"]:
             raise TimeoutError(f"pard stopped at step {summary['step']}/{summary['total']}: run again to resume")
         per_depth = PARD.depth_agreement(model, held_out, o.pard_depth) if held_out else []

@@ -31,6 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from ..drafters.nets.eagle3_net import Eagle3Config, Eagle3Net
+from .data_parallel import ONE_PROCESS, DataParallel
 
 STYLES = ("plain", "hass", "griffin")
 
@@ -159,14 +160,16 @@ def _lr(opts: TrainOptions, step: int) -> float:
 
 
 def train(net: torch.nn.Module, embed: torch.nn.Module, examples, opts: TrainOptions, work_dir,
-          log=print, loss_of=None) -> dict:
+          log=print, loss_of=None, parallel: DataParallel = ONE_PROCESS) -> dict:
     """Train ``net`` on ``examples`` (a sequence of Example, indexed, one per step; or a store with
     its own ``batches`` and ``loss``, eagle3_batched.PaddedExamples, ``opts.batch`` sequences per
     step) read in a seeded order, cycled, for
     ``opts.steps`` steps; resumable from ``work_dir/checkpoint.pt``. Returns a summary, also
     written to ``work_dir/summary.json`` (a finished run is read back, not retrained).
     ``loss_of(example)`` → (loss, {step: [correct, counted]}) is one example's loss (default: the
-    EAGLE-3 head's training-time-test loss, ``sequence_loss``)."""
+    EAGLE-3 head's training-time-test loss, ``sequence_loss``). ``parallel``: the units of a step over
+    processes and accumulation (flashmm.train.data_parallel; unit u is the u-th example of the order);
+    only process 0 writes work_dir."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     done = work / "summary.json"
@@ -203,30 +206,40 @@ def train(net: torch.nn.Module, embed: torch.nn.Module, examples, opts: TrainOpt
     for step in range(start, opts.steps):
         for group in optim.param_groups:
             group["lr"] = _lr(opts, step)
-        if batched:
-            loss, counts = examples.loss(net, embed, order[step % len(order)], rows, opts)
-        else:
-            loss, counts = loss_of(examples[order[step % len(order)]])
         optim.zero_grad(set_to_none=True)
-        if loss.requires_grad:
-            loss.backward()
+        graded, units = False, []
+        for unit in parallel.units(step):
+            parallel.seed_unit(opts.seed, unit)
+            if batched:
+                loss, counts = examples.loss(net, embed, order[unit % len(order)], rows, opts)
+            else:
+                loss, counts = loss_of(examples[order[unit % len(order)]])
+            if loss.requires_grad:
+                parallel.scaled(loss).backward()
+                graded = True
+            units.append((float(loss.detach()), counts))
+        if parallel.any(graded):
+            parallel.sum_gradients(net.parameters())
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             optim.step()
-        window.append((float(loss.detach()), counts))
+        window += units
         if (step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps:
             acc = _accuracy([c for _, c in window])
             history.append(dict(step=step + 1, loss=sum(l for l, _ in window) / len(window), acc=acc))
+            window = []
+            if not parallel.is_main:  # the others hold the same weights: process 0 logs and writes them
+                continue
             log(f"step {step + 1}/{opts.steps} loss {history[-1]['loss']:.3f} acc {acc} "
                 f"({time.time() - began:.0f}s)")
-            window = []
             tmp = ckpt.with_name("checkpoint.tmp")
             torch.save(dict(net=net.state_dict(), optim=optim.state_dict(), step=step + 1, history=history,
                             rng=torch.get_rng_state()), tmp)
             os.replace(tmp, ckpt)
     net.eval()
-    torch.save(net.state_dict(), work / "final.pt")
     summary = dict(options=asdict(opts), history=history, finished=True)
-    done.write_text(json.dumps(summary, indent=1))
+    if parallel.is_main:
+        torch.save(net.state_dict(), work / "final.pt")
+        done.write_text(json.dumps(summary, indent=1))
     return summary
 
 

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from ..drafters.nets.hydra_net import HydraHeads
 from ..drafters.nets.medusa_net import MedusaHeads
 from ..drafters.nets.mtp_net import MTPModules
+from .data_parallel import ONE_PROCESS, DataParallel
 
 
 @dataclass
@@ -381,7 +381,8 @@ def _atomic_save(obj, path: Path) -> None:
 def train_heads(heads, data: HeadData, lm_rows: torch.Tensor, embeddings: torch.Tensor, vocab: Vocab, *,
                 steps: int, batch: int, lr: float = 1e-3, loss_vocab: str = "batch", objective: str = "ce",
                 seed: int = 0, work_dir=None, checkpoint_every: int = 100, max_seconds: float | None = None,
-                log=print, before_step=None, prefix_lr_scale: float = 1.0) -> dict:
+                log=print, before_step=None, prefix_lr_scale: float = 1.0,
+                parallel: DataParallel = ONE_PROCESS) -> dict:
     """Train ``heads`` for ``steps`` AdamW steps (cosine decay after a 5% warm-up); Medusa / Hydra
     batches are ``batch`` positions, MTP batches ``batch`` whole sequences, drawn by a seeded
     permutation. With ``work_dir``: a checkpoint every ``checkpoint_every`` steps, and a rerun resumes
@@ -391,7 +392,9 @@ def train_heads(heads, data: HeadData, lm_rows: torch.Tensor, embeddings: torch.
     the heads' lr (on SmolLM2, 0.1 gave held-out top-1 0.406 / 0.307 / 0.276 / 0.270 against 1.0's
     0.419 / 0.314 / 0.291 / 0.279). ``before_step``:
     called before every step (e.g. to wait while the machine must stay quiet); returns the seconds it
-    paused, or None. Returns {"step": steps done, "losses": [...], "seconds": ...}."""
+    paused, or None. ``parallel``: a step's units (a batch each) over processes and accumulation
+    (flashmm.train.data_parallel); only process 0 writes the checkpoint. Returns {"step": steps done,
+    "losses": [...], "seconds": ...}."""
     is_mtp, is_prefix = isinstance(heads, MTPModules), has_prefix(heads)
     pool = torch.arange(data.num_sequences) if is_mtp else data.positions(heads.num_heads)
     if is_prefix:
@@ -415,40 +418,48 @@ def train_heads(heads, data: HeadData, lm_rows: torch.Tensor, embeddings: torch.
         log(f"resumed at step {state['step']}")
     gen = torch.Generator().manual_seed(seed)
     if is_prefix:
-        groups = sequence_batches(data, steps, PREFIX_SEQUENCES, gen)
+        groups = sequence_batches(data, steps * parallel.per_step, PREFIX_SEQUENCES, gen)
     else:
+        units = steps * parallel.per_step
         order = torch.cat([torch.randperm(pool.numel(), generator=gen)
-                           for _ in range(-(-steps * batch // max(pool.numel(), 1)) + 1)])
+                           for _ in range(-(-units * batch // max(pool.numel(), 1)) + 1)])
     heads.train()
     start = began = time.perf_counter()
     for step in range(state["step"], steps):
-        if max_seconds is not None and time.perf_counter() - began > max_seconds:
+        if parallel.any(max_seconds is not None and time.perf_counter() - began > max_seconds):
             log(f"stopping at step {step}/{steps}: --max-minutes reached (rerun to continue)")
             break
         if before_step is not None:  # time it spends (a pause) counts neither as training nor against max_seconds
             paused = before_step() or 0.0
             start, began = start + paused, began + paused
-        if is_prefix:
-            g, h = prefix_batch(heads, data, groups[step], batch, torch.Generator().manual_seed(seed * 100003 + step))
-            loss, per_head = batch_loss(heads, data, g, lm_rows, embeddings, vocab, loss_vocab, objective, h)
-        elif is_mtp:
-            pick = pool[order[step * batch:(step + 1) * batch]]
-            loss, per_head = mtp_loss(heads, data, pick.tolist(), lm_rows, embeddings, vocab, loss_vocab, objective)
-        else:
-            pick = pool[order[step * batch:(step + 1) * batch]]
-            loss, per_head = batch_loss(heads, data, pick, lm_rows, embeddings, vocab, loss_vocab, objective)
         opt.zero_grad()
-        loss.backward()
+        losses = []
+        for unit in parallel.units(step):
+            parallel.seed_unit(seed, unit)
+            if is_prefix:
+                g, h = prefix_batch(heads, data, groups[unit], batch,
+                                    torch.Generator().manual_seed(seed * 100003 + unit))
+                loss, per_head = batch_loss(heads, data, g, lm_rows, embeddings, vocab, loss_vocab, objective, h)
+            elif is_mtp:
+                pick = pool[order[unit * batch:(unit + 1) * batch]]
+                loss, per_head = mtp_loss(heads, data, pick.tolist(), lm_rows, embeddings, vocab, loss_vocab,
+                                          objective)
+            else:
+                pick = pool[order[unit * batch:(unit + 1) * batch]]
+                loss, per_head = batch_loss(heads, data, pick, lm_rows, embeddings, vocab, loss_vocab, objective)
+            parallel.scaled(loss).backward()
+            losses.append([float(loss.detach())] + per_head)
+        parallel.sum_gradients(heads.parameters())
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
         opt.step()
         sched.step()
-        state["losses"].append([float(loss.detach())] + per_head)
+        state["losses"].append([sum(column) / len(losses) for column in zip(*losses)])
         state["step"] = step + 1
         if (step + 1) % 25 == 0 or step + 1 == steps:
             log(f"step {step + 1}/{steps} loss {state['losses'][-1][0]:.3f} per head "
                 f"{' '.join(f'{x:.2f}' for x in per_head)} ({time.perf_counter() - start:.0f} s)")
         last = step + 1 == steps or (max_seconds is not None and time.perf_counter() - began > max_seconds)
-        if ckpt is not None and ((step + 1) % checkpoint_every == 0 or last):
+        if ckpt is not None and parallel.is_main and ((step + 1) % checkpoint_every == 0 or last):
             state["seconds"] += time.perf_counter() - start
             start = time.perf_counter()
             _atomic_save({"heads": heads.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),

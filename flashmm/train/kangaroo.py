@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..drafters.nets.kangaroo_net import KangarooAdapter
 from .corpus import CorpusFeatures
+from .data_parallel import ONE_PROCESS, DataParallel
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,14 @@ def agreement(adapter, model, features: CorpusFeatures, indices, in_index: int, 
 
 
 def train_adapter(model, features: CorpusFeatures, train_indices: list[int], work: Path, in_index: int,
-                  out_index: int, settings: AdapterTraining = AdapterTraining(), log=print) -> KangarooAdapter:
-    """Train (or resume from ``work/checkpoint.pt``) and return the adapter; the target is frozen."""
+                  out_index: int, settings: AdapterTraining = AdapterTraining(), log=print,
+                  parallel: DataParallel = ONE_PROCESS) -> KangarooAdapter:
+    """Train (or resume from ``work/checkpoint.pt``) and return the adapter; the target is frozen.
+    ``parallel``: a step's ``settings.batch`` sequences split over the processes (each with its own
+    seeded position sampler when there are several; flashmm.train.data_parallel); only process 0 writes
+    the checkpoint."""
+    if parallel.accumulate != 1:
+        raise ValueError("Kangaroo accumulates its own batch (settings.batch sequences per step): accumulate must be 1")
     torch.manual_seed(settings.seed)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -116,15 +123,18 @@ def train_adapter(model, features: CorpusFeatures, train_indices: list[int], wor
     while done < len(order):
         group = order[done : done + settings.batch]
         optimizer.zero_grad()
-        for i in group:
-            loss, _, _ = adapter_loss(adapter, model, features[i], in_index, out_index, settings, sample_rng)
+        for k in range(parallel.rank, len(group), parallel.processes):
+            own = parallel.unit_seed(settings.seed, done + k)
+            rng = sample_rng if own is None else random.Random(own)
+            loss, _, _ = adapter_loss(adapter, model, features[group[k]], in_index, out_index, settings, rng)
             (loss / len(group)).backward()
-            seen_loss.append(float(loss))
+            seen_loss.append(float(loss.detach()))
+        parallel.sum_gradients(adapter.parameters())
         torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         done += len(group)
-        if done % settings.checkpoint_every < settings.batch or done >= len(order):
+        if parallel.is_main and (done % settings.checkpoint_every < settings.batch or done >= len(order)):
             work.mkdir(parents=True, exist_ok=True)
             tmp = checkpoint.with_suffix(".tmp")
             torch.save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "done": done,

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .data_parallel import ONE_PROCESS, DataParallel
 from .draft_lm import collate, train_draft
 
 
@@ -145,17 +146,21 @@ def choose_thresholds(top: torch.Tensor, right: torch.Tensor, tolerance: float =
 
 def train_nested(lm, examples: list[dict], heldout: list[dict], exits: tuple[int, ...], work_dir, *,
                  target_to_draft: torch.Tensor, epochs: float, lr: float, tokens_per_batch: int, seed: int,
-                 tolerance: float = 0.02, max_seconds: float | None = None, log=print) -> tuple[dict, dict]:
+                 tolerance: float = 0.02, max_seconds: float | None = None, log=print,
+                 parallel: DataParallel = ONE_PROCESS) -> tuple[dict, dict]:
     """S2D's recipe on a (deepened) draft LM ``lm``: sorted training over ``exits`` on ``examples``
     (draft_lm.train_draft with a SortedLoss, checkpointed in ``work_dir/sorted``), then each exit's
     confidence threshold chosen on ``heldout`` (choose_thresholds; cached in work_dir/thresholds.json).
     Returns (training summary, the thresholds' record); the summary has ``finished: False`` (and no
-    thresholds are chosen) when ``max_seconds`` ran out first: run again to resume."""
+    thresholds are chosen) when ``max_seconds`` ran out first: run again to resume. ``parallel``: the
+    training's processes and accumulation (flashmm.train.data_parallel); process 0 alone chooses the
+    thresholds (the others return none)."""
     work = Path(work_dir)
     summary = train_draft(lm, examples, objective="sorted", target_to_draft=target_to_draft, work_dir=work / "sorted",
                           epochs=epochs, lr=lr, tokens_per_batch=tokens_per_batch, seed=seed, checkpoint_every=10,
-                          max_seconds=max_seconds, log=lambda m: log(f"sorted: {m}"), group_loss=SortedLoss(exits))
-    if not summary["finished"]:
+                          max_seconds=max_seconds, log=lambda m: log(f"sorted: {m}"), group_loss=SortedLoss(exits),
+                          parallel=parallel)
+    if not summary["finished"] or not parallel.is_main:
         return summary, {}
     chosen_path = work / "thresholds.json"
     if not chosen_path.exists():
