@@ -9,7 +9,7 @@ import torch
 
 import flashmm
 from flashmm.train import self_corpus
-from flashmm.train.__main__ import main as train_cli
+from flashmm.train.__main__ import COMMANDS, main as train_cli
 
 import mm_models as mm
 from text_models import tiny_lm
@@ -255,3 +255,15 @@ def test_a_killed_training_resumes_from_its_checkpoint(prompts, corpus, tmp_path
     assert straight.keys() == resumed.keys()
     for key, value in straight.items():
         torch.testing.assert_close(resumed[key], value)
+
+
+@pytest.mark.parametrize("method", sorted(COMMANDS))
+def test_every_method_explains_itself(method, capsys):
+    """``python -m flashmm.train METHOD --help``: exits 0 and lists the method's options, the target and
+    the output folder among them."""
+    with pytest.raises(SystemExit) as done:
+        train_cli([method, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: python -m flashmm.train {method}")
+    assert "--target" in text and "--out" in text and COMMANDS[method].help.split(" (")[0][:30] in " ".join(text.split())
