@@ -7,8 +7,9 @@ the answers; then the method's own stage:
   distillspec  a divergence to the target's distributions on the draft's own continuations
   adaspec      forward KL on the tokens the draft can still learn (gap to a distilled reference)
   pard         a mask token and K tokens per forward
-  s2d          the aligned draft grown to --s2d-layers, sorted-trained over --exits, confidence
-               thresholds per exit chosen on held-out answers
+  s2d          the aligned draft (or --draft, a FastDraft folder) grown to --s2d-layers,
+               sorted-trained over --exits, confidence thresholds per exit chosen on --heldout
+               records (a seeded shuffle's first ones)
   specdecpp    an acceptance head on --draft (a FastDraft folder, default: the aligned draft, written
                to --out/draft; or an EAGLE-3 folder: a head over its trees' ranks) that stops drafting
                at --threshold
@@ -56,11 +57,14 @@ def arguments_for(method: str):
             p.add_argument("--pard-keep", type=float, default=0.7, help="conditional-drop keep fraction per depth")
             p.add_argument("--pard-epochs", type=float, default=1.0)
         if method == "s2d":
+            p.add_argument("--draft", default=None, help="a FastDraft folder to grow (default: train one: pretrain "
+                           "and align, as fastdraft does); --lr then sets the sorted training's rate only")
             p.add_argument("--s2d-layers", type=int, default=4, help="layers of the nested draft")
             p.add_argument("--exits", default="1,2,4", help="exits trained and drafted from")
             p.add_argument("--s2d-epochs", type=float, default=0.5)
-            p.add_argument("--heldout", type=int, default=160, help="answers kept out of sorted training to "
-                           "choose the thresholds (at most half the corpus)")
+            p.add_argument("--heldout", type=int, default=160, help="corpus records kept out of sorted training to "
+                           "choose the thresholds: the first N of the records shuffled with --seed (at most half "
+                           "the corpus); training reads the rest in that shuffled order")
             p.add_argument("--tolerance", type=float, default=0.02)
         if method == "specdecpp":
             p.add_argument("--draft", default=None, help="a FastDraft folder (default: train one into --out/draft), "
@@ -91,16 +95,19 @@ def run(args, argv: list[str]) -> int:
     from .draft_lm_stages import DraftLMStages  # noqa: PLC0415
 
     method = args.method
-    if method == "specdecpp" and args.draft is not None:
+    given_draft = getattr(args, "draft", None)
+    if given_draft is not None:
         from ..drafters.saved import read_info  # noqa: PLC0415
 
         try:
-            kind = read_info(args.draft)["drafter"]
+            kind = read_info(given_draft)["drafter"]
         except (FileNotFoundError, ValueError) as err:
-            raise SystemExit(f"--draft {args.draft}: {err}") from None
-        if kind not in ("fastdraft", "eagle3"):
-            raise SystemExit(f"--draft {args.draft}: holds a {kind!r} drafter; SpecDec++ heads sit on a FastDraft "
-                             "or an EAGLE-3 folder")
+            raise SystemExit(f"--draft {given_draft}: {err}") from None
+        allowed = ("fastdraft", "eagle3") if method == "specdecpp" else ("fastdraft",)
+        if kind not in allowed:
+            raise SystemExit(f"--draft {given_draft}: holds a {kind!r} drafter; {method} "
+                             + ("heads sit on a FastDraft or an EAGLE-3 folder" if method == "specdecpp"
+                                else "grows a FastDraft folder"))
     s = text_setup(args, method, method_settings(args))
     trained = {}
 
@@ -117,20 +124,26 @@ def run(args, argv: list[str]) -> int:
     # DraftLMStages reads every recipe's options by name; the other recipes' are None here
     options = SimpleNamespace(**{**dict.fromkeys(RECIPE_OPTIONS), **vars(args)})
     stages = DraftLMStages(s.records, options, s.work, lambda: (s.model, s.tokenizer), export, log=log)
-    needs = () if method == "specdecpp" and args.draft else STAGES.get(method, ("pretrain", "align"))
+    needs = () if given_draft else STAGES.get(method, ("pretrain", "align"))
     for stage in needs:
         getattr(stages, f"stage_{stage}")()
     if method == "s2d":
-        train_s2d(args, argv, s, stages, trained["fastdraft"][0])
+        train_s2d(args, argv, s, stages, trained.get("fastdraft", (None,))[0])
     elif method == "specdecpp":
         train_specdecpp(args, argv, s, trained.get("fastdraft"))
     return 0
 
 
 def train_s2d(args, argv, s, stages, aligned) -> None:
-    """S2D (flashmm.train.sorted): the aligned draft deepened, sorted-trained, thresholds chosen."""
-    from ..drafters.fastdraft import ReducedVocabLM  # noqa: PLC0415
+    """S2D (flashmm.train.sorted): the aligned draft (or --draft) deepened with identity layers,
+    sorted-trained on the greedy answers of the records not held out, thresholds chosen on the rest."""
+    import random  # noqa: PLC0415
+
+    from ..drafters.fastdraft import ReducedVocabLM, load_reduced_lm  # noqa: PLC0415
     from ..drafters.s2d import save_s2d  # noqa: PLC0415
+    from ..drafters.nets.distill import target_rows  # noqa: PLC0415
+    from . import draft_lm as T  # noqa: PLC0415
+    from .corpus import corpus_sequences  # noqa: PLC0415
     from .sorted import deepen, train_nested  # noqa: PLC0415
 
     try:
@@ -139,18 +152,31 @@ def train_s2d(args, argv, s, stages, aligned) -> None:
         raise SystemExit(f"--exits {args.exits!r}: give comma-separated layer counts, e.g. 1,2,4") from None
     if not exits or exits != tuple(sorted(set(exits))) or exits[0] < 1 or exits[-1] > args.s2d_layers:
         raise SystemExit(f"--exits {args.exits!r}: increasing layer counts within 1..--s2d-layers ({args.s2d_layers})")
+    if args.heldout < 1:
+        raise SystemExit(f"--heldout must be >= 1, got {args.heldout}")
+    if aligned is None:
+        aligned = load_reduced_lm(args.draft)[0]
+    start = f"{args.draft or 'the aligned draft'} ({aligned.lm.config.num_hidden_layers} layers)"
     draft = ReducedVocabLM(deepen(aligned.lm, args.s2d_layers), aligned.draft_to_target, aligned.target_vocab)
-    examples = stages.greedy_examples()
-    held = min(args.heldout, len(examples) // 2)
-    train, heldout = examples[held:], examples[:held] or examples
-    summary, chosen = train_nested(draft.lm, train, heldout, exits, s.work, target_to_draft=stages.rows(),
+    rows = target_rows(draft.draft_to_target, draft.target_vocab)
+    order = list(range(len(s.records)))
+    random.Random(args.seed).shuffle(order)
+    held = min(args.heldout, len(order) // 2)  # a one-record corpus: trained and held out at once
+    train_records = [s.records[i] for i in order[held:]]
+    heldout_records = [s.records[i] for i in order[:held]] or train_records
+    train, heldout = (T.examples_from_sequences(corpus_sequences(records, "greedy", stages.end_id()), rows,
+                                                answers_only=True) for records in (train_records, heldout_records))
+    log(f"s2d: {len(train_records)} training records, {len(heldout_records)} held out; exits {exits} of "
+        f"{args.s2d_layers} layers, from {start}")
+    summary, chosen = train_nested(draft.lm, train, heldout, exits, s.work, target_to_draft=rows,
                                    epochs=args.s2d_epochs, lr=args.lr, tokens_per_batch=args.tokens_per_batch,
                                    seed=args.seed, tolerance=args.tolerance, max_seconds=stages.seconds_left(), log=log)
     if not summary["finished"]:
         raise SystemExit(f"sorted training stopped at step {summary['step']}/{summary['total']}: run again to resume")
     log(f"s2d thresholds {chosen['thresholds']} (agreement per exit {chosen['agreement_per_exit']})")
     info = {"method": "s2d", "target": target_info(args.target, s.model),
-            "training": {**summary, "options": method_settings(args), "heldout_answers": held},
+            "training": {**summary, "options": method_settings(args), "init": f"{start} grown to "
+                         f"{args.s2d_layers} with identity layers", "heldout_records": len(heldout_records)},
             "thresholds_heldout": chosen, "command": command_line(argv),
             "notes": "S2D: nested draft, every exit drafts; per drafted token the first exit whose top-1 "
                      "probability reaches its threshold answers (deepest always)"}
