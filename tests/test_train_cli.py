@@ -375,3 +375,35 @@ def test_s2d_grows_a_given_fastdraft_and_holds_out_a_seeded_shuffle(prompts, cor
 
     for got, want in ((seen["held"], examples(order[:2])), (seen["train"], examples(order[2:]))):
         assert [e["input_ids"].tolist() for e in got] == [e["input_ids"].tolist() for e in want]
+
+
+def test_specdecpp_on_a_fastdraft_holds_out_records_and_calibrates_its_threshold(prompts, corpus, tmp_path, monkeypatch):
+    """specdecpp --draft FASTDRAFT: --train-sequences 2 --heldout-first 3 trains on a seeded sample of 2 of
+    the first 3 records (one example per answer token, plus the end-of-turn id of a finished answer unless
+    --no-end-token) and holds out the 4th; --thresholds replays its answer with each candidate and writes
+    the one with the best modeled speedup."""
+    import random
+
+    from flashmm.train.corpus import read_corpus
+
+    for name in ("draft", "calibrated", "no_end"):
+        shutil.copytree(corpus, tmp_path / name / "corpus")
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    assert train_cli(args_for("draft_lm", prompts, tmp_path / "draft")) == 0
+    given = ["--draft", str(tmp_path / "draft"), "--heldout-first", "3", "--heldout-sequences", "1",
+             "--train-sequences", "2", "--seed", "5"]
+    assert train_cli(args_for("specdecpp", prompts, tmp_path / "calibrated", *given, "--thresholds", "0.5", "0.95",
+                              "--calibrate-sequences", "1")) == 0
+    assert train_cli(args_for("specdecpp", prompts, tmp_path / "no_end", *given, "--no-end-token")) == 0
+    records = read_corpus(tmp_path / "draft" / "corpus")
+    chosen = [records[i].greedy for i in sorted(random.Random(5).sample(range(3), 2))]
+    for name, end in (("calibrated", True), ("no_end", False)):
+        examples = torch.load(tmp_path / name / "work" / "specdecpp" / "acceptance_examples.pt", weights_only=True)
+        assert torch.bincount(examples["sequence"]).tolist() == [len(a.ids) + (end and a.finished) for a in chosen]
+    info = json.loads((tmp_path / "calibrated" / "drafter.json").read_text())
+    training, replay = info["training"], info["training"]["threshold_replay"]
+    assert training["train_records"] == 2 and training["heldout_records"] == [3, 4] and set(replay) == {"0.5", "0.95"}
+    assert info["threshold"] == max((0.5, 0.95), key=lambda h: replay[str(h)]["modeled_speedup"])
+    assert all(r["tokens"] == len(records[3].greedy.ids) - 1 and 1 <= r["steps"] <= r["tokens"] for r in replay.values())
+    assert json.loads((tmp_path / "no_end" / "drafter.json").read_text())["threshold"] == 0.7  # --threshold's default
+    assert type(flashmm.drafters.load(tmp_path / "calibrated")).name == "specdecpp"

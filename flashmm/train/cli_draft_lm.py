@@ -17,6 +17,8 @@ Each stage is checkpointed under --out/work/<method>; a rerun resumes.
 """
 from __future__ import annotations
 
+import argparse
+
 from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
 
 DIVERGENCES = ("fkl", "rkl", "tvd", "jsd")   # flashmm.drafters.nets.distill.DIVERGENCES
@@ -71,6 +73,20 @@ def arguments_for(method: str):
                            "or an EAGLE-3 head folder (a head over its trees' ranks)")
             p.add_argument("--threshold", type=float, default=0.7,
                            help="stop before the token that makes P(a rejection) exceed this")
+            p.add_argument("--thresholds", type=float, nargs="+", default=None, help="FastDraft: calibrate instead "
+                           "of --threshold: replay the greedy answers of --calibrate-sequences held-out records with "
+                           "each and keep the best modeled speedup (verify and draft costs measured in CPU time on "
+                           "this machine; flashmm.train.specdecpp_chain)")
+            p.add_argument("--calibrate-sequences", type=int, default=20, help="FastDraft: held-out records replayed")
+            p.add_argument("--heldout-first", type=int, default=None, help="FastDraft: records from this index on are "
+                           "held out of training: --heldout-sequences of them measure the head and calibrate "
+                           "--thresholds (default: none held out; metrics on the training answers)")
+            p.add_argument("--heldout-sequences", type=int, default=100, help="FastDraft: held-out records")
+            p.add_argument("--train-sequences", type=int, default=None, help="FastDraft: train the head on a seeded "
+                           "sample of N records (kept in corpus order) of those before --heldout-first (default: all)")
+            p.add_argument("--end-token", action=argparse.BooleanOptionalAction, default=True, help="FastDraft: "
+                           "finished answers end with the end-of-turn id, as in every draft-LM stage; --no-end-token "
+                           "leaves it out of the head's examples")
             p.add_argument("--max-draft-tokens", type=int, default=8)
             p.add_argument("--width", type=int, default=None,
                            help="the acceptance head's hidden width (default 128; 64 on an EAGLE-3 head)")
@@ -202,14 +218,21 @@ def train_specdecpp(args, argv, s, aligned) -> None:
     else:
         draft_dir = Path(args.draft)
     ranks = read_info(draft_dir)["drafter"] == "eagle3"
-    head, summary, metrics = (rank_head if ranks else chain_head)(args, s, draft_dir)
-    info = {"method": "specdecpp", "target": target_info(args.target, s.model), "threshold": args.threshold,
+    chain_only = [f"--{k.replace('_', '-')}" for k in CHAIN_OPTIONS if getattr(args, k) != CHAIN_OPTIONS[k]]
+    if ranks and chain_only:
+        raise SystemExit(f"{', '.join(chain_only)}: FastDraft drafts only; --draft {draft_dir} is an EAGLE-3 head")
+    if ranks:
+        head, summary, metrics = rank_head(args, s, draft_dir)
+        threshold, more = args.threshold, {"metrics_on_training_answers": metrics}
+        notes = ("SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; no node below 1 - threshold "
+                 "(the threshold is given, not calibrated by replay as tools/drafters/build_specdecpp_eagle3.py does)")
+    else:
+        head, summary, threshold, more = chain_head(args, s, draft_dir)
+        notes = ("SpecDec++: stop drafting before the token that makes P(at least one rejection) exceed threshold" +
+                 (" (calibrated by greedy replay of held-out answers)" if args.thresholds else ""))
+    info = {"method": "specdecpp", "target": target_info(args.target, s.model), "threshold": threshold,
             **({} if ranks else {"max_draft_tokens": args.max_draft_tokens}),
-            "training": {**summary, "options": method_settings(args), "metrics_on_training_answers": metrics},
-            "notes": ("SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; no node below 1 - threshold"
-                      if ranks else "SpecDec++: stop drafting before the token that makes P(at least one rejection) "
-                      "exceed threshold") + " (the threshold is given, not calibrated by replay as "
-                      "tools/drafters/build_specdecpp*.py do)",
+            "training": {**summary, "options": method_settings(args), **more}, "notes": notes,
             "command": command_line(argv)}
     save_specdecpp(s.out, head, draft_dir, info)
     log(f"specdecpp written to {s.out} (draft: {draft_dir})")
@@ -225,23 +248,53 @@ def _cached(path, make):
     return torch.load(path, weights_only=True)
 
 
+CHAIN_OPTIONS = {"thresholds": None, "calibrate_sequences": 20, "heldout_first": None, "heldout_sequences": 100,
+                 "train_sequences": None, "end_token": True}  # FastDraft only: their defaults
+
+
 def chain_head(args, s, draft_dir):
-    """An AcceptanceHead on a draft LM: P(the draft's greedy token is the target's), teacher-forced."""
+    """(head, summary, threshold, record): an AcceptanceHead on a draft LM, P(the draft's greedy token is the
+    target's), teacher-forced on the training records' greedy answers (flashmm.train.specdecpp_chain:
+    which records, and the threshold --thresholds calibrates on held-out ones)."""
     import torch  # noqa: PLC0415
 
     from ..drafters import load  # noqa: PLC0415
     from ..drafters.specdecpp import AcceptanceHead  # noqa: PLC0415
     from .acceptance import acceptance_examples, head_metrics, train_head  # noqa: PLC0415
     from .corpus import corpus_sequences  # noqa: PLC0415
+    from .specdecpp_chain import calibrate, split_records  # noqa: PLC0415
 
+    try:
+        train, heldout = split_records(s.records, args.seed, args.train_sequences, args.heldout_first,
+                                       args.heldout_sequences)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if args.thresholds and not heldout:
+        raise SystemExit("--thresholds: calibration replays held-out answers: give --heldout-first")
+    if args.calibrate_sequences < 1:
+        raise SystemExit(f"--calibrate-sequences must be >= 1, got {args.calibrate_sequences}")
+    torch.manual_seed(args.seed)  # before the draft is built: the head's initial weights draw after it
     draft_lm = load(draft_dir).model
-    sequences = corpus_sequences(s.records, "greedy", s.end_id())
-    examples = _cached(s.work / "acceptance_examples.pt", lambda: acceptance_examples(draft_lm, sequences, log=log))
-    torch.manual_seed(args.seed)
-    head = AcceptanceHead(examples["hidden"].shape[1], args.width or 128)
-    summary = train_head(head, examples, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
+    end_id = s.end_id() if args.end_token else None
+
+    def examples(records, name):
+        return _cached(s.work / f"{name}.pt",
+                       lambda: acceptance_examples(draft_lm, corpus_sequences(records, "greedy", end_id), log=log))
+
+    data = examples(train, "acceptance_examples")
+    head = AcceptanceHead(data["hidden"].shape[1], args.width or 128)
+    summary = train_head(head, data, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
                          log=log)
-    return head, summary, head_metrics(head, examples)
+    summary["train_records"] = len(train)
+    if not heldout:
+        return head, summary, args.threshold, {"metrics_on_training_answers": head_metrics(head, data)}
+    record = {"heldout_records": [args.heldout_first, args.heldout_first + len(heldout)],
+              "heldout_metrics": head_metrics(head, examples(heldout, "acceptance_examples_heldout"))}
+    if not args.thresholds:
+        return head, summary, args.threshold, record
+    best, replay, cost = calibrate(s.model, draft_lm, head, heldout[:args.calibrate_sequences], args.thresholds,
+                                   args.max_draft_tokens, log=log)
+    return head, summary, best, {**record, "threshold_replay": replay, "cost_model": cost}
 
 
 def rank_head(args, s, draft_dir):
