@@ -407,3 +407,26 @@ def test_specdecpp_on_a_fastdraft_holds_out_records_and_calibrates_its_threshold
     assert all(r["tokens"] == len(records[3].greedy.ids) - 1 and 1 <= r["steps"] <= r["tokens"] for r in replay.values())
     assert json.loads((tmp_path / "no_end" / "drafter.json").read_text())["threshold"] == 0.7  # --threshold's default
     assert type(flashmm.drafters.load(tmp_path / "calibrated")).name == "specdecpp"
+
+
+def test_every_shipped_command_of_this_cli_parses():
+    """Each shipped asset whose recorded rebuild command is ``python -m flashmm.train ...`` names a
+    method and options this parser accepts (a renamed or dropped option would leave it unrunnable)."""
+    import shlex
+    from pathlib import Path
+
+    from flashmm.train.__main__ import parser
+
+    root = Path(__file__).resolve().parents[1] / "assets"
+    commands = {}
+    for path in sorted(root.rglob("*.json")):
+        try:
+            command = json.loads(path.read_text()).get("command")
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+            continue
+        if isinstance(command, str) and command.startswith("python -m flashmm.train "):
+            commands[path] = shlex.split(command)[3:]
+    assert {"fastdraft", "s2d", "specdecpp", "judge", "rest"} <= {argv[0] for argv in commands.values()}
+    for path, argv in commands.items():
+        args = parser().parse_args(argv)
+        assert args.target == "smollm2", path
