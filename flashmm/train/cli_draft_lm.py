@@ -12,7 +12,8 @@ the answers; then the method's own stage:
                records (a seeded shuffle's first ones)
   specdecpp    an acceptance head on --draft (a FastDraft folder, default: the aligned draft, written
                to --out/draft; or an EAGLE-3 folder: a head over its trees' ranks) that stops drafting
-               at --threshold
+               at --threshold (on a FastDraft: or the best of --thresholds by greedy replay of
+               held-out records, flashmm.train.specdecpp_chain)
 Each stage is checkpointed under --out/work/<method>; a rerun resumes.
 """
 from __future__ import annotations
