@@ -45,7 +45,7 @@ def final_number(text: str) -> str | None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--judge", required=True, help="a judge directory (tools.drafters.build_judge)")
+    ap.add_argument("--judge", required=True, help="a judge directory (python -m flashmm.train judge)")
     ap.add_argument("--drafters", nargs="+", default=["prompt_lookup"])
     ap.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
     ap.add_argument("--per-category", type=int, default=3)

@@ -122,7 +122,7 @@ class Study:
         return self._target
 
     def end_id(self) -> int:
-        """The end-of-turn id appended to finished answers, as tools/drafters/build_draft_lm does."""
+        """The end-of-turn id appended to finished answers, as flashmm.train.draft_lm_stages does."""
         path = self.work / "end_ids.json"
         if not path.exists():
             from tools.corpus.build import stop_ids  # noqa: PLC0415

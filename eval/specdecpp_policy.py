@@ -26,7 +26,7 @@ import torch
 from eval.common import machine, markdown_table, write_results
 from flashmm.drafters import load
 from flashmm.paths import work_dir
-from tools.drafters.specdecpp_replay import cpu_cost_model, greedy_replay, summarize
+from flashmm.train.specdecpp_replay import cpu_cost_model, greedy_replay, summarize
 
 
 def policies(draft_dir: str, specdecpp_dir: str | None, thresholds: list[float], caps: list[int], fixed: list[int]):

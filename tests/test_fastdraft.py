@@ -206,7 +206,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2"
 @pytest.mark.parametrize("folder", ["fastdraft", "fastdraft_scratch", "distillspec", "adaspec", "pard"])
 def test_shipped_draft_is_exact_on_smollm2(smollm2, folder):
     if not (SHIPPED / folder / "drafter.json").exists():
-        pytest.skip(f"{folder} is not built (python -m tools.drafters.build_draft_lm)")
+        pytest.skip(f"{folder} is not built (its drafter.json names the python -m flashmm.train command)")
     model, tokenizer = smollm2
     drafter = load(SHIPPED / folder, pricing="constants")  # exactness only: skip timing the target
     method = folder.removesuffix("_scratch")  # fastdraft_scratch: FastDraft trained from noise

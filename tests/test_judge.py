@@ -143,7 +143,7 @@ def test_the_judge_reads_the_targets_last_layer_states(models):
 
 
 def test_the_label_rejoin_rule():
-    from tools.drafters.build_judge import rejoins  # noqa: PLC0415
+    from flashmm.train.judge import rejoins  # noqa: PLC0415
 
     original = [10, 11, 12, 13, 14, 15, 16, 17, 18]
     assert rejoins(original, [99, 12, 13, 14, 15], window=4, rejoin=4)        # a local detour, then the same text

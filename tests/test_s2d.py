@@ -202,7 +202,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2/s2
 
 def test_shipped_s2d_is_exact_on_smollm2(smollm2):
     if not (SHIPPED / "drafter.json").exists():
-        pytest.skip("S2D is not built (python -m tools.drafters.build_s2d)")
+        pytest.skip("S2D is not built (its drafter.json names the python -m flashmm.train s2d command)")
     model, tokenizer = smollm2
     drafter = load(SHIPPED, adaptive=False, max_draft_tokens=4)
     assert drafter.info["method"] == "s2d" and len(drafter.exits) == len(drafter.thresholds) + 1

@@ -23,7 +23,7 @@ from flashmm.train import kangaroo as K
 from flashmm.train import record_features, train_flash
 from flashmm.train.acceptance import train_head
 from flashmm.train.corpus import features
-from tools.drafters.build_judge import labelled_chunks
+from flashmm.train.judge import labelled_chunks
 
 from test_eagle3 import greedy_examples, head_for
 from text_models import VOCAB, prompt, tiny_lm

@@ -267,3 +267,176 @@ def test_every_method_explains_itself(method, capsys):
     text = capsys.readouterr().out
     assert text.startswith(f"usage: python -m flashmm.train {method}")
     assert "--target" in text and "--out" in text and COMMANDS[method].help.split(" (")[0][:30] in " ".join(text.split())
+def test_rest_datastore_finds_what_a_brute_force_search_of_the_corpus_finds(corpus, tmp_path, monkeypatch):
+    """rest --corpus (no target loaded): the datastore's suffix-array lookups of every n-gram of the
+    first --take records' answers, and of n-grams absent from them, equal a scan of those answers joined
+    by -1 as read straight from corpus.jsonl.xz; --compact stores the same tokens alone."""
+    import lzma
+
+    from flashmm.drafters.rest import Datastore
+    from flashmm.train import cli_common
+
+    monkeypatch.setattr(cli_common, "load_target", lambda *a: pytest.fail("rest --corpus loaded the target"))
+    out = tmp_path / "rest"
+    argv = ["rest", "--target", "test_train_cli:tiny_target", "--corpus", str(corpus), "--take", "3", "--out", str(out)]
+    assert train_cli(argv) == 0
+    assert train_cli([*argv, "--compact", "--name", "small"]) == 0
+    flat = []
+    with lzma.open(corpus / "corpus.jsonl.xz", "rt") as fh:
+        for line in list(fh)[:3]:
+            row = json.loads(line)
+            for answer in [row["greedy"], *row["sampled"]]:
+                flat += answer["ids"] + [-1] if answer["ids"] else []
+    store = Datastore.load(out / "datastore.safetensors")
+    assert store.tokens.tolist() == flat
+    assert Datastore.load(out / "small.safetensors", cache=tmp_path / "cache").tokens.tolist() == flat
+    grams = {tuple(flat[i:i + n]) for n in (1, 2, 3) for i in range(len(flat) - n + 1) if -1 not in flat[i:i + n]}
+    for gram in sorted(grams) + [(flat[0], 49151), (49150,)]:
+        found = [i for i in range(len(flat) - len(gram) + 1) if tuple(flat[i:i + len(gram)]) == gram]
+        assert sorted(store.occurrences(list(gram)).tolist()) == found, gram
+    info = json.loads((out / "datastore.json").read_text())
+    assert info["tokens"] == len(flat) and info["command"] == "python -m flashmm.train " + " ".join(argv)
+    with pytest.raises(SystemExit, match="--corpus .*nowhere.*no build_info.json"):
+        train_cli([*argv[:4], str(tmp_path / "nowhere"), *argv[5:]])
+
+
+def test_judge_labels_the_targets_own_continuations_and_loads_as_a_verifier(prompts, corpus, tmp_path, monkeypatch):
+    """judge: each labelled example's feature is the target's final-normed state at the substituted
+    token (a plain uncached forward), its label whether the target's plain greedy generate after that
+    token rejoins the answer; the written judge loads and verifies."""
+    from flashmm.train.corpus import read_corpus
+    from flashmm.train.judge import rejoins
+    from flashmm.verify import load_judge
+
+    out = tmp_path / "judge"
+    shutil.copytree(corpus, out / "corpus")
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    options = ["--items", "4", "--chunk", "2", "--per-item", "2", "--min-p", "0", "--horizon", "3", "--window", "2",
+               "--rejoin", "2", "--precision", "0.5"]
+    assert train_cli(["judge", "--target", "test_train_cli:tiny_target", "--data", str(prompts), "--out", str(out),
+                      "--max-new-tokens", "8", "--threads", "1", *options]) == 0
+    model, tokenizer = tiny_target()
+    records = read_corpus(out / "corpus")
+    examples = 0
+    for chunk in sorted((out / "work" / "judge").glob("chunk_*.pt")):
+        data = torch.load(chunk, weights_only=True)
+        for feature, label, row in zip(data["features"], data["labels"], data["records"]):
+            prompt, answer = records[row["item"]].prompt_ids, records[row["item"]].greedy.ids
+            ids = torch.tensor([prompt + answer[:row["t"]] + [row["x"]]])
+            with torch.no_grad():
+                state = model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
+                more = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=[])[0, ids.shape[1]:]
+            continuation = []
+            for token in more.tolist():
+                if token == tokenizer.eos_token_id:
+                    break
+                continuation.append(token)
+            torch.testing.assert_close(feature, state, atol=1e-4, rtol=1e-4)
+            assert bool(label) == rejoins(answer[row["t"] + 1:], continuation, 2, 2)
+            examples += 1
+    judge = load_judge(str(out))
+    assert examples >= 4 and judge.weight.shape == (model.config.hidden_size,)
+    ids = torch.tensor([tokenizer.encode("Count to three.", add_special_tokens=False)])
+    sm = flashmm.wrap(model, "prompt_lookup", verifier="judge_lossy", judge=str(out))
+    assert sm.generate(ids, max_new_tokens=NEW_TOKENS).shape[1] == ids.shape[1] + NEW_TOKENS
+
+
+def test_s2d_grows_a_given_fastdraft_and_holds_out_a_seeded_shuffle(prompts, corpus, tmp_path, monkeypatch):
+    """s2d --draft DIR: no pretrain / align; the nested draft starts as that folder's layers (at --lr 0 it
+    stays them) and the thresholds are chosen on the greedy answers of the first --heldout records of the
+    records shuffled with --seed, the rest training."""
+    import random
+
+    from flashmm.drafters.fastdraft import load_reduced_lm
+    from flashmm.drafters.nets.distill import target_rows
+    from flashmm.train import draft_lm as T
+    from flashmm.train import sorted as sorted_training
+    from flashmm.train.corpus import corpus_sequences, read_corpus
+
+    for name in ("draft", "s2d"):
+        shutil.copytree(corpus, tmp_path / name / "corpus")
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    assert train_cli(args_for("draft_lm", prompts, tmp_path / "draft")) == 0
+    real, seen = sorted_training.train_nested, {}
+
+    def recorded(lm, train, held, *args, **kwargs):
+        seen.update(train=train, held=held)
+        return real(lm, train, held, *args, **kwargs)
+
+    monkeypatch.setattr(sorted_training, "train_nested", recorded)
+    assert train_cli(args_for("s2d", prompts, tmp_path / "s2d", "--draft", str(tmp_path / "draft"), "--lr", "0",
+                              "--heldout", "2", "--seed", "3")) == 0
+    assert not (tmp_path / "s2d" / "work" / "s2d" / "pretrain").exists()
+    fastdraft = load_reduced_lm(tmp_path / "draft")[0]
+    nested = flashmm.drafters.load(tmp_path / "s2d").model
+    state, start = nested.lm.state_dict(), fastdraft.lm.state_dict()
+    for key, value in start.items():  # fp16 on disk both times
+        assert torch.equal(state[key].half(), value.half()), key
+    records = read_corpus(tmp_path / "s2d" / "corpus")
+    order = list(range(len(records)))
+    random.Random(3).shuffle(order)
+    rows = target_rows(fastdraft.draft_to_target, fastdraft.target_vocab)
+
+    end = min(self_corpus.stop_ids(*tiny_target()))
+
+    def examples(ids):
+        return T.examples_from_sequences(corpus_sequences([records[i] for i in ids], "greedy", end), rows,
+                                         answers_only=True)
+
+    for got, want in ((seen["held"], examples(order[:2])), (seen["train"], examples(order[2:]))):
+        assert [e["input_ids"].tolist() for e in got] == [e["input_ids"].tolist() for e in want]
+
+
+def test_specdecpp_on_a_fastdraft_holds_out_records_and_calibrates_its_threshold(prompts, corpus, tmp_path, monkeypatch):
+    """specdecpp --draft FASTDRAFT: --train-sequences 2 --heldout-first 3 trains on a seeded sample of 2 of
+    the first 3 records (one example per answer token, plus the end-of-turn id of a finished answer unless
+    --no-end-token) and holds out the 4th; --thresholds replays its answer with each candidate and writes
+    the one with the best modeled speedup."""
+    import random
+
+    from flashmm.train.corpus import read_corpus
+
+    for name in ("draft", "calibrated", "no_end"):
+        shutil.copytree(corpus, tmp_path / name / "corpus")
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    assert train_cli(args_for("draft_lm", prompts, tmp_path / "draft")) == 0
+    given = ["--draft", str(tmp_path / "draft"), "--heldout-first", "3", "--heldout-sequences", "1",
+             "--train-sequences", "2", "--seed", "5"]
+    assert train_cli(args_for("specdecpp", prompts, tmp_path / "calibrated", *given, "--thresholds", "0.5", "0.95",
+                              "--calibrate-sequences", "1")) == 0
+    assert train_cli(args_for("specdecpp", prompts, tmp_path / "no_end", *given, "--no-end-token")) == 0
+    records = read_corpus(tmp_path / "draft" / "corpus")
+    chosen = [records[i].greedy for i in sorted(random.Random(5).sample(range(3), 2))]
+    for name, end in (("calibrated", True), ("no_end", False)):
+        examples = torch.load(tmp_path / name / "work" / "specdecpp" / "acceptance_examples.pt", weights_only=True)
+        assert torch.bincount(examples["sequence"]).tolist() == [len(a.ids) + (end and a.finished) for a in chosen]
+    info = json.loads((tmp_path / "calibrated" / "drafter.json").read_text())
+    training, replay = info["training"], info["training"]["threshold_replay"]
+    assert training["train_records"] == 2 and training["heldout_records"] == [3, 4] and set(replay) == {"0.5", "0.95"}
+    assert info["threshold"] == max((0.5, 0.95), key=lambda h: replay[str(h)]["modeled_speedup"])
+    assert all(r["tokens"] == len(records[3].greedy.ids) - 1 and 1 <= r["steps"] <= r["tokens"] for r in replay.values())
+    assert json.loads((tmp_path / "no_end" / "drafter.json").read_text())["threshold"] == 0.7  # --threshold's default
+    assert type(flashmm.drafters.load(tmp_path / "calibrated")).name == "specdecpp"
+
+
+def test_every_shipped_command_of_this_cli_parses():
+    """Each shipped asset whose recorded rebuild command is ``python -m flashmm.train ...`` names a
+    method and options this parser accepts (a renamed or dropped option would leave it unrunnable)."""
+    import shlex
+    from pathlib import Path
+
+    from flashmm.train.__main__ import parser
+
+    root = Path(__file__).resolve().parents[1] / "assets"
+    commands = {}
+    for path in sorted(root.rglob("*.json")):
+        try:
+            command = json.loads(path.read_text()).get("command")
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+            continue
+        if isinstance(command, str) and command.startswith("python -m flashmm.train "):
+            commands[path] = shlex.split(command)[3:]
+    assert {"fastdraft", "s2d", "specdecpp", "judge", "rest"} <= {argv[0] for argv in commands.values()}
+    for path, argv in commands.items():
+        args = parser().parse_args(argv)
+        assert args.target == "smollm2", path

@@ -380,6 +380,19 @@ class Rest(Drafter):
             raise ValueError(f"no tokens in {paths}")
         return cls(Datastore(np.asarray(flat, dtype=np.int64)), **kwargs)
 
+    @classmethod
+    def from_records(cls, records, **kwargs) -> "Rest":
+        """A Rest drafter over the answers (greedy, then sampled) of flashmm.train.corpus records, in
+        order: the documents ``from_corpus`` reads from their corpus.jsonl.xz."""
+        flat: list[int] = []
+        for record in records:
+            for answer in (record.greedy, *record.sampled):
+                if answer.ids:
+                    flat += list(answer.ids) + [SEPARATOR]
+        if not flat:
+            raise ValueError(f"no answer tokens in {len(records)} corpus records")
+        return cls(Datastore(np.asarray(flat, dtype=np.int64)), **kwargs)
+
     def save(self, path, compact: bool = False) -> None:
         """Write the datastore (tokens and suffix array; ``compact``: tokens only, see
         Datastore.save) as safetensors; Rest(datastore=path) reads it."""

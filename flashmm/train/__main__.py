@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import cli_draft_lm, cli_eagle3, cli_flash, cli_heads, cli_kangaroo
+from . import cli_draft_lm, cli_eagle3, cli_flash, cli_heads, cli_judge, cli_kangaroo, cli_rest
 from .cli_common import load_target  # noqa: F401  (the --target loader; its long-standing home)
 
 COMMANDS = {**cli_flash.COMMANDS, **cli_eagle3.COMMANDS, **cli_heads.COMMANDS, **cli_draft_lm.COMMANDS,
-            **cli_kangaroo.COMMANDS}
+            **cli_kangaroo.COMMANDS, **cli_judge.COMMANDS,
+            **cli_rest.COMMANDS}
 
 
 def parser() -> argparse.ArgumentParser:

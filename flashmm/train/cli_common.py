@@ -75,13 +75,16 @@ def add_target_arguments(p: argparse.ArgumentParser, data_help: str) -> None:
 
 TEXT_DATA = ('JSONL of prompts: {"prompt": str}, {"turns": [str, ...]} (Spec-Bench: each turn asked after the '
              'target\'s answer to the last) or {"messages": [{"role", "content"}, ...]}')
+SINGLE_PROCESS = ("One process: this command builds its output in one pass, with no optimizer steps to split, "
+                  "and a launch with WORLD_SIZE > 1 is refused.")
 PARALLEL = ("Multi-process: accelerate launch --multi_gpu --num_processes P -m flashmm.train METHOD ... (or "
             "torchrun; on a machine without CUDA the processes train on CPU over gloo) splits each step's units "
             "over the P processes (see --accumulate).")
 
 
-def add_text_arguments(p: argparse.ArgumentParser) -> None:
-    """--target / --data or --corpus / --out and the corpus options of every text method."""
+def add_text_arguments(p: argparse.ArgumentParser, accumulate: bool = True) -> None:
+    """--target / --data or --corpus / --out and the corpus options of every text method (and
+    --accumulate, for the methods that take optimizer steps)."""
     p.add_argument("--target", required=True, help="model directory, 'smollm2', 'gemma3' or module:function")
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--data", help=TEXT_DATA)
@@ -96,6 +99,8 @@ def add_text_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer the target writes per prompt")
     p.add_argument("--top-k", type=int, default=32, help="target logits cached per position")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    if not accumulate:
+        return
     p.add_argument("--accumulate", type=int, default=1, help="units (examples / batches) per process per optimizer "
                    "step, their gradients summed. Under accelerate launch or torchrun with P processes a step "
                    "reads accumulate x P units, split over the processes (P processes with --accumulate A train "
@@ -107,6 +112,16 @@ def log(message: str) -> None:
     print(time.strftime("%H:%M:%S"), message, flush=True)
 
 
+def refuse_multi_process(method: str) -> None:
+    """For the commands that build in one pass (rest, judge): a multi-process launch is refused."""
+    from ..distributed import process_info  # noqa: PLC0415
+
+    info = process_info()
+    if info.is_distributed:
+        raise SystemExit(f"python -m flashmm.train {method}: builds in one process (WORLD_SIZE={info.world_size}); "
+                         "launch it without accelerate launch / torchrun")
+
+
 def data_parallel(args):
     """The DataParallel of this process (flashmm.train.data_parallel): --accumulate over the processes
     of the launch (a gloo group, closed when the process exits), or this process alone."""
@@ -115,14 +130,15 @@ def data_parallel(args):
     from ..distributed import ProcessGroup, process_info  # noqa: PLC0415
     from .data_parallel import DataParallel  # noqa: PLC0415
 
-    if args.accumulate < 1:
-        raise SystemExit(f"--accumulate must be >= 1, got {args.accumulate}")
+    accumulate = getattr(args, "accumulate", 1)  # rest and judge take no optimizer steps
+    if accumulate < 1:
+        raise SystemExit(f"--accumulate must be >= 1, got {accumulate}")
     info = process_info()
     if not info.is_distributed:
-        return DataParallel(args.accumulate)
+        return DataParallel(accumulate)
     group = ProcessGroup.start(info)
     atexit.register(group.close)
-    return DataParallel(args.accumulate, group)
+    return DataParallel(accumulate, group)
 
 
 def command_line(argv: list[str]) -> str:

@@ -7,14 +7,18 @@ the answers; then the method's own stage:
   distillspec  a divergence to the target's distributions on the draft's own continuations
   adaspec      forward KL on the tokens the draft can still learn (gap to a distilled reference)
   pard         a mask token and K tokens per forward
-  s2d          the aligned draft grown to --s2d-layers, sorted-trained over --exits, confidence
-               thresholds per exit chosen on held-out answers
+  s2d          the aligned draft (or --draft, a FastDraft folder) grown to --s2d-layers,
+               sorted-trained over --exits, confidence thresholds per exit chosen on --heldout
+               records (a seeded shuffle's first ones)
   specdecpp    an acceptance head on --draft (a FastDraft folder, default: the aligned draft, written
                to --out/draft; or an EAGLE-3 folder: a head over its trees' ranks) that stops drafting
-               at --threshold
+               at --threshold (on a FastDraft: or the best of --thresholds by greedy replay of
+               held-out records, flashmm.train.specdecpp_chain)
 Each stage is checkpointed under --out/work/<method>; a rerun resumes.
 """
 from __future__ import annotations
+
+import argparse
 
 from .cli_common import PARALLEL, Command, add_text_arguments, command_line, log, method_settings, target_info
 
@@ -56,17 +60,34 @@ def arguments_for(method: str):
             p.add_argument("--pard-keep", type=float, default=0.7, help="conditional-drop keep fraction per depth")
             p.add_argument("--pard-epochs", type=float, default=1.0)
         if method == "s2d":
+            p.add_argument("--draft", default=None, help="a FastDraft folder to grow (default: train one: pretrain "
+                           "and align, as fastdraft does); --lr then sets the sorted training's rate only")
             p.add_argument("--s2d-layers", type=int, default=4, help="layers of the nested draft")
             p.add_argument("--exits", default="1,2,4", help="exits trained and drafted from")
             p.add_argument("--s2d-epochs", type=float, default=0.5)
-            p.add_argument("--heldout", type=int, default=160, help="answers kept out of sorted training to "
-                           "choose the thresholds (at most half the corpus)")
+            p.add_argument("--heldout", type=int, default=160, help="corpus records kept out of sorted training to "
+                           "choose the thresholds: the first N of the records shuffled with --seed (at most half "
+                           "the corpus); training reads the rest in that shuffled order")
             p.add_argument("--tolerance", type=float, default=0.02)
         if method == "specdecpp":
             p.add_argument("--draft", default=None, help="a FastDraft folder (default: train one into --out/draft), "
                            "or an EAGLE-3 head folder (a head over its trees' ranks)")
             p.add_argument("--threshold", type=float, default=0.7,
                            help="stop before the token that makes P(a rejection) exceed this")
+            p.add_argument("--thresholds", type=float, nargs="+", default=None, help="FastDraft: calibrate instead "
+                           "of --threshold: replay the greedy answers of --calibrate-sequences held-out records with "
+                           "each and keep the best modeled speedup (verify and draft costs measured in CPU time on "
+                           "this machine; flashmm.train.specdecpp_chain)")
+            p.add_argument("--calibrate-sequences", type=int, default=20, help="FastDraft: held-out records replayed")
+            p.add_argument("--heldout-first", type=int, default=None, help="FastDraft: records from this index on are "
+                           "held out of training: --heldout-sequences of them measure the head and calibrate "
+                           "--thresholds (default: none held out; metrics on the training answers)")
+            p.add_argument("--heldout-sequences", type=int, default=100, help="FastDraft: held-out records")
+            p.add_argument("--train-sequences", type=int, default=None, help="FastDraft: train the head on a seeded "
+                           "sample of N records (kept in corpus order) of those before --heldout-first (default: all)")
+            p.add_argument("--end-token", action=argparse.BooleanOptionalAction, default=True, help="FastDraft: "
+                           "finished answers end with the end-of-turn id, as in every draft-LM stage; --no-end-token "
+                           "leaves it out of the head's examples")
             p.add_argument("--max-draft-tokens", type=int, default=8)
             p.add_argument("--width", type=int, default=None,
                            help="the acceptance head's hidden width (default 128; 64 on an EAGLE-3 head)")
@@ -91,16 +112,19 @@ def run(args, argv: list[str]) -> int:
     from .draft_lm_stages import DraftLMStages  # noqa: PLC0415
 
     method = args.method
-    if method == "specdecpp" and args.draft is not None:
+    given_draft = getattr(args, "draft", None)
+    if given_draft is not None:
         from ..drafters.saved import read_info  # noqa: PLC0415
 
         try:
-            kind = read_info(args.draft)["drafter"]
+            kind = read_info(given_draft)["drafter"]
         except (FileNotFoundError, ValueError) as err:
-            raise SystemExit(f"--draft {args.draft}: {err}") from None
-        if kind not in ("fastdraft", "eagle3"):
-            raise SystemExit(f"--draft {args.draft}: holds a {kind!r} drafter; SpecDec++ heads sit on a FastDraft "
-                             "or an EAGLE-3 folder")
+            raise SystemExit(f"--draft {given_draft}: {err}") from None
+        allowed = ("fastdraft", "eagle3") if method == "specdecpp" else ("fastdraft",)
+        if kind not in allowed:
+            raise SystemExit(f"--draft {given_draft}: holds a {kind!r} drafter; {method} "
+                             + ("heads sit on a FastDraft or an EAGLE-3 folder" if method == "specdecpp"
+                                else "grows a FastDraft folder"))
     s = text_setup(args, method, method_settings(args))
     trained = {}
 
@@ -118,20 +142,26 @@ def run(args, argv: list[str]) -> int:
     options = SimpleNamespace(**{**dict.fromkeys(RECIPE_OPTIONS), **vars(args)})
     stages = DraftLMStages(s.records, options, s.work, lambda: (s.model, s.tokenizer), export, log=log,
                            parallel=s.parallel)
-    needs = () if method == "specdecpp" and args.draft else STAGES.get(method, ("pretrain", "align"))
+    needs = () if given_draft else STAGES.get(method, ("pretrain", "align"))
     for stage in needs:
         getattr(stages, f"stage_{stage}")()
     if method == "s2d":
-        train_s2d(args, argv, s, stages, trained["fastdraft"][0])
+        train_s2d(args, argv, s, stages, trained.get("fastdraft", (None,))[0])
     elif method == "specdecpp":
         train_specdecpp(args, argv, s, trained.get("fastdraft"))
     return 0
 
 
 def train_s2d(args, argv, s, stages, aligned) -> None:
-    """S2D (flashmm.train.sorted): the aligned draft deepened, sorted-trained, thresholds chosen."""
-    from ..drafters.fastdraft import ReducedVocabLM  # noqa: PLC0415
+    """S2D (flashmm.train.sorted): the aligned draft (or --draft) deepened with identity layers,
+    sorted-trained on the greedy answers of the records not held out, thresholds chosen on the rest."""
+    import random  # noqa: PLC0415
+
+    from ..drafters.fastdraft import ReducedVocabLM, load_reduced_lm  # noqa: PLC0415
     from ..drafters.s2d import save_s2d  # noqa: PLC0415
+    from ..drafters.nets.distill import target_rows  # noqa: PLC0415
+    from . import draft_lm as T  # noqa: PLC0415
+    from .corpus import corpus_sequences  # noqa: PLC0415
     from .sorted import deepen, train_nested  # noqa: PLC0415
 
     try:
@@ -140,11 +170,23 @@ def train_s2d(args, argv, s, stages, aligned) -> None:
         raise SystemExit(f"--exits {args.exits!r}: give comma-separated layer counts, e.g. 1,2,4") from None
     if not exits or exits != tuple(sorted(set(exits))) or exits[0] < 1 or exits[-1] > args.s2d_layers:
         raise SystemExit(f"--exits {args.exits!r}: increasing layer counts within 1..--s2d-layers ({args.s2d_layers})")
+    if args.heldout < 1:
+        raise SystemExit(f"--heldout must be >= 1, got {args.heldout}")
+    if aligned is None:
+        aligned = load_reduced_lm(args.draft)[0]
+    start = f"{args.draft or 'the aligned draft'} ({aligned.lm.config.num_hidden_layers} layers)"
     draft = ReducedVocabLM(deepen(aligned.lm, args.s2d_layers), aligned.draft_to_target, aligned.target_vocab)
-    examples = stages.greedy_examples()
-    held = min(args.heldout, len(examples) // 2)
-    train, heldout = examples[held:], examples[:held] or examples
-    summary, chosen = train_nested(draft.lm, train, heldout, exits, s.work, target_to_draft=stages.rows(),
+    rows = target_rows(draft.draft_to_target, draft.target_vocab)
+    order = list(range(len(s.records)))
+    random.Random(args.seed).shuffle(order)
+    held = min(args.heldout, len(order) // 2)  # a one-record corpus: trained and held out at once
+    train_records = [s.records[i] for i in order[held:]]
+    heldout_records = [s.records[i] for i in order[:held]] or train_records
+    train, heldout = (T.examples_from_sequences(corpus_sequences(records, "greedy", stages.end_id()), rows,
+                                                answers_only=True) for records in (train_records, heldout_records))
+    log(f"s2d: {len(train_records)} training records, {len(heldout_records)} held out; exits {exits} of "
+        f"{args.s2d_layers} layers, from {start}")
+    summary, chosen = train_nested(draft.lm, train, heldout, exits, s.work, target_to_draft=rows,
                                    epochs=args.s2d_epochs, lr=args.lr, tokens_per_batch=args.tokens_per_batch,
                                    seed=args.seed, tolerance=args.tolerance, max_seconds=stages.seconds_left(), log=log,
                                    parallel=s.parallel)
@@ -154,7 +196,8 @@ def train_s2d(args, argv, s, stages, aligned) -> None:
         return
     log(f"s2d thresholds {chosen['thresholds']} (agreement per exit {chosen['agreement_per_exit']})")
     info = {"method": "s2d", "target": target_info(args.target, s.model),
-            "training": {**summary, "options": method_settings(args), "heldout_answers": held},
+            "training": {**summary, "options": method_settings(args), "init": f"{start} grown to "
+                         f"{args.s2d_layers} with identity layers", "heldout_records": len(heldout_records)},
             "thresholds_heldout": chosen, "command": command_line(argv),
             "notes": "S2D: nested draft, every exit drafts; per drafted token the first exit whose top-1 "
                      "probability reaches its threshold answers (deepest always)"}
@@ -181,16 +224,23 @@ def train_specdecpp(args, argv, s, aligned) -> None:
     else:
         draft_dir = Path(args.draft)
     ranks = read_info(draft_dir)["drafter"] == "eagle3"
-    head, summary, metrics = (rank_head if ranks else chain_head)(args, s, draft_dir)
-    if not s.parallel.is_main:
+    chain_only = [f"--{k.replace('_', '-')}" for k in CHAIN_OPTIONS if getattr(args, k) != CHAIN_OPTIONS[k]]
+    if ranks and chain_only:
+        raise SystemExit(f"{', '.join(chain_only)}: FastDraft drafts only; --draft {draft_dir} is an EAGLE-3 head")
+    if ranks:
+        head, summary, metrics = rank_head(args, s, draft_dir)
+        threshold, more = args.threshold, {"metrics_on_training_answers": metrics}
+        notes = ("SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; no node below 1 - threshold "
+                 "(the threshold is given, not calibrated by replay as tools/drafters/build_specdecpp_eagle3.py does)")
+    else:
+        head, summary, threshold, more = chain_head(args, s, draft_dir)
+        notes = ("SpecDec++: stop drafting before the token that makes P(at least one rejection) exceed threshold" +
+                 (" (calibrated by greedy replay of held-out answers)" if args.thresholds else ""))
+    if not s.parallel.is_main:  # the others hold the same head: process 0 calibrates and writes it
         return
-    info = {"method": "specdecpp", "target": target_info(args.target, s.model), "threshold": args.threshold,
+    info = {"method": "specdecpp", "target": target_info(args.target, s.model), "threshold": threshold,
             **({} if ranks else {"max_draft_tokens": args.max_draft_tokens}),
-            "training": {**summary, "options": method_settings(args), "metrics_on_training_answers": metrics},
-            "notes": ("SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; no node below 1 - threshold"
-                      if ranks else "SpecDec++: stop drafting before the token that makes P(at least one rejection) "
-                      "exceed threshold") + " (the threshold is given, not calibrated by replay as "
-                      "tools/drafters/build_specdecpp*.py do)",
+            "training": {**summary, "options": method_settings(args), **more}, "notes": notes,
             "command": command_line(argv)}
     save_specdecpp(s.out, head, draft_dir, info)
     log(f"specdecpp written to {s.out} (draft: {draft_dir})")
@@ -206,24 +256,55 @@ def _cached(path, make):
     return torch.load(path, weights_only=True)
 
 
+CHAIN_OPTIONS = {"thresholds": None, "calibrate_sequences": 20, "heldout_first": None, "heldout_sequences": 100,
+                 "train_sequences": None, "end_token": True}  # FastDraft only: their defaults
+
+
 def chain_head(args, s, draft_dir):
-    """An AcceptanceHead on a draft LM: P(the draft's greedy token is the target's), teacher-forced."""
+    """(head, summary, threshold, record): an AcceptanceHead on a draft LM, P(the draft's greedy token is the
+    target's), teacher-forced on the training records' greedy answers (flashmm.train.specdecpp_chain:
+    which records, and the threshold --thresholds calibrates on held-out ones)."""
     import torch  # noqa: PLC0415
 
     from ..drafters import load  # noqa: PLC0415
     from ..drafters.specdecpp import AcceptanceHead  # noqa: PLC0415
     from .acceptance import acceptance_examples, head_metrics, train_head  # noqa: PLC0415
     from .corpus import corpus_sequences  # noqa: PLC0415
+    from .specdecpp_chain import calibrate, split_records  # noqa: PLC0415
 
+    try:
+        train, heldout = split_records(s.records, args.seed, args.train_sequences, args.heldout_first,
+                                       args.heldout_sequences)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if args.thresholds and not heldout:
+        raise SystemExit("--thresholds: calibration replays held-out answers: give --heldout-first")
+    if args.calibrate_sequences < 1:
+        raise SystemExit(f"--calibrate-sequences must be >= 1, got {args.calibrate_sequences}")
+    torch.manual_seed(args.seed)  # before the draft is built: the head's initial weights draw after it
     draft_lm = load(draft_dir).model
-    sequences = corpus_sequences(s.records, "greedy", s.end_id())
-    examples = s.parallel.main_first(lambda: _cached(s.work / "acceptance_examples.pt",
-                                                     lambda: acceptance_examples(draft_lm, sequences, log=log)))
-    torch.manual_seed(args.seed)
-    head = AcceptanceHead(examples["hidden"].shape[1], args.width or 128)
-    summary = train_head(head, examples, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
+    end_id = s.end_id() if args.end_token else None
+
+    def examples(records, name):
+        return _cached(s.work / f"{name}.pt",
+                       lambda: acceptance_examples(draft_lm, corpus_sequences(records, "greedy", end_id), log=log))
+
+    data = s.parallel.main_first(lambda: examples(train, "acceptance_examples"))
+    head = AcceptanceHead(data["hidden"].shape[1], args.width or 128)
+    summary = train_head(head, data, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
                          log=log, parallel=s.parallel)
-    return head, summary, head_metrics(head, examples)
+    summary["train_records"] = len(train)
+    if not s.parallel.is_main:
+        return head, summary, args.threshold, {}
+    if not heldout:
+        return head, summary, args.threshold, {"metrics_on_training_answers": head_metrics(head, data)}
+    record = {"heldout_records": [args.heldout_first, args.heldout_first + len(heldout)],
+              "heldout_metrics": head_metrics(head, examples(heldout, "acceptance_examples_heldout"))}
+    if not args.thresholds:
+        return head, summary, args.threshold, record
+    best, replay, cost = calibrate(s.model, draft_lm, head, heldout[:args.calibrate_sequences], args.thresholds,
+                                   args.max_draft_tokens, log=log)
+    return head, summary, best, {**record, "threshold_replay": replay, "cost_model": cost}
 
 
 def rank_head(args, s, draft_dir):

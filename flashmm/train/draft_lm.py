@@ -103,7 +103,7 @@ def init_from_target(lm, target, draft_to_target: torch.Tensor, layers: list[int
     its final norm. The draft starts from the target's token representations instead of noise; on
     SmolLM2 (layers 0 and 1) greedy agreement on 60 held-out corpus answers was 0.34 after one epoch of
     pretraining, against 0.26 for the 384-wide draft trained from noise for 2.5 epochs on the whole
-    corpus, those answers included (tools.drafters.build_draft_lm --init-layers)."""
+    corpus, those answers included (python -m flashmm.train fastdraft --init-layers)."""
     body = target.get_decoder()
     lm.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight[draft_to_target])
     for i, src in enumerate(layers):

@@ -14,8 +14,8 @@ AdaSPEC and PARD (flashmm.train.draft_lm, flashmm.train.pard).
                forward on the greedy answers                                    → "pard"
 
 Every stage checkpoints under ``work/<stage>`` and a finished one is read back, so a killed run
-resumes. ``options`` is any object with the attributes ``python -m tools.drafters.build_draft_lm``
-and ``python -m flashmm.train fastdraft`` parse (vocab, hidden, layers, heads, intermediate,
+resumes. ``options`` is any object with the attributes ``python -m flashmm.train fastdraft``
+(distillspec, adaspec, pard, s2d, specdecpp) parses (vocab, hidden, layers, heads, intermediate,
 init_layers, *_epochs, lr, tokens_per_batch, top_k, distill_sequences, on_policy_*, divergence,
 select, pard_depth, pard_keep, seed, max_minutes); ``export(method, draft, summary, notes,
 drafter="fastdraft", extra=None, **more)`` writes a finished drafter.

@@ -8,8 +8,8 @@ or, when no sibling is, when the judge accepts it; the first node where neither 
 with the target's own choice. With a judge that never accepts this is exact verification (greedy,
 or deterministic drafts when sampling); every token the judge lets through makes the output differ
 from the target's. What "acceptable" means is what the judge was trained on
-(tools/drafters/build_judge.py: the target's own greedy continuation after the token rejoins its
-original answer).
+(flashmm.train.judge, ``python -m flashmm.train judge``: the target's own greedy continuation
+after the token rejoins its original answer).
 
 On disk (``load_judge(dir)``): ``judge.json`` (method "judge", target, threshold, training record
 and the rebuild command) and ``judge.safetensors`` (weight [d], bias [], feature mean / scale [d]).
@@ -69,7 +69,7 @@ def load_judge(directory: str) -> JudgeHead:
     path = Path(directory)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{directory} has no {CONFIG_FILE}: not a judge directory "
-                                "(build one with python -m tools.drafters.build_judge)")
+                                "(build one with python -m flashmm.train judge)")
     info = json.loads((path / CONFIG_FILE).read_text())
     judge = JudgeHead(int(info["hidden_size"]), float(info["threshold"]), info)
     judge.load_state_dict(load_file(str(path / WEIGHTS_FILE)))

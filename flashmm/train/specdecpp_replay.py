@@ -1,6 +1,6 @@
 """Greedy replay of a chain drafter against known greedy answers, and the CPU cost model that prices it:
-what the SpecDec++ build (tools/drafters/build_specdecpp.py) calibrates its stop threshold with and what
-eval/specdecpp_policy.py compares draft-length policies with.
+what ``python -m flashmm.train specdecpp --thresholds`` calibrates its stop threshold with
+(flashmm.train.specdecpp_chain) and what eval/specdecpp_policy.py compares draft-length policies with.
 
 Greedy replay: the target's greedy answer to each prompt is known, so a greedy speculative run is simulated
 without the target: the real drafter proposes a chain after the committed text, the accepted tokens are the
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from flashmm.config import SamplingParams
-from flashmm.drafters.base import SequenceStart, StepResult
-from flashmm.tree.cost import VerifyCost
+from ..config import SamplingParams
+from ..drafters.base import SequenceStart, StepResult
+from ..tree.cost import VerifyCost
 
 GREEDY = SamplingParams()
 
@@ -63,8 +63,8 @@ def cpu_seconds(model, nodes: int, prefix_len: int = 128, repeats: int = 5, line
     import time  # noqa: PLC0415
     from contextlib import nullcontext  # noqa: PLC0415
 
-    from flashmm.targets import cache as kv  # noqa: PLC0415
-    from flashmm.targets.onednn import OneDNNLinears  # noqa: PLC0415
+    from ..targets import cache as kv  # noqa: PLC0415
+    from ..targets.onednn import OneDNNLinears  # noqa: PLC0415
 
     cache = kv.new_cache(model)
     kv.next_logits(model, cache, torch.randint(3, 1000, (1, prefix_len)))
@@ -83,7 +83,7 @@ def cpu_seconds(model, nodes: int, prefix_len: int = 128, repeats: int = 5, line
 def cpu_cost_model(target, draft_lm, grid=(1, 2, 3, 4, 6, 9, 13, 17)) -> tuple[VerifyCost, float]:
     """(the target's verify cost over ``grid`` nodes, a draft forward in target one-token steps), from
     thread CPU time at 1 thread (see cpu_seconds), both multiplying as flashmm's ``linear="auto"`` has them."""
-    from flashmm.targets.onednn import resolve_linear_backend  # noqa: PLC0415
+    from ..targets.onednn import resolve_linear_backend  # noqa: PLC0415
 
     torch.set_num_threads(1)
     linear = resolve_linear_backend("auto", target)
