@@ -369,3 +369,21 @@ def test_kangaroo_validates_on_the_records_after_take(corpus, tmp_path, monkeypa
     assert info["training"]["train_sequences"] == 2 and info["training"]["held_out_sequences"] == 2
     with pytest.raises(SystemExit, match="--validate 2: .*with --take"):
         train_cli(corpus_args("kangaroo", corpus, tmp_path / "k2", "--validate", "2"))
+
+
+def test_shipped_rebuild_commands_name_real_options():
+    """Every shipped drafter whose drafter.json "command" is a python -m flashmm.train command parses with
+    today's options (a renamed or dropped option would leave a command that no longer rebuilds it)."""
+    import shlex
+    from pathlib import Path
+
+    from flashmm.train.__main__ import parser
+
+    root = Path(__file__).resolve().parents[1] / "assets" / "text_drafters"
+    commands = {path.parent.name: json.loads(path.read_text())["command"] for path in root.glob("*/*/drafter.json")}
+    ours = {name: c for name, c in commands.items() if c.startswith("python -m flashmm.train ")}
+    assert "eagle" in ours
+    for name, command in ours.items():
+        words = shlex.split(command)[3:]
+        args = parser().parse_args(words)
+        assert args.method in (words[0], {"draft_lm": "fastdraft"}.get(words[0])), name
