@@ -333,7 +333,7 @@ def main(argv=None):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # every engine in this process
     if not args.skip_dflash and not (args.dflash / "drafter.json").is_file():
         raise SystemExit(f"--dflash {args.dflash}: no flashmm DFlash folder there (train one with python -m "
-                         "tools.drafters.build_dflash, name another with --dflash, or pass --skip-dflash)")
+                         "flashmm.train dflash, name another with --dflash, or pass --skip-dflash)")
 
     model, tokenizer = load_gguf_lm("smollm2")
     eos = model.generation_config.eos_token_id

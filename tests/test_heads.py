@@ -314,7 +314,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2"
 @pytest.mark.parametrize("method", ["medusa", "hydra", "mtp"])
 def test_shipped_heads_are_exact_on_smollm2(request, method):
     if not (SHIPPED / method / "drafter.json").exists():
-        pytest.skip(f"{method} is not built (python -m tools.drafters.build_heads --method {method})")
+        pytest.skip(f"{method} is not built (python -m flashmm.train {method}: the command in its drafter.json)")
     model, tokenizer = request.getfixturevalue("smollm2")
     drafter = load(SHIPPED / method, adaptive=False)  # draft every step: exactness of the drafts themselves
     assert drafter.info["method"] == method and drafter.info["target"]["vocab_size"] == model.config.vocab_size

@@ -218,7 +218,7 @@ def test_shipped_folders_on_smollm2(request, name, options):
     """The shipped MTP folder drafts its 16-node tree by default and chains on request; the plain
     Hydra folder loads without a prefix layer, Hydra++ with one; all exact."""
     if not (SHIPPED / name / "drafter.json").exists():
-        pytest.skip(f"{name} is not built (tools/drafters/build_heads.py)")
+        pytest.skip(f"{name} is not built (its drafter.json command: python -m flashmm.train ...)")
     model, tokenizer = request.getfixturevalue("smollm2")
     drafter = load(SHIPPED / name, adaptive=False, **options)
     if name == "mtp":

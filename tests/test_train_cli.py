@@ -267,6 +267,8 @@ def test_every_method_explains_itself(method, capsys):
     text = capsys.readouterr().out
     assert text.startswith(f"usage: python -m flashmm.train {method}")
     assert "--target" in text and "--out" in text and COMMANDS[method].help.split(" (")[0][:30] in " ".join(text.split())
+
+
 def test_rest_datastore_finds_what_a_brute_force_search_of_the_corpus_finds(corpus, tmp_path, monkeypatch):
     """rest --corpus (no target loaded): the datastore's suffix-array lookups of every n-gram of the
     first --take records' answers, and of n-grams absent from them, equal a scan of those answers joined
@@ -419,6 +421,120 @@ def test_specdecpp_on_a_fastdraft_holds_out_records_and_calibrates_its_threshold
     assert type(flashmm.drafters.load(tmp_path / "calibrated")).name == "specdecpp"
 
 
+def corpus_args(method, corpus, out, *extra):
+    """``method`` on the 4-record corpus folder (--corpus: no prompts answered), its test options and ``extra``."""
+    return [method, "--target", "test_train_cli:tiny_target", "--corpus", str(corpus), "--out", str(out),
+            "--threads", "1", *METHODS.get(method, []), *extra]
+
+
+def test_holdout_rule_is_one_for_every_method():
+    """--holdout-every N / --holdout-offset K: sequence i is held out when i % N == K (default K = N - 1)."""
+    from argparse import Namespace
+
+    from flashmm.train.cli_common import holdout_split
+
+    assert holdout_split(7, Namespace(holdout_every=3, holdout_offset=0)) == ([1, 2, 4, 5], [0, 3, 6])
+    assert holdout_split(7, Namespace(holdout_every=3, holdout_offset=None)) == ([0, 1, 3, 4, 6], [2, 5])
+    assert holdout_split(3, Namespace(holdout_every=0, holdout_offset=None)) == ([0, 1, 2], [])
+    with pytest.raises(SystemExit, match=r"--holdout-offset 3: must be in 0..2"):
+        holdout_split(7, Namespace(holdout_every=3, holdout_offset=3))
+    with pytest.raises(SystemExit, match="--holdout-offset needs --holdout-every"):
+        holdout_split(7, Namespace(holdout_every=0, holdout_offset=1))
+
+
+def test_heads_hold_out_the_sequences_the_options_name(corpus, tmp_path, monkeypatch):
+    """medusa --holdout-every 2 --holdout-offset 0 trains on corpus sequences 1, 3 and measures rank accuracy,
+    the replayed τ and the live τ (--tau-prompts) on 0, 2."""
+    from flashmm.train import heads
+
+    real, loaded = heads.load_head_data, []
+    monkeypatch.setattr(heads, "load_head_data", lambda feats, indices, column: loaded.append(list(indices)) or
+                        real(feats, indices, column))
+    out = tmp_path / "medusa"
+    assert train_cli(corpus_args("medusa", corpus, out, "--holdout-every", "2", "--holdout-offset", "0",
+                                 "--replay-tokens", "6", "--tau-prompts", "1")) == 0
+    assert loaded == [[1, 3], [0, 2]]
+    info = json.loads((out / "drafter.json").read_text())
+    assert info["training"]["train_sequences"] == 2 and info["training"]["held_out_sequences"] == 2
+    assert info["held_out_replay"]["sequences"] == 2 and info["held_out_replay"]["max_new_tokens"] == 6
+    assert info["held_out_tau"]["prompts"] == 1 and info["held_out_tau"]["exact"] is True
+
+
+def test_vocab_from_reads_every_drafter_layout(tmp_path):
+    from safetensors.torch import save_file
+
+    from flashmm.train.cli_common import vocab_from
+
+    ids = torch.tensor([7, 3, 11, 2])
+    layouts = {"fastdraft": ("model.safetensors", {"draft_to_target": ids, "w": torch.zeros(2)}),
+               "medusa": ("model.safetensors", {"vocab": ids}),
+               "eagle": ("draft_vocab.safetensors", {"ids": ids}),
+               "eagle3": ("model.safetensors", {"d2t": ids.sort().values - torch.arange(4)})}  # SGLang's offsets
+    for name, (file, tensors) in layouts.items():
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / file))
+    assert vocab_from(tmp_path / "fastdraft", 20).tolist() == [7, 3, 11, 2]
+    assert vocab_from(tmp_path / "medusa", 20).tolist() == [7, 3, 11, 2]
+    assert vocab_from(tmp_path / "eagle", 20).tolist() == [7, 3, 11, 2]
+    assert vocab_from(tmp_path / "eagle3", 20).tolist() == [2, 3, 7, 11]
+    with pytest.raises(SystemExit, match=r"--vocab-from .*medusa.*outside the target's 10-token vocabulary"):
+        vocab_from(tmp_path / "medusa", 10)
+    with pytest.raises(SystemExit, match=r"--vocab-from .*nothing.*no drafting vocabulary there"):
+        vocab_from(tmp_path / "nothing", 20)
+
+
+def test_vocab_from_reuses_another_drafters_vocabulary(corpus, tmp_path):
+    """--vocab-from DIR: the heads and DFlash draft over exactly the named folder's ids, in its order."""
+    from safetensors.torch import load_file
+
+    assert train_cli(corpus_args("medusa", corpus, tmp_path / "first")) == 0
+    first = load_file(str(tmp_path / "first" / "model.safetensors"))["vocab"]
+    reordered = tmp_path / "reordered"
+    reordered.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"draft_to_target": first.flip(0).contiguous()}, str(reordered / "model.safetensors"))
+    assert train_cli(corpus_args("hydra", corpus, tmp_path / "hydra", "--vocab-from", str(reordered))) == 0
+    assert torch.equal(load_file(str(tmp_path / "hydra" / "model.safetensors"))["vocab"], first.flip(0))
+    assert train_cli(corpus_args("dflash", corpus, tmp_path / "dflash", "--vocab-from", str(tmp_path / "first"))) == 0
+    assert torch.equal(flashmm.drafters.load(tmp_path / "dflash").net.draft_to_target.long(), first)
+
+
+def test_dflash_and_eagle3_measure_on_held_out_sequences(corpus, tmp_path):
+    """--holdout-every: DFlash's acceptance table and EAGLE-3's replayed τ come from the held-out sequences."""
+    assert train_cli(corpus_args("dflash", corpus, tmp_path / "dflash", "--holdout-every", "2")) == 0
+    info = json.loads((tmp_path / "dflash" / "drafter.json").read_text())
+    assert info["training"]["train_sequences"] == 2 and info["held_out"]["sequences"] == 2
+    assert len(info["accept"]) == 3  # block 4: three drafted positions
+    assert train_cli(corpus_args("eagle3", corpus, tmp_path / "eagle3", "--holdout-every", "4", "--eval-tokens",
+                                 "4")) == 0
+    info = json.loads((tmp_path / "eagle3" / "drafter.json").read_text())
+    assert info["training"]["train_sequences"] == 3 and info["training"]["held_out_sequences"] == 1
+    assert set(info["replay_tau"]["plain"]) == {"teacher_forced", "chain6", "eagle2_60"}
+
+
+def test_kangaroo_validates_on_the_records_after_take(corpus, tmp_path, monkeypatch):
+    """kangaroo --take 2 --validate 2: trains on records 0, 1 and scores agreement on records 2, 3."""
+    from flashmm.train import kangaroo
+
+    real, scored = kangaroo.agreement, []
+    monkeypatch.setattr(kangaroo, "agreement", lambda adapter, model, feats, indices, *rest:
+                        scored.append([feats[i].input_ids.tolist() for i in indices]) or
+                        real(adapter, model, feats, indices, *rest))
+    out = tmp_path / "kangaroo"
+    assert train_cli(corpus_args("kangaroo", corpus, out, "--take", "2", "--validate", "2")) == 0
+    from flashmm.train.corpus import corpus_sequences
+
+    model, _ = tiny_target()
+    eos = model.generation_config.eos_token_id
+    expected = [ids for ids, _ in corpus_sequences(corpus, "greedy", eos[0] if isinstance(eos, list) else eos)][2:4]
+    assert scored == [expected]
+    info = json.loads((out / "drafter.json").read_text())
+    assert info["training"]["train_sequences"] == 2 and info["training"]["held_out_sequences"] == 2
+    with pytest.raises(SystemExit, match="--validate 2: .*with --take"):
+        train_cli(corpus_args("kangaroo", corpus, tmp_path / "k2", "--validate", "2"))
+
+
 def test_every_shipped_command_of_this_cli_parses():
     """Each shipped asset whose recorded rebuild command is ``python -m flashmm.train ...`` names a
     method and options this parser accepts (a renamed or dropped option would leave it unrunnable)."""
@@ -436,7 +552,9 @@ def test_every_shipped_command_of_this_cli_parses():
             continue
         if isinstance(command, str) and command.startswith("python -m flashmm.train "):
             commands[path] = shlex.split(command)[3:]
-    assert {"fastdraft", "s2d", "specdecpp", "judge", "rest"} <= {argv[0] for argv in commands.values()}
+    assert {"fastdraft", "s2d", "specdecpp", "judge", "rest", "eagle", "medusa", "hydra", "mtp", "kangaroo", "dflash",
+            "eagle3"} <= {argv[0] for argv in commands.values()}
     for path, argv in commands.items():
         args = parser().parse_args(argv)
         assert args.target == "smollm2", path
+        assert args.method in (argv[0], {"draft_lm": "fastdraft"}.get(argv[0])), path

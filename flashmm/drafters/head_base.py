@@ -204,7 +204,7 @@ class HeadDrafter(Drafter):
         if weight is None or weight.shape[-1] != self.heads.hidden_size:
             raise ValueError(f"{type(self).__name__} heads were trained for hidden size {self.heads.hidden_size}; "
                              f"the target's LM head is {tuple(weight.shape) if weight is not None else head}. "
-                             "Train heads for this target (tools/drafters/build_heads.py)")
+                             "Train heads for this target (python -m flashmm.train medusa|hydra|mtp)")
         if self.vocab is not None and int(self.vocab.max()) >= weight.shape[0]:
             raise ValueError(f"the heads' vocabulary names token id {int(self.vocab.max())} but the target has "
                              f"{weight.shape[0]} output rows: these heads belong to another target")

@@ -254,3 +254,62 @@ def method_settings(args, skip: tuple[str, ...] = ()) -> dict:
     ignored = {"target", "data", "out", "threads", "max_minutes", "method", "command", "no_progress", "accumulate",
                *skip}
     return {k: v for k, v in sorted(vars(args).items()) if k not in ignored and not callable(v)}
+
+
+def add_holdout_arguments(p: argparse.ArgumentParser, every: int, measures: str) -> None:
+    """--holdout-every / --holdout-offset: which corpus sequences a method keeps out of training
+    (``measures``: what it measures on them). One rule for every method: sequence i is held out when
+    ``i % every == offset``."""
+    p.add_argument("--holdout-every", type=int, default=every,
+                   help=f"hold out every N-th corpus sequence to measure {measures} (0: hold out none)")
+    p.add_argument("--holdout-offset", type=int, default=None,
+                   help="index of the first held-out sequence: sequences K, K+N, K+2N, ... are held out "
+                        "(default N-1: the N-th, 2N-th, ...)")
+
+
+def holdout_split(count: int, args) -> tuple[list[int], list[int]]:
+    """(training indices, held-out indices) of ``count`` corpus sequences under --holdout-every /
+    --holdout-offset (add_holdout_arguments)."""
+    every, offset = args.holdout_every, args.holdout_offset
+    if every < 0:
+        raise SystemExit(f"--holdout-every must be >= 0, got {every}")
+    if not every:
+        if offset is not None:
+            raise SystemExit("--holdout-offset needs --holdout-every N > 0")
+        return list(range(count)), []
+    offset = every - 1 if offset is None else offset
+    if not 0 <= offset < every:
+        raise SystemExit(f"--holdout-offset {offset}: must be in 0..{every - 1} (--holdout-every {every})")
+    held = [i for i in range(count) if i % every == offset]
+    return [i for i in range(count) if i % every != offset], held
+
+
+VOCAB_FROM_HELP = ("reuse another drafter's drafting vocabulary: the target ids of the folder DIR (a FastDraft / "
+                   "PARD / DFlash folder's draft_to_target, an EAGLE-3 folder's d2t, a Medusa / Hydra / MTP "
+                   "folder's vocab or an EAGLE-1/2 folder's draft_vocab.safetensors), in its order; instead of --vocab")
+
+
+def vocab_from(folder, vocab_size: int):
+    """The drafting vocabulary (target ids, int64, in the folder's order) of the drafter folder
+    ``folder`` (--vocab-from; VOCAB_FROM_HELP lists the layouts read), refused when an id is not one
+    of the target's ``vocab_size``."""
+    import torch  # noqa: PLC0415
+    from safetensors import safe_open  # noqa: PLC0415
+
+    folder = Path(folder)
+    candidates = [(folder / "model.safetensors", ("draft_to_target", "vocab", "d2t")),
+                  (folder / "draft_vocab.safetensors", ("ids",))]
+    for path, keys in candidates:
+        if not path.is_file():
+            continue
+        with safe_open(str(path), "pt") as f:
+            for key in keys:
+                if key in f.keys():
+                    ids = f.get_tensor(key).long()
+                    ids = torch.arange(ids.numel()) + ids if key == "d2t" else ids   # d2t: offsets (SGLang's)
+                    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+                        raise SystemExit(f"--vocab-from {str(folder)!r}: {key} in {path.name} holds ids outside the "
+                                         f"target's {vocab_size}-token vocabulary (a drafter of another target?)")
+                    return ids
+    raise SystemExit(f"--vocab-from {str(folder)!r}: no drafting vocabulary there (looked for draft_to_target, vocab "
+                     "or d2t in model.safetensors and ids in draft_vocab.safetensors)")

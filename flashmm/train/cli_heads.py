@@ -3,13 +3,17 @@
 The target answers --data (the corpus); its final-normed states and top-k logits over those answers
 are cached (flashmm.train.corpus.features, resumable); the heads train on them (checkpointed every
 --checkpoint-every steps; a rerun resumes). Heads draft over a reduced vocabulary (the --vocab most
-frequent corpus tokens) through the target's own LM head rows. Every --holdout-every-th sequence is
-held out to measure each head's rank accuracy, which shapes the static draft tree (0: measured on
-the training sequences).
+frequent corpus tokens, or --vocab-from another drafter's) through the target's own LM head rows.
+Every --holdout-every-th sequence is held out (--holdout-offset: which) to measure each head's rank
+accuracy, which shapes the static draft tree (0: measured on the training sequences), and the
+folder's greedy τ on them: by exact offline replay of the held-out answers (--replay-tokens, no
+target forward) and, with --tau-prompts, by decoding held-out prompts live (checked token-identical
+to model.generate).
 """
 from __future__ import annotations
 
-from .cli_common import PARALLEL, Command, add_text_arguments, command_line, log, method_settings, target_info
+from .cli_common import (PARALLEL, VOCAB_FROM_HELP, Command, add_holdout_arguments, add_text_arguments,
+                         command_line, log, method_settings, target_info)
 
 DEFAULTS = {  # method: (heads, steps, batch)
     "medusa": (4, 600, 256),
@@ -30,6 +34,7 @@ def arguments_for(method: str):
         p.add_argument("--lr", type=float, default=1e-3)
         p.add_argument("--vocab", type=int, default=8192, help="reduced vocabulary: most frequent corpus tokens "
                        "(0: the target's whole vocabulary)")
+        p.add_argument("--vocab-from", metavar="DIR", default=None, help=VOCAB_FROM_HELP)
         p.add_argument("--loss-vocab", default="batch", choices=["batch", "reduced"])
         p.add_argument("--objective", default="ce", choices=["ce", "distill"])
         if method in ("hydra", "mtp"):
@@ -40,7 +45,11 @@ def arguments_for(method: str):
             p.add_argument("--prefix-attention", action="store_true",
                            help="Hydra++: a decoder layer over the prefix's target states feeds the heads")
             p.add_argument("--prefix-lr-scale", type=float, default=1.0)
-        p.add_argument("--holdout-every", type=int, default=20, help="hold out every N-th sequence (0: none)")
+        add_holdout_arguments(p, 20, "each head's rank accuracy and the folder's τ")
+        p.add_argument("--replay-tokens", type=int, default=128, help="held-out τ by exact offline replay over the "
+                       "first N answer tokens of each held-out sequence (drafter.json held_out_replay; 0: skip)")
+        p.add_argument("--tau-prompts", type=int, default=0, help="held-out τ by decoding the first N held-out "
+                       "prompts live, --replay-tokens tokens each, checked against model.generate (held_out_tau)")
         p.add_argument("--checkpoint-every", type=int, default=100)
         p.add_argument("--max-draft-tokens", type=int, default=16,
                        help="drafting: nodes of the static tree (0: a chain of the heads)")
@@ -59,7 +68,7 @@ def run(args, argv: list[str]) -> int:
     from ..drafters.medusa import Medusa  # noqa: PLC0415
     from ..drafters.mtp import MTP  # noqa: PLC0415
     from . import heads as H  # noqa: PLC0415
-    from .cli_common import text_setup  # noqa: PLC0415
+    from .cli_common import holdout_split, text_setup, vocab_from  # noqa: PLC0415
     from .corpus import corpus_sequences  # noqa: PLC0415
     from .draft_lm import choose_vocab  # noqa: PLC0415
     from .self_corpus import stop_ids  # noqa: PLC0415
@@ -71,15 +80,15 @@ def run(args, argv: list[str]) -> int:
     model = s.model
     n_layers = model.config.get_text_config().num_hidden_layers
     cached = s.features(layers=(n_layers,), top_k=args.top_k)
-    every = args.holdout_every
-    held = [i for i in range(len(cached)) if every and i % every == every - 1]
-    train = [i for i in range(len(cached)) if i not in set(held)]
+    train, held = holdout_split(len(cached), args)
     train_data = H.load_head_data(cached, train, 0)
     held_data = H.load_head_data(cached, held, 0) if held else train_data
     lm_weight = model.get_output_embeddings().weight.detach().float()          # [V, d]
     embeddings = model.get_input_embeddings().weight.detach().float()          # [V, d]
     chosen = None
-    if args.vocab:
+    if args.vocab_from is not None:
+        chosen = vocab_from(args.vocab_from, lm_weight.shape[0])
+    elif args.vocab:
         sequences = corpus_sequences(s.records, "greedy", s.end_id())
         chosen = choose_vocab(sequences, args.vocab, always=tuple(sorted(stop_ids(model, s.tokenizer))))
     vocab = H.Vocab(chosen, lm_weight.shape[0])
@@ -106,9 +115,52 @@ def run(args, argv: list[str]) -> int:
                          "accuracy_measured_on": "held-out sequences" if held else "the training sequences"},
             "command": command_line(argv)}
     drafter = {"medusa": Medusa, "hydra": Hydra, "mtp": MTP}[method]
-    save_heads(s.out, drafter.name, heads, heads.config(), vocab.ids if chosen is not None else None, info)
+    ids = vocab.ids if chosen is not None else None
+    save_heads(s.out, drafter.name, heads, heads.config(), ids, info)
+    if held and args.replay_tokens:
+        info["held_out_replay"] = replay_held_out(s.out, model, held_data, args.replay_tokens)
+        log(f"held-out greedy τ (exact offline replay) {info['held_out_replay']}")
+        save_heads(s.out, drafter.name, heads, heads.config(), ids, info)
+    if held and args.tau_prompts:
+        info["held_out_tau"] = decode_tau(model, s.out, [s.records[i] for i in held[:args.tau_prompts]],
+                                          args.replay_tokens or 128)
+        log(f"held-out greedy τ {info['held_out_tau']}")
+        save_heads(s.out, drafter.name, heads, heads.config(), ids, info)
     log(f"{method} heads written to {s.out}")
     return 0
+
+
+def replay_held_out(folder, model, held_data, tokens: int) -> dict:
+    """Greedy τ of the folder's drafter on the held-out answers by exact offline replay
+    (head_replay.replay_tau), drafting its whole tree every step (adaptive sizing would decline
+    some steps: this is τ of the drafts themselves)."""
+    from ..drafters import load  # noqa: PLC0415
+    from . import head_replay as R  # noqa: PLC0415
+
+    drafter = load(folder, adaptive=False)
+    drafter.bind(R.ModelFacts(model))
+    return R.replay_tau(drafter, held_data, max_new_tokens=tokens)
+
+
+def decode_tau(model, folder, records, max_new_tokens: int) -> dict:
+    """Greedy decoding of held-out corpus prompts through flashmm.wrap: τ, and whether every output
+    equals model.generate's."""
+    import torch  # noqa: PLC0415
+
+    import flashmm  # noqa: PLC0415
+    from ..drafters import load  # noqa: PLC0415
+
+    sm = flashmm.wrap(model, load(folder))
+    steps = emitted = 0
+    exact = True
+    for record in records:
+        ids = torch.tensor([record.prompt_ids])
+        out = sm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        ref = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        exact &= bool(torch.equal(out, ref))
+        steps += sm.last_stats.verify_steps
+        emitted += sm.last_stats.verify_steps + sm.last_stats.accepted_tokens
+    return {"tau": emitted / max(steps, 1), "prompts": len(records), "exact": exact, "max_new_tokens": max_new_tokens}
 
 
 COMMANDS = {

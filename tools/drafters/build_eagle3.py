@@ -3,10 +3,13 @@
     python -m tools.drafters.build_eagle3 --shards 50 --steps 6000 --ttt-steps 3 --lr 0.002 --styles plain \\
         --ship plain --seed 0 --threads 2 [--features /tmp/head_work/features --work /tmp/eagle3_work]
 
-(``eagle3_3k``: 50 shards = the whole CPU-built greedy corpus, ~35 min of feature extraction and ~30 min
-of training on 2 quiet cores, both resumable; ``--styles plain,hass,griffin`` trains one head per style.)
+(50 shards = the whole CPU-built greedy corpus, ~35 min of feature extraction and ~30 min of training on
+2 quiet cores, both resumable; ``--styles plain,hass,griffin`` trains one head per style. The shipped
+``eagle3_3k`` is this recipe's head, rebuilt by the command in its drafter.json: ``python -m flashmm.train
+eagle3 --holdout-every 16 ...``, the same head bit for bit.)
 
-On a GPU (the shipped ``eagle3``, trained on one H200 in ~7 min):
+On a GPU (the shipped ``eagle3``, trained on one H200 in ~7 min; it stays here because it reads two
+corpora, which ``python -m flashmm.train`` does not take):
 
     python -m tools.drafters.build_eagle3 --corpus assets/corpus/smollm2 assets/corpus/smollm2_gpu \
         --batch 48 --device cuda --warmup 200 --steps 5000 --ttt-steps 5 --lr 0.001 --styles plain \
