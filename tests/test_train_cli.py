@@ -419,6 +419,50 @@ def test_specdecpp_on_a_fastdraft_holds_out_records_and_calibrates_its_threshold
     assert all(r["tokens"] == len(records[3].greedy.ids) - 1 and 1 <= r["steps"] <= r["tokens"] for r in replay.values())
     assert json.loads((tmp_path / "no_end" / "drafter.json").read_text())["threshold"] == 0.7  # --threshold's default
     assert type(flashmm.drafters.load(tmp_path / "calibrated")).name == "specdecpp"
+    with pytest.raises(SystemExit, match="--draft-holdout-every, --calibrate-tokens: EAGLE-3 drafts only"):
+        train_cli(args_for("specdecpp", prompts, tmp_path / "refused", *given, "--draft-holdout-every", "2",
+                           "--calibrate-tokens", "4"))
+
+
+def test_specdecpp_on_an_eagle3_head_reads_its_held_out_sequences_and_calibrates(corpus, tmp_path, monkeypatch):
+    """specdecpp --draft EAGLE3 --draft-holdout-every 2: the rank head reads only corpus sequences 1 and 3 (the
+    ones an eagle3 --holdout-every 2 head never trained on); --heldout-sequences 1 holds out sequence 1 and
+    trains on sequence 3; --thresholds replays sequence 1's answer with the drafter as deployed (no head, then
+    each candidate) and writes the candidate with the best modeled speedup."""
+    from flashmm.train import acceptance
+    from flashmm.train.corpus import corpus_sequences
+
+    real_examples, real_train, seen = acceptance.rank_examples, acceptance.train_head, {}
+    monkeypatch.setattr(acceptance, "rank_examples", lambda net, embed, examples, *rest, **kw: seen.setdefault(
+        "read", [e.ids.tolist() for e in examples]) and real_examples(net, embed, examples, *rest, **kw))
+    monkeypatch.setattr(acceptance, "train_head", lambda head, data, **kw: seen.setdefault(
+        "trained", sorted(set(data["sequence"].tolist()))) and real_train(head, data, **kw))
+    assert train_cli(corpus_args("eagle3", corpus, tmp_path / "eagle3", "--holdout-every", "2")) == 0
+    out = tmp_path / "specdecpp"
+    given = ["--draft", str(tmp_path / "eagle3"), "--depth", "3", "--width", "8", "--draft-holdout-every", "2",
+             "--heldout-sequences", "1"]
+    assert train_cli(corpus_args("specdecpp", corpus, out, *given, "--thresholds", "0.5", "0.95",
+                                 "--calibrate-sequences", "1", "--calibrate-tokens", "4")) == 0
+    model, _ = tiny_target()
+    eos = model.generation_config.eos_token_id
+    sequences = [ids for ids, _ in corpus_sequences(corpus, "greedy", eos[0] if isinstance(eos, list) else eos)]
+    assert seen["read"] == [sequences[1], sequences[3]]        # held out first, then the training one
+    assert seen["trained"] == [1]                                # the examples of sequences[3] only
+    info = json.loads((out / "drafter.json").read_text())
+    training, replay = info["training"], info["training"]["threshold_replay"]
+    assert training["train_sequences"] == 1 and training["heldout_sequences"] == 1
+    assert set(training["heldout_metrics"]) == {"0", "1", "2"} and set(replay) == {"heuristic", "0.5", "0.95"}
+    assert info["threshold"] == max((0.5, 0.95), key=lambda h: replay[str(h)]["modeled_speedup"])
+    assert all(r["steps"] >= 1 and r["tau"] >= 1 for r in replay.values())
+    assert flashmm.drafters.load(out).threshold == info["threshold"]
+    with pytest.raises(SystemExit, match="--heldout-first: FastDraft drafts only"):
+        train_cli(corpus_args("specdecpp", corpus, tmp_path / "x", *given, "--heldout-first", "1"))
+    with pytest.raises(SystemExit, match="--thresholds: .*give --draft-holdout-every"):
+        train_cli(corpus_args("specdecpp", corpus, tmp_path / "y", "--draft", str(tmp_path / "eagle3"),
+                              "--thresholds", "0.5"))
+    with pytest.raises(SystemExit, match=r"--heldout-sequences 2: must be in 1..1"):
+        train_cli(corpus_args("specdecpp", corpus, tmp_path / "z", "--draft", str(tmp_path / "eagle3"),
+                              "--draft-holdout-every", "2", "--heldout-sequences", "2"))
 
 
 def corpus_args(method, corpus, out, *extra):

@@ -12,8 +12,8 @@ the answers; then the method's own stage:
                records (a seeded shuffle's first ones)
   specdecpp    an acceptance head on --draft (a FastDraft folder, default: the aligned draft, written
                to --out/draft; or an EAGLE-3 folder: a head over its trees' ranks) that stops drafting
-               at --threshold (on a FastDraft: or the best of --thresholds by greedy replay of
-               held-out records, flashmm.train.specdecpp_chain)
+               at --threshold, or at the best of --thresholds by replay of held-out records
+               (FastDraft: flashmm.train.specdecpp_chain; EAGLE-3: flashmm.train.specdecpp_tree)
 Each stage is checkpointed under --out/work/<method>; a rerun resumes.
 """
 from __future__ import annotations
@@ -74,20 +74,35 @@ def arguments_for(method: str):
                            "or an EAGLE-3 head folder (a head over its trees' ranks)")
             p.add_argument("--threshold", type=float, default=0.7,
                            help="stop before the token that makes P(a rejection) exceed this")
-            p.add_argument("--thresholds", type=float, nargs="+", default=None, help="FastDraft: calibrate instead "
-                           "of --threshold: replay the greedy answers of --calibrate-sequences held-out records with "
-                           "each and keep the best modeled speedup (verify and draft costs measured in CPU time on "
-                           "this machine; flashmm.train.specdecpp_chain)")
-            p.add_argument("--calibrate-sequences", type=int, default=20, help="FastDraft: held-out records replayed")
+            p.add_argument("--thresholds", type=float, nargs="+", default=None, help="calibrate instead of "
+                           "--threshold: replay --calibrate-sequences held-out answers with each and keep the best "
+                           "modeled speedup (costs measured on this machine, so the choice is machine-timed; "
+                           "FastDraft: greedy chains priced in CPU time, flashmm.train.specdecpp_chain; EAGLE-3: "
+                           "the deployed trees priced by the target's measured verify cost and the drafting time, "
+                           "flashmm.train.specdecpp_tree)")
+            p.add_argument("--calibrate-sequences", type=int, default=20, help="held-out records replayed (the "
+                           "first N of them)")
             p.add_argument("--heldout-first", type=int, default=None, help="FastDraft: records from this index on are "
                            "held out of training: --heldout-sequences of them measure the head and calibrate "
                            "--thresholds (default: none held out; metrics on the training answers)")
-            p.add_argument("--heldout-sequences", type=int, default=100, help="FastDraft: held-out records")
+            p.add_argument("--heldout-sequences", type=int, default=100, help="held-out records (FastDraft: from "
+                           "--heldout-first on; EAGLE-3: the first N of the sequences --draft-holdout-every names, "
+                           "the rank head training on the rest)")
             p.add_argument("--train-sequences", type=int, default=None, help="FastDraft: train the head on a seeded "
                            "sample of N records (kept in corpus order) of those before --heldout-first (default: all)")
             p.add_argument("--end-token", action=argparse.BooleanOptionalAction, default=True, help="FastDraft: "
                            "finished answers end with the end-of-turn id, as in every draft-LM stage; --no-end-token "
                            "leaves it out of the head's examples")
+            p.add_argument("--draft-holdout-every", type=int, default=None, help="EAGLE-3: read only the corpus "
+                           "sequences the draft held out of its training, sequence i when i %% N == "
+                           "--draft-holdout-offset (the draft command's --holdout-every / --holdout-offset; default: "
+                           "every sequence, none held out)")
+            p.add_argument("--draft-holdout-offset", type=int, default=None, help="EAGLE-3: see "
+                           "--draft-holdout-every (default N-1)")
+            p.add_argument("--calibrate-tokens", type=int, default=128, help="EAGLE-3: answer tokens replayed per "
+                           "calibration sequence")
+            p.add_argument("--calibrate-budget", type=int, default=60, help="EAGLE-3: nodes each replayed step may "
+                           "draft (the engine's budget)")
             p.add_argument("--max-draft-tokens", type=int, default=8)
             p.add_argument("--width", type=int, default=None,
                            help="the acceptance head's hidden width (default 128; 64 on an EAGLE-3 head)")
@@ -125,6 +140,8 @@ def run(args, argv: list[str]) -> int:
             raise SystemExit(f"--draft {given_draft}: holds a {kind!r} drafter; {method} "
                              + ("heads sit on a FastDraft or an EAGLE-3 folder" if method == "specdecpp"
                                 else "grows a FastDraft folder"))
+    if method == "specdecpp":
+        refuse_other_kinds_options(args, given_draft, "eagle3" if given_draft and kind == "eagle3" else "fastdraft")
     s = text_setup(args, method, method_settings(args))
     trained = {}
 
@@ -150,6 +167,19 @@ def run(args, argv: list[str]) -> int:
     elif method == "specdecpp":
         train_specdecpp(args, argv, s, trained.get("fastdraft"))
     return 0
+
+
+def refuse_other_kinds_options(args, draft, kind: str) -> None:
+    """specdecpp: the options of the other kind of --draft (FastDraft's record choice, EAGLE-3's held-out split
+    and replay) are refused, naming them, unless at their defaults."""
+    from .specdecpp_tree import TREE_OPTIONS  # noqa: PLC0415
+
+    only = CHAIN_OPTIONS if kind == "eagle3" else TREE_OPTIONS
+    wrong = [f"--{k.replace('_', '-')}" for k in only if getattr(args, k) != only[k]]
+    if wrong:
+        raise SystemExit(f"{', '.join(wrong)}: {'FastDraft' if kind == 'eagle3' else 'EAGLE-3'} drafts only; --draft "
+                         f"{draft or '(a FastDraft trained into --out/draft)'} is "
+                         f"{'an EAGLE-3 head' if kind == 'eagle3' else 'a FastDraft draft'}")
 
 
 def train_s2d(args, argv, s, stages, aligned) -> None:
@@ -213,6 +243,7 @@ def train_specdecpp(args, argv, s, aligned) -> None:
     from ..drafters.fastdraft import save_reduced_lm  # noqa: PLC0415
     from ..drafters.saved import read_info  # noqa: PLC0415
     from ..drafters.specdecpp import save_specdecpp  # noqa: PLC0415
+    from .specdecpp_tree import rank_head  # noqa: PLC0415
 
     if args.draft is None:
         draft_dir = s.out / "draft"
@@ -224,14 +255,11 @@ def train_specdecpp(args, argv, s, aligned) -> None:
     else:
         draft_dir = Path(args.draft)
     ranks = read_info(draft_dir)["drafter"] == "eagle3"
-    chain_only = [f"--{k.replace('_', '-')}" for k in CHAIN_OPTIONS if getattr(args, k) != CHAIN_OPTIONS[k]]
-    if ranks and chain_only:
-        raise SystemExit(f"{', '.join(chain_only)}: FastDraft drafts only; --draft {draft_dir} is an EAGLE-3 head")
     if ranks:
-        head, summary, metrics = rank_head(args, s, draft_dir)
-        threshold, more = args.threshold, {"metrics_on_training_answers": metrics}
+        head, summary, threshold, more = rank_head(args, s, draft_dir, log=log)
         notes = ("SpecDec++ for EAGLE-3 trees: nodes scored by predicted acceptance; no node below 1 - threshold "
-                 "(the threshold is given, not calibrated by replay as tools/drafters/build_specdecpp_eagle3.py does)")
+                 "is drafted, so growth stops at the first depth without one" +
+                 (" (calibrated by replay of held-out answers)" if args.thresholds else ""))
     else:
         head, summary, threshold, more = chain_head(args, s, draft_dir)
         notes = ("SpecDec++: stop drafting before the token that makes P(at least one rejection) exceed threshold" +
@@ -256,8 +284,7 @@ def _cached(path, make):
     return torch.load(path, weights_only=True)
 
 
-CHAIN_OPTIONS = {"thresholds": None, "calibrate_sequences": 20, "heldout_first": None, "heldout_sequences": 100,
-                 "train_sequences": None, "end_token": True}  # FastDraft only: their defaults
+CHAIN_OPTIONS = {"heldout_first": None, "train_sequences": None, "end_token": True}  # FastDraft only: their defaults
 
 
 def chain_head(args, s, draft_dir):
@@ -305,34 +332,6 @@ def chain_head(args, s, draft_dir):
     best, replay, cost = calibrate(s.model, draft_lm, head, heldout[:args.calibrate_sequences], args.thresholds,
                                    args.max_draft_tokens, log=log)
     return head, summary, best, {**record, "threshold_replay": replay, "cost_model": cost}
-
-
-def rank_head(args, s, draft_dir):
-    """A RankAcceptanceHead on an EAGLE-3 head: per tree depth, the rank of the target's token among
-    the head's children (the head unrolled on its own outputs along the corpus answers)."""
-    import torch  # noqa: PLC0415
-
-    from ..drafters import load  # noqa: PLC0415
-    from ..drafters.specdecpp import RankAcceptanceHead  # noqa: PLC0415
-    from . import eagle3 as E  # noqa: PLC0415
-    from .acceptance import rank_examples, rank_loss, rank_metrics, train_head  # noqa: PLC0415
-
-    head_drafter = load(draft_dir)
-    if args.ranks < head_drafter.top_k:
-        raise SystemExit(f"--ranks {args.ranks}: the EAGLE-3 head in {draft_dir} drafts top_k={head_drafter.top_k} "
-                         "children per node, and the rank head must tell each apart: give --ranks >= that")
-    net = head_drafter.net.float()
-    layers = tuple(net.cfg.feature_layers)
-    cached = s.features(layers=layers, top_k=args.top_k)
-    examples = [E.example_from(seq, list(range(len(layers)))) for seq in cached]
-    embed = E.frozen_embedding(s.model)
-    data = s.parallel.main_first(lambda: _cached(s.work / "rank_examples.pt", lambda: rank_examples(
-        net, embed, examples, args.depth, args.ranks, log=log)))
-    torch.manual_seed(args.seed)
-    head = RankAcceptanceHead(net.cfg.hidden_size, args.ranks, max(args.depth, 8), args.width or 64)
-    summary = train_head(head, data, work_dir=s.work, epochs=args.head_epochs, lr=args.head_lr, seed=args.seed,
-                         loss=rank_loss, log=log, parallel=s.parallel)
-    return head, summary, rank_metrics(head, data)
 
 
 COMMANDS = {
