@@ -6,7 +6,7 @@
 Replays greedy speculative decoding of plain `generate`'s own dev answers (the features
 eval/sequoia_vector.py caches under --features) with each policy, adaptive pricing on and off, and
 reports τ, nodes and the drafter's measured time per step, and the modeled speedup over
-speculation-free decoding (tools.drafters.build_specdecpp_eagle3.replay): the timed run's τ should
+speculation-free decoding (flashmm.train.specdecpp_tree.replay, what specdecpp's --thresholds calibrates with): the timed run's τ should
 match the adaptive rows, which separates what the text allows from what the pricing declines.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from flashmm.paths import work_dir
 from flashmm.targets.verify_cost import measure_verify_cost
 from flashmm.train import eagle3 as E
 from flashmm.train.corpus import CorpusFeatures
+from flashmm.train.specdecpp_tree import replay
 from flashmm.weights import load_gguf_lm
-from tools.drafters.build_specdecpp_eagle3 import replay
 
 
 def main(argv=None) -> None:

@@ -291,7 +291,7 @@ SHIPPED_EAGLE3 = Path(__file__).resolve().parents[1] / "assets/text_drafters/smo
 
 def test_shipped_eagle3_acceptance_head_is_exact_on_smollm2(smollm2):
     if not (SHIPPED_EAGLE3 / "drafter.json").exists():
-        pytest.skip("specdecpp_eagle3 is not built (python -m tools.drafters.build_specdecpp_eagle3)")
+        pytest.skip("specdecpp_eagle3 is not built (the python -m flashmm.train specdecpp command in docs/methods.md)")
     model, tokenizer = smollm2
     drafter = load(SHIPPED_EAGLE3, adaptive=False)   # draft every step: exactness of what the head lets through
     assert isinstance(drafter, Eagle3Drafter) and isinstance(drafter.acceptance, RankAcceptanceHead)

@@ -74,7 +74,7 @@ def rank_head(args, s, draft_dir, log=print):
     if args.thresholds and args.draft_holdout_every is None:
         raise SystemExit("--thresholds: calibration replays held-out answers: give --draft-holdout-every")
     # the head's initial weights (and its dropout) draw from torch's generator seeded with --seed before the
-    # target loaded (text_setup), after the target and this draft are built (as build_specdecpp_eagle3 drew)
+    # target loaded (text_setup), after the target and this draft are built: the order the shipped head drew in
     head_drafter = load(draft_dir, adaptive=False)
     if args.ranks < head_drafter.top_k:
         raise SystemExit(f"--ranks {args.ranks}: the EAGLE-3 head in {draft_dir} drafts top_k={head_drafter.top_k} "
