@@ -38,8 +38,8 @@ from flashmm.paths import work_dir
 from flashmm.targets.verify_cost import measure_verify_cost
 from flashmm.train import eagle3 as E
 from flashmm.train.acceptance import rank_examples, rank_loss, rank_metrics, train_head
+from flashmm.train.eagle3_cache import feature_folder, load_examples
 from tools.corpus.build import load_target
-from tools.drafters.build_eagle3 import feature_folder, load_examples
 
 
 def log(msg: str) -> None:
