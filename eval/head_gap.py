@@ -7,7 +7,7 @@ already holds, which ``Eagle3Drafter(context_vocab=True)`` adds).
         --held-out 60 --out eval/results/head_gap_smollm2_eagle3
 
 Dev answers: plain greedy ``generate`` on the dev questions (as eval/sequoia_vector.py). Held-out
-answers: the corpora's held-out sequences (tools.drafters.build_eagle3.held_out), cut to the same
+answers: the corpora's held-out sequences (flashmm.train.eagle3_cache.held_out), cut to the same
 number of answer tokens. Depth 1 only (the head reading the target's features), the head's own
 vocabulary (no context vocabulary): a token outside it counts as a miss.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root: tools.drafters
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root
 from common import machine, markdown_table, write_results  # noqa: E402
 from sequoia_vector import dev_examples  # noqa: E402
 from text_speed import DEFAULT_QUESTIONS, load_questions  # noqa: E402
@@ -30,8 +30,8 @@ from flashmm.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from flashmm.paths import work_dir  # noqa: E402
 from flashmm.train import eagle3 as E  # noqa: E402
 from flashmm.train.corpus import corpus_sequences, features  # noqa: E402
+from flashmm.train.eagle3_cache import held_out  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
-from tools.drafters.build_eagle3 import held_out  # noqa: E402
 
 EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.01)
 

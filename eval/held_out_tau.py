@@ -1,5 +1,5 @@
-"""Exact greedy replay τ of EAGLE-3 heads on held-out corpus answers (the sequences build_eagle3
-holds out: every 16th of each corpus), so a fine-tuned head and the head it started from are
+"""Exact greedy replay τ of EAGLE-3 heads on held-out corpus answers (the sequences the EAGLE-3 recipes
+hold out: every 16th of each corpus, flashmm.train.eagle3_cache.held_out), so a fine-tuned head and the head it started from are
 compared on the same answers.
 
     python eval/held_out_tau.py --drafters assets/text_drafters/smollm2/eagle3 \\
@@ -9,7 +9,8 @@ compared on the same answers.
 
 Per corpus and overall: teacher-forced top-1 at TTT steps 1-6, and τ of a 6-token chain and an
 EAGLE-2 tree of 60 nodes (depth 6, top-8), adaptive drafting off, 128 answer tokens per sequence
-(flashmm.train.eagle3.replay_tau). Features are cached as build_eagle3 caches them (--features).
+(flashmm.train.eagle3.replay_tau). Features are cached as tools/drafters/build_eagle3 caches them
+(flashmm.train.eagle3_cache, --features).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from flashmm.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from flashmm.paths import work_dir  # noqa: E402
 from flashmm.train import eagle3 as E  # noqa: E402
 from tools.corpus.build import load_target  # noqa: E402
-from tools.drafters.build_eagle3 import cached_examples, start_from  # noqa: E402
+from flashmm.train.eagle3_cache import cached_examples, start_from  # noqa: E402
 
 
 def replay(net, embed, examples, tree: str, budget: int, tokens: int) -> tuple[int, int]:

@@ -367,7 +367,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "assets/text_drafters/smollm2/ea
 
 def test_shipped_head_is_exact_on_smollm2(smollm2):
     if not (SHIPPED / "drafter.json").exists():
-        pytest.skip("eagle3 is not built (python -m tools.drafters.build_eagle3)")
+        pytest.skip("eagle3 is not built (its drafter.json's python -m flashmm.train eagle3 command)")
     model, tokenizer = smollm2
     drafter = load(SHIPPED, adaptive=False)  # draft every step: exactness of the drafts themselves
     assert isinstance(drafter, Eagle3Drafter) and drafter.info["method"] == "eagle3"
@@ -379,11 +379,11 @@ def test_shipped_head_is_exact_on_smollm2(smollm2):
 
 
 def test_fine_tuning_starts_from_the_shipped_head_with_the_targets_exact_rows(smollm2):
-    """build_eagle3 --init: the saved head's trained weights, its LM head and final norm reset to
+    """tools/drafters/build_eagle3 --init (flashmm.train.eagle3_cache.start_from): the saved head's trained weights, its LM head and final norm reset to
     the target's own fp32 rows (the saved ones are fp16-rounded) and frozen, as for a new head."""
     if not (SHIPPED / "drafter.json").exists():
-        pytest.skip("eagle3 is not built (python -m tools.drafters.build_eagle3)")
-    from tools.drafters.build_eagle3 import start_from  # noqa: PLC0415
+        pytest.skip("eagle3 is not built (its drafter.json's python -m flashmm.train eagle3 command)")
+    from flashmm.train.eagle3_cache import start_from  # noqa: PLC0415
 
     model, _ = smollm2
     net, saved = start_from(SHIPPED, model), load(SHIPPED).net

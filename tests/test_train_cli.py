@@ -195,6 +195,65 @@ def test_a_corpus_the_target_wrote_trains_without_prompts(corpus, tmp_path, monk
         train_cli([*argv[:argv.index(str(other))], str(tmp_path / "nowhere"), *argv[argv.index(str(other)) + 1:]])
 
 
+def split_corpus(corpus, folder, first: int):
+    """``corpus`` written again as two folders, its first ``first`` records and the rest (build_info.json copied)."""
+    from flashmm.train.corpus import read_corpus, write_corpus
+
+    records = read_corpus(corpus)
+    info = json.loads((corpus / "build_info.json").read_text())
+    write_corpus(folder / "head", records[:first], info)
+    write_corpus(folder / "tail", records[first:], info)
+    return folder / "head", folder / "tail"
+
+
+def test_several_corpus_folders_are_joined_in_order(corpus, tmp_path, monkeypatch):
+    """--corpus A B: A's records then B's, as one corpus (--take and --holdout-every count the joined list): the
+    batched EAGLE-3 head trained on the corpus cut in two equals, tensor for tensor, the head trained on it whole;
+    each folder is checked against --target, a mismatched one refused naming it."""
+    from safetensors.torch import load_file
+
+    from flashmm.train.__main__ import parser
+    from flashmm.train.cli_common import given_corpora, method_settings
+    from flashmm.train.corpus import read_corpus
+
+    monkeypatch.setattr(self_corpus, "greedy_answer", no_generation)
+    head, tail = split_corpus(corpus, tmp_path, 3)
+    assert given_corpora([head, tail], "test_train_cli:tiny_target") == read_corpus(corpus)
+    assert given_corpora([tail, head], "test_train_cli:tiny_target") == read_corpus(corpus)[3:] + read_corpus(corpus)[:3]
+    batched = ["--batch", "2", "--holdout-every", "2", "--eval-tokens", "4"]
+    assert train_cli(corpus_args("eagle3", corpus, tmp_path / "whole", *batched)) == 0
+    argv = corpus_args("eagle3", head, tmp_path / "joined", *batched)
+    argv[argv.index(str(head)) + 1:argv.index(str(head)) + 1] = [str(tail)]
+    assert train_cli(argv) == 0
+    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    joined = load_file(str(tmp_path / "joined" / "model.safetensors"))
+    assert whole.keys() == joined.keys() and all(torch.equal(whole[k], joined[k]) for k in whole)
+    info = json.loads((tmp_path / "joined" / "drafter.json").read_text())
+    assert info["training"]["corpus"] == [str(head), str(tail)] and info["training"]["device"] == "cpu"
+    assert info["training"]["train_sequences"] == 2 and info["training"]["held_out_sequences"] == 2
+    assert info["replay_tau"] == json.loads((tmp_path / "whole" / "drafter.json").read_text())["replay_tau"]
+    assert json.loads((tmp_path / "whole" / "drafter.json").read_text())["training"]["corpus"] == str(corpus)
+
+    # --take counts the joined records: 4 of head's 3 + tail's 1 (the fourth comes from the second folder)
+    taken = ["medusa", "--target", "test_train_cli:tiny_target", "--corpus", str(head), str(tail), "--take", "4",
+             "--out", str(tmp_path / "taken"), "--threads", "1", *METHODS["medusa"], "--holdout-every", "0"]
+    assert train_cli(taken) == 0
+    assert json.loads((tmp_path / "taken" / "drafter.json").read_text())["training"]["train_sequences"] == 4
+
+    # one folder is recorded as before (a string), so an earlier run's work/ resumes; several as a list
+    parse = parser().parse_args
+    assert method_settings(parse(corpus_args("eagle3", corpus, tmp_path / "x")))["corpus"] == str(corpus)
+    assert method_settings(parse(argv))["corpus"] == [str(head), str(tail)]
+
+    build = json.loads((tail / "build_info.json").read_text())
+    build["settings"]["target"] = "someone-else"
+    (tail / "build_info.json").write_text(json.dumps(build))
+    with pytest.raises(SystemExit, match=r"--corpus .*tail: its answers were written by 'someone-else'"):
+        train_cli(argv)                                          # head, then the mismatched tail
+    with pytest.raises(SystemExit, match="--corpus .*nowhere.*no build_info.json"):
+        train_cli([*argv[:5], str(tmp_path / "nowhere"), *argv[6:]])   # head, then a folder that is none
+
+
 def test_other_options_on_the_same_out_are_refused(prompts, corpus, tmp_path, monkeypatch):
     out = tmp_path / "out"
     shutil.copytree(corpus, out / "corpus")

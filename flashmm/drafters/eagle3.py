@@ -199,7 +199,7 @@ class Eagle3Drafter(Drafter):
                 f"this EAGLE-3 head reads features {cfg.feature_layers} of width {cfg.target_hidden_size} and "
                 f"proposes ids < {cfg.vocab_size}, but the target has {layers} layers of width "
                 f"{target.hidden_size} and {target.vocab_size} ids; train a head for this model "
-                "(python -m tools.drafters.build_eagle3)")
+                "(python -m flashmm.train eagle3 --target MODEL ...)")
         if self.pricing == "measured":
             self.cost_source = price_with_target(target, self.cost_models())
         self._embed = target.input_embeddings()

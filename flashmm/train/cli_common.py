@@ -88,10 +88,13 @@ def add_text_arguments(p: argparse.ArgumentParser, accumulate: bool = True) -> N
     p.add_argument("--target", required=True, help="model directory, 'smollm2', 'gemma3' or module:function")
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--data", help=TEXT_DATA)
-    given.add_argument("--corpus", help="a corpus the target already wrote, instead of --data: a folder in "
-                       "flashmm.train.corpus's format (corpus.jsonl.xz + build_info.json naming its target), such "
-                       "as an earlier run's --out/corpus or this repository's assets/corpus/smollm2")
-    p.add_argument("--take", type=int, default=None, help="train on the first N corpus records only")
+    given.add_argument("--corpus", nargs="+", metavar="DIR", help="one or more corpora the target already wrote, "
+                       "instead of --data: folders in flashmm.train.corpus's format (corpus.jsonl.xz + "
+                       "build_info.json naming its target, each checked against --target), such as an earlier run's "
+                       "--out/corpus or this repository's assets/corpus/smollm2; several are joined in the order "
+                       "given (sequence i of the joined list is what --take and --holdout-every count)")
+    p.add_argument("--take", type=int, default=None, help="train on the first N corpus records only (of the --corpus "
+                   "folders joined in order)")
     p.add_argument("--out", required=True, help="output directory: the drafter, and its corpus, features and "
                    "checkpoints (a rerun with the same options resumes there)")
     p.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16, float16)")
@@ -195,7 +198,7 @@ def text_setup(args, method: str, settings: dict) -> TextSetup:
         raise SystemExit(f"--take must be >= 1, got {args.take}")
     try:
         conversations = None if args.data is None else read_prompts(args.data)
-        records = None if args.corpus is None else given_corpus(args.corpus, args.target)
+        records = None if args.corpus is None else given_corpora(args.corpus, args.target)
     except (FileNotFoundError, ValueError) as err:  # the messages name --data / --corpus, the file and the line
         raise SystemExit(f"python -m flashmm.train {method}: {err}") from None
     out = Path(args.out)
@@ -214,6 +217,14 @@ def text_setup(args, method: str, settings: dict) -> TextSetup:
             model, tokenizer, conversations, out / "corpus", max_new_tokens=args.max_new_tokens, target=args.target,
             log=log))
     return TextSetup(model, tokenizer, records[:args.take], out, work, parallel)
+
+
+def given_corpora(folders: list, target: str) -> list:
+    """The records of the --corpus folders joined in order (given_corpus refuses each, naming it)."""
+    records = []
+    for folder in folders:
+        records += given_corpus(folder, target)
+    return records
 
 
 def given_corpus(folder, target: str) -> list:
@@ -253,7 +264,10 @@ def method_settings(args, skip: tuple[str, ...] = ()) -> dict:
     """The options that shape a run's training (what check_settings compares)."""
     ignored = {"target", "data", "out", "threads", "max_minutes", "method", "command", "no_progress", "accumulate",
                *skip}
-    return {k: v for k, v in sorted(vars(args).items()) if k not in ignored and not callable(v)}
+    settings = {k: v for k, v in sorted(vars(args).items()) if k not in ignored and not callable(v)}
+    if isinstance(settings.get("corpus"), list) and len(settings["corpus"]) == 1:
+        settings["corpus"] = settings["corpus"][0]  # one folder recorded as before: an earlier run's work/ resumes
+    return settings
 
 
 def add_holdout_arguments(p: argparse.ArgumentParser, every: int, measures: str) -> None:

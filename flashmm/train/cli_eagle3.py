@@ -6,7 +6,14 @@ block drafter (flashmm.train.dflash). The target answers --data (the corpus), it
 --layers are cached over those answers (flashmm.train.corpus.features, resumable), and the network
 trains ``--steps`` steps on them (checkpointed every --checkpoint-every steps; a rerun resumes).
 EAGLE-3's ``--batch`` > 1 computes the features on --device and holds them there instead
-(flashmm.train.eagle3_batched; "plain" and "griffin" styles).
+(flashmm.train.eagle3_batched; "plain" and "griffin" styles; on CUDA it trains with TF32 matmuls).
+Several --corpus folders are joined in order: the shipped eagle3 trained on both SmolLM2 corpora,
+
+    python -m flashmm.train eagle3 --target smollm2 --corpus assets/corpus/smollm2 assets/corpus/smollm2_gpu \\
+        --holdout-every 16 --batch 48 --device cuda --warmup 200 --steps 5000 --ttt-steps 5 --lr 0.001 \\
+        --seed 0 --threads 16 --out assets/text_drafters/smollm2/eagle3
+
+(one H200, ~7 min; every 16th sequence of the joined corpora held out for drafter.json's replay_tau).
 """
 from __future__ import annotations
 
@@ -27,7 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--batch", type=int, default=1, help="sequences per step (> 1: features held on --device)")
-    p.add_argument("--device", default="cpu", help="where --batch > 1 computes features and trains")
+    p.add_argument("--device", default="cpu", help="where --batch > 1 computes features and trains (on CUDA the "
+                   "training's float32 matmuls run in TF32, torch.backends.cuda.matmul.allow_tf32, as the shipped "
+                   "eagle3 was trained; the features are computed in full fp32 before it is switched on)")
     p.add_argument("--checkpoint-every", type=int, default=100)
     add_holdout_arguments(p, 0, "the head's teacher-forced accuracy and greedy τ (drafter.json replay_tau)")
     p.add_argument("--eval-sequences", type=int, default=16, help="held-out sequences the τ replay reads")
@@ -53,6 +62,8 @@ def layers_of(args, model) -> tuple[int, ...]:
 
 
 def run(args, argv: list[str]) -> int:
+    import torch  # noqa: PLC0415
+
     from ..drafters.eagle3 import save_head  # noqa: PLC0415
     from . import eagle3 as E  # noqa: PLC0415
     from .cli_common import holdout_split, text_setup  # noqa: PLC0415
@@ -78,6 +89,7 @@ def run(args, argv: list[str]) -> int:
         held = [train.example(i) for i in held_ids]
         rms_examples = [train.example(i) for i in train_ids[:8]]
         train_embed = E.FrozenEmbedding(embed.weight.to(device))
+        torch.backends.cuda.matmul.allow_tf32 = str(device).startswith("cuda")  # the features above are full fp32
     else:
         cached = s.features(layers=layers, top_k=args.top_k)
         columns = list(range(len(layers)))
@@ -97,7 +109,7 @@ def run(args, argv: list[str]) -> int:
     info = {"method": "eagle3", "target": target_info(args.target, model),
             "training": {**summary["options"], "history": summary["history"][-3:], "layers": list(layers),
                          "train_sequences": len(train_ids), "held_out_sequences": len(held_ids),
-                         "corpus": "the target's greedy answers to --data"},
+                         "corpus": corpus_of(args), **({"device": args.device} if args.batch > 1 else {})},
             "command": command_line(argv)}
     if held:
         info["replay_tau"] = {args.style: replay_held_out(net, embed, held[:args.eval_sequences], args.eval_tokens)}
@@ -105,6 +117,13 @@ def run(args, argv: list[str]) -> int:
     save_head(s.out, net, info, dict(tree="dynamic", depth=args.depth, top_k=args.tree_top_k))
     log(f"EAGLE-3 head written to {s.out}")
     return 0
+
+
+def corpus_of(args):
+    """drafter.json's training "corpus": the --corpus folder (a list when several were joined), or --data's answers."""
+    if args.corpus is None:
+        return "the target's greedy answers to --data"
+    return args.corpus[0] if len(args.corpus) == 1 else list(args.corpus)
 
 
 def replay_held_out(net, embed, held: list, tokens: int) -> dict:

@@ -78,12 +78,12 @@ def run(args, argv: list[str]) -> int:
 
 
 def validation_records(args, s) -> list:
-    """--validate: the corpus records after the first --take (the --corpus folder's, or the corpus
+    """--validate: the corpus records after the first --take (the --corpus folders', or the corpus
     the target wrote under --out for --data), refused when there are none."""
-    from .cli_common import given_corpus  # noqa: PLC0415
+    from .cli_common import given_corpora  # noqa: PLC0415
     from .corpus import read_corpus  # noqa: PLC0415
 
-    records = given_corpus(args.corpus, args.target) if args.corpus is not None else read_corpus(s.out / "corpus")
+    records = given_corpora(args.corpus, args.target) if args.corpus is not None else read_corpus(s.out / "corpus")
     held = records[args.take:args.take + args.validate]
     if not held:
         raise SystemExit(f"--validate {args.validate}: the corpus has {len(records)} records, none after --take "

@@ -40,7 +40,7 @@ def corpus_records(args) -> tuple[list, list[str]]:
     build_info.json names another target), or the corpus the target writes for --data."""
     from pathlib import Path  # noqa: PLC0415
 
-    from .cli_common import given_corpus, refuse_multi_process, text_setup  # noqa: PLC0415
+    from .cli_common import given_corpora, refuse_multi_process, text_setup  # noqa: PLC0415
 
     if args.take is not None and args.take < 1:
         raise SystemExit(f"--take must be >= 1, got {args.take}")
@@ -49,12 +49,10 @@ def corpus_records(args) -> tuple[list, list[str]]:
         s = text_setup(args, "rest", {"take": args.take, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
                                       "seed": args.seed})
         return s.records, [str(Path(args.out) / "corpus")]
-    records = []
-    for folder in args.corpus:
-        try:
-            records += given_corpus(folder, args.target)
-        except (FileNotFoundError, ValueError) as err:
-            raise SystemExit(f"python -m flashmm.train rest: {err}") from None
+    try:
+        records = given_corpora(args.corpus, args.target)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"python -m flashmm.train rest: {err}") from None
     return records[:args.take], list(args.corpus)
 
 
