@@ -5,7 +5,9 @@ the launch writes equals, tensor for tensor, the one a single process writes wit
 per training loop: EAGLE-1/2 (flashmm.train.eagle3.train, with its feature noise), DFlash (its anchors),
 Hydra++ (the heads' loop, with its prefix batches), PARD (the draft-LM loop and its stages, with its
 random drops), SpecDec++ (a FastDraft draft, then the acceptance head's loop), Kangaroo (a step's
---batch sequences split over the processes)."""
+--batch sequences split over the processes). The judge's chunks are labelled split over the processes
+(the judge equals a single process's), and a REST datastore is written by process 0 alone (the same
+bytes)."""
 import json
 import os
 import socket
@@ -26,6 +28,8 @@ LOOPS = ("dflash", "eagle", "hydra", "kangaroo", "pard", "specdecpp")
 DRAFT_LMS = ("pard", "specdecpp")
 PROMPTS = [{"prompt": "Say hello."}, {"turns": ["Count to three.", "Now to five."]}, {"prompt": "List two fruits."},
            {"prompt": "What is 2+2?"}, {"prompt": "Name an animal."}]
+JUDGE = ["--items", "4", "--chunk", "2", "--per-item", "2", "--min-p", "0", "--horizon", "3", "--window", "2",
+         "--rejoin", "2", "--precision", "0.5"]
 SCRIPT = """
 from flashmm.train.__main__ import main
 for argv in {runs!r}:
@@ -38,6 +42,15 @@ def argv(method, data, out, *extra):
     small = ["--tokens-per-batch", "16"] if method in DRAFT_LMS else []
     return [method, "--target", "test_train_cli:tiny_target", "--data", str(data), "--out", str(out),
             "--max-new-tokens", "8", "--threads", "1", *METHODS[method], *small, *extra]
+
+
+def judge(data, out):
+    return ["judge", "--target", "test_train_cli:tiny_target", "--data", str(data), "--out", str(out),
+            "--max-new-tokens", "8", "--threads", "1", *JUDGE]
+
+
+def rest(corpus, out):
+    return ["rest", "--target", "test_train_cli:tiny_target", "--corpus", str(corpus), "--out", str(out)]
 
 
 def free_port() -> int:
@@ -62,7 +75,8 @@ def data(tmp_path_factory):
 def test_two_processes_train_what_one_process_accumulating_two_units_trains(data, tmp_path):
     launched = tmp_path / "launched"
     script = tmp_path / "train_each.py"
-    script.write_text(SCRIPT.format(runs=[argv(m, data, launched / m) for m in LOOPS]))
+    script.write_text(SCRIPT.format(runs=[argv(m, data, launched / m) for m in LOOPS] + [
+        judge(data, launched / "judge"), rest(launched / "judge" / "corpus", launched / "rest")]))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), str(script)]
@@ -79,6 +93,8 @@ def test_two_processes_train_what_one_process_accumulating_two_units_trains(data
             assert train_cli(argv(method, data, tmp_path / "accumulated" / method, *accumulated)) == 0
             if method in ("eagle", "pard"):
                 assert train_cli(argv(method, data, tmp_path / "one_unit" / method)) == 0
+        assert train_cli(judge(data, tmp_path / "accumulated" / "judge")) == 0
+        assert train_cli(rest(launched / "judge" / "corpus", tmp_path / "accumulated" / "rest")) == 0
     finally:
         torch.set_num_threads(threads)
     for method in LOOPS:
@@ -88,6 +104,11 @@ def test_two_processes_train_what_one_process_accumulating_two_units_trains(data
             assert torch.equal(two[key], value), (method, key)  # a sum of two terms: exact in any order
         info = json.loads((launched / method / "drafter.json").read_text())
         assert info["command"].startswith(f"python -m flashmm.train {method}")
+    for name in ("judge", "rest"):
+        two, one = weights(launched / name), weights(tmp_path / "accumulated" / name)
+        assert two.keys() == one.keys() and two, name
+        assert all(torch.equal(two[key], value) for key, value in one.items()), name
+    assert len(list((launched / "judge" / "work" / "judge").glob("chunk_*.pt"))) == 2  # chunk c labelled by process c
     for method in ("eagle", "pard"):  # a step of one unit is another training: the comparison can fail
         single = weights(tmp_path / "one_unit" / method)
         assert any(not torch.equal(single[k], v) for k, v in weights(launched / method).items()), method

@@ -75,8 +75,6 @@ def add_target_arguments(p: argparse.ArgumentParser, data_help: str) -> None:
 
 TEXT_DATA = ('JSONL of prompts: {"prompt": str}, {"turns": [str, ...]} (Spec-Bench: each turn asked after the '
              'target\'s answer to the last) or {"messages": [{"role", "content"}, ...]}')
-SINGLE_PROCESS = ("One process: this command builds its output in one pass, with no optimizer steps to split, "
-                  "and a launch with WORLD_SIZE > 1 is refused.")
 PARALLEL = ("Multi-process: accelerate launch --multi_gpu --num_processes P -m flashmm.train METHOD ... (or "
             "torchrun; on a machine without CUDA the processes train on CPU over gloo) splits each step's units "
             "over the P processes (see --accumulate).")
@@ -113,16 +111,6 @@ def add_text_arguments(p: argparse.ArgumentParser, accumulate: bool = True) -> N
 
 def log(message: str) -> None:
     print(time.strftime("%H:%M:%S"), message, flush=True)
-
-
-def refuse_multi_process(method: str) -> None:
-    """For the commands that build in one pass (rest, judge): a multi-process launch is refused."""
-    from ..distributed import process_info  # noqa: PLC0415
-
-    info = process_info()
-    if info.is_distributed:
-        raise SystemExit(f"python -m flashmm.train {method}: builds in one process (WORLD_SIZE={info.world_size}); "
-                         "launch it without accelerate launch / torchrun")
 
 
 def data_parallel(args):

@@ -147,10 +147,10 @@ def decode_tau(model, folder, records, max_new_tokens: int) -> dict:
     equals model.generate's."""
     import torch  # noqa: PLC0415
 
-    import flashmm  # noqa: PLC0415
     from ..drafters import load  # noqa: PLC0415
+    from ..engine.api import wrap  # noqa: PLC0415
 
-    sm = flashmm.wrap(model, load(folder))
+    sm = wrap(model, load(folder))
     steps = emitted = 0
     exact = True
     for record in records:

@@ -8,7 +8,7 @@ judge.json and judge.safetensors (``flashmm.wrap(..., verifier="judge_lossy", ju
 """
 from __future__ import annotations
 
-from .cli_common import SINGLE_PROCESS, Command, add_text_arguments, command_line, log, method_settings, target_info
+from .cli_common import Command, add_text_arguments, command_line, log, method_settings, target_info
 
 
 def add_arguments(p) -> None:
@@ -25,23 +25,26 @@ def add_arguments(p) -> None:
     p.add_argument("--chunk", type=int, default=25, help="items per cached chunk (each chunk draws its positions "
                    "from its own seeded generator, so this shapes the sample)")
     p.add_argument("--chunks", type=int, default=None, help="label and train on only the first K chunks")
-    p.epilog = SINGLE_PROCESS
+    p.epilog = ("Multi-process: under accelerate launch or torchrun the chunks are labelled split over the "
+                "processes (process r labels chunk c when c %% P == r; each chunk draws from its own seeded "
+                "generator, so the judge is the one a single process writes), and process 0 writes --out.")
 
 
 def run(args, argv: list[str]) -> int:
     import json  # noqa: PLC0415
 
-    from .cli_common import refuse_multi_process, text_setup  # noqa: PLC0415
+    from .cli_common import text_setup  # noqa: PLC0415
     from .corpus import token_pairs  # noqa: PLC0415
     from .judge import build_judge  # noqa: PLC0415
 
     for name in ("items", "per_item", "horizon", "window", "rejoin", "chunk"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    refuse_multi_process("judge")
     s = text_setup(args, "judge", method_settings(args))
     pairs = token_pairs(s.records, "greedy")
-    judge, report = build_judge(s.model, s.tokenizer, pairs, s.work, args, log=log)
+    judge, report = build_judge(s.model, s.tokenizer, pairs, s.work, args, log=log, parallel=s.parallel)
+    if not s.parallel.is_main:  # every process fitted the same judge on the same chunks: process 0 writes it
+        return 0
     log(f"judge: {json.dumps(report)}")
     info = {"target": target_info(args.target, s.model),
             "label": (f"second-choice token at a greedy corpus answer position (p >= {args.min_p}); 1 when the "

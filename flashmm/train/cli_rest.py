@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-from .cli_common import SINGLE_PROCESS, TEXT_DATA, Command, command_line, log
+from .cli_common import TEXT_DATA, Command, command_line, log
+
+PROCESSES = ("Multi-process: under accelerate launch or torchrun process 0 builds and writes the datastore (one pass, "
+             "no optimizer steps; with --data process 0 also writes the target's answers) and the others exit.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="--data: torch seed before the target answers")
     p.add_argument("--max-new-tokens", type=int, default=256, help="--data: longest answer the target writes per prompt")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.epilog = SINGLE_PROCESS
+    p.epilog = PROCESSES
 
 
 def corpus_records(args) -> tuple[list, list[str]]:
@@ -40,11 +43,10 @@ def corpus_records(args) -> tuple[list, list[str]]:
     build_info.json names another target), or the corpus the target writes for --data."""
     from pathlib import Path  # noqa: PLC0415
 
-    from .cli_common import given_corpora, refuse_multi_process, text_setup  # noqa: PLC0415
+    from .cli_common import given_corpora, text_setup  # noqa: PLC0415
 
     if args.take is not None and args.take < 1:
         raise SystemExit(f"--take must be >= 1, got {args.take}")
-    refuse_multi_process("rest")
     if args.data is not None:
         s = text_setup(args, "rest", {"take": args.take, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
                                       "seed": args.seed})
@@ -61,10 +63,13 @@ def run(args, argv: list[str]) -> int:
     import time  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
+    from ..distributed import process_info  # noqa: PLC0415
     from ..drafters.rest import Rest  # noqa: PLC0415
 
     start = time.time()
     records, folders = corpus_records(args)
+    if not process_info().is_main:  # one pass over the corpus: under a launch, process 0 builds and writes it
+        return 0
     try:
         rest = Rest.from_records(records)
     except ValueError as err:

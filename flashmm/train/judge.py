@@ -30,6 +30,7 @@ import torch
 from ..targets import cache as kv
 from ..targets.cache import cache_argument
 from ..verify.judge import JudgeHead
+from .data_parallel import ONE_PROCESS, DataParallel
 
 
 def rejoins(original: list[int], continuation: list[int], window: int, rejoin: int) -> bool:
@@ -88,18 +89,19 @@ def label_chunk(model, items, options, rng: random.Random, end_ids: set[int]) ->
             "records": records}
 
 
-def labelled_chunks(work: Path, count: int, seed: int, label) -> list[dict]:
+def labelled_chunks(work: Path, count: int, seed: int, label, parallel: DataParallel = ONE_PROCESS) -> list[dict]:
     """Chunks 0..count-1 as label_chunk returns them, each cached as work/chunk_<c>_seed<seed>.pt:
     a missing chunk is labelled (``label(c)``) and saved, a cached one read back with
-    weights_only=True (tensors and plain containers; a file holding pickled code is refused)."""
-    chunks = []
-    for c in range(count):
-        path = work / f"chunk_{c:03d}_seed{seed}.pt"
-        if not path.exists():
-            torch.save(label(c), path.with_suffix(".tmp"))
-            path.with_suffix(".tmp").replace(path)
-        chunks.append(torch.load(path, weights_only=True))
-    return chunks
+    weights_only=True (tensors and plain containers; a file holding pickled code is refused). Under a
+    launch of P processes, process r labels the chunks c with c % P == r (each chunk draws from its own
+    seeded generator, so which process labels it changes nothing), and all wait for all before reading."""
+    paths = [work / f"chunk_{c:03d}_seed{seed}.pt" for c in range(count)]
+    for c in range(parallel.rank, count, parallel.processes):
+        if not paths[c].exists():
+            torch.save(label(c), paths[c].with_suffix(".tmp"))
+            paths[c].with_suffix(".tmp").replace(paths[c])
+    parallel.barrier()
+    return [torch.load(path, weights_only=True) for path in paths]
 
 
 def train_judge(features, labels, items, options) -> tuple[JudgeHead, dict]:
@@ -158,10 +160,11 @@ def end_ids_of(model, tokenizer) -> set[int]:
 
 
 def build_judge(model, tokenizer, pairs: list[tuple[list[int], list[int]]], work: Path, options,
-                log=print) -> tuple[JudgeHead, dict]:
+                log=print, parallel: DataParallel = ONE_PROCESS) -> tuple[JudgeHead, dict]:
     """(judge, report): ``options.items`` of the (prompt ids, greedy answer ids) ``pairs`` (a seeded
     sample), labelled in chunks of ``options.chunk`` items (the first ``options.chunks`` only, when
-    given) cached under ``work`` (a rerun reads them back), then the judge trained on them."""
+    given; split over the processes of ``parallel``) cached under ``work`` (a rerun reads them back),
+    then the judge trained on them."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     end_ids = end_ids_of(model, tokenizer)
@@ -176,7 +179,7 @@ def build_judge(model, tokenizer, pairs: list[tuple[list[int], list[int]]], work
             f"{time.time() - began:.0f} s")
         return data
 
-    chunks = labelled_chunks(work, len(starts), options.seed, label)
+    chunks = labelled_chunks(work, len(starts), options.seed, label, parallel)
     features = torch.cat([c["features"] for c in chunks])
     labels = torch.cat([c["labels"] for c in chunks])
     items = [r["item"] for c in chunks for r in c["records"]]
