@@ -75,14 +75,15 @@ class DataParallel:
             random.seed(chosen)
 
     def sum_gradients(self, parameters) -> None:
-        """Sum the parameters' gradients over the processes (a parameter without one counts as zeros)."""
+        """Sum the parameters' gradients over the processes (a parameter without one counts as zeros). The
+        sum runs on the launch's gloo group, on the CPU: gradients on a GPU make the round trip."""
         if self.processes == 1:
             return
         params = [p for p in parameters if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = torch.cat([p.grad.reshape(-1) for p in params]).cpu()
         self.group.sum_(flat)
         offset = 0
         for p in params:
