@@ -5,7 +5,8 @@ the launch writes equals, tensor for tensor, the one a single process writes wit
 per training loop: EAGLE-1/2 (flashmm.train.eagle3.train, with its feature noise), DFlash (its anchors),
 Hydra++ (the heads' loop, with its prefix batches), PARD (the draft-LM loop and its stages, with its
 random drops), SpecDec++ (a FastDraft draft, then the acceptance head's loop), Kangaroo (a step's
---batch sequences split over the processes). The judge's chunks are labelled split over the processes
+--batch sequences split over the processes). The prompts are answered split over the processes (the
+corpus equals a single process's). The judge's chunks are labelled split over the processes
 (the judge equals a single process's), and a REST datastore is written by process 0 alone (the same
 bytes)."""
 import json
@@ -104,6 +105,11 @@ def test_two_processes_train_what_one_process_accumulating_two_units_trains(data
             assert torch.equal(two[key], value), (method, key)  # a sum of two terms: exact in any order
         info = json.loads((launched / method / "drafter.json").read_text())
         assert info["command"].startswith(f"python -m flashmm.train {method}")
+    from flashmm.train.corpus import read_corpus
+
+    for method in LOOPS:  # the prompts were answered split over the processes: the corpus is one process's
+        assert read_corpus(launched / method / "corpus") == read_corpus(tmp_path / "accumulated" / method / "corpus")
+        assert not list((launched / method / "corpus").glob("answers*.jsonl"))
     for name in ("judge", "rest"):
         two, one = weights(launched / name), weights(tmp_path / "accumulated" / name)
         assert two.keys() == one.keys() and two, name

@@ -105,8 +105,8 @@ def add_text_arguments(p: argparse.ArgumentParser, accumulate: bool = True) -> N
     p.add_argument("--accumulate", type=int, default=1, help="units (examples / batches) per process per optimizer "
                    "step, their gradients summed. Under accelerate launch or torchrun with P processes a step "
                    "reads accumulate x P units, split over the processes (P processes with --accumulate A train "
-                   "exactly as one process with --accumulate A*P); process 0 builds the corpus and features and "
-                   "writes --out")
+                   "exactly as one process with --accumulate A*P); the processes answer --data's prompts split between "
+                   "them, process 0 computes the features and writes --out")
 
 
 def log(message: str) -> None:
@@ -201,9 +201,8 @@ def text_setup(args, method: str, settings: dict) -> TextSetup:
     if tokenizer is None:
         raise SystemExit(f"--target {args.target}: gives no tokenizer; a text method renders --data with it")
     if records is None:
-        records = parallel.main_first(lambda: build_self_corpus(
-            model, tokenizer, conversations, out / "corpus", max_new_tokens=args.max_new_tokens, target=args.target,
-            log=log))
+        records = build_self_corpus(model, tokenizer, conversations, out / "corpus", max_new_tokens=args.max_new_tokens,
+                                    target=args.target, log=log, parallel=parallel)
     return TextSetup(model, tokenizer, records[:args.take], out, work, parallel)
 
 

@@ -18,6 +18,7 @@ are written the corpus is packed, and later runs read it without running the tar
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,8 +27,10 @@ from pathlib import Path
 import torch
 
 from .corpus import CORPUS_FILE, Answer, CorpusRecord, read_corpus, read_info, write_corpus
+from .data_parallel import ONE_PROCESS, DataParallel
 
 ANSWERS_FILE = "answers.jsonl"
+ANSWERS_GLOB = "answers*.jsonl"  # answers.jsonl, or answers.<process>.jsonl under a launch
 
 
 def read_prompts(path) -> list[list[dict]]:
@@ -115,10 +118,14 @@ def _settings(conversations: list[list[dict]], max_new_tokens: int, target: str)
 
 
 def build_self_corpus(model, tokenizer, conversations: list[list[dict]], folder, *, max_new_tokens: int,
-                      target: str, log=print) -> list[CorpusRecord]:
+                      target: str, log=print, parallel: DataParallel = ONE_PROCESS) -> list[CorpusRecord]:
     """The corpus of ``conversations`` answered by ``model`` (see the module docstring), cached in
-    ``folder``: a finished corpus is read back; an unfinished one continues from its answers file.
-    A folder built from other prompts, another target or another ``max_new_tokens`` is refused."""
+    ``folder``: a finished corpus is read back; an unfinished one continues from its answers files.
+    A folder built from other prompts, another target or another ``max_new_tokens`` is refused.
+
+    Under a launch of P processes (``parallel``) process r answers the conversations i with i % P == r
+    into its own answers file; process 0 then packs every answer, in order, into the corpus the others
+    read. Greedy answers do not depend on which process writes them: the corpus is a single process's."""
     folder = Path(folder)
     settings = _settings(conversations, max_new_tokens, target)
     if (folder / CORPUS_FILE).is_file():
@@ -129,44 +136,74 @@ def build_self_corpus(model, tokenizer, conversations: list[list[dict]], folder,
         log(f"corpus: reading {folder / CORPUS_FILE} (built before)")
         return read_corpus(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    answers_path = folder / ANSWERS_FILE
-    done = _read_answers(answers_path, settings)
+    done = {}
+    for path in sorted(folder.glob(ANSWERS_GLOB)):  # every earlier run's answers, whichever process wrote them
+        done.update(_read_answers(path, settings, repair=False))
+    parallel.barrier()  # every process has read them before any writes
+    own = folder / (ANSWERS_FILE if parallel.processes == 1 else f"answers.{parallel.rank}.jsonl")
+    _read_answers(own, settings)  # its own torn last line, if a kill left one, is dropped
     stops = stop_ids(model, tokenizer)
-    records = []
-    with answers_path.open("a") as fh:
+    mine = range(parallel.rank, len(conversations), parallel.processes)
+    with own.open("a") as fh:
         if fh.tell() == 0:  # a new file: its first line says what it answers
             fh.write(json.dumps({"settings": settings}) + "\n")
-        for index, conversation in enumerate(conversations):
-            every_turn = all(m["role"] == "user" for m in conversation)  # "turns": each answered in order
-            messages = []
-            for turn, message in enumerate(conversation):
-                messages.append(message)
-                if not (turn + 1 == len(conversation) or (every_turn and message["role"] == "user")):
-                    continue
-                key = f"{index}:{turn}"
-                if key not in done:
-                    prompt_ids = render(tokenizer, messages, f"--data conversation {index + 1}")
-                    ids, finished = greedy_answer(model, prompt_ids, max_new_tokens, stops)
-                    done[key] = {"key": key, "prompt_ids": prompt_ids, "ids": ids, "finished": finished}
-                    fh.write(json.dumps(done[key]) + "\n")
-                    fh.flush()
-                row = done[key]
-                text = tokenizer.decode(row["ids"])
-                records.append(CorpusRecord(id=len(records), prompt=message["content"], prompt_ids=row["prompt_ids"],
-                                            greedy=Answer(text, row["ids"], row["finished"])))
-                messages.append({"role": "assistant", "content": text})
-            if (index + 1) % 20 == 0 or index + 1 == len(conversations):
-                log(f"corpus: {index + 1}/{len(conversations)} conversations answered")
-    info = {"settings": settings, "records": len(records),
-            "answer_tokens": sum(len(r.greedy.ids) for r in records),
-            "note": "the target's greedy answers to --data (flashmm.train.self_corpus)"}
-    write_corpus(folder, records, info)
-    os.remove(answers_path)
-    return records
+
+        def answer(key: str, prompt_ids: list[int]) -> dict:
+            ids, finished = greedy_answer(model, prompt_ids, max_new_tokens, stops)
+            done[key] = {"key": key, "prompt_ids": prompt_ids, "ids": ids, "finished": finished}
+            fh.write(json.dumps(done[key]) + "\n")
+            fh.flush()
+            return done[key]
+
+        for count, index in enumerate(mine, 1):
+            for _ in _conversation_records(index, conversations[index], done, tokenizer, answer):
+                pass
+            if count % 20 == 0 or count == len(mine):
+                log(f"corpus: {count}/{len(mine)} conversations answered"
+                    + (f" (process {parallel.rank} of {parallel.processes})" if parallel.processes > 1 else ""))
+    parallel.barrier()  # every answer is written
+    if parallel.is_main:
+        for path in sorted(folder.glob(ANSWERS_GLOB)):
+            done.update(_read_answers(path, settings))
+        records = [record for index, conversation in enumerate(conversations)
+                   for record in _conversation_records(index, conversation, done, tokenizer, None)]
+        records = [dataclasses.replace(record, id=i) for i, record in enumerate(records)]
+        info = {"settings": settings, "records": len(records),
+                "answer_tokens": sum(len(r.greedy.ids) for r in records),
+                "note": "the target's greedy answers to --data (flashmm.train.self_corpus)"}
+        write_corpus(folder, records, info)
+        for path in folder.glob(ANSWERS_GLOB):
+            os.remove(path)
+    parallel.barrier()  # the corpus is packed
+    return records if parallel.is_main else read_corpus(folder)
 
 
-def _read_answers(path: Path, settings: dict) -> dict[str, dict]:
-    """The answers an interrupted build wrote (a torn last line is dropped and rewritten)."""
+def _conversation_records(index: int, conversation: list[dict], done: dict, tokenizer, answer):
+    """The CorpusRecords (id 0) of one conversation's answered user turns, in order: each answer from
+    ``done`` (key "index:turn"), or, missing there, from ``answer(key, prompt_ids)`` (None: every answer
+    must be there). A later turn's prompt holds the earlier answers."""
+    every_turn = all(m["role"] == "user" for m in conversation)  # "turns": each answered in order
+    messages = []
+    for turn, message in enumerate(conversation):
+        messages.append(message)
+        if not (turn + 1 == len(conversation) or (every_turn and message["role"] == "user")):
+            continue
+        key = f"{index}:{turn}"
+        row = done.get(key)
+        if row is None:
+            if answer is None:
+                raise RuntimeError(f"corpus: no answer to conversation {index + 1}, turn {turn + 1} in any answers "
+                                   "file after every process finished")
+            row = answer(key, render(tokenizer, messages, f"--data conversation {index + 1}"))
+        text = tokenizer.decode(row["ids"])
+        yield CorpusRecord(id=0, prompt=message["content"], prompt_ids=row["prompt_ids"],
+                           greedy=Answer(text, row["ids"], row["finished"]))
+        messages.append({"role": "assistant", "content": text})
+
+
+def _read_answers(path: Path, settings: dict, repair: bool = True) -> dict[str, dict]:
+    """The answers an interrupted build wrote (a torn last line is dropped, and with ``repair`` the file
+    rewritten without it)."""
     if not path.is_file():
         return {}
     lines = path.read_text().splitlines()
@@ -187,5 +224,6 @@ def _read_answers(path: Path, settings: dict) -> dict[str, dict]:
         except json.JSONDecodeError:
             break  # the line a killed run was writing
         done[row["key"]] = row
-    path.write_text("".join(line + "\n" for line in lines[:1 + len(done)]))
+    if repair:
+        path.write_text("".join(line + "\n" for line in lines[:1 + len(done)]))
     return done
