@@ -210,3 +210,32 @@ def test_task_cues_are_validated_and_cut_candidates_end_at_a_sentence(tmp_path):
         "Summarize: The mayor spoke. Then the \"crowd left!\""
     assert cut_at_sentence("Version 2.5 shipped today.\nIt adds") == "Version 2.5 shipped today."
     assert cut_at_sentence("no sentence end here") is None
+
+
+class ProcessOf:
+    """Stands in for process ``rank`` of a ``processes``-process launch (flashmm.train.data_parallel): its
+    barrier returns at once, the other processes being this test's other calls."""
+
+    def __init__(self, rank: int, processes: int):
+        self.rank, self.processes, self.waits = rank, processes, 0
+
+    def barrier(self) -> None:
+        self.waits += 1
+
+
+def test_a_launch_computes_the_feature_shards_split_over_its_processes(tmp_path):
+    """Process r of P computes the shards s with s % P == r; the shards of all processes are those one
+    process computes."""
+    model = tiny_lm("llama", num_hidden_layers=2)
+    records = fake_records(7)
+    options = dict(layers=(1, 2), top_k=3, which="all", batch_size=3, shard_size=2, target_name="tiny")  # 6 shards
+    one = features(model, records, cache_dir=tmp_path / "one", **options)
+    second = ProcessOf(1, 2)
+    features(model, records, cache_dir=tmp_path / "two", parallel=second, **options)
+    folder = tmp_path / "two" / one.folder.name
+    assert sorted(p.name for p in folder.glob("shard_*.pt")) == [f"shard_{s:05d}.pt" for s in (1, 3, 5)]
+    assert second.waits == 1
+    split = features(model, records, cache_dir=tmp_path / "two", parallel=ProcessOf(0, 2), **options)
+    assert len(split) == len(one) == 11
+    for mine, theirs in zip(split, one):
+        assert torch.equal(mine.hidden_states, theirs.hidden_states) and torch.equal(mine.topk_ids, theirs.topk_ids)

@@ -105,8 +105,8 @@ def add_text_arguments(p: argparse.ArgumentParser, accumulate: bool = True) -> N
     p.add_argument("--accumulate", type=int, default=1, help="units (examples / batches) per process per optimizer "
                    "step, their gradients summed. Under accelerate launch or torchrun with P processes a step "
                    "reads accumulate x P units, split over the processes (P processes with --accumulate A train "
-                   "exactly as one process with --accumulate A*P); the processes answer --data's prompts split between "
-                   "them, process 0 computes the features and writes --out")
+                   "exactly as one process with --accumulate A*P); the processes answer --data's prompts and compute the "
+                   "feature shards split between them, and process 0 writes --out")
 
 
 def log(message: str) -> None:
@@ -163,11 +163,11 @@ class TextSetup:
 
     def features(self, **options):
         """The target's cached features over the corpus (flashmm.train.corpus.features with ``options``),
-        computed by process 0 and read by the others."""
+        their shards computed split over the processes of a launch."""
         from .corpus import features  # noqa: PLC0415
 
-        return self.parallel.main_first(lambda: features(self.model, self.records, cache_dir=self.features_dir,
-                                                         log=log, **options))
+        return features(self.model, self.records, cache_dir=self.features_dir, log=log, parallel=self.parallel,
+                        **options)
 
     def end_id(self) -> int | None:
         eos = self.model.generation_config.eos_token_id

@@ -231,15 +231,18 @@ def _forward_features(model, batch: list[tuple[list[int], int]], layers, top_k: 
 
 def features(model, corpus, layers: tuple[int, ...] | None = None, top_k: int = 32, cache_dir="feature_cache",
              which: str = "greedy", batch_size: int = 8, shard_size: int = 64, target_name: str | None = None,
-             log=None) -> CorpusFeatures:
+             log=None, parallel=None) -> CorpusFeatures:
     """The target's features over every (prompt + answer) sequence of ``corpus``, cached on disk.
 
     corpus: a corpus folder, read_corpus's records, or a list of (token ids, prompt length).
     The cache lives in ``cache_dir/<target>-<layers>-k<top_k>-<data hash>/`` as fp16 shards of
     ``shard_size`` sequences, each written atomically; a call after an interruption computes only
     the missing shards, and a call with everything cached runs no forward at all. The target is
-    named by ``target_name`` or by a fingerprint of its config and weights.
+    named by ``target_name`` or by a fingerprint of its config and weights. ``parallel`` (a
+    flashmm.train.data_parallel.DataParallel): under a launch of P processes process r computes the
+    shards s with s % P == r, and every process returns once all are written.
     """
+    rank, processes = (0, 1) if parallel is None else (parallel.rank, parallel.processes)
     layers = tuple(default_layers(model) if layers is None else layers)
     n_states = model.config.get_text_config().num_hidden_layers + 1
     if not all(0 <= layer < n_states for layer in layers):
@@ -257,8 +260,10 @@ def features(model, corpus, layers: tuple[int, ...] | None = None, top_k: int = 
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"layers": list(layers), "top_k": top_k, "sequences": len(sequences), "shard_size": shard_size,
             "target": name, "which": which}
-    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
-    for shard in range(0, len(sequences), shard_size):
+    meta_tmp = folder / f"meta.json.{rank}.tmp"  # the same text from every process, each replacing it whole
+    meta_tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(meta_tmp, folder / "meta.json")
+    for shard in range(rank * shard_size, len(sequences), shard_size * processes):
         path = folder / f"shard_{shard // shard_size:05d}.pt"
         if path.exists():
             continue
@@ -274,4 +279,6 @@ def features(model, corpus, layers: tuple[int, ...] | None = None, top_k: int = 
         os.replace(tmp, path)
         if log is not None:
             log(f"features: shard {shard // shard_size + 1}/{-(-len(sequences) // shard_size)} written")
+    if parallel is not None:
+        parallel.barrier()  # every shard is written
     return CorpusFeatures(folder, shard_size, len(sequences))

@@ -122,9 +122,8 @@ class DraftLMStages:
 
     def features(self, sequences):
         model, _ = self.target
-        return self.parallel.main_first(lambda: features(
-            model, sequences, layers=(), top_k=self.options.top_k, cache_dir=self.work / "features",
-            target_name=self.target_name, batch_size=8, log=self.log))
+        return features(model, sequences, layers=(), top_k=self.options.top_k, cache_dir=self.work / "features",
+                        target_name=self.target_name, batch_size=8, log=self.log, parallel=self.parallel)
 
     def greedy_examples(self, answers_only: bool = True) -> list[dict]:
         return T.examples_from_sequences(corpus_sequences(self.records, "greedy", self.end_id()), self.rows(),
