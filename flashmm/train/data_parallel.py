@@ -94,14 +94,6 @@ class DataParallel:
         """Whether ``flag`` holds on some process."""
         return bool(flag) if self.processes == 1 else bool(self.group.max(int(bool(flag))))
 
-    def mean(self, value: float) -> float:
-        """``value`` averaged over the processes (for the logs: each process's loss is its own units')."""
-        if self.processes == 1:
-            return value
-        total = torch.tensor([value], dtype=torch.float64)
-        self.group.sum_(total)
-        return float(total.item()) / self.processes
-
     def barrier(self) -> None:
         if self.group is not None:
             self.group.barrier()

@@ -292,10 +292,10 @@ def train_draft(lm, examples: list[dict], *, objective: str, target_to_draft: to
         agrees.append(sum(unit_agrees) / len(unit_agrees))
         if step % checkpoint_every == 0 or step == total:
             window = slice(-checkpoint_every, None)
-            log(f"{objective} step {step}/{total}: loss {sum(losses[window]) / len(losses[window]):.4f}, "
-                f"top-1 agreement {sum(agrees[window]) / len(agrees[window]):.3f}, "
-                f"{time.time() - start:.0f} s")
-            if parallel.is_main:
+            if parallel.is_main:  # its units' loss; the other processes hold the same weights
+                log(f"{objective} step {step}/{total}: loss {sum(losses[window]) / len(losses[window]):.4f}, "
+                    f"top-1 agreement {sum(agrees[window]) / len(agrees[window]):.3f}, "
+                    f"{time.time() - start:.0f} s")
                 save(checkpoint, dict(model=lm.state_dict(), optimizer=optimizer.state_dict(),
                                       schedule=schedule.state_dict(), step=step, losses=losses, agrees=agrees))
             if parallel.any(max_seconds is not None and time.time() - start > max_seconds and step < total):

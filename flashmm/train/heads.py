@@ -455,7 +455,7 @@ def train_heads(heads, data: HeadData, lm_rows: torch.Tensor, embeddings: torch.
         sched.step()
         state["losses"].append([sum(column) / len(losses) for column in zip(*losses)])
         state["step"] = step + 1
-        if (step + 1) % 25 == 0 or step + 1 == steps:
+        if parallel.is_main and ((step + 1) % 25 == 0 or step + 1 == steps):  # process 0's units' loss
             log(f"step {step + 1}/{steps} loss {state['losses'][-1][0]:.3f} per head "
                 f"{' '.join(f'{x:.2f}' for x in per_head)} ({time.perf_counter() - start:.0f} s)")
         last = step + 1 == steps or (max_seconds is not None and time.perf_counter() - began > max_seconds)
