@@ -268,19 +268,21 @@ def add_holdout_arguments(p: argparse.ArgumentParser, every: int, measures: str)
                         "(default N-1: the N-th, 2N-th, ...)")
 
 
-def holdout_split(count: int, args) -> tuple[list[int], list[int]]:
+def holdout_split(count: int, args, option: str = "--holdout") -> tuple[list[int], list[int]]:
     """(training indices, held-out indices) of ``count`` corpus sequences under --holdout-every /
-    --holdout-offset (add_holdout_arguments)."""
-    every, offset = args.holdout_every, args.holdout_offset
+    --holdout-offset (add_holdout_arguments; ``option``: the options' prefix, e.g. "--draft-holdout",
+    read from args as draft_holdout_every / draft_holdout_offset and named so in errors)."""
+    attribute = option.lstrip("-").replace("-", "_")
+    every, offset = getattr(args, f"{attribute}_every"), getattr(args, f"{attribute}_offset")
     if every < 0:
-        raise SystemExit(f"--holdout-every must be >= 0, got {every}")
+        raise SystemExit(f"{option}-every must be >= 0, got {every}")
     if not every:
         if offset is not None:
-            raise SystemExit("--holdout-offset needs --holdout-every N > 0")
+            raise SystemExit(f"{option}-offset needs {option}-every N > 0")
         return list(range(count)), []
     offset = every - 1 if offset is None else offset
     if not 0 <= offset < every:
-        raise SystemExit(f"--holdout-offset {offset}: must be in 0..{every - 1} (--holdout-every {every})")
+        raise SystemExit(f"{option}-offset {offset}: must be in 0..{every - 1} ({option}-every {every})")
     held = [i for i in range(count) if i % every == offset]
     return [i for i in range(count) if i % every != offset], held
 

@@ -46,10 +46,8 @@ def split_sequences(count: int, every: int | None, offset: int | None, heldout_s
         return list(range(count)), []
     if every < 1:
         raise SystemExit(f"--draft-holdout-every must be >= 1, got {every}")
-    try:
-        _, pool = holdout_split(count, SimpleNamespace(holdout_every=every, holdout_offset=offset))
-    except SystemExit as err:   # its message names --holdout-*: this command's options are --draft-holdout-*
-        raise SystemExit(str(err).replace("--holdout-", "--draft-holdout-")) from None
+    _, pool = holdout_split(count, SimpleNamespace(draft_holdout_every=every, draft_holdout_offset=offset),
+                            option="--draft-holdout")
     if not 1 <= heldout_sequences < len(pool):
         raise SystemExit(f"--heldout-sequences {heldout_sequences}: must be in 1..{len(pool) - 1} (the draft held "
                          f"out {len(pool)} of the {count} corpus sequences; the rank head trains on those after the "
