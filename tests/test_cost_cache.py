@@ -235,3 +235,33 @@ def test_only_a_model_that_refuses_the_forward_is_priced_by_constants(tmp_path):
     finally:
         hook.remove()
     assert not isinstance(caught.value, VerifyCostUnmeasurable)
+
+
+def test_one_model_read_from_two_places_is_timed_once(measured):
+    """The entry's key leaves out where the model was read from and a GGUF's quantization note (its weights are
+    dequantized on loading), and keeps any other quantization: SmolLM2 read from its GGUF and from the folder
+    converted from it share one measurement."""
+    model = tiny_lm("llama", seed=0)
+    measure_verify_cost(model)
+    model.config._name_or_path = "/somewhere/else"
+    model.config.quantization_config = {"quant_method": "gguf", "gguf_file": "model.Q4_1.gguf", "dequantize": False}
+    measure_verify_cost(model)
+    assert measured == [1]
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    measure_verify_cost(model)
+    assert measured == [1, 1]
+
+
+def test_a_cpu_batch_is_timed_up_to_its_arithmetic_bound_then_once_past_it():
+    """On a CPU, sizes of up to BATCH_TOKENS_TIMED tokens a step and then one at twice that (the line the
+    planner extends); one row, or a GPU, the whole grid."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert verify_cost.default_grid(1, cpu) == verify_cost.DEFAULT_GRID == verify_cost.default_grid(4, gpu)
+    assert verify_cost.default_grid(4, cpu) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 16, 32)
+    assert verify_cost.default_grid(8, cpu) == (1, 2, 3, 4, 5, 6, 7, 8, 16)
+    assert verify_cost.default_grid(3, cpu)[-2:] == (19, 48)
+    for batch in range(2, 200):
+        grid = verify_cost.default_grid(batch, cpu)
+        assert grid[0] == 1 and len(grid) >= 2 and list(grid) == sorted(set(grid))
+        assert set(grid) <= set(verify_cost.DEFAULT_GRID) and grid[-1] * batch >= 2 * verify_cost.BATCH_TOKENS_TIMED
+        assert all(n == 1 or n * batch <= verify_cost.BATCH_TOKENS_TIMED for n in grid[:-1])

@@ -35,6 +35,22 @@ from .recurrent import is_recurrent
 # every size up to 8 and the neighbours of 12 and 18: a CPU's sgemm works in blocks of rows (6 on
 # AVX2), so the time is a staircase, not a line, and a grid that skips steps misprices them
 DEFAULT_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 16, 18, 19, 24, 32, 48, 64)
+#: on a CPU a batch's forward of more tokens than this is bound by arithmetic (oneDNN's fp32 matmuls run at
+#: the same ~220 GFLOP/s from 78 to 1,858 rows on the 2-core EPYC): its time grows linearly with the nodes
+BATCH_TOKENS_TIMED = 64
+
+
+def default_grid(batch: int, device: torch.device) -> tuple[int, ...]:
+    """The node counts a batch of ``batch`` rows is timed at: DEFAULT_GRID, and on a CPU with several rows only
+    its sizes up to BATCH_TOKENS_TIMED tokens a step, then one at twice that or more, so the last slope
+    (``VerifyCost.seconds_at`` extends it linearly) is measured over a doubling where the time is already a
+    line. A batch of 4 then times 119 nodes a row a round instead of 355 (SmolLM2 on the 2-core EPYC: 5.7 s
+    instead of 10.4 at a first wrap), and prices its drafts by the same staircase up to 16 nodes a row."""
+    if batch == 1 or device.type != "cpu":
+        return DEFAULT_GRID
+    kept = [n for n in DEFAULT_GRID if n == 1 or n * batch <= BATCH_TOKENS_TIMED]   # (one token a row: a plain step)
+    beyond = [n for n in DEFAULT_GRID if n > kept[-1] and n * batch >= 2 * BATCH_TOKENS_TIMED]
+    return tuple(kept + beyond[:1])
 
 
 # what a model's forward raises when it cannot take flashmm's cache or a cached multi-token forward
@@ -75,10 +91,22 @@ def _cost_identity(model: torch.nn.Module, grid: Sequence[int], prefix_len: int,
     """Everything a measurement depends on: the model (class, config, dtype), the machine, the
     grid, prefix, linear backend and batch. JSON-shaped, stored in the entry and compared on read."""
     param = next(model.parameters())
-    config = model.config.to_json_string(use_diff=False) if hasattr(model, "config") else type(model).__name__
+    config = _config_identity(model.config) if hasattr(model, "config") else type(model).__name__
     return {"format": _COST_FORMAT, "model": type(model).__name__, "config": config, "dtype": str(param.dtype),
             "machine": machine_identity(param.device), "grid": [int(n) for n in grid], "prefix_len": prefix_len,
             "linear": linear, "batch": batch}
+
+
+def _config_identity(config) -> str:
+    """``config`` as JSON without what does not change the computation: where the model was read from
+    (``_name_or_path``), and a GGUF file's quantization note (transformers dequantizes a GGUF as it loads it,
+    so the weights are the dtype's like any other): SmolLM2 read from its GGUF and from the folder converted
+    from it are one model, timed once."""
+    data = config.to_dict()
+    data.pop("_name_or_path", None)
+    if (data.get("quantization_config") or {}).get("quant_method") == "gguf":
+        data.pop("quantization_config")
+    return json.dumps(data, sort_keys=True, default=str)
 
 
 def _cost_path(directory: Path, identity: dict) -> Path:
@@ -109,15 +137,16 @@ def _read_cost(path: Path, identity: dict) -> tuple[VerifyCost | None, str]:
 
 
 @torch.no_grad()
-def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GRID, prefix_len: int = 128,
+def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] | None = None, prefix_len: int = 128,
                         repeats: int = 3, directory: Path | None = None, linear: str = "torch",
                         batch: int = 1) -> VerifyCost:
     """Time ``model``'s forward of N new tokens after a ``prefix_len``-token cache for N in grid:
     the fastest of ``repeats`` rounds over every size (after one warm-up round), never below the
     one-token forward's. (Three rounds: SmolLM2's fused step measured twice each way on the 2-core machine,
     the relative costs at 4, 8, 16 and 32 nodes moved as much between two 5-round measurements as between
-    two 3-round ones, up to 10-15 %; the first wrap at batch 1 and 3 pays 5 + 10 s instead of 8 + 14.)
+    two 3-round ones, up to 10-15 %; the first wrap at batch 1 pays 4-5 s instead of 8.)
 
+    grid: the node counts timed; default ``default_grid(batch, device)``.
     batch: rows forwarded together (each N new tokens after its own prefix); the seconds returned
     are per row, a batch forward's time / batch, so ``seconds[0]`` is one row's share of a plain
     batched decoding step and ``relative(n)`` what drafting n - 1 tokens in every row costs.
@@ -136,6 +165,7 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] = DEFAULT_GR
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     directory = Path(directory) if directory is not None else cache_dir()
+    grid = tuple(grid) if grid is not None else default_grid(batch, next(model.parameters()).device)
     packed = linear == "onednn" and packs(routable_layers(model))  # (packing itself waits for a measurement)
     identity = _cost_identity(model, grid, prefix_len, linear + "-packed" * packed, batch)
     path = _cost_path(directory, identity)
