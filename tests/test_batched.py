@@ -183,9 +183,9 @@ def test_cut_drafts_stay_exact(models, monkeypatch):
     forward = flashmm.targets.batch.forward_trees
     widths = []  # (rows, width) of every batched tree forward
 
-    def recording(target, state, tokens, trees, want_hidden):
+    def recording(target, state, tokens, trees, want_hidden, *rest):
         widths.append(tuple(tokens.shape))
-        return forward(target, state, tokens, trees, want_hidden)
+        return forward(target, state, tokens, trees, want_hidden, *rest)
 
     monkeypatch.setattr(flashmm.engine.loop, "batch_width", lambda drafts, cost: 2)
     monkeypatch.setattr(flashmm.engine.loop, "packed_cuts", lambda drafts, cost: [2] * len(drafts))

@@ -47,9 +47,9 @@ def test_places_are_refilled_as_rows_finish(model, monkeypatch):
     widths, admitted = [], []
     score, admit = session.BatchSession.score, session.BatchSession.admit
 
-    def scoring(self, drafts, want_hidden):
+    def scoring(self, drafts, want_hidden, *rest):
         widths.append(len(drafts))
-        return score(self, drafts, want_hidden)
+        return score(self, drafts, want_hidden, *rest)
 
     def admitting(self, input_ids, want_hidden, model_inputs, **kwargs):
         admitted.append(len(widths))  # steps run before this row joined

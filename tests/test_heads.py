@@ -98,7 +98,7 @@ def test_greedy_identical_to_generate_and_replay_matches_engine(corpus, trained,
     target, data, _ = corpus
     for s in range(2):
         ids = data.ids[int(data.starts[s]):int(data.starts[s]) + 8][None]
-        sm = flashmm.wrap(target, DRAFTERS[kind](trained))
+        sm = flashmm.wrap(target, DRAFTERS[kind](trained), draft_precision="fp32")  # (the replay drafts in fp32)
         out = sm.generate(ids, max_new_tokens=30, eos_token_id=[])
         assert torch.equal(out, target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None))
         # the offline replay (no target forward) reproduces the engine's steps exactly

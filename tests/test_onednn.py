@@ -80,14 +80,18 @@ def test_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
     linear="torch" routes nothing. (Targets of the Llama families run the fused step instead:
     tests/test_fused.py; a Llama draft LM still routes its layers.)"""
     calls = []
-
-    original = onednn._onednn_linear
+    original, original_bf16 = onednn._onednn_linear, onednn._onednn_bf16_linear
 
     def counting(layer, weight, x):
         calls.append((layer, x.shape[-2]))
         return original(layer, weight, x)
 
+    def counting_bf16(layer, weight, bias, x):   # a draft LM's, where bf16_kernels
+        calls.append((layer, x.shape[-2]))
+        return original_bf16(layer, weight, bias, x)
+
     monkeypatch.setattr(onednn, "_onednn_linear", counting)
+    monkeypatch.setattr(onednn, "_onednn_bf16_linear", counting_bf16)
     model = tiny_lm(arch)
     own = {m for m in model.modules() if type(m) is torch.nn.Linear}
     ids = prompt(40, seed=3)
@@ -109,14 +113,44 @@ def test_forwards_route_through_onednn_and_stay_exact(arch, monkeypatch):
     assert calls == []
 
 
+def routed_calls(monkeypatch) -> list:
+    """The layers multiplied through oneDNN from now on, in fp32 or in bf16 (a drafter's, bf16_kernels)."""
+    calls = []
+    fp32, bf16 = onednn._onednn_linear, onednn._onednn_bf16_linear
+    monkeypatch.setattr(onednn, "_onednn_linear", lambda layer, weight, x: calls.append(layer) or fp32(layer, weight, x))
+    monkeypatch.setattr(onednn, "_onednn_bf16_linear",
+                        lambda layer, weight, bias, x: calls.append(layer) or bf16(layer, weight, bias, x))
+    return calls
+
+
 @needs_onednn
+@pytest.mark.skipif(not onednn.bf16_kernels(), reason="oneDNN without bf16 kernels here")
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_drafters_bf16_product_is_the_bf16_rounded_product(bias):
+    """OneDNNLinears(bf16=True): fp32 in and out, the product of the bf16-rounded input and weights accumulated
+    in fp32 and rounded to bf16 once (checked in float64: within 2^-8 of each output, plus the accumulation's
+    rounding), and not the fp32 product; routing is undone on exit, and a drafter bound to a oneDNN target gets it."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 160, bias=bias)
+    x = torch.randn(5, 96)
+    rounded = x.bfloat16().double() @ layer.weight.bfloat16().double().T \
+        + (layer.bias.bfloat16().double() if bias else 0)
+    with torch.no_grad(), OneDNNLinears(layer, bf16=True) as routed:
+        y = layer(x)
+    assert routed.packed and y.dtype == torch.float32 and "forward" not in layer.__dict__
+    bound = rounded.abs() * 2.0 ** -8 + 96 * 2.0 ** -23 * (x.double().abs() @ layer.weight.double().abs().T) + 1e-6
+    assert ((y.double() - rounded).abs() <= bound).all()
+    exact = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+    assert (y.double() - exact).abs().max() > 1e-4       # not an fp32 product
+    target = flashmm.wrap(tiny_lm("llama"), "prompt_lookup", linear="onednn").target
+    assert [r for _, r in onednn.routed_like(target, layer).routes][0].func is onednn._onednn_bf16_linear
+
+
 @needs_onednn
 def test_an_eagle3_head_multiplies_as_the_target_does(monkeypatch):
     """On a target whose forwards run on oneDNN every linear of the EAGLE-3 head does too (on
     "torch" none does), its layers are their own again between drafts, and greedy output is generate's."""
-    calls = []
-    original = onednn._onednn_linear
-    monkeypatch.setattr(onednn, "_onednn_linear", lambda layer, weight, x: calls.append(layer) or original(layer, weight, x))
+    calls = routed_calls(monkeypatch)
     model = tiny_lm("llama")
     net = head_for(model, list(range(3, VOCAB)), seed=1)
     head_layers = {m for m in net.modules() if type(m) is torch.nn.Linear}
@@ -135,9 +169,7 @@ def test_an_eagle3_head_multiplies_as_the_target_does(monkeypatch):
 def test_heads_multiply_as_the_target_does(family, monkeypatch):
     """Medusa / Hydra / MTP: the LM-head rows they predict (and their own linears) multiply through
     oneDNN while they draft on a oneDNN target, not on "torch"; greedy output is generate's."""
-    calls = []
-    original = onednn._onednn_linear
-    monkeypatch.setattr(onednn, "_onednn_linear", lambda layer, weight, x: calls.append(layer) or original(layer, weight, x))
+    calls = routed_calls(monkeypatch)
     model = tiny_lm("llama")
     d = model.config.hidden_size
     own = {m for m in model.modules() if type(m) is torch.nn.Linear}

@@ -129,7 +129,7 @@ def test_draft_logits_equal_a_float64_forward_of_the_reference(tmp_path, llava, 
     assert loaded.info["format"].startswith("FlashSD 598e999")
     drafter = Recording(loaded.net, architecture=loaded.architecture, folder=head, embedding=loaded.embedding.weight,
                         tree="chain", depth=3)
-    out = flashmm.wrap(model, drafter, processor=processor).generate(**inputs, max_new_tokens=2)
+    out = flashmm.wrap(model, drafter, processor=processor, draft_precision="fp32").generate(**inputs, max_new_tokens=2)
     with torch.no_grad():
         states = model(**inputs, output_hidden_states=True).hidden_states
     prompt_len = inputs["input_ids"].shape[1]

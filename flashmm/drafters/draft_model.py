@@ -103,7 +103,7 @@ class DraftModel(Drafter):
         self._cached_ids: list[int] = []
         self.last_depth = 0
         self._shared_vocab = self._target_vocab = output_rows(model)
-        self.linear = "torch"  # "onednn" once bound to a target whose forwards multiply through oneDNN
+        self.linear = "torch"  # "onednn" / "onednn-bf16" once bound to a target whose forwards multiply through oneDNN
         self._linears = nullcontext()  # what the draft's forwards run in (reset_cache: OneDNNLinears when "onednn")
 
     def cost_models(self) -> list:
@@ -120,7 +120,13 @@ class DraftModel(Drafter):
         device = target.model.get_output_embeddings().weight.device
         if next(self.model.parameters()).device != device:
             self.model.to(device)  # it drafts from the target's committed ids, on their device
-        self.linear = draft_linear(self.model, getattr(target, "linear_backend", "torch"))
+        # a draft that shares the target's layers (the target drafting for itself) multiplies as the target: its
+        # drafts are then the target's own, and a drafting thread (Mirror) never routes a layer the target's
+        # forwards use to bf16
+        shares = not {p.data_ptr() for p in self.model.parameters()}.isdisjoint(
+            p.data_ptr() for p in target.model.parameters())
+        self.linear = draft_linear(self.model, getattr(target, "linear_backend", "torch"),
+                                   "fp32" if shares else getattr(target, "draft_precision", "fp32"))
         self.reset_cache()
         if self.pricing == "measured" and self.adaptive and self.length.verify_cost is None:
             self._measure_costs(target)
@@ -149,7 +155,8 @@ class DraftModel(Drafter):
         copies of the weights are taken again here, so a draft trained in process (OnlineSD) drafts
         with its new weights."""
         self._cache, self._cached_ids = kv.new_cache(self.model), []
-        self._linears = OneDNNLinears(self.model) if self.linear == "onednn" else nullcontext()
+        self._linears = OneDNNLinears(self.model, bf16=self.linear == "onednn-bf16") if self.linear != "torch" \
+            else nullcontext()
 
     @property
     def recurrent(self) -> bool:
@@ -311,11 +318,13 @@ class DraftModel(Drafter):
         self.length.draft_token_cost = cost
 
 
-def draft_linear(model: torch.nn.Module, target_linear: str) -> str:
+def draft_linear(model: torch.nn.Module, target_linear: str, precision: str = "fp32") -> str:
     """How the draft LM's linear layers multiply: through oneDNN when the target's forwards do and the
     draft is an fp32 CPU model too (SmolLM2's 576 x 2 FastDraft: one token 3.8 -> 2.0 ms on 2 cores,
-    packed weights), else its own layers."""
-    return resolve_linear_backend("auto", model) if target_linear == "onednn" else "torch"
+    packed weights), in bfloat16 when the target's draft precision is ("onednn-bf16": a draft's precision
+    never changes the output), else its own layers."""
+    linear = resolve_linear_backend("auto", model) if target_linear == "onednn" else "torch"
+    return "onednn-bf16" if linear == "onednn" and precision == "bf16" else linear
 
 
 def output_rows(model: torch.nn.Module) -> int:

@@ -15,6 +15,7 @@ from ..drafters.files import refuse_renamed
 from ..drafters.resolve import resolve_drafter
 from ..targets import make_target
 from ..targets.media_rows import holds_media_tensors, item_media
+from ..targets.onednn import resolve_draft_precision
 from ..targets.prune import check_prunable
 from .generation import finish, prepare
 from .loop import Admission, Decoding, GenerationStats, decode, decode_rows
@@ -32,7 +33,7 @@ class SpeculativeModel:
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter | str | os.PathLike, processor=None,
                  attention: str = "auto", linear: str = "auto", cuda_graphs: bool = False,
-                 allow_untrained: bool = False, **config):
+                 allow_untrained: bool = False, draft_precision: str = "auto", **config):
         unknown = set(config) - _SPEC_FIELDS
         refuse_renamed(unknown, "flashmm.wrap")
         if unknown:
@@ -47,6 +48,8 @@ class SpeculativeModel:
         self.processor = processor
         self.spec = SpecConfig(**config)
         self.target = make_target(model, processor=processor, attention=attention, linear=linear)
+        self.target.draft_precision = resolve_draft_precision(draft_precision, getattr(self.target, "linear_backend",
+                                                                                       "torch"))
         if cuda_graphs:
             self.target.use_cuda_graphs()
         self.drafter = drafter
@@ -236,7 +239,7 @@ class SpeculativeModel:
 
 def wrap(model: torch.nn.Module, drafter: Drafter | str | os.PathLike, processor=None, attention: str = "auto",
          linear: str = "auto", cuda_graphs: bool = False, allow_untrained: bool = False,
-         **config) -> SpeculativeModel:
+         draft_precision: str = "auto", **config) -> SpeculativeModel:
     """Wrap ``model`` for speculative decoding with ``drafter``: an instance, a registered name, or the
     folder of a trained drafter (``flashmm.drafters.load``) or of a saved FLASH drafter.
 
@@ -250,10 +253,16 @@ def wrap(model: torch.nn.Module, drafter: Drafter | str | os.PathLike, processor
     attention path: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". ``linear``
     picks how the tree forwards' linear layers multiply: "auto" (oneDNN for an fp32 model on
     an x86-64 CPU, see flashmm.targets.onednn; torch elsewhere), "onednn" or "torch" (the model's own layers).
+    ``draft_precision``: what the drafter's own linear layers multiply in beside a target on oneDNN: "auto"
+    (bfloat16 where oneDNN has bf16 kernels: drafts only propose tokens, so the output is the same, at half the
+    bytes a drafting pass reads) or "fp32" (as the target: draft logits equal a float64 forward's to fp32
+    rounding). The greedy verification's LM head is screened in bfloat16 either way where only its argmax is
+    read (flashmm.targets.head_screen: the same argmax, exactly).
     ``cuda_graphs=True`` verifies on a preallocated KV cache, every step shape captured once as a CUDA
     graph and replayed (flashmm.targets.graphs: what a small model on a GPU needs, where eager forwards are
     bound by kernel launches; the caches and their graphs are kept between calls), single sequences
     and padded batches alike.
     """
     return SpeculativeModel(model, drafter, processor=processor, attention=attention, linear=linear,
+                            draft_precision=draft_precision,
                             cuda_graphs=cuda_graphs, allow_untrained=allow_untrained, **config)

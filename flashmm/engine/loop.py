@@ -21,7 +21,7 @@ from ..targets.base import Target
 from ..targets.prune import PruningSession
 from ..targets.session import open_session
 from ..tree.cost import batch_bucket, measured_verify_cost, price_for_batch
-from ..verify import drafting_scheme_of, needs_hidden_states, select_verifier
+from ..verify import REGISTRY, drafting_scheme_of, needs_hidden_states, select_verifier
 
 
 @dataclass
@@ -337,6 +337,21 @@ class BatchPricing:
                 for drafter, d, cut in zip(drafters, drafts, cuts)]
 
 
+def argmax_suffices(spec: SpecConfig, drafters: list[Drafter], rows: list[RowWriter], drafts: list) -> bool:
+    """Whether a step reads nothing of the target's logits but each node's argmax, so its forward may screen
+    the LM head (flashmm.targets.head_screen): greedy rows without processors whose logits are not kept, the
+    greedy verifier (not judge_lossy, which reads more), no pruning (ProPD reads the scores), drafters that
+    observe neither the target's top-k ids nor its path logits, and drafts without aux rows (their logits are
+    handed to the drafter as they are)."""
+    if spec.prune != "none" or REGISTRY[spec.verifier].greedy_too:
+        return False
+    if any(drafter.score_topk or drafter.score_path_logits for drafter in drafters) or \
+            any(draft.aux is not None for draft in drafts):
+        return False
+    return all(not row.decoding.sampling.do_sample and row.decoding.sampling.is_plain
+               and not row.decoding.keep_scores and not row.decoding.keep_logits for row in rows)
+
+
 def check_batch(drafter: Drafter, spec: SpecConfig, batch: int) -> None:
     """Refuse, before any forward, what a batch of several rows verified together cannot do."""
     if batch == 1:
@@ -445,7 +460,9 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
             if pricing is not None:
                 drafts = pricing.fit([drafters[b] for b in active], drafts)
             t1 = time.perf_counter()
-            scored = session.score(drafts, want_hidden)
+            scored = session.score(drafts, want_hidden,
+                                   argmax_suffices(spec, [drafters[b] for b in active], [rows[b] for b in active],
+                                                   drafts))
             t_forward = time.perf_counter()
             paths = []
             for b, row_scored in zip(active, scored):

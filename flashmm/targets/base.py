@@ -124,9 +124,15 @@ class Target:
         the sequence's cache, holding T positions)."""
         raise NotImplementedError
 
+    #: what its drafters multiply their linear layers in, "fp32" or "bf16" (flashmm.targets.onednn.
+    #: resolve_draft_precision; set by flashmm.wrap before the drafter binds)
+    draft_precision: str = "fp32"
+
     def forward_tree(self, seq: SequenceCache, tokens: torch.Tensor, tree: TokenTree,
-                     want_hidden: bool) -> TargetOutput:
-        """Score tokens [1, N] laid out as ``tree`` after ``seq``'s cache, which grows by N."""
+                     want_hidden: bool, argmax_only: bool = False) -> TargetOutput:
+        """Score tokens [1, N] laid out as ``tree`` after ``seq``'s cache, which grows by N. argmax_only: only
+        each node's argmax will be read; the logits may then be exact at the argmax alone
+        (flashmm.targets.head_screen)."""
         raise NotImplementedError
 
     def commit(self, seq: SequenceCache, path: torch.Tensor, prefix_len: int) -> None:

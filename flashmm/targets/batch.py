@@ -164,9 +164,10 @@ def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dt
     return masks, q_pos
 
 
-def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[TokenTree], want_hidden: bool):
+def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[TokenTree], want_hidden: bool,
+                  argmax_only: bool = False):
     """tokens [B, W] (each row's tree, padded) → (logits [B, W, V], hidden [B, W, d] or None).
-    The cache grows by W slots (valid only once kept by ``keep_paths``)."""
+    The cache grows by W slots (valid only once kept by ``keep_paths``). argmax_only: Target.forward_tree's."""
     if isinstance(state.cache, SlotCache):
         return graph_trees(target, state, tokens, trees, want_hidden)
     switch = target.kernel_attention(max(trees, key=lambda tree: tree.max_depth))  # None: 4D masks
@@ -182,7 +183,7 @@ def forward_trees(target, state: BatchState, tokens: torch.Tensor, trees: list[T
                                           root_positions=state.root_pos)
     with nullcontext() if switch is None else switch:
         logits, hidden = target.forward_model(state.cache, want_hidden, input_ids=tokens, **mask_args,
-                                              nodes=[tree.num_nodes for tree in trees],
+                                              nodes=[tree.num_nodes for tree in trees], argmax_only=argmax_only,
                                               position_ids=target.batch_position_ids(positions + state.offset[:, None]))
     return logits, select_hidden(hidden, want_hidden)
 

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from . import cache as kv
 from .graphs import padded_causal
-from .onednn import PACK_LIMIT_BYTES, PACK_ROWS, OneDNNLinears, can_pack, onednn_available, packed_weight
+from .head_screen import ArgmaxHead
+from .onednn import PACK_LIMIT_BYTES, PACK_ROWS, OneDNNLinears, bf16_kernels, can_pack, onednn_available, packed_weight
 
 #: causal LMs whose decoder layers are RMSNorm → attention (rotary, grouped heads, optional q/k/v bias
 #: and per-head q/k RMSNorm) → RMSNorm → SiLU-gated MLP, with nothing else in between
@@ -170,6 +171,16 @@ class FusedDecoder:
         self.layers = [self._layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
         self.head = packed_weight(head)  # shared with OneDNNLinears' routing
         self.head_rows = head.weight.shape[0]
+        self._head_weight = head.weight
+        self._argmax_head = None
+
+    @property
+    def argmax_head(self) -> "ArgmaxHead | None":
+        """The screened LM head (flashmm.targets.head_screen), made at its first use; None where oneDNN has no
+        bf16 kernels."""
+        if self._argmax_head is None and bf16_kernels():
+            self._argmax_head = ArgmaxHead(self._head_weight)
+        return self._argmax_head
 
     @staticmethod
     def _layer(layer) -> tuple:
@@ -189,7 +200,8 @@ class FusedDecoder:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, attention_mask=None,
-                 want_hidden=None, logits_to_keep: int = 0, nodes: list[int] | None = None) -> tuple[torch.Tensor, tuple | None]:
+                 want_hidden=None, logits_to_keep: int = 0, nodes: list[int] | None = None,
+                 argmax_only: bool = False) -> tuple[torch.Tensor, tuple | None]:
         """input_ids / position_ids [B, n] after the cache's rows; attention_mask: None (causal over the new
         rows, every cached row visible), [B, S + n] (1 = a real token, as ``generate`` passes it) or an
         additive [B or 1, 1, n, S + n] → (logits [B, n or logits_to_keep, V], the hidden states the
@@ -198,7 +210,10 @@ class FusedDecoder:
 
         nodes: how many of each row's n positions are real (a batch of drafts padded to the widest): the
         linear layers and the LM head run on those alone, packed; the padding positions still get keys and
-        values and attend (cheap), and their logits and hidden states are zeros."""
+        values and attend (cheap), and their logits and hidden states are zeros.
+        argmax_only: only each position's argmax will be read: the LM head is the screened one where oneDNN
+        has bf16 kernels (flashmm.targets.head_screen), whose logits have the fp32 head's argmax and are
+        approximations elsewhere."""
         batch, n = input_ids.shape
         real = None
         if nodes is not None and sum(nodes) < batch * n and not logits_to_keep:
@@ -250,7 +265,8 @@ class FusedDecoder:
             hidden[-1] = _unpacked(x, real, batch * n).view(batch, n, width)
         if logits_to_keep:
             x = x.view(batch, n, width)[:, -logits_to_keep:].reshape(-1, width)
-        logits = _unpacked(_linear(x, self.head), real, batch * n).view(batch, -1, self.head_rows)
+        product = self.argmax_head(x) if argmax_only and self.argmax_head is not None else _linear(x, self.head)
+        logits = _unpacked(product, real, batch * n).view(batch, -1, self.head_rows)
         return logits, (tuple(hidden) if hidden is not None else None)
 
     @staticmethod
@@ -380,9 +396,9 @@ class FusedForward:
         self.step = fused_step(model)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
-                use_cache=True, logits_to_keep=0, output_hidden_states=False, nodes=None, **kwargs):
-        """The model's forward signature, computed by the fused step (``nodes``: FusedDecoder's, flashmm's
-        batched verification passes it)."""
+                use_cache=True, logits_to_keep=0, output_hidden_states=False, nodes=None, argmax_only=False, **kwargs):
+        """The model's forward signature, computed by the fused step (``nodes``, ``argmax_only``: FusedDecoder's,
+        flashmm's verification passes them)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: PLC0415
 
         unused = {k: v for k, v in kwargs.items() if v is not None and k not in ("return_dict", "cache_position")}
@@ -399,7 +415,7 @@ class FusedForward:
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None].expand(input_ids.shape[0], -1)
         logits, hidden = self.step(input_ids, position_ids, cache, attention_mask, output_hidden_states,
-                                   logits_to_keep if isinstance(logits_to_keep, int) else 0, nodes)
+                                   logits_to_keep if isinstance(logits_to_keep, int) else 0, nodes, argmax_only)
         named = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"  # < 5.24
         return CausalLMOutputWithPast(logits=logits, hidden_states=hidden, **{named: cache})
 

@@ -37,6 +37,7 @@ PACK_LIMIT_BYTES = 4 << 30
 #: benchmark CPU 64 made SmolLM2's LM head fastest for one row (1.2 ms against 2.3 ms unpacked)
 PACK_ROWS = 64
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple]" = weakref.WeakKeyDictionary()
+_PACKED_BF16: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple]" = weakref.WeakKeyDictionary()
 
 
 def onednn_available() -> bool:
@@ -81,6 +82,55 @@ def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
     return hit[1]
 
 
+def bf16_kernels() -> bool:
+    """Whether torch's oneDNN has bf16 kernels here (x86-64 with AVX-512, or AMX): then drafters whose target
+    multiplies through oneDNN multiply their own linear layers in bfloat16 (``OneDNNLinears(bf16=True)``), and
+    greedy verification screens the LM head in bfloat16 (flashmm.targets.head_screen).
+
+    A draft only proposes tokens: the target's verification decides every emitted token from its own fp32
+    logits, so a draft computed in bf16 changes which tokens are proposed (rarely: SmolLM2's EAGLE-3 head
+    drafted τ 2.41 against 2.43 over 8 Spec-Bench dev questions), never the output; sampled drafts carry the
+    probabilities they were drawn from, whatever their precision. The weights are read at half the bytes:
+    that head's drafting took 15 ms of a 53 ms step on the 2-core EPYC, and EAGLE-3 decoded 50.9 tok/s against
+    47.7 with the same outputs. ``linear="torch"`` keeps every layer, the drafters' too, as the model has it."""
+    return onednn_available() and can_pack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+#: how a drafter multiplies its linear layers beside a target on oneDNN: "auto" (bf16 where ``bf16_kernels``),
+#: "fp32" (as the target does: its draft logits then equal a float64 forward's to fp32 rounding)
+DRAFT_PRECISIONS = ("auto", "fp32")
+
+
+def resolve_draft_precision(precision: str, linear_backend: str) -> str:
+    """"bf16" or "fp32": what a drafter of a target whose linears run on ``linear_backend`` multiplies in."""
+    if precision not in DRAFT_PRECISIONS:
+        raise ValueError(f"draft_precision must be one of {DRAFT_PRECISIONS}, got {precision!r}")
+    return "bf16" if precision == "auto" and linear_backend == "onednn" and bf16_kernels() else "fp32"
+
+
+def packed_bf16_weight(layer: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(``layer``'s weight in bfloat16 in oneDNN's blocked layout, its bias in bfloat16 or None), made once and
+    kept like ``packed_weight``'s."""
+    key = (layer.weight.data_ptr(), layer.weight._version)
+    hit = _PACKED_BF16.get(layer)
+    if hit is None or hit[0] != key:
+        bias = None if layer.bias is None else layer.bias.detach().bfloat16()
+        hit = (key, (torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().bfloat16(), PACK_ROWS), bias))
+        _PACKED_BF16[layer] = hit
+    return hit[1]
+
+
+def _onednn_bf16_linear(layer: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None,
+                        x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] fp32 → [..., out] fp32: ``layer``'s product computed in bfloat16 by oneDNN (weight, bias:
+    ``packed_bf16_weight(layer)``); autograd, autocast and other dtypes take ``F.linear`` (as _onednn_linear)."""
+    if x.dtype != layer.weight.dtype or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return torch.nn.functional.linear(x, layer.weight, layer.bias)
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _onednn_linear(layer: torch.nn.Linear, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [..., in] → [..., out], the product of ``layer`` computed by oneDNN with ``weight`` (the
     layer's own, or packed_weight(layer)).
@@ -118,14 +168,18 @@ class OneDNNLinears:
     or with a non-fp32 input, take ``F.linear`` as before. A layer already routed by an outer
     ``OneDNNLinears`` is not routed again, so nesting is harmless. ``pack``: multiply with the
     weights in oneDNN's blocked layout (packed_weight; None: when torch can and the routed weights
-    total at most PACK_LIMIT_BYTES); ``packed`` says whether they are.
+    total at most PACK_LIMIT_BYTES); ``packed`` says whether they are. ``bf16``: multiply in bfloat16
+    (packed bf16 copies of the weights, fp32 in and out): for drafters only (``bf16_kernels``).
     """
 
-    def __init__(self, model: torch.nn.Module, pack: bool | None = None):
+    def __init__(self, model: torch.nn.Module, pack: bool | None = None, bf16: bool = False):
         layers = routable_layers(model)
-        self.packed = packs(layers, pack)
-        self.routes = [(layer, partial(_onednn_linear, layer, packed_weight(layer) if self.packed else layer.weight))
-                       for layer in layers]
+        self.packed = bool(layers) and (bf16 or packs(layers, pack))
+        if bf16:
+            self.routes = [(layer, partial(_onednn_bf16_linear, layer, *packed_bf16_weight(layer))) for layer in layers]
+        else:
+            self.routes = [(layer, partial(_onednn_linear, layer, packed_weight(layer) if self.packed else layer.weight))
+                           for layer in layers]
 
     def __enter__(self) -> "OneDNNLinears":
         for layer, forward in self.routes:
@@ -139,7 +193,8 @@ class OneDNNLinears:
 
 def routed_like(target, module: torch.nn.Module):
     """What a drafter's ``module`` runs in while drafting for ``target``: OneDNNLinears when the target's
-    forwards multiply through oneDNN (only the module's fp32 CPU linears are routed), else nothing."""
+    forwards multiply through oneDNN (only the module's fp32 CPU linears are routed; in bfloat16 when the
+    target's ``draft_precision`` is "bf16"), else nothing."""
     if getattr(target, "linear_backend", "torch") == "onednn":
-        return OneDNNLinears(module)
+        return OneDNNLinears(module, bf16=getattr(target, "draft_precision", "fp32") == "bf16")
     return contextlib.nullcontext()

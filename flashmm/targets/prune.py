@@ -141,7 +141,8 @@ class PruningSession:
         self.inner, self.spec, self.sampling = inner, spec, sampling
         self.prefix = None  # the cache's rows before the step's (pruned) tree
 
-    def score(self, drafts: list[Draft], want_hidden) -> list[Scored]:
+    def score(self, drafts: list[Draft], want_hidden, argmax_only: bool = False) -> list[Scored]:
+        # (its early exits read the target's scores: the tree forward stays exact)
         (draft,) = drafts
         self.prefix = self.inner.seq.length
         verified, output = score_draft(self.inner.target, self.inner.seq, draft, want_hidden, self.spec,

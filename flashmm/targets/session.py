@@ -47,8 +47,9 @@ class Scored:
 class Session(Protocol):
     """The cache of one call's running rows, and the forwards over it."""
 
-    def score(self, drafts: list["Draft"], want_hidden) -> list[Scored]:
-        """One forward scoring each running row's draft (drafts[i] belongs to running row i)."""
+    def score(self, drafts: list["Draft"], want_hidden, argmax_only: bool = False) -> list[Scored]:
+        """One forward scoring each running row's draft (drafts[i] belongs to running row i); argmax_only:
+        only each node's argmax will be read (Target.forward_tree's)."""
 
     def keep(self, paths: list[torch.Tensor]) -> None:
         """Keep each running row's accepted path (LongTensor [1, L], root first) in the cache."""
@@ -64,10 +65,10 @@ class SequenceSession:
         self.target, self.seq = target, seq
         self.prefix = None  # the cache's rows before the step's tree (score), which keep keeps the path after
 
-    def score(self, drafts, want_hidden) -> list[Scored]:
+    def score(self, drafts, want_hidden, argmax_only=False) -> list[Scored]:
         (draft,) = drafts
         self.prefix = self.seq.length
-        return [Scored(draft, self.target.forward_tree(self.seq, *draft.forward_layout(), want_hidden))]
+        return [Scored(draft, self.target.forward_tree(self.seq, *draft.forward_layout(), want_hidden, argmax_only))]
 
     def keep(self, paths) -> None:
         (path,) = paths
@@ -91,7 +92,7 @@ class BatchSession:
         to the others."""
         return self.target.unfused is None and not isinstance(self.state.cache, padded.SlotCache)
 
-    def score(self, drafts, want_hidden) -> list[Scored]:
+    def score(self, drafts, want_hidden, argmax_only=False) -> list[Scored]:
         layouts = [draft.forward_layout() for draft in drafts]  # each row's tree, then its aux rows (if any)
         width = max(tree.num_nodes for _, tree in layouts)
         tokens = drafts[0].tokens.new_zeros(len(drafts), width)
@@ -99,7 +100,7 @@ class BatchSession:
             tokens[i] = row_tokens[0, 0]  # padding nodes repeat the root; nothing attends to them
             tokens[i, : tree.num_nodes] = row_tokens[0]
         logits, hidden = padded.forward_trees(self.target, self.state, tokens, [tree for _, tree in layouts],
-                                              want_hidden)
+                                              want_hidden, argmax_only)
         return [Scored(draft, TargetOutput(logits[i : i + 1, : tree.num_nodes],
                                            None if hidden is None else hidden[i : i + 1, : draft.tree.num_nodes]))
                 for i, (draft, (_, tree)) in enumerate(zip(drafts, layouts))]

@@ -112,7 +112,7 @@ class CausalLMTarget(Target):
         return fused.supports(self.model, self.layout)
 
     def forward_model(self, cache, want_hidden=False, logits_to_keep: int = 0, nodes: list[int] | None = None,
-                      reading=None, **inputs):
+                      reading=None, argmax_only: bool = False, **inputs):
         """One forward of the model on ``cache`` (``inputs``: the model's keyword inputs) → (logits, the
         forward's hidden-states tuple or None). Text inputs (input_ids, position_ids, attention_mask) of a
         model flashmm fuses run its fused step as the model's forward (flashmm.targets.fused: the same
@@ -120,7 +120,8 @@ class CausalLMTarget(Target):
         nodes: a padded batch's real positions per row (the first nodes[b] of row b): the fused step computes
         only those; elsewhere every position is computed. The padding positions' outputs are then not to be
         read. reading: a LastAttentionReading (``reading_attention``) the forward feeds: the model's own forward
-        then runs, unfused."""
+        then runs, unfused. argmax_only: only each position's argmax will be read (the fused step may screen its
+        LM head, FusedDecoder); the model's own forward ignores it."""
         text = set(inputs) <= {"input_ids", "position_ids", "attention_mask"}
         fuse = (self.unfused is None and not self.cuda_graphs and text and reading is None
                 and not isinstance(inputs.get("attention_mask"), dict))
@@ -128,6 +129,8 @@ class CausalLMTarget(Target):
             inputs.update(reading.kwargs)
         if fuse and nodes is not None:
             inputs["nodes"] = nodes
+        if fuse and argmax_only:
+            inputs["argmax_only"] = True
         with fused.FusedForward(self.model) if fuse else self._linears:
             out = self.model(use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=logits_to_keep,
                              **{self.cache_argument: cache}, **inputs)
@@ -287,8 +290,9 @@ class CausalLMTarget(Target):
         return TargetOutput(logits[:, -1:], select_hidden(hidden, want_hidden),
                             last_attention=None if reading is None else reading.mean(input_ids.shape[1])), seq
 
-    def forward_tree(self, seq: SequenceCache, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool) -> TargetOutput:
-        """tokens [1, N] → logits [1, N, V] (and last-layer hidden [1, N, d])."""
+    def forward_tree(self, seq: SequenceCache, tokens: torch.Tensor, tree: TokenTree, want_hidden: bool,
+                     argmax_only: bool = False) -> TargetOutput:
+        """tokens [1, N] → logits [1, N, V] (and last-layer hidden [1, N, d]); argmax_only: forward_model's."""
         if seq.verification is not None:
             run = partial(self._run_chain, seq)
             return TargetOutput(*seq.verification.forward(run, tokens, tree, want_hidden))
@@ -301,7 +305,7 @@ class CausalLMTarget(Target):
         positions = positions_given(self._position_modules, tree.positions(prefix_len).to(self.device)) \
             if self._position_modules else nullcontext()
         with positions, (switch if use_kernel else nullcontext()):
-            logits, hidden = self.forward_model(seq.kv, want_hidden, input_ids=tokens, **args)
+            logits, hidden = self.forward_model(seq.kv, want_hidden, argmax_only=argmax_only, input_ids=tokens, **args)
         return TargetOutput(logits, select_hidden(hidden, want_hidden))
 
     def _graph_tree(self, seq: SequenceCache, tokens: torch.Tensor, tree: TokenTree, want_hidden) -> TargetOutput:

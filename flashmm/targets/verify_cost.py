@@ -157,7 +157,7 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] | None = Non
     machine's) is measured again and overwritten, with a warning; an unwritable directory leaves
     the cost in this process only (flashmm.disk_cache warns once). ``linear="onednn"``
     times the forwards with the model's linears on oneDNN (flashmm.targets.onednn), as a text target's tree
-    forwards run them; ``linear="fused"`` times the model's fused step (flashmm.targets.fused), which a
+    forwards run them (``"onednn-bf16"``: in bfloat16, as a draft LM drafts); ``linear="fused"`` times the model's fused step (flashmm.targets.fused), which a
     target of the Llama families verifies on.
     Raises VerifyCostUnmeasurable when the model cannot be timed this way (a recurrent state, a
     model that refuses a cached multi-token forward).
@@ -207,7 +207,7 @@ def _measure(model: torch.nn.Module, grid: Sequence[int], prefix_len: int, repea
     if linear == "fused":
         routing = FusedForward(model)
     else:
-        routing = OneDNNLinears(model) if linear == "onednn" else nullcontext()
+        routing = OneDNNLinears(model, bf16=linear == "onednn-bf16") if linear.startswith("onednn") else nullcontext()
     feeds = [torch.randint(vocab, (batch, n), generator=gen).to(param.device) for n in grid]
 
     def timed(n: int, feed: torch.Tensor) -> float:
