@@ -153,6 +153,52 @@ def test_packed_cuts_against_every_choice_of_counts():
     assert packed_cuts([chain([1, 0.9, 0.81]), chain([1, 0.2]), chain([1])], cost) == [3, 1, 1]
 
 
+def test_critical_cuts_against_an_enumeration_of_accepted_counts():
+    """A fixed batch, whose end is set by its critical rows (the most tokens left): the depth chosen maximises
+    (1 + E[min over critical rows of accepted tokens]) per unit of verify time, E[min] enumerated over every
+    combination of accepted counts (rows independent, P(count >= k) = values[k]) in float64; the other rows
+    verify their roots alone; a critical row with nothing drafted stops every draft."""
+    import itertools
+
+    from flashmm.engine.loop import critical_cuts
+    from flashmm.tree.cost import VerifyCost
+    from flashmm.tree.draft import Draft
+    from flashmm.tree.token_tree import TokenTree
+
+    def chain(values):
+        if values is None:
+            return Draft(tokens=torch.zeros(1, 1, dtype=torch.long), tree=TokenTree.chain(0))
+        return Draft(tokens=torch.zeros(1, len(values), dtype=torch.long), tree=TokenTree.chain(len(values) - 1),
+                     values=torch.tensor(values))
+
+    def expected_min(rows, depth):
+        laws = []
+        for v in rows:   # P(count = k) for k = 0 .. depth
+            v = [float(x) for x in v[: depth + 1]]
+            laws.append([v[k] - (v[k + 1] if k < depth else 0.0) for k in range(depth + 1)])
+        return sum(min(ks) * torch.tensor([law[k] for law, k in zip(laws, ks)], dtype=torch.float64).prod().item()
+                   for ks in itertools.product(range(depth + 1), repeat=len(rows)))
+
+    cost = VerifyCost((1, 2, 3, 4), (1.0, 1.05, 1.15, 1.3))
+    for rows in ([[1, 0.9, 0.81, 0.73], [1, 0.8, 0.64, 0.5]], [[1, 0.5, 0.25, 0.1], [1, 0.6, 0.3, 0.1], [1, 0.9, 0.8]],
+                 [[1, 0.95, 0.9, 0.85]] * 3):
+        for packed in (True, False):
+            drafts = [chain(r) for r in rows] + [chain([1, 0.99, 0.98])]       # the last row is ahead: not critical
+            critical = [True] * len(rows) + [False]
+            counts = critical_cuts(drafts, critical, cost, packed)
+            assert counts[-1] == 1 and len(set(counts[:-1])) == 1
+
+            def rate(depth):
+                nodes = len(drafts) + depth * len(rows)
+                t = cost.seconds_at(nodes / len(drafts)) if packed else cost.seconds_at(depth + 1)
+                return (1 + expected_min(rows, depth)) / t
+            best = max(range(min(len(r) for r in rows)), key=rate)
+            assert rate(counts[0] - 1) == pytest.approx(rate(best))
+    drafts = [chain([1, 0.9, 0.81]), chain(None), chain([1, 0.9])]
+    assert critical_cuts(drafts, [True, True, False], cost, True) == [1, 1, 1]
+    assert critical_cuts(drafts, [True, False, False], cost, True)[1:] == [1, 1]
+
+
 def test_prompt_lookup_cut_learns_from_the_tokens_verified():
     from flashmm.config import SamplingParams
     from flashmm.drafters.base import StepResult
@@ -189,6 +235,7 @@ def test_cut_drafts_stay_exact(models, monkeypatch):
 
     monkeypatch.setattr(flashmm.engine.loop, "batch_width", lambda drafts, cost: 2)
     monkeypatch.setattr(flashmm.engine.loop, "packed_cuts", lambda drafts, cost: [2] * len(drafts))
+    monkeypatch.setattr(flashmm.engine.loop, "critical_cuts", lambda drafts, critical, cost, packed: None)
     monkeypatch.setattr(flashmm.targets.batch, "forward_trees", recording)
     sm = flashmm.wrap(target, PromptLookup())
     out = sm.generate(ids, attention_mask=mask, max_new_tokens=25)
@@ -202,6 +249,7 @@ def test_compacting_the_cache_every_step_or_never_is_generate(models, monkeypatc
     """A batch whose rows keep different numbers of tokens per step leaves holes in the cache;
     compacting it after every step (COMPACT_HOLES 0) or never (1) changes no token of the model's own batched
     generate, and holes were there to compact."""
+    import flashmm.engine.loop
     import flashmm.targets.batch as padded
 
     target, _ = models
@@ -215,6 +263,9 @@ def test_compacting_the_cache_every_step_or_never_is_generate(models, monkeypatc
 
     monkeypatch.setattr(padded, "COMPACT_HOLES", holes)
     monkeypatch.setattr(padded, "compact", counting)
+    # drafts priced for throughput, as while rows wait to join, so row 0 drafts alone (a fixed batch's critical
+    # pricing drafts only when every row can gain: flashmm.engine.loop.critical_cuts)
+    monkeypatch.setattr(flashmm.engine.loop, "critical_cuts", lambda drafts, critical, cost, packed: None)
     ids, mask = ragged_batch((30, 9, 20))
     ids[0, -24:] = prompt(6, seed=11)[0].repeat(4)  # row 0 repeats itself: its lookup drafts are accepted
     sm = flashmm.wrap(target, PromptLookup())

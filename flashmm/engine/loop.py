@@ -304,6 +304,35 @@ def packed_cuts(drafts: list, verify_cost) -> list[int]:
     return best
 
 
+def critical_cuts(drafts: list, critical: list[bool], verify_cost, packed: bool) -> list[int] | None:
+    """Each row's node count when the batch's time is its slowest row's: a fixed batch (no row waits to take a
+    finished row's place), whose step costs about the same for any number of rows (a small model on a CPU reads
+    its weights once a step), so a row that finishes early saves little, and only the ``critical`` rows (the
+    most tokens left to write) decide how many steps remain. They advance past a step's one token only together:
+    with every critical row drafting a chain of d tokens, the steps saved per step are the expected minimum of
+    their accepted counts, sum_{k <= d} prod_r values_r[k] (values_r[k]: the chance that node k is accepted,
+    rows independent). The d (0: no row drafts) with the most of it per unit of verify time is kept, every other
+    row verifying its root alone: eight Spec-Bench rows under prompt lookup, where some row always has no match,
+    then stop paying for drafts that end no step earlier. None (not priced here) when a draft is not a chain with
+    values, or a row without one is critical."""
+    if any(not d.tree.is_chain or (d.values is None and d.tree.num_nodes > 1) for d in drafts):
+        return None
+    chances = [[1.0] if d.values is None else d.values.float().cpu().tolist() for d in drafts]
+    lagging = [b for b, on in enumerate(critical) if on]
+    rows, best, best_rate, saved = len(drafts), 0, 1.0, 0.0
+    for depth in range(1, min(len(chances[b]) for b in lagging)):
+        product = 1.0
+        for b in lagging:
+            product *= chances[b][depth]
+        saved += product
+        cost = verify_cost.seconds_at((rows + depth * len(lagging)) / rows) if packed else \
+            verify_cost.seconds_at(depth + 1)
+        rate = (1.0 + saved) / (cost / verify_cost.seconds[0])
+        if rate > best_rate + 1e-12:
+            best, best_rate = depth, rate
+    return [best + 1 if on else 1 for on in critical]
+
+
 class BatchPricing:
     """What a step costs with ``rows`` rows verified together, for the drafters of a batch: each
     drafter prices its drafts for its row's share (tree.cost.price_for_batch), and drafts
@@ -323,8 +352,10 @@ class BatchPricing:
             self.bucket = bucket
             price_for_batch(drafters, self.target, len(drafters))
 
-    def fit(self, drafters: list[Drafter], drafts: list) -> list:
-        """The drafts cut to one width (only when several rows run and some draft carries values)."""
+    def fit(self, drafters: list[Drafter], drafts: list, critical: list[bool] | None = None) -> list:
+        """The drafts cut to one width (only when several rows run and some draft carries values); with
+        ``critical`` (a fixed batch: which rows have the most tokens left), to ``critical_cuts``' counts where it
+        prices them."""
         if len(drafts) < 2 or all(d.values is None for d in drafts):
             return drafts
         if self.bucket not in self.costs:
@@ -332,7 +363,9 @@ class BatchPricing:
         cost = self.costs[self.bucket]
         if cost is None:
             return drafts
-        cuts = packed_cuts(drafts, cost) if self.packed else [batch_width(drafts, cost)] * len(drafts)
+        cuts = None if critical is None else critical_cuts(drafts, critical, cost, self.packed)
+        if cuts is None:
+            cuts = packed_cuts(drafts, cost) if self.packed else [batch_width(drafts, cost)] * len(drafts)
         return [drafter.cut(d, cut) if d.values is not None and d.tree.num_nodes > cut else d
                 for drafter, d, cut in zip(drafters, drafts, cuts)]
 
@@ -457,8 +490,10 @@ def decode_rows(target: Target, drafter: Drafter, input_ids: torch.Tensor, decod
             # drafts keep their width on the last step.
             drafts = propose_rows([drafters[b] for b in active], [rows[b].committed for b in active],
                                   spec.max_draft_tokens, [rows[b].decoding.sampling for b in active], generator)
-            if pricing is not None:
-                drafts = pricing.fit([drafters[b] for b in active], drafts)
+            if pricing is not None:  # (a fixed batch: every row came, none waits; its slowest rows set its end)
+                left = [rows[b].decoding.max_new_tokens - len(rows[b].out.new_tokens) for b in active]
+                critical = None if more else [n == max(left) for n in left]
+                drafts = pricing.fit([drafters[b] for b in active], drafts, critical)
             t1 = time.perf_counter()
             scored = session.score(drafts, want_hidden,
                                    argmax_suffices(spec, [drafters[b] for b in active], [rows[b] for b in active],
