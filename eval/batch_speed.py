@@ -76,7 +76,7 @@ def main(argv=None):
     methods, wrapped = {"plain": plain}, {}
     missing = onednn_baseline_missing(model)
     if missing is None:
-        methods["plain_onednn"] = on_onednn(model, plain)
+        methods["plain_onednn"] = on_onednn(model, plain, greedy=True)
     for name in args.drafters:
         for mode in ("auto", "rows"):
             sm = flashmm.wrap(model, name, batching=mode)

@@ -103,7 +103,7 @@ def main(argv=None):
     methods, wrapped = {"plain": grouped(plain)}, {}
     missing = onednn_baseline_missing(model)
     if missing is None:
-        methods["plain_onednn"] = grouped(on_onednn(model, plain))
+        methods["plain_onednn"] = grouped(on_onednn(model, plain, greedy=True))
     for name in args.drafters:
         drafter = FlashDrafter.from_pretrained(default_assets_dir() / "flash_drafter") if name == "flash" else name
         sm = flashmm.wrap(model, drafter, processor=processor)

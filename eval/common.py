@@ -53,10 +53,12 @@ def timed_with_cpu(fn):
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 
-def on_onednn(model, fn):
+def on_onednn(model, fn, greedy: bool = False):
     """``fn`` run on the step flashmm's own forwards of ``model`` run on a CPU: the model's fused step
     for the Llama families (flashmm.targets.fused.FusedForward), else every linear layer on oneDNN
-    (flashmm.targets.onednn.OneDNNLinears). The plain_onednn baseline of the benchmarks: speculation alone."""
+    (flashmm.targets.onednn.OneDNNLinears). The plain_onednn baseline of the benchmarks: speculation alone.
+    ``greedy``: ``fn`` decodes greedily without logits processors, so the fused step screens its LM head as
+    flashmm's greedy verification does (FusedForward's argmax_only)."""
     from flashmm.targets import fused  # noqa: PLC0415
     from flashmm.targets.layout import attention_layout  # noqa: PLC0415
     from flashmm.targets.onednn import OneDNNLinears  # noqa: PLC0415
@@ -64,7 +66,7 @@ def on_onednn(model, fn):
     fusable = fused.supports(model, attention_layout(model.config.get_text_config())) is None
 
     def run(*args):
-        with fused.FusedForward(model) if fusable else OneDNNLinears(model):
+        with fused.FusedForward(model, argmax_only=greedy) if fusable else OneDNNLinears(model):
             return fn(*args)
 
     return run

@@ -149,7 +149,7 @@ def build_methods(model, processor, drafters: dict, plain_onednn: bool = False, 
 
     methods, wrapped = {"plain": plain}, {}
     if plain_onednn:
-        methods["plain_onednn"] = on_onednn(model, plain)
+        methods["plain_onednn"] = on_onednn(model, plain, greedy=True)
     for name, drafter in drafters.items():
         drafter, options = drafter if isinstance(drafter, tuple) else (drafter, {})
         sm = flashmm.wrap(model, drafter, processor=processor, **options, **spec)

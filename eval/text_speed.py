@@ -128,7 +128,7 @@ def make_methods(model, tokenizer, specs: list[str], hf_lookup: bool, plain_oned
 
     methods = {"plain": plain}
     if plain_onednn and resolve_linear_backend("auto", model) == "onednn":
-        methods["plain_onednn"] = on_onednn(model, plain)
+        methods["plain_onednn"] = on_onednn(model, plain, greedy=not sampling.get("do_sample", False))
     stats = {}
     for spec in specs:
         label, drafter = parse_drafter(spec, tokenizer)

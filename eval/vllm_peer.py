@@ -204,7 +204,7 @@ def make_methods(args, model, tokenizer, eos: set[int]):
     methods = {"plain": hf(model.generate)}
     missing = onednn_baseline_missing(model, args.plain_onednn)
     if missing is None:
-        methods["plain_onednn"] = on_onednn(model, methods["plain"])
+        methods["plain_onednn"] = on_onednn(model, methods["plain"], greedy=True)
     engines = {} if args.skip_vllm else vllm_engines(args, hf_folder(model, tokenizer), model)
     for name, llm in engines.items():
         def run(ids, mask, n, llm=llm):

@@ -76,3 +76,19 @@ def test_greedy_decoding_screens_only_where_the_argmax_is_all_that_is_read(monke
     penalised = model.generate(ids, max_new_tokens=24, do_sample=False, repetition_penalty=1.3)
     assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False, repetition_penalty=1.3), penalised)
     assert calls == []
+
+
+def test_a_plain_greedy_generate_on_the_screened_step_is_generate(monkeypatch):
+    """FusedForward(argmax_only=True), the benchmarks' plain_onednn baseline for greedy decoding, runs the screened
+    head and decodes generate's tokens."""
+    from flashmm.targets.fused import FusedForward
+
+    model = tiny_lm("llama", seed=2)
+    ids = prompt(16, seed=5)
+    calls = []
+    original = ArgmaxHead.__call__
+    monkeypatch.setattr(ArgmaxHead, "__call__", lambda self, x: calls.append(x.shape[0]) or original(self, x))
+    want = model.generate(ids, max_new_tokens=20, do_sample=False)
+    with FusedForward(model, argmax_only=True):
+        got = model.generate(ids, max_new_tokens=20, do_sample=False)
+    assert torch.equal(got, want) and len(calls) >= 19

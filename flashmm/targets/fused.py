@@ -389,11 +389,15 @@ class FusedForward:
     The plain baseline of the benchmarks that separates speculation from the faster step
     (``plain_onednn``) decodes through it, so that baseline and flashmm multiply the same way.
     Calls with other inputs (a prompt's media, embeddings), under autograd or without a cache run the
-    model's own forward (its linears on oneDNN, which itself leaves autograd to ``F.linear``)."""
+    model's own forward (its linears on oneDNN, which itself leaves autograd to ``F.linear``).
+    ``argmax_only``: every call's logits are read by their argmax alone (a greedy ``generate`` without logits
+    processors, nor scores or logits returned): the step screens its LM head as flashmm's greedy verification
+    does (FusedDecoder), so the plain baseline runs the very step flashmm runs."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, argmax_only: bool = False):
         self.model = model
         self.step = fused_step(model)
+        self.argmax_only = argmax_only
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
                 use_cache=True, logits_to_keep=0, output_hidden_states=False, nodes=None, argmax_only=False, **kwargs):
@@ -415,7 +419,8 @@ class FusedForward:
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None].expand(input_ids.shape[0], -1)
         logits, hidden = self.step(input_ids, position_ids, cache, attention_mask, output_hidden_states,
-                                   logits_to_keep if isinstance(logits_to_keep, int) else 0, nodes, argmax_only)
+                                   logits_to_keep if isinstance(logits_to_keep, int) else 0, nodes,
+                                   argmax_only or self.argmax_only)
         named = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"  # < 5.24
         return CausalLMOutputWithPast(logits=logits, hidden_states=hidden, **{named: cache})
 
