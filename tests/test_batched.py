@@ -106,7 +106,7 @@ def test_batched_sampling_exact_per_row():
 def test_batch_width_by_hand():
     """One width for all rows: every row pays for the widest tree, so the width maximises the rows'
     expected tokens per unit of verify time (worked by hand below)."""
-    from flashmm.engine.loop import batch_width
+    from flashmm.engine.pricing import batch_width
     from flashmm.tree.cost import VerifyCost
     from flashmm.tree.draft import Draft
     from flashmm.tree.token_tree import TokenTree
@@ -130,7 +130,7 @@ def test_packed_cuts_against_every_choice_of_counts():
     here with the cost of N nodes over B rows read at N / B nodes a row."""
     import itertools
 
-    from flashmm.engine.loop import packed_cuts
+    from flashmm.engine.pricing import packed_cuts
     from flashmm.tree.cost import VerifyCost
     from flashmm.tree.draft import Draft
     from flashmm.tree.token_tree import TokenTree
@@ -160,7 +160,7 @@ def test_critical_cuts_against_an_enumeration_of_accepted_counts():
     verify their roots alone; a critical row with nothing drafted stops every draft."""
     import itertools
 
-    from flashmm.engine.loop import critical_cuts
+    from flashmm.engine.pricing import critical_cuts
     from flashmm.tree.cost import VerifyCost
     from flashmm.tree.draft import Draft
     from flashmm.tree.token_tree import TokenTree
@@ -219,7 +219,7 @@ def test_prompt_lookup_cut_learns_from_the_tokens_verified():
 def test_cut_drafts_stay_exact(models, monkeypatch):
     """Rows whose lookup drafts are cut to one width (forced to 2 nodes here, whatever the timings)
     still equal the model's own batched generate."""
-    import flashmm.engine.loop
+    import flashmm.engine.pricing
     import flashmm.targets.batch
 
     target, _ = models
@@ -233,9 +233,9 @@ def test_cut_drafts_stay_exact(models, monkeypatch):
         widths.append(tuple(tokens.shape))
         return forward(target, state, tokens, trees, want_hidden, *rest)
 
-    monkeypatch.setattr(flashmm.engine.loop, "batch_width", lambda drafts, cost: 2)
-    monkeypatch.setattr(flashmm.engine.loop, "packed_cuts", lambda drafts, cost: [2] * len(drafts))
-    monkeypatch.setattr(flashmm.engine.loop, "critical_cuts", lambda drafts, critical, cost, packed: None)
+    monkeypatch.setattr(flashmm.engine.pricing, "batch_width", lambda drafts, cost: 2)
+    monkeypatch.setattr(flashmm.engine.pricing, "packed_cuts", lambda drafts, cost: [2] * len(drafts))
+    monkeypatch.setattr(flashmm.engine.pricing, "critical_cuts", lambda drafts, critical, cost, packed: None)
     monkeypatch.setattr(flashmm.targets.batch, "forward_trees", recording)
     sm = flashmm.wrap(target, PromptLookup())
     out = sm.generate(ids, attention_mask=mask, max_new_tokens=25)
@@ -249,7 +249,7 @@ def test_compacting_the_cache_every_step_or_never_is_generate(models, monkeypatc
     """A batch whose rows keep different numbers of tokens per step leaves holes in the cache;
     compacting it after every step (COMPACT_HOLES 0) or never (1) changes no token of the model's own batched
     generate, and holes were there to compact."""
-    import flashmm.engine.loop
+    import flashmm.engine.pricing
     import flashmm.targets.batch as padded
 
     target, _ = models
@@ -264,8 +264,8 @@ def test_compacting_the_cache_every_step_or_never_is_generate(models, monkeypatc
     monkeypatch.setattr(padded, "COMPACT_HOLES", holes)
     monkeypatch.setattr(padded, "compact", counting)
     # drafts priced for throughput, as while rows wait to join, so row 0 drafts alone (a fixed batch's critical
-    # pricing drafts only when every row can gain: flashmm.engine.loop.critical_cuts)
-    monkeypatch.setattr(flashmm.engine.loop, "critical_cuts", lambda drafts, critical, cost, packed: None)
+    # pricing drafts only when every row can gain: flashmm.engine.pricing.critical_cuts)
+    monkeypatch.setattr(flashmm.engine.pricing, "critical_cuts", lambda drafts, critical, cost, packed: None)
     ids, mask = ragged_batch((30, 9, 20))
     ids[0, -24:] = prompt(6, seed=11)[0].repeat(4)  # row 0 repeats itself: its lookup drafts are accepted
     sm = flashmm.wrap(target, PromptLookup())

@@ -20,6 +20,8 @@ product of each token that can be the argmax and the bf16 screen's value everywh
 largest of those products: their argmax is the argmax of the fp32 products, the token the model's own head picks
 (to fp32 rounding, as oneDNN's products already are: flashmm.targets.onednn). Nothing else in them is exact; the
 engine asks for this head only where the argmax is all that is read (flashmm.engine.loop.argmax_suffices).
+It keeps a bf16 copy of the head in oneDNN's layout beside the fp32 weights (57 MB for SmolLM2), made at the first
+greedy step that uses it.
 """
 from __future__ import annotations
 

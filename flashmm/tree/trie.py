@@ -326,7 +326,7 @@ def chain_merged_draft(root: torch.Tensor, paths: list[tuple[int, ...]], path_va
     (j + 1)-th token is accepted (a shared node keeps the larger). The draft's nodes come best first
     (``DraftTrie.ranked``: values capped along paths, every node after its parent) and carry those values
     (``Draft.values``), so that a batch verifying every row's own nodes cuts it to its first nodes at its
-    measured cost (flashmm.engine.loop.packed_cuts); which nodes are drafted does not depend on the values."""
+    measured cost (flashmm.engine.pricing.packed_cuts); which nodes are drafted does not depend on the values."""
     chain = chain[:max_tokens]
     if len(path_values) != len(paths) or len(chain_values) < len(chain):
         raise ValueError(f"{len(paths)} paths and a {len(chain)}-token chain need as many values, got "
