@@ -51,9 +51,9 @@ def test_sampling_draws_what_the_ordinary_path_draws(monkeypatch):
     logits differ from them by fp32 rounding only), so its distribution is the one the verifier tests
     (tests/test_verify_distribution.py) establish for the ordinary path. The batch's drafts are cut to one
     width on both (the fused DynamicCache path would cut each row to its own count, drawing other trees)."""
-    from flashmm.engine import loop
+    from flashmm.engine import pricing
 
-    monkeypatch.setattr(loop, "packed_cuts", lambda drafts, cost: [loop.batch_width(drafts, cost)] * len(drafts))
+    monkeypatch.setattr(pricing, "packed_cuts", lambda drafts, cost: [pricing.batch_width(drafts, cost)] * len(drafts))
     model, ids = tiny_lm("qwen2", seed=1), repetitive_prompt()
     outs = []
     for graphed in (False, True):
