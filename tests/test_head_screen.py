@@ -56,15 +56,21 @@ def test_the_screen_alone_gets_near_ties_wrong():
     assert (screened.argmax(1)[separated] != want[separated]).sum() >= 5
 
 
+def screen_calls(monkeypatch) -> list[int]:
+    """The positions of every screened-head call from now on, one entry a call."""
+    calls = []
+    original = ArgmaxHead.__call__
+    monkeypatch.setattr(ArgmaxHead, "__call__", lambda self, x: calls.append(x.shape[0]) or original(self, x))
+    return calls
+
+
 def test_greedy_decoding_screens_only_where_the_argmax_is_all_that_is_read(monkeypatch):
     """A greedy generate on the fused step verifies through the screened head and is generate's; asked for
     its logits (output_logits) or with a processor (repetition_penalty) it never screens, and the logits it
     returns are the model's own."""
     model = tiny_lm("llama", seed=0)
     ids = prompt(24, seed=4)
-    calls = []
-    original = ArgmaxHead.__call__
-    monkeypatch.setattr(ArgmaxHead, "__call__", lambda self, x: calls.append(x.shape[0]) or original(self, x))
+    calls = screen_calls(monkeypatch)
     sm = flashmm.wrap(model, "prompt_lookup")
     want = model.generate(ids, max_new_tokens=24, do_sample=False)
     assert torch.equal(sm.generate(ids, max_new_tokens=24, do_sample=False), want) and calls
@@ -85,9 +91,7 @@ def test_a_plain_greedy_generate_on_the_screened_step_is_generate(monkeypatch):
 
     model = tiny_lm("llama", seed=2)
     ids = prompt(16, seed=5)
-    calls = []
-    original = ArgmaxHead.__call__
-    monkeypatch.setattr(ArgmaxHead, "__call__", lambda self, x: calls.append(x.shape[0]) or original(self, x))
+    calls = screen_calls(monkeypatch)
     want = model.generate(ids, max_new_tokens=20, do_sample=False)
     with FusedForward(model, argmax_only=True):
         got = model.generate(ids, max_new_tokens=20, do_sample=False)

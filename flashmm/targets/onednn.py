@@ -120,11 +120,17 @@ def packed_bf16_weight(layer: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tens
     return hit[1]
 
 
+def _own_linear(layer: torch.nn.Linear, x: torch.Tensor) -> bool:
+    """Whether ``layer``'s product must be ``F.linear``'s: under autograd (oneDNN's op has no backward), under
+    autocast (which only ``F.linear`` sees) or for an input of another dtype."""
+    return x.dtype != layer.weight.dtype or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
+
+
 def _onednn_bf16_linear(layer: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None,
                         x: torch.Tensor) -> torch.Tensor:
     """x [..., in] fp32 → [..., out] fp32: ``layer``'s product computed in bfloat16 by oneDNN (weight, bias:
     ``packed_bf16_weight(layer)``); autograd, autocast and other dtypes take ``F.linear`` (as _onednn_linear)."""
-    if x.dtype != layer.weight.dtype or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+    if _own_linear(layer, x):
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
@@ -137,7 +143,7 @@ def _onednn_linear(layer: torch.nn.Linear, weight: torch.Tensor, x: torch.Tensor
 
     Falls back to ``F.linear`` where oneDNN's op would change behaviour: autograd (the op has
     no backward), autocast (which only ``F.linear`` sees) and inputs of another dtype."""
-    if x.dtype != layer.weight.dtype or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+    if _own_linear(layer, x):
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(rows, weight, layer.bias, "none", [], "")
