@@ -265,7 +265,8 @@ class FusedDecoder:
             hidden[-1] = _unpacked(x, real, batch * n).view(batch, n, width)
         if logits_to_keep:
             x = x.view(batch, n, width)[:, -logits_to_keep:].reshape(-1, width)
-        product = self.argmax_head(x) if argmax_only and self.argmax_head is not None else _linear(x, self.head)
+        screened = self.argmax_head if argmax_only else None
+        product = screened(x) if screened is not None else _linear(x, self.head)
         logits = _unpacked(product, real, batch * n).view(batch, -1, self.head_rows)
         return logits, (tuple(hidden) if hidden is not None else None)
 

@@ -53,8 +53,9 @@ class ArgmaxHead:
         the exact product)."""
         rounded = x.to(torch.bfloat16)
         logits = torch.ops.mkldnn._linear_pointwise(rounded, self.screen, None, "none", [], "").float()
+        wide = rounded.float()
         size = x.norm(dim=1, keepdim=True)                                       # |x|        [N, 1]
-        off = (x - rounded.float()).norm(dim=1, keepdim=True) + self.accumulation * rounded.float().norm(dim=1, keepdim=True)
+        off = (x - wide).norm(dim=1, keepdim=True) + self.accumulation * wide.norm(dim=1, keepdim=True)
         bound = logits.abs().mul_(2.0 ** -8).addcmul_(size, self.rounding[None]).addcmul_(off, self.norm[None])
         return logits, bound.mul_(MARGIN).add_(1e-6)
 
