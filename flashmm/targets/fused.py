@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..kernels import blocks as block_kernel
 from . import cache as kv
 from .graphs import padded_causal
 from .head_screen import ArgmaxHead
@@ -66,7 +68,7 @@ CALL_SLOTS = 256
 #: what each further query position of a row costs an attention call, in units of its first (``query_runs``):
 #: SmolLM2's grouped heads folded, 4 rows over 504 slots, 122 / 136 / 180 us for 1 / 2 / 4 positions a row
 QUERY_WEIGHT = 0.15
-_STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def supports(model: torch.nn.Module, layout) -> str | None:
@@ -113,8 +115,30 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] → [M, out]: ``weight`` a oneDNN-packed tensor, or a Weight (its 4-bit block codes for up to
+    block_kernel.MAX_ROWS rows, its packed tensor for more)."""
+    if isinstance(weight, Weight):
+        if weight.blocks is not None and x.shape[0] <= block_kernel.MAX_ROWS:
+            return block_kernel.linear(x, weight.blocks, bias)
+        weight = weight.packed
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A layer weight of the fused step: packed for oneDNN, and its exact 4-bit block codes when the fp32
+    values are a dequantised 4-bit quantisation (flashmm.kernels.blocks; else None)."""
+    packed: torch.Tensor
+    blocks: "block_kernel.BlockWeight | None"
+
+
+def _weight(weight: torch.Tensor, packed: torch.Tensor | None, blocks: bool) -> "Weight | torch.Tensor":
+    """The fused step's form of ``weight`` [out, in] (``packed``: its oneDNN packing when already made): a
+    Weight with its block codes when ``blocks`` and the values are 4-bit blocks, else the packed tensor."""
+    packed = _pack(weight) if packed is None else packed
+    codes = block_kernel.encode(weight) if blocks else None
+    return packed if codes is None else Weight(packed, codes)
 
 
 def _unpacked(packed: torch.Tensor, real: torch.Tensor | None, rows: int) -> torch.Tensor:
@@ -158,7 +182,7 @@ class FusedDecoder:
     """A Llama-family causal LM's forward (``supports``) on packed, fused weights: called like the model
     with a DynamicCache, it returns (logits, hidden states) as the model's forward would."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, blocks: bool = True):
         decoder, head, config = parts(model)
         self.rotary = decoder.rotary_emb
         self.embed = decoder.embed_tokens
@@ -168,7 +192,11 @@ class FusedDecoder:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = first.head_dim
         self.scaling = first.scaling
-        self.layers = [self._layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
+        encode = blocks and block_kernel.unavailable() is None
+        self.layers = [self._layer(layer, encode) for layer in decoder.layers[: config.num_hidden_layers]]
+        #: whether some layer weights multiply from their 4-bit block codes (dequantised 4-bit blocks, the
+        #: ``blocks`` argument and a CPU the kernel runs on: flashmm.kernels.blocks)
+        self.blocks = any(isinstance(weight, Weight) for layer in self.layers for weight in layer)
         self.head = packed_weight(head)  # shared with OneDNNLinears' routing
         self.head_rows = head.weight.shape[0]
         self._head_weight = head.weight
@@ -183,7 +211,7 @@ class FusedDecoder:
         return self._argmax_head
 
     @staticmethod
-    def _layer(layer) -> tuple:
+    def _layer(layer, blocks: bool) -> tuple:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         qkv_bias = None
@@ -193,10 +221,11 @@ class FusedDecoder:
         qk_norm = (attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight, attn.k_norm.variance_epsilon) \
             if hasattr(attn, "q_norm") else None
         return (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                _pack(torch.cat([p.weight for p in projections])), qkv_bias, qk_norm,
-                packed_weight(attn.o_proj), attn.o_proj.bias,
+                _weight(torch.cat([p.weight for p in projections]), None, blocks), qkv_bias, qk_norm,
+                _weight(attn.o_proj.weight, packed_weight(attn.o_proj), blocks), attn.o_proj.bias,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                _pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), packed_weight(mlp.down_proj))
+                _weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, blocks),
+                _weight(mlp.down_proj.weight, packed_weight(mlp.down_proj), blocks))
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, attention_mask=None,
@@ -373,15 +402,16 @@ def _weights_key(params: list[torch.Tensor]) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in params)
 
 
-def fused_step(model: torch.nn.Module) -> "FusedDecoder":
-    """``model``'s FusedDecoder, built once (its weights packed) and kept while the model lives, until one of
-    its weights is changed in place or given new storage (load_state_dict, an optimizer step, ``.to``;
-    checked every call on the parameters it was built from). The caller has checked ``supports``."""
-    hit = _STEPS.get(model)
+def fused_step(model: torch.nn.Module, blocks: bool = True) -> "FusedDecoder":
+    """``model``'s FusedDecoder (``blocks``: FusedDecoder's), built once (its weights packed) and kept while the
+    model lives, until one of its weights is changed in place or given new storage (load_state_dict, an
+    optimizer step, ``.to``; checked every call on the parameters it was built from). The caller has checked
+    ``supports``."""
+    hit = _STEPS.get(model, {}).get(blocks)
     if hit is None or hit[0] != _weights_key(hit[1]):
         params = list(model.parameters())
-        hit = (_weights_key(params), params, FusedDecoder(model))
-        _STEPS[model] = hit
+        hit = (_weights_key(params), params, FusedDecoder(model, blocks))
+        _STEPS.setdefault(model, {})[blocks] = hit
     return hit[2]
 
 
@@ -393,11 +423,12 @@ class FusedForward:
     model's own forward (its linears on oneDNN, which itself leaves autograd to ``F.linear``).
     ``argmax_only``: every call's logits are read by their argmax alone (a greedy ``generate`` without logits
     processors, nor scores or logits returned): the step screens its LM head as flashmm's greedy verification
-    does (FusedDecoder), so the plain baseline runs the very step flashmm runs."""
+    does (FusedDecoder), so the plain baseline runs the very step flashmm runs. ``blocks``: FusedDecoder's (layer
+    weights that are dequantised 4-bit blocks multiply from their codes, as flashmm's verification does)."""
 
-    def __init__(self, model: torch.nn.Module, argmax_only: bool = False):
+    def __init__(self, model: torch.nn.Module, argmax_only: bool = False, blocks: bool = True):
         self.model = model
-        self.step = fused_step(model)
+        self.step = fused_step(model, blocks)
         self.argmax_only = argmax_only
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,

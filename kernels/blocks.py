@@ -1,0 +1,137 @@
+"""Exact 4-bit block weights on a CPU: the linear layers of a model whose fp32 weights are a 4-bit
+quantisation, dequantised (a GGUF's Q4_1 tensors as transformers loads them), multiplied from their
+4-bit codes instead of their fp32 values.
+
+transformers reads a GGUF by dequantising it: SmolLM2-135M-Instruct.Q4_1 becomes 540 MB of fp32 weights
+whose every block of 32 consecutive values in a row is ``d * q + m`` (q = 0..15; d, m per block). Those
+fp32 values are the model: flashmm keeps them exactly. ``encode`` recovers (q, d, m) from the fp32 tensor
+and accepts it only when ``d * q + m`` computed in fp32 gives back every value bit for bit; the kernel
+(kernels/blocks_cpu.cpp) rebuilds each weight that way, in registers, and multiplies in fp32. The products
+differ from oneDNN's as two fp32 summation orders do, and a step reads 5 bits a weight instead of 32:
+SmolLM2's 210 layer weights, measured on the 2-core EPYC, multiply one row in ~5 ms against oneDNN's
+22.6 ms (``eval/results/blocks_linear.md``).
+
+The kernel is C++ compiled on first use (torch.utils.cpp_extension, ~25 s) for this machine's CPU and kept
+under ``cache_dir()/kernels``; it needs AVX-512 (``unavailable`` says why it cannot run, and the fused step
+then multiplies with oneDNN as before).
+"""
+from __future__ import annotations
+
+import hashlib
+import platform
+import shutil
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+#: 32 consecutive weights of a row share a scale and a minimum (GGUF's Q4_1 block)
+BLOCK = 32
+#: rows of the weight the kernel expands together (16 fp32 lanes of AVX-512)
+GROUP = 16
+#: the most rows of input the kernel multiplies; more go to oneDNN's fp32 matmul, which is faster there
+#: (SmolLM2's layer weights on the 2-core EPYC, eval/results/blocks_linear.md)
+MAX_ROWS = 16
+_SOURCE = Path(__file__).with_name("blocks_cpu.cpp")
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A weight [out, in] as its 4-bit codes (kernels/blocks_cpu.cpp's layout): codes uint8
+    [out / 16, in / 32, 16, 16], scale and low fp32 [out / 16, in / 32, 16]."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0] * GROUP, self.codes.shape[1] * BLOCK
+
+
+def unavailable() -> str | None:
+    """Why the block kernel cannot run here (a phrase), None when it can."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"it is written for x86-64 (this is {platform.machine()})"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+        return f"it needs AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if missing:
+        return f"compiling it needs {' and '.join(missing)} on the PATH"
+    return None
+
+
+def encode(weight: torch.Tensor) -> BlockWeight | None:
+    """weight [out, in] fp32 → its BlockWeight when every block of 32 values in a row is exactly
+    ``d * q + m`` in fp32 (q = 0..15; the block's minimum m taken by some q = 0, d a float16 near
+    (max − min) / 15, as llama.cpp's Q4_1 quantiser writes them), else None. Exact by construction:
+    the codes are kept only when rebuilding every value gives the tensor back bit for bit."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[0] % GROUP or weight.shape[1] % BLOCK:
+        return None
+    weight = weight.detach()
+    if _codes(weight[:GROUP]) is None:  # most tensors that are not 4-bit blocks fail on their first rows
+        return None
+    found = _codes(weight)
+    if found is None:
+        return None
+    q, scale, low = found                                                   # [N, K/32, 32], [N, K/32] x 2
+    rows, blocks = scale.shape
+    q = q.view(rows // GROUP, GROUP, blocks, BLOCK).permute(0, 2, 3, 1)     # [g, b, t, l]
+    codes = (q[:, :, :16] | (q[:, :, 16:] << 4)).contiguous()              # [g, b, j, l]
+    regroup = lambda t: t.view(rows // GROUP, GROUP, blocks).transpose(1, 2).contiguous()  # noqa: E731
+    return BlockWeight(codes, regroup(scale), regroup(low))
+
+
+def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q uint8 [N, K/32, 32], d, m fp32 [N, K/32]) rebuilding ``weight`` exactly, or None."""
+    rows, cols = weight.shape
+    values = weight.view(rows, cols // BLOCK, BLOCK)
+    low = values.amin(-1, keepdim=True)
+    span = values.amax(-1, keepdim=True) - low
+    nearest = (span / 15).half()
+    q = torch.zeros(values.shape, dtype=torch.uint8)
+    scale = torch.zeros_like(low)
+    done = span == 0                                                        # constant blocks: q = 0
+    for step in (0, 1, -1, 2, -2):                                          # float16 neighbours of span / 15
+        if bool(done.all()):
+            break
+        d = (nearest.view(torch.int16) + step).view(torch.float16).float() if step else nearest.float()
+        d = torch.where(d > 0, d, torch.ones_like(d))
+        codes = torch.round((values - low) / d).clamp_(0, 15)
+        good = ((d * codes + low) == values).all(-1, keepdim=True) & ~done  # d * codes is exact: one rounding
+        q = torch.where(good, codes.to(torch.uint8), q)
+        scale = torch.where(good, d, scale)
+        done |= good
+    if not bool(done.all()):
+        return None
+    return q, scale[..., 0], low[..., 0]
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    from torch.utils.cpp_extension import load  # noqa: PLC0415 (imports setuptools; only when a model needs it)
+
+    from flashmm.paths import cache_dir  # noqa: PLC0415
+
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + torch.__version__.encode() + platform.processor().encode()
+                         + torch.backends.cpu.get_cpu_capability().encode()).hexdigest()[:16]
+    build = cache_dir() / "kernels" / f"blocks-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    return load(f"flashmm_blocks_{key}", [str(_SOURCE)], build_directory=str(build),
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] fp32 → x Wᵀ + bias [M, out], W the fp32 weight ``weight`` encodes (its exact values)."""
+    return _kernel().q4_linear(x.contiguous(), weight.codes, weight.scale, weight.low, bias)
+
+
+def reconstruct(weight: BlockWeight) -> torch.Tensor:
+    """The fp32 weight [out, in] ``weight`` encodes, rebuilt in PyTorch as the kernel rebuilds it."""
+    codes = weight.codes.to(torch.int32)
+    q = torch.cat([codes & 15, codes >> 4], dim=2).float()                  # [g, b, t, l]
+    values = weight.scale[:, :, None] * q + weight.low[:, :, None]  # [g, b, 1, l] against [g, b, t, l]
+    out, cols = weight.shape
+    return values.permute(0, 3, 1, 2).reshape(out, cols)

@@ -1,0 +1,86 @@
+"""Exact 4-bit block weights (flashmm.kernels.blocks): recovered bit for bit from a GGUF Q4_1 dequantisation
+(gguf-py's own quantiser, as transformers reads a GGUF), multiplied to fp32 rounding of a float64 product, and
+greedy decoding on them is the model's own ``generate``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashmm
+from flashmm.drafters import DraftModel, PromptLookup
+from flashmm.kernels import blocks
+from flashmm.targets import fused
+from flashmm.targets.onednn import onednn_available
+
+from text_models import prompt, ragged_batch, tiny_lm
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(blocks.unavailable() is not None or not onednn_available(),
+                                reason=f"the block kernel cannot run here: {blocks.unavailable()}")
+
+
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` through gguf-py's Q4_1 quantiser and dequantiser (what transformers loads from a GGUF)."""
+    kind = gguf.GGMLQuantizationType.Q4_1
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), kind), kind).copy())
+
+
+def quantised(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every decoder-layer linear weight replaced by its Q4_1 dequantisation."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for linear in (*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                           *(getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))):
+                linear.weight.copy_(q4_1(linear.weight))
+    return model
+
+
+def test_a_dequantised_q4_1_weight_is_recovered_bit_for_bit():
+    torch.manual_seed(0)
+    weight = q4_1(torch.randn(96, 160))
+    codes = blocks.encode(weight)
+    assert codes is not None and codes.shape == (96, 160)
+    assert torch.equal(blocks.reconstruct(codes), weight)
+    nudged = weight.clone()
+    nudged[40, 77] = torch.nextafter(nudged[40, 77], torch.tensor(float("inf")))  # one ulp off a block
+    assert blocks.encode(nudged) is None
+    assert blocks.encode(torch.randn(96, 160)) is None                              # fp32 weights are not blocks
+    assert blocks.encode(q4_1(torch.randn(40, 64))) is None                         # rows not a multiple of 16
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_the_block_product_is_the_float64_product_to_fp32_rounding(rows):
+    torch.manual_seed(rows)
+    weight, bias = q4_1(torch.randn(48, 192)), torch.randn(48)
+    x = torch.randn(rows, 192)
+    out = blocks.linear(x, blocks.encode(weight), bias)
+    exact = x.double() @ weight.double().T + bias.double()
+    bound = (x.abs().double() @ weight.abs().double().T + bias.abs().double()) * 192 * 2.0 ** -24
+    assert out.shape == (rows, 48) and bool(((out.double() - exact).abs() <= bound).all())
+    wrong = weight.clone()
+    wrong[:, :16], wrong[:, 16:32] = weight[:, 16:32], weight[:, :16]  # the two nibbles of each code swapped
+    assert not bool(((x.double() @ wrong.double().T + bias.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_on_block_weights_is_generate(arch, monkeypatch):
+    """A fused target whose layer weights are Q4_1 blocks verifies on the block kernel; one row and a ragged
+    batch of three decode exactly the model's own (batched) ``generate``."""
+    model, draft = quantised(tiny_lm(arch)), tiny_lm(arch, seed=5)
+    assert fused.fused_step(model).blocks
+    calls = []
+    original = blocks.linear
+    monkeypatch.setattr(blocks, "linear", lambda *args: calls.append(args[0].shape[0]) or original(*args))
+    ids = prompt(40, seed=3)
+    reference = model.generate(ids, do_sample=False, max_new_tokens=24)
+    batch, attention = ragged_batch()
+    batch_reference = model.generate(batch, attention_mask=attention, do_sample=False, max_new_tokens=20)
+    for drafter in (PromptLookup(), DraftModel(draft, max_draft_tokens=4, tree_width=2, adaptive=False)):
+        sm = flashmm.wrap(model, drafter, linear="onednn")
+        calls.clear()
+        assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)
+        assert torch.equal(sm.generate(batch, attention_mask=attention, max_new_tokens=20), batch_reference)
+        assert calls and max(calls) <= blocks.MAX_ROWS
+    with fused.FusedForward(model, blocks=False):
+        assert not fused.fused_step(model, blocks=False).blocks
+        assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=24), reference)
