@@ -30,19 +30,20 @@ import torch
 BLOCK = 32
 #: rows of the weight the kernel expands together (16 fp32 lanes of AVX-512)
 GROUP = 16
-#: the most rows of input the kernel multiplies; more go to oneDNN's fp32 matmul, which is faster there
-#: (SmolLM2's layer weights on the 2-core EPYC, eval/results/blocks_linear.md)
-MAX_ROWS = 16
+#: the most rows of input the kernel multiplies; more go to oneDNN's fp32 matmul, which is as fast from about
+#: 90 rows on (SmolLM2's layer weights on the 2-core EPYC, eval/results/blocks_linear.md)
+MAX_ROWS = 64
 _SOURCE = Path(__file__).with_name("blocks_cpu.cpp")
 
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A weight [out, in] as its 4-bit codes (kernels/blocks_cpu.cpp's layout): codes uint8
-    [out / 16, in / 32, 16, 16], scale and low fp32 [out / 16, in / 32, 16]."""
+    """A weight [out, in] as its block codes (kernels/blocks_cpu.cpp's layout). 4-bit: codes uint8
+    [out / 16, in / 32, 16, 16], scale and low fp32 [out / 16, in / 32, 16]; 8-bit: codes int8
+    [out / 16, in / 32, 32, 16], scale, low None."""
     codes: torch.Tensor
     scale: torch.Tensor
-    low: torch.Tensor
+    low: torch.Tensor | None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,23 +64,38 @@ def unavailable() -> str | None:
 
 def encode(weight: torch.Tensor) -> BlockWeight | None:
     """weight [out, in] fp32 → its BlockWeight when every block of 32 values in a row is exactly
-    ``d * q + m`` in fp32 (q = 0..15; the block's minimum m taken by some q = 0, d a float16 near
-    (max − min) / 15, as llama.cpp's Q4_1 quantiser writes them), else None. Exact by construction:
-    the codes are kept only when rebuilding every value gives the tensor back bit for bit."""
+    ``d * q + m`` in fp32 (4-bit: q = 0..15; the block's minimum m taken by some q = 0, d a float16 near
+    (max − min) / 15, as llama.cpp's Q4_1 quantiser writes them) or exactly ``d * q`` (8-bit: q = −128..127,
+    the largest magnitude at |q| = 127, Q8_0), else None. Exact by construction: the codes are kept only when
+    rebuilding every value gives the tensor back bit for bit."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[0] % GROUP or weight.shape[1] % BLOCK:
         return None
     weight = weight.detach()
-    if _codes(weight[:GROUP]) is None:  # most tensors that are not 4-bit blocks fail on their first rows
-        return None
-    found = _codes(weight)
-    if found is None:
-        return None
-    q, scale, low = found                                                   # [N, K/32, 32], [N, K/32] x 2
-    rows, blocks = scale.shape
-    q = q.view(rows // GROUP, GROUP, blocks, BLOCK).permute(0, 2, 3, 1)     # [g, b, t, l]
-    codes = (q[:, :, :16] | (q[:, :, 16:] << 4)).contiguous()              # [g, b, j, l]
+    rows, blocks = weight.shape[0], weight.shape[1] // BLOCK
     regroup = lambda t: t.view(rows // GROUP, GROUP, blocks).transpose(1, 2).contiguous()  # noqa: E731
-    return BlockWeight(codes, regroup(scale), regroup(low))
+    # most tensors that are not blocks fail on their first rows
+    if _codes(weight[:GROUP]) is not None and (found := _codes(weight)) is not None:
+        q, scale, low = found                                                # [N, K/32, 32], [N, K/32] x 2
+        q = q.view(rows // GROUP, GROUP, blocks, BLOCK).permute(0, 2, 3, 1)  # [g, b, t, l]
+        codes = (q[:, :, :16] | (q[:, :, 16:] << 4)).contiguous()           # [g, b, j, l]
+        return BlockWeight(codes, regroup(scale), regroup(low))
+    if _codes8(weight[:GROUP]) is not None and (found := _codes8(weight)) is not None:
+        q, scale = found
+        codes = q.view(rows // GROUP, GROUP, blocks, BLOCK).permute(0, 2, 3, 1).contiguous()  # [g, b, t, l]
+        return BlockWeight(codes, regroup(scale), None)
+    return None
+
+
+def _codes8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q int8 [N, K/32, 32], d fp32 [N, K/32]) with d * q == ``weight`` exactly, or None."""
+    rows, cols = weight.shape
+    values = weight.view(rows, cols // BLOCK, BLOCK)
+    scale = values.abs().amax(-1, keepdim=True) / 127       # exact where the largest value is d * ±127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(values / safe).clamp_(-128, 127)
+    if not bool((safe * q == values).all()):
+        return None
+    return q.to(torch.int8), scale[..., 0]
 
 
 def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -125,13 +141,17 @@ def _kernel():
 
 def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] fp32 → x Wᵀ + bias [M, out], W the fp32 weight ``weight`` encodes (its exact values)."""
-    return _kernel().q4_linear(x.contiguous(), weight.codes, weight.scale, weight.low, bias)
+    low = weight.low if weight.low is not None else weight.scale.new_empty(0)
+    return _kernel().block_linear(x.contiguous(), weight.codes, weight.scale, low, bias)
 
 
 def reconstruct(weight: BlockWeight) -> torch.Tensor:
     """The fp32 weight [out, in] ``weight`` encodes, rebuilt in PyTorch as the kernel rebuilds it."""
     codes = weight.codes.to(torch.int32)
-    q = torch.cat([codes & 15, codes >> 4], dim=2).float()                  # [g, b, t, l]
-    values = weight.scale[:, :, None] * q + weight.low[:, :, None]  # [g, b, 1, l] against [g, b, t, l]
+    if weight.low is None:                                                  # 8-bit: d * q
+        values = weight.scale[:, :, None] * codes.float()
+    else:                                                                   # 4-bit: d * q + m
+        q = torch.cat([codes & 15, codes >> 4], dim=2).float()              # [g, b, t, l]
+        values = weight.scale[:, :, None] * q + weight.low[:, :, None]      # [g, b, 1, l] against [g, b, t, l]
     out, cols = weight.shape
     return values.permute(0, 3, 1, 2).reshape(out, cols)

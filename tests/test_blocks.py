@@ -26,8 +26,10 @@ def q4_1(weight: torch.Tensor) -> torch.Tensor:
 
 
 def quantised(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every decoder-layer linear weight replaced by its Q4_1 dequantisation."""
+    """``model`` with every decoder-layer linear weight replaced by its Q4_1 dequantisation, its LM head by its
+    Q8_0 one (SmolLM2's GGUF has these types)."""
     with torch.no_grad():
+        model.lm_head.weight.copy_(q8_0(model.lm_head.weight))
         for layer in model.model.layers:
             for linear in (*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
                            *(getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))):
@@ -67,7 +69,8 @@ def test_greedy_on_block_weights_is_generate(arch, monkeypatch):
     """A fused target whose layer weights are Q4_1 blocks verifies on the block kernel; one row and a ragged
     batch of three decode exactly the model's own (batched) ``generate``."""
     model, draft = quantised(tiny_lm(arch)), tiny_lm(arch, seed=5)
-    assert fused.fused_step(model).blocks
+    step = fused.fused_step(model)
+    assert step.blocks and isinstance(step.head, fused.Weight) and step.argmax_head is None
     calls = []
     original = blocks.linear
     monkeypatch.setattr(blocks, "linear", lambda *args: calls.append(args[0].shape[0]) or original(*args))
@@ -84,3 +87,25 @@ def test_greedy_on_block_weights_is_generate(arch, monkeypatch):
     with fused.FusedForward(model, blocks=False):
         assert not fused.fused_step(model, blocks=False).blocks
         assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=24), reference)
+
+
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    kind = gguf.GGMLQuantizationType.Q8_0
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), kind), kind).copy())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_an_8_bit_block_weight_is_recovered_and_multiplied_exactly(rows):
+    """A Q8_0 dequantisation (an LM head's usual type) is recovered bit for bit, one ulp off is refused, and
+    its product is the float64 product to fp32 rounding."""
+    torch.manual_seed(rows)
+    weight = q8_0(torch.randn(64, 96))
+    codes = blocks.encode(weight)
+    assert codes is not None and codes.low is None and torch.equal(blocks.reconstruct(codes), weight)
+    nudged = weight.clone()
+    nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(float("inf")))
+    assert blocks.encode(nudged) is None
+    x = torch.randn(rows, 96)
+    exact = x.double() @ weight.double().T
+    bound = (x.abs().double() @ weight.abs().double().T) * 96 * 2.0 ** -24
+    assert bool(((blocks.linear(x, codes).double() - exact).abs() <= bound).all())

@@ -127,15 +127,15 @@ def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
 
 @dataclass(frozen=True)
 class Weight:
-    """A layer weight of the fused step: packed for oneDNN, and its exact 4-bit block codes when the fp32
-    values are a dequantised 4-bit quantisation (flashmm.kernels.blocks; else None)."""
+    """A weight of the fused step: packed for oneDNN, and its exact block codes when the fp32 values are a
+    dequantised 4-bit or 8-bit block quantisation (flashmm.kernels.blocks)."""
     packed: torch.Tensor
     blocks: "block_kernel.BlockWeight | None"
 
 
 def _weight(weight: torch.Tensor, packed: torch.Tensor | None, blocks: bool) -> "Weight | torch.Tensor":
     """The fused step's form of ``weight`` [out, in] (``packed``: its oneDNN packing when already made): a
-    Weight with its block codes when ``blocks`` and the values are 4-bit blocks, else the packed tensor."""
+    Weight with its block codes when ``blocks`` and the values are blocks, else the packed tensor."""
     packed = _pack(weight) if packed is None else packed
     codes = block_kernel.encode(weight) if blocks else None
     return packed if codes is None else Weight(packed, codes)
@@ -194,10 +194,10 @@ class FusedDecoder:
         self.scaling = first.scaling
         encode = blocks and block_kernel.unavailable() is None
         self.layers = [self._layer(layer, encode) for layer in decoder.layers[: config.num_hidden_layers]]
-        #: whether some layer weights multiply from their 4-bit block codes (dequantised 4-bit blocks, the
+        self.head = _weight(head.weight, packed_weight(head), encode)  # packed: shared with OneDNNLinears' routing
+        #: whether some weights multiply from their block codes (dequantised 4-bit or 8-bit blocks, the
         #: ``blocks`` argument and a CPU the kernel runs on: flashmm.kernels.blocks)
-        self.blocks = any(isinstance(weight, Weight) for layer in self.layers for weight in layer)
-        self.head = packed_weight(head)  # shared with OneDNNLinears' routing
+        self.blocks = any(isinstance(weight, Weight) for layer in self.layers for weight in (*layer, self.head))
         self.head_rows = head.weight.shape[0]
         self._head_weight = head.weight
         self._argmax_head = None
@@ -205,8 +205,8 @@ class FusedDecoder:
     @property
     def argmax_head(self) -> "ArgmaxHead | None":
         """The screened LM head (flashmm.targets.head_screen), made at its first use; None where oneDNN has no
-        bf16 kernels."""
-        if self._argmax_head is None and bf16_kernels():
+        bf16 kernels, or where the head multiplies from block codes (exact, and reading fewer bytes)."""
+        if self._argmax_head is None and bf16_kernels() and not isinstance(self.head, Weight):
             self._argmax_head = ArgmaxHead(self._head_weight)
         return self._argmax_head
 
