@@ -130,7 +130,8 @@ def _kernel():
     from flashmm.paths import cache_dir  # noqa: PLC0415
 
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + platform.processor().encode()
+    # built against this torch installation for this CPU: another environment's torch builds its own
+    key = hashlib.sha256(source + torch.__version__.encode() + torch.__file__.encode() + platform.processor().encode()
                          + torch.backends.cpu.get_cpu_capability().encode()).hexdigest()[:16]
     build = cache_dir() / "kernels" / f"blocks-{key}"
     build.mkdir(parents=True, exist_ok=True)
@@ -143,6 +144,31 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = Non
     """x [M, in] fp32 → x Wᵀ + bias [M, out], W the fp32 weight ``weight`` encodes (its exact values)."""
     low = weight.low if weight.low is not None else weight.scale.new_empty(0)
     return _kernel().block_linear(x.contiguous(), weight.codes, weight.scale, low, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, D] fp32 → its rows' RMSNorm (``torch.rms_norm``'s, to fp32 rounding), in one pass."""
+    return _kernel().rms_norm(x.contiguous(), weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its rows' RMSNorm): a residual step and the norm after it, x and delta [M, D] fp32."""
+    return _kernel().add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
+
+
+def silu_mul(gated: torch.Tensor) -> torch.Tensor:
+    """gated [M, 2F] = [gate | up] fp32 → silu(gate) * up [M, F]."""
+    return _kernel().silu_mul(gated.contiguous())
+
+
+def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                room: tuple[torch.Tensor, torch.Tensor], length: int) -> torch.Tensor:
+    """One step's rotary embeddings and cache write: qkv [B * n, (heads + 2 kv_heads) * D] fp32 (q, k, v heads in
+    turn), cos / sin [B, n, 1 or absent, D] (the model's rotary_emb's) → q [B, heads, n, D] rotated, the rotated
+    keys and the values written into ``room`` (keys, values) [B, kv_heads, capacity, D] at rows length .. + n."""
+    batch, n, dim = cos.shape[0], cos.shape[1], cos.shape[-1]
+    return _kernel().rope_append(qkv.contiguous(), cos.reshape(batch, n, dim), sin.reshape(batch, n, dim),
+                                 heads, kv_heads, room, length)
 
 
 def reconstruct(weight: BlockWeight) -> torch.Tensor:

@@ -141,6 +141,22 @@ def _weight(weight: torch.Tensor, packed: torch.Tensor | None, blocks: bool) -> 
     return packed if codes is None else Weight(packed, codes)
 
 
+def _torch_add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
+    x = x + delta
+    return x, F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _torch_silu_mul(gated: torch.Tensor) -> torch.Tensor:
+    return F.silu(gated[:, : gated.shape[1] // 2]) * gated[:, gated.shape[1] // 2:]
+
+
+#: (RMSNorm, residual add + RMSNorm, SiLU gate) between the matmuls of a step, by whether the step multiplies
+#: block codes: then its compiled kernel is loaded and these run there, one pass each instead of torch's
+#: several small ops (flashmm.kernels.blocks)
+_SMALL_STEPS = {False: (lambda x, weight, eps: F.rms_norm(x, (x.shape[-1],), weight, eps), _torch_add_norm, _torch_silu_mul),
+                True: (block_kernel.rms_norm, block_kernel.add_rms_norm, block_kernel.silu_mul)}
+
+
 def _unpacked(packed: torch.Tensor, real: torch.Tensor | None, rows: int) -> torch.Tensor:
     """packed [N, k], the values at positions ``real`` of ``rows`` → [rows, k], zeros elsewhere (as given
     when nothing was packed)."""
@@ -151,8 +167,19 @@ def _unpacked(packed: torch.Tensor, real: torch.Tensor | None, rows: int) -> tor
 
 def append(cache, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Write one forward's keys / values [B, H, n, D] after layer ``index``'s cached rows and return all of
-    its rows. The rows live in room preallocated behind the layer's tensors (``keys`` is a view of its
-    first rows); when the layer's tensors are not that view (someone replaced them: the model's own
+    its rows (``reserve``'s room)."""
+    room, length = reserve(cache, index, keys)
+    room[0][:, :, length:length + keys.shape[2]] = keys
+    room[1][:, :, length:length + keys.shape[2]] = values
+    layer = cache.layers[index]
+    return layer.keys, layer.values
+
+
+def reserve(cache, index: int, keys: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """Make layer ``index``'s keys / values views of its first rows and n more, n new rows shaped as ``keys``
+    [B, H, n, D] (only its shape, dtype and device are read): (the room (keys, values) [B, H, capacity, D],
+    the cached row count the caller writes the new rows after). The rows live in room preallocated behind the
+    layer's tensors; when the layer's tensors are not that view (someone replaced them: the model's own
     forward, a row selection) or the room is full, the room is allocated again and the rows copied once."""
     while len(cache.layers) <= index:
         cache.layers.append(cache.layer_class_to_replicate())
@@ -166,16 +193,14 @@ def append(cache, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple
     if not fits:
         capacity = -(-(need + ROOM_BLOCK) // ROOM_BLOCK) * ROOM_BLOCK
         shape = (*keys.shape[:2], capacity, keys.shape[3])
-        room = (keys.new_empty(shape), values.new_empty(shape))
+        room = (keys.new_empty(shape), keys.new_empty(shape))
         if held is not None:
             room[0][:, :, :length] = held
             room[1][:, :, :length] = layer.values
         layer.room = room
-    room[0][:, :, length:need] = keys
-    room[1][:, :, length:need] = values
     layer.keys, layer.values = room[0][:, :, :need], room[1][:, :, :need]
     layer.is_initialized = True
-    return layer.keys, layer.values
+    return room, length
 
 
 class FusedDecoder:
@@ -265,16 +290,23 @@ class FusedDecoder:
         x = x.reshape(batch * n, width)
         if real is not None:
             x = x[real]                                                    # [N, width]: the real positions
-        for index, (norm1, eps1, qkv_w, qkv_b, qk_norm, o_w, o_b, norm2, eps2, gate_up, down) in enumerate(self.layers):
-            qkv = _unpacked(_linear(F.rms_norm(x, (width,), norm1, eps1), qkv_w, qkv_b), real, batch * n)
-            qkv = qkv.view(batch, n, heads + 2 * kv_heads, dim)
-            qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads:]
-            if qk_norm is not None:
-                qk = torch.cat([F.rms_norm(qk[:, :, :heads], (dim,), qk_norm[0], qk_norm[1]),
-                                F.rms_norm(qk[:, :, heads:], (dim,), qk_norm[2], qk_norm[3])], dim=2)
-            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
-            q = qk[:, :, :heads].transpose(1, 2)
-            keys, values = append(cache, index, qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2))
+        norm, add_norm, silu_mul = _SMALL_STEPS[self.blocks]
+        normed = norm(x, *self.layers[0][:2]) if self.layers else None
+        for index, (_, _, qkv_w, qkv_b, qk_norm, o_w, o_b, norm2, eps2, gate_up, down) in enumerate(self.layers):
+            qkv = _unpacked(_linear(normed, qkv_w, qkv_b), real, batch * n)
+            if self.blocks and qk_norm is None:  # rotary embeddings and the cache write in one compiled pass
+                room, length = reserve(cache, index, qkv.new_empty(1, 1, 1, 1).expand(batch, kv_heads, n, dim))
+                q = block_kernel.rope_append(qkv, cos, sin, heads, kv_heads, room, length)
+                keys, values = cache.layers[index].keys, cache.layers[index].values
+            else:
+                qkv = qkv.view(batch, n, heads + 2 * kv_heads, dim)
+                qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads:]
+                if qk_norm is not None:
+                    qk = torch.cat([F.rms_norm(qk[:, :, :heads], (dim,), qk_norm[0], qk_norm[1]),
+                                    F.rms_norm(qk[:, :, heads:], (dim,), qk_norm[2], qk_norm[3])], dim=2)
+                qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+                q = qk[:, :, :heads].transpose(1, 2)
+                keys, values = append(cache, index, qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2))
             if groups is None:
                 attended = attend(q, keys, values, mask, causal, self.scaling)
             else:  # each run of rows attends from the first key slot one of its rows sees, with its queries
@@ -284,12 +316,12 @@ class FusedDecoder:
                         q[start:end, :, :queries], keys[start:end, :, first:], values[start:end, :, first:],
                         mask[start:end, :, :queries, first:], False, self.scaling)
             attended = attended.transpose(1, 2).reshape(batch * n, heads * dim)
-            x = x + _linear(attended if real is None else attended[real], o_w, o_b)
-            gated = _linear(F.rms_norm(x, (width,), norm2, eps2), gate_up)
-            x = x + _linear(F.silu(gated[:, : gated.shape[1] // 2]) * gated[:, gated.shape[1] // 2:], down)
+            x, normed = add_norm(x, _linear(attended if real is None else attended[real], o_w, o_b), norm2, eps2)
+            following = self.layers[index + 1][:2] if index + 1 < len(self.layers) else self.final_norm
+            x, normed = add_norm(x, _linear(silu_mul(_linear(normed, gate_up)), down), *following)
             if hidden is not None:
                 hidden.append(_unpacked(x, real, batch * n).view(batch, n, width))
-        x = F.rms_norm(x, (width,), *self.final_norm)
+        x = normed if self.layers else F.rms_norm(x, (width,), *self.final_norm)
         if hidden is not None:
             hidden[-1] = _unpacked(x, real, batch * n).view(batch, n, width)
         if logits_to_keep:
