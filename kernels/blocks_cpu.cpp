@@ -214,21 +214,17 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
   return {sum, out};
 }
 
-// silu(gate) * up for gated = [gate | up] [M, 2F] → [M, F]
+// silu(gate) * up for gated = [gate | up] [M, 2F] → [M, F]: one row in a plain loop, more with ATen's vectorised
+// silu (std::exp one element at a time cost 21 us for 5 rows of SmolLM2's 1,536, ATen's ops 10)
 torch::Tensor silu_mul(torch::Tensor gated) {
   TORCH_CHECK(gated.dim() == 2 && gated.scalar_type() == torch::kFloat && gated.is_contiguous() && gated.size(1) % 2 == 0,
               "gated: a contiguous fp32 [M, 2F]");
   const int64_t M = gated.size(0), F = gated.size(1) / 2;
+  if (M > 1) return at::silu(gated.narrow(1, 0, F)).mul_(gated.narrow(1, F, F));
   auto out = torch::empty({M, F}, gated.options());
   const float* g = gated.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t k = 0; k < F; ++k) {
-        const float gate = g[i * 2 * F + k];
-        o[i * F + k] = gate / (1.f + std::exp(-gate)) * g[i * 2 * F + F + k];
-      }
-  });
+  for (int64_t k = 0; k < F; ++k) o[k] = g[k] / (1.f + std::exp(-g[k])) * g[F + k];
   return out;
 }
 

@@ -109,3 +109,32 @@ def test_an_8_bit_block_weight_is_recovered_and_multiplied_exactly(rows):
     exact = x.double() @ weight.double().T
     bound = (x.abs().double() @ weight.abs().double().T) * 96 * 2.0 ** -24
     assert bool(((blocks.linear(x, codes).double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_the_small_steps_equal_torchs(rows):
+    """RMSNorm, residual + RMSNorm, the SiLU gate and rotary + cache write, compiled, against torch's ops."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    torch.manual_seed(rows)
+    x, delta, weight = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
+    close = lambda a, b: torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)  # noqa: E731
+    close(blocks.rms_norm(x, weight, 1e-5), F.rms_norm(x, (96,), weight, 1e-5))
+    summed, normed = blocks.add_rms_norm(x, delta, weight, 1e-5)
+    close(summed, x + delta)
+    close(normed, F.rms_norm(x + delta, (96,), weight, 1e-5))
+    gated = torch.randn(rows, 64)
+    close(blocks.silu_mul(gated), F.silu(gated[:, :32]) * gated[:, 32:])
+    heads, kv_heads, dim, batch, n, length = 4, 2, 16, 2, rows, 5
+    qkv = torch.randn(batch * n, (heads + 2 * kv_heads) * dim)
+    angles = torch.randn(batch, n, dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, :, None], torch.cat([angles.sin()] * 2, -1)[:, :, None]
+    room = (torch.zeros(batch, kv_heads, 16, dim), torch.zeros(batch, kv_heads, 16, dim))
+    q = blocks.rope_append(qkv, cos, sin, heads, kv_heads, room, length)
+    split = qkv.view(batch, n, heads + 2 * kv_heads, dim)
+    qk = split[:, :, : heads + kv_heads]
+    rotated = qk * cos + torch.cat([-qk[..., dim // 2:], qk[..., : dim // 2]], -1) * sin   # transformers' rotate_half
+    close(q, rotated[:, :, :heads].transpose(1, 2))
+    close(room[0][:, :, length:length + n], rotated[:, :, heads:].transpose(1, 2))
+    assert torch.equal(room[1][:, :, length:length + n], split[:, :, heads + kv_heads:].transpose(1, 2))
+    assert not room[0][:, :, :length].any() and not room[0][:, :, length + n:].any()
