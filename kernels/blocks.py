@@ -120,6 +120,8 @@ def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         done |= good
     if not bool(done.all()):
         return None
+    # the kernel's one-fma rebuild needs d * q exact: d a float16 value (11 significant bits) is
+    assert bool((scale.half().float() == scale).all())
     return q, scale[..., 0], low[..., 0]
 
 
@@ -144,6 +146,22 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = Non
     """x [M, in] fp32 → x Wᵀ + bias [M, out], W the fp32 weight ``weight`` encodes (its exact values)."""
     low = weight.low if weight.low is not None else weight.scale.new_empty(0)
     return _kernel().block_linear(x.contiguous(), weight.codes, weight.scale, low, bias)
+
+
+def bf16_codes(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [out, in] → its bf16 rounding as ``bf16_linear`` reads it (int16 [out / 16, in, 16]), or None when
+    out is not a multiple of 16."""
+    out, cols = weight.shape
+    if out % GROUP:
+        return None
+    bits = weight.detach().to(torch.bfloat16).view(torch.int16)
+    return bits.view(out // GROUP, GROUP, cols).transpose(1, 2).contiguous()
+
+
+def bf16_linear(x: torch.Tensor, codes: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] fp32 → x Wᵀ + bias [M, out] for the bf16 weight ``codes`` (``bf16_codes``), x kept in fp32 and
+    every product summed in fp32. For up to MAX_ROWS rows."""
+    return _kernel().bf16_linear(x.contiguous(), codes, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

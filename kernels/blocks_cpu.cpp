@@ -1,7 +1,7 @@
 // y = x W^T + bias for a weight W [N, K] held as 4-bit blocks that reconstruct its fp32 values exactly
-// (kernels/blocks.py): W[n, 32 b + t] = d[n, b] * q + m[n, b] in fp32 with two roundings, a product and
-// then a sum. This file is compiled with -ffp-contract=off so that no compiler fuses them into one fma,
-// which rounds once and could give another fp32 value.
+// (kernels/blocks.py): W[n, 32 b + t] = d[n, b] * q + m[n, b] in fp32, q = 0..15 and d with at most 11
+// significant bits (encode accepts no other), so d * q is exact and the sum is the only rounding: an fma gives
+// the same value. (The file is compiled with -ffp-contract=off all the same: no other sum may be fused.)
 //
 // Layout, per group g of 16 rows of W (n = 16 g + l) and block b of 32 columns:
 //   codes [N / 16, K / 32, 16, 16] uint8: codes[g, b, j, l] holds q of column 32 b + j in its low nibble
@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <tuple>
 #include <utility>
 
@@ -29,6 +30,24 @@ namespace {
 constexpr int64_t BLOCK = 32;
 constexpr int64_t GROUP = 16;
 constexpr int TILE = 16;  // rows of x multiplied per expansion
+
+// Independent sums kept per row of x: an fma waits ~4 cycles for the one before it into the same register, so a
+// step of one or two rows would wait on its sums instead of reading weights; 16 and more sums in flight keep the
+// multiply-add units busy (MB * CHAINS <= 32 registers with the weights)
+template <int MB>
+constexpr int chains() { return MB <= 2 ? 4 : MB <= 8 ? 2 : 1; }
+
+#if defined(__AVX512F__)
+template <int MB, int CH>
+void store_rows(__m512 (&acc)[MB][CH], const float* bias, int64_t g, int64_t i0, int64_t N, float* y) {
+  const __m512 add = bias ? _mm512_loadu_ps(bias + g * GROUP) : _mm512_setzero_ps();
+  for (int i = 0; i < MB; ++i) {
+    __m512 sum = acc[i][0];
+    for (int c = 1; c < CH; ++c) sum = _mm512_add_ps(sum, acc[i][c]);
+    _mm512_storeu_ps(y + (i0 + i) * N + g * GROUP, _mm512_add_ps(sum, add));
+  }
+}
+#endif
 
 template <int MB>
 void group_rows(const float* x, const uint8_t* codes, const float* d, const float* m, int64_t g, int64_t i0,
@@ -39,8 +58,10 @@ void group_rows(const float* x, const uint8_t* codes, const float* d, const floa
   const float* mg = m + g * blocks * GROUP;
   const float* xr = x + i0 * K;
 #if defined(__AVX512F__)
-  __m512 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  constexpr int CH = chains<MB>();
+  __m512 acc[MB][CH];
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi32(15);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 scale = _mm512_loadu_ps(dg + b * GROUP), low = _mm512_loadu_ps(mg + b * GROUP);
@@ -48,16 +69,19 @@ void group_rows(const float* x, const uint8_t* codes, const float* d, const floa
     const int64_t k0 = b * BLOCK;
     for (int j = 0; j < 16; ++j) {
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + j * 16)));
-      const __m512 w_lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), scale), low);
-      const __m512 w_hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), scale), low);
+      // d * q is exact (d has at most 11 significant bits, q 4), so one fma rounds d * q + m as the
+      // product-then-sum does: the same fp32 weight in one instruction
+      const __m512 w_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), scale, low);
+      const __m512 w_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), scale, low);
       for (int i = 0; i < MB; ++i) {
-        acc[i] = _mm512_fmadd_ps(w_lo, _mm512_set1_ps(xr[i * K + k0 + j]), acc[i]);
-        acc[i] = _mm512_fmadd_ps(w_hi, _mm512_set1_ps(xr[i * K + k0 + 16 + j]), acc[i]);
+        __m512& lo_sum = acc[i][(2 * j) % CH];
+        __m512& hi_sum = acc[i][(2 * j + 1) % CH];
+        lo_sum = _mm512_fmadd_ps(w_lo, _mm512_set1_ps(xr[i * K + k0 + j]), lo_sum);
+        hi_sum = _mm512_fmadd_ps(w_hi, _mm512_set1_ps(xr[i * K + k0 + 16 + j]), hi_sum);
       }
     }
   }
-  const __m512 add = bias ? _mm512_loadu_ps(bias + g * GROUP) : _mm512_setzero_ps();
-  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(y + (i0 + i) * N + g * GROUP, _mm512_add_ps(acc[i], add));
+  store_rows<MB, CH>(acc, bias, g, i0, N, y);
 #else
   float acc[MB][GROUP] = {};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -88,8 +112,10 @@ void group_rows8(const float* x, const uint8_t* codes, const float* d, const flo
   const float* dg = d + g * blocks * GROUP;
   const float* xr = x + i0 * K;
 #if defined(__AVX512F__)
-  __m512 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  constexpr int CH = chains<MB>();
+  __m512 acc[MB][CH];
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 scale = _mm512_loadu_ps(dg + b * GROUP);
     const int8_t* cb = c + b * 512;
@@ -97,11 +123,10 @@ void group_rows8(const float* x, const uint8_t* codes, const float* d, const flo
     for (int t = 0; t < 32; ++t) {
       const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + t * 16)));
       const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(v), scale);
-      for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(w, _mm512_set1_ps(xr[i * K + k0 + t]), acc[i]);
+      for (int i = 0; i < MB; ++i) acc[i][t % CH] = _mm512_fmadd_ps(w, _mm512_set1_ps(xr[i * K + k0 + t]), acc[i][t % CH]);
     }
   }
-  const __m512 add = bias ? _mm512_loadu_ps(bias + g * GROUP) : _mm512_setzero_ps();
-  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(y + (i0 + i) * N + g * GROUP, _mm512_add_ps(acc[i], add));
+  store_rows<MB, CH>(acc, bias, g, i0, N, y);
 #else
   float acc[MB][GROUP] = {};
   for (int64_t b = 0; b < blocks; ++b)
@@ -115,12 +140,56 @@ void group_rows8(const float* x, const uint8_t* codes, const float* d, const flo
 #endif
 }
 
+// bf16 weights (a drafter's, which only proposes tokens): W[n, k] = the bf16 codes[g, k, l] widened to fp32
+// (exact), codes [N / 16, K, 16] int16 (bf16 bits), any K; x stays fp32
+template <int MB>
+void group_rows_bf16(const float* x, const uint8_t* codes, const float*, const float*, int64_t g, int64_t i0,
+                     int64_t K, int64_t N, const float* bias, float* y) {
+  const uint16_t* c = reinterpret_cast<const uint16_t*>(codes) + g * K * GROUP;
+  const float* xr = x + i0 * K;
+#if defined(__AVX512F__)
+  constexpr int CH = chains<MB>();
+  __m512 acc[MB][CH];
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + CH <= K; k += CH)
+    for (int u = 0; u < CH; ++u) {
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (k + u) * GROUP)));
+      const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+      for (int i = 0; i < MB; ++i) acc[i][u] = _mm512_fmadd_ps(w, _mm512_set1_ps(xr[i * K + k + u]), acc[i][u]);
+    }
+  for (; k < K; ++k) {
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + k * GROUP)));
+    const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    for (int i = 0; i < MB; ++i) acc[i][0] = _mm512_fmadd_ps(w, _mm512_set1_ps(xr[i * K + k]), acc[i][0]);
+  }
+  store_rows<MB, CH>(acc, bias, g, i0, N, y);
+#else
+  float acc[MB][GROUP] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int l = 0; l < GROUP; ++l) {
+      uint32_t bits = static_cast<uint32_t>(c[k * GROUP + l]) << 16;
+      float w;
+      std::memcpy(&w, &bits, sizeof w);
+      for (int i = 0; i < MB; ++i) acc[i][l] += w * xr[i * K + k];
+    }
+  for (int i = 0; i < MB; ++i)
+    for (int l = 0; l < GROUP; ++l) y[(i0 + i) * N + g * GROUP + l] = acc[i][l] + (bias ? bias[g * GROUP + l] : 0.f);
+#endif
+}
+
 using GroupRows = void (*)(const float*, const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t,
                            int64_t, const float*, float*);
 
 template <int... MB>
 constexpr std::array<GroupRows, sizeof...(MB)> table(std::integer_sequence<int, MB...>) {
   return {&group_rows<MB + 1>...};
+}
+
+template <int... MB>
+constexpr std::array<GroupRows, sizeof...(MB)> table_bf16(std::integer_sequence<int, MB...>) {
+  return {&group_rows_bf16<MB + 1>...};
 }
 
 template <int... MB>
@@ -162,6 +231,31 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
     for (int64_t g = begin; g < end; ++g)
       for (int64_t i = 0; i < M; i += TILE)
         kernels[std::min<int64_t>(TILE, M - i) - 1](xp, cp, dp, mp, g, i, K, N, bias_ptr, yp);
+  });
+  return y;
+}
+
+// x [M, K] fp32 times a bf16 weight [N, K] held as codes [N / 16, K, 16] int16 (its bf16 bits), plus bias: a few
+// rows at a fraction of oneDNN's per-call cost on these small matrices (a drafter's layers)
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor codes, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: a contiguous fp32 [M, K]");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kShort && codes.is_contiguous() && codes.size(2) == GROUP &&
+              codes.size(1) == x.size(1), "codes: int16 [N / 16, K, 16] for x's K = ", x.size(1));
+  const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), N = groups * GROUP;
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  static const auto kernels = table_bf16(std::make_integer_sequence<int, TILE>{});
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t i = 0; i < M; i += TILE)
+        kernels[std::min<int64_t>(TILE, M - i) - 1](xp, cp, nullptr, nullptr, g, i, K, N, bias_ptr, yp);
   });
   return y;
 }
@@ -277,6 +371,7 @@ torch::Tensor rope_append(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rope_append", &rope_append, "rotary q and k of a step, its keys and values written into the cache");
+  module.def("bf16_linear", &bf16_linear, "x [M, K] fp32 times a bf16 weight [N, K] (codes [N / 16, K, 16]), plus bias");
   module.def("rms_norm", &rms_norm, "RMSNorm of each row of x [M, D]");
   module.def("add_rms_norm", &add_rms_norm, "(x + delta, its RMSNorm)");
   module.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] [M, 2F]");

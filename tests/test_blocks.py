@@ -138,3 +138,22 @@ def test_the_small_steps_equal_torchs(rows):
     close(room[0][:, :, length:length + n], rotated[:, :, heads:].transpose(1, 2))
     assert torch.equal(room[1][:, :, length:length + n], split[:, :, heads + kv_heads:].transpose(1, 2))
     assert not room[0][:, :, :length].any() and not room[0][:, :, length + n:].any()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_the_bf16_product_is_the_float64_product_of_the_bf16_weight(rows):
+    """A drafter's few-row bf16 product (flashmm.kernels.blocks.bf16_linear, routed by OneDNNLinears(bf16=True)):
+    the bf16 weight's float64 product with the fp32 input, to fp32 rounding; the layer routes one row there."""
+    from flashmm.targets.onednn import OneDNNLinears  # noqa: PLC0415
+
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(72, 48)
+    x = torch.randn(rows, 72)
+    weight = layer.weight.detach().bfloat16().double()
+    exact = x.double() @ weight.T + layer.bias.detach().double()
+    bound = (x.abs().double() @ weight.abs().T + layer.bias.detach().abs().double()) * 72 * 2.0 ** -24
+    out = blocks.bf16_linear(x, blocks.bf16_codes(layer.weight), layer.bias.detach())
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    with torch.no_grad(), OneDNNLinears(layer, bf16=True):
+        routed = layer(x[:1])
+    assert bool(((routed.double() - exact[:1]).abs() <= bound[:1]).all())  # oneDNN would round x to bf16 too

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import weakref
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 
@@ -38,6 +38,7 @@ PACK_LIMIT_BYTES = 4 << 30
 PACK_ROWS = 64
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple]" = weakref.WeakKeyDictionary()
 _PACKED_BF16: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple]" = weakref.WeakKeyDictionary()
+_SMALL_BF16: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple]" = weakref.WeakKeyDictionary()
 
 
 def onednn_available() -> bool:
@@ -126,12 +127,50 @@ def _own_linear(layer: torch.nn.Linear, x: torch.Tensor) -> bool:
     return x.dtype != layer.weight.dtype or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
 
 
+#: a bf16 product of at most this many rows, and of one row at any size, runs on flashmm's compiled kernel where it
+#: runs (flashmm.kernels.blocks.bf16_linear: bf16 weights, fp32 inputs and sums), for weights of at most
+#: SMALL_WEIGHT values: oneDNN's call costs 24-41 us there on the 2-core EPYC (an EAGLE-3 head's layers, one row),
+#: the kernel's 6-20; from 8 rows or an 8,192-row LM head at 4 rows oneDNN is faster
+SMALL_ROWS, SMALL_WEIGHT = 4, 1 << 21
+
+
+@lru_cache(maxsize=1)
+def _small_kernel() -> bool:
+    from ..kernels import blocks  # noqa: PLC0415
+
+    return blocks.unavailable() is None
+
+
+def _small_bf16_codes(layer: torch.nn.Linear) -> torch.Tensor | None:
+    """``layer``'s bf16 weight in the compiled kernel's layout, made once and kept like ``packed_weight``'s; None
+    when the kernel cannot run here or the layer's rows are not a multiple of 16."""
+    from ..kernels import blocks  # noqa: PLC0415
+
+    if not _small_kernel() or layer.weight.shape[0] % blocks.GROUP:
+        return None
+    key = (layer.weight.data_ptr(), layer.weight._version)
+    hit = _SMALL_BF16.get(layer)
+    if hit is None or hit[0] != key:
+        hit = (key, blocks.bf16_codes(layer.weight))
+        _SMALL_BF16[layer] = hit
+    return hit[1]
+
+
 def _onednn_bf16_linear(layer: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None,
                         x: torch.Tensor) -> torch.Tensor:
     """x [..., in] fp32 → [..., out] fp32: ``layer``'s product computed in bfloat16 by oneDNN (weight, bias:
-    ``packed_bf16_weight(layer)``); autograd, autocast and other dtypes take ``F.linear`` (as _onednn_linear)."""
+    ``packed_bf16_weight(layer)``), or for a few rows by flashmm's compiled kernel (SMALL_ROWS); autograd,
+    autocast and other dtypes take ``F.linear`` (as _onednn_linear)."""
     if _own_linear(layer, x):
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
+    count = x.numel() // x.shape[-1]
+    if count == 1 or (count <= SMALL_ROWS and layer.weight.numel() <= SMALL_WEIGHT):
+        codes = _small_bf16_codes(layer)
+        if codes is not None:
+            from ..kernels import blocks  # noqa: PLC0415
+
+            out = blocks.bf16_linear(x.reshape(count, x.shape[-1]), codes, layer.bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])

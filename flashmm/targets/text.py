@@ -64,6 +64,9 @@ class CausalLMTarget(Target):
         self.linear_backend = resolve_linear_backend(linear, model)
         # what flashmm's forwards run the model's linear layers in (refresh_linears: oneDNN routing)
         self._linears = nullcontext()
+        # the fused step as the model's forward, made at the start of each call (refresh_linears: its weights are
+        # checked against the model's then, not at every forward)
+        self._fused: fused.FusedForward | None = None
         #: which keys each layer type sees (sliding windows, chunks), read from the config as generate reads it
         self.layout = attention_layout(self.text_config)
         # the Triton backend's TreeAttentionSwitch; None where the kernel cannot run this model
@@ -131,7 +134,7 @@ class CausalLMTarget(Target):
             inputs["nodes"] = nodes
         if fuse and argmax_only:
             inputs["argmax_only"] = True
-        with fused.FusedForward(self.model) if fuse else self._linears:
+        with (self._fused or fused.FusedForward(self.model)) if fuse else self._linears:
             out = self.model(use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=logits_to_keep,
                              **{self.cache_argument: cache}, **inputs)
         return out.logits, out.hidden_states
@@ -186,9 +189,12 @@ class CausalLMTarget(Target):
 
     def refresh_linears(self) -> None:
         """At the start of a call: with the oneDNN backend, route the model's linear layers as they are now
-        (layers replaced or weights changed since the last call are packed again, flashmm.targets.onednn)."""
+        (layers replaced or weights changed since the last call are packed again, flashmm.targets.onednn), and
+        take the fused step built from the weights as they are now (flashmm.targets.fused.fused_step)."""
         if self.linear_backend == "onednn":
             self._linears = OneDNNLinears(self.model)
+        if self.unfused is None:
+            self._fused = fused.FusedForward(self.model)
 
     # ------------------------------------------------------------------ batched decoding (flashmm.targets.batch)
     #: whether a padded batch is verified together; False: api decodes it row by row
