@@ -30,9 +30,11 @@ import torch
 BLOCK = 32
 #: rows of the weight the kernel expands together (16 fp32 lanes of AVX-512)
 GROUP = 16
-#: the most rows of input the kernel multiplies; more go to oneDNN's fp32 matmul, which is as fast from about
-#: 90 rows on (SmolLM2's layer weights on the 2-core EPYC, eval/results/blocks_linear.md)
+#: the most rows of input the kernel multiplies: 4-bit weights; more go to oneDNN's fp32 matmul, which is as fast
+#: from about 90 rows on (SmolLM2's layer weights on the 2-core EPYC, eval/results/blocks_linear.md)
 MAX_ROWS = 64
+#: the same for 8-bit weights (SmolLM2's Q8_0 LM head: 1.6 ms against oneDNN's 2.8 for 4 rows, 3.0 against 3.8 for 8)
+MAX_ROWS_8 = 8
 _SOURCE = Path(__file__).with_name("blocks_cpu.cpp")
 
 
@@ -126,20 +128,31 @@ def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 @lru_cache(maxsize=1)
+def version() -> str:
+    """The kernel's identity here: its source, this torch installation and this CPU (a measured cost of a step on
+    it is valid for this identity only; another environment's torch builds its own)."""
+    source = _SOURCE.read_bytes()
+    return hashlib.sha256(source + torch.__version__.encode() + torch.__file__.encode() + platform.processor().encode()
+                          + torch.backends.cpu.get_cpu_capability().encode()).hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
 def _kernel():
     from torch.utils.cpp_extension import load  # noqa: PLC0415 (imports setuptools; only when a model needs it)
 
     from flashmm.paths import cache_dir  # noqa: PLC0415
 
-    source = _SOURCE.read_bytes()
-    # built against this torch installation for this CPU: another environment's torch builds its own
-    key = hashlib.sha256(source + torch.__version__.encode() + torch.__file__.encode() + platform.processor().encode()
-                         + torch.backends.cpu.get_cpu_capability().encode()).hexdigest()[:16]
+    key = version()
     build = cache_dir() / "kernels" / f"blocks-{key}"
     build.mkdir(parents=True, exist_ok=True)
     return load(f"flashmm_blocks_{key}", [str(_SOURCE)], build_directory=str(build),
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def max_rows(weight: BlockWeight) -> int:
+    """The most rows of input ``weight`` is multiplied for here (MAX_ROWS, MAX_ROWS_8)."""
+    return MAX_ROWS if weight.low is not None else MAX_ROWS_8
 
 
 def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

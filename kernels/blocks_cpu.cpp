@@ -31,11 +31,12 @@ constexpr int64_t BLOCK = 32;
 constexpr int64_t GROUP = 16;
 constexpr int TILE = 16;  // rows of x multiplied per expansion
 
-// Independent sums kept per row of x: an fma waits ~4 cycles for the one before it into the same register, so a
-// step of one or two rows would wait on its sums instead of reading weights; 16 and more sums in flight keep the
-// multiply-add units busy (MB * CHAINS <= 32 registers with the weights)
+// Independent sums kept per row of x: an fma waits ~4 cycles for the one before it into the same register.
+// Measured on the 2-core EPYC over SmolLM2's layer weights: two sums a row for up to 8 rows, one row 5.05 ->
+// 3.97 ms, two rows 5.04 -> 4.38; four sums were slower for one or two rows (5.19, 6.26). The 8-bit loop keeps one:
+// two doubled its time (its 32-step inner loop then indexes the sums at run time).
 template <int MB>
-constexpr int chains() { return MB <= 2 ? 4 : MB <= 8 ? 2 : 1; }
+constexpr int chains() { return MB <= 8 ? 2 : 1; }
 
 #if defined(__AVX512F__)
 template <int MB, int CH>
@@ -112,7 +113,7 @@ void group_rows8(const float* x, const uint8_t* codes, const float* d, const flo
   const float* dg = d + g * blocks * GROUP;
   const float* xr = x + i0 * K;
 #if defined(__AVX512F__)
-  constexpr int CH = chains<MB>();
+  constexpr int CH = 1;
   __m512 acc[MB][CH];
   for (int i = 0; i < MB; ++i)
     for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();

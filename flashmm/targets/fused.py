@@ -119,7 +119,7 @@ def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
     """x [M, in] → [M, out]: ``weight`` a oneDNN-packed tensor, or a Weight (its 4-bit block codes for up to
     block_kernel.MAX_ROWS rows, its packed tensor for more)."""
     if isinstance(weight, Weight):
-        if weight.blocks is not None and x.shape[0] <= block_kernel.MAX_ROWS:
+        if weight.blocks is not None and x.shape[0] <= block_kernel.max_rows(weight.blocks):
             return block_kernel.linear(x, weight.blocks, bias)
         weight = weight.packed
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -230,10 +230,15 @@ class FusedDecoder:
     @property
     def argmax_head(self) -> "ArgmaxHead | None":
         """The screened LM head (flashmm.targets.head_screen), made at its first use; None where oneDNN has no
-        bf16 kernels, or where the head multiplies from block codes (exact, and reading fewer bytes)."""
-        if self._argmax_head is None and bf16_kernels() and not isinstance(self.head, Weight):
+        bf16 kernels."""
+        if self._argmax_head is None and bf16_kernels():
             self._argmax_head = ArgmaxHead(self._head_weight)
         return self._argmax_head
+
+    def _head_blocks(self, rows: int) -> bool:
+        """Whether the LM head multiplies ``rows`` rows from its block codes (exact, and cheaper than the screened
+        bf16 head there)."""
+        return isinstance(self.head, Weight) and rows <= block_kernel.max_rows(self.head.blocks)
 
     @staticmethod
     def _layer(layer, blocks: bool) -> tuple:
@@ -326,7 +331,7 @@ class FusedDecoder:
             hidden[-1] = _unpacked(x, real, batch * n).view(batch, n, width)
         if logits_to_keep:
             x = x.view(batch, n, width)[:, -logits_to_keep:].reshape(-1, width)
-        screened = self.argmax_head if argmax_only else None
+        screened = self.argmax_head if argmax_only and not self._head_blocks(x.shape[0]) else None
         product = screened(x) if screened is not None else _linear(x, self.head)
         logits = _unpacked(product, real, batch * n).view(batch, -1, self.head_rows)
         return logits, (tuple(hidden) if hidden is not None else None)

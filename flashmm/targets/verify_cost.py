@@ -28,6 +28,7 @@ from .. import disk_cache
 from ..paths import cache_dir
 from ..tree.cost import VerifyCost, VerifyCostUnmeasurable
 from . import cache as kv
+from ..kernels import blocks as block_kernel
 from .fused import FusedForward, fused_step
 from .onednn import OneDNNLinears, packs, routable_layers
 from .recurrent import is_recurrent
@@ -167,8 +168,9 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] | None = Non
     directory = Path(directory) if directory is not None else cache_dir()
     grid = tuple(grid) if grid is not None else default_grid(batch, next(model.parameters()).device)
     packed = linear == "onednn" and packs(routable_layers(model))  # (packing itself waits for a measurement)
-    blocks = linear == "fused" and fused_step(model).blocks  # 4-bit block codes multiply at other costs
-    identity = _cost_identity(model, grid, prefix_len, linear + "-packed" * packed + "-blocks" * blocks, batch)
+    # block codes multiply at other costs, and each version of their kernel at its own
+    blocks = f"-blocks-{block_kernel.version()}" if linear == "fused" and fused_step(model).blocks else ""
+    identity = _cost_identity(model, grid, prefix_len, linear + "-packed" * packed + blocks, batch)
     path = _cost_path(directory, identity)
     if path in _unstored:
         return _unstored[path]
