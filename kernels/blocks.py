@@ -8,8 +8,8 @@ fp32 values are the model: flashmm keeps them exactly. ``encode`` recovers (q, d
 and accepts it only when ``d * q + m`` computed in fp32 gives back every value bit for bit; the kernel
 (kernels/blocks_cpu.cpp) rebuilds each weight that way, in registers, and multiplies in fp32. The products
 differ from oneDNN's as two fp32 summation orders do, and a step reads 5 bits a weight instead of 32:
-SmolLM2's 210 layer weights, measured on the 2-core EPYC, multiply one row in ~5 ms against oneDNN's
-22.6 ms (``eval/results/blocks_linear.md``).
+SmolLM2's 210 layer weights, measured on the 2-core EPYC, multiply one row in 3.9 ms against oneDNN's
+22 ms (``eval/results/blocks_linear.md``).
 
 The kernel is C++ compiled on first use (torch.utils.cpp_extension, ~25 s) for this machine's CPU and kept
 under ``cache_dir()/kernels``; it needs AVX-512 (``unavailable`` says why it cannot run, and the fused step
