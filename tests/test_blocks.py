@@ -157,3 +157,26 @@ def test_the_bf16_product_is_the_float64_product_of_the_bf16_weight(rows):
     with torch.no_grad(), OneDNNLinears(layer, bf16=True):
         routed = layer(x[:1])
     assert bool(((routed.double() - exact[:1]).abs() <= bound[:1]).all())  # oneDNN would round x to bf16 too
+
+
+def test_sampling_on_block_weights_keeps_the_models_distribution():
+    """Sampled decoding on a target verifying from block codes: the first two tokens' histogram matches the exact
+    joint of the model's own forward (χ², float64 softmaxes); the lossy typical verifier fails the same test."""
+    from stats_utils import chi_square_pvalue, two_token_histogram, two_token_joint  # noqa: PLC0415
+
+    vocab, sampling = 16, dict(do_sample=True, temperature=0.9, top_k=6, top_p=0.95)
+    target = quantised(tiny_lm("llama", seed=1, vocab_size=vocab, bos_token_id=None, eos_token_id=None,
+                               pad_token_id=None))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.15)
+        target.lm_head.weight.copy_(q8_0(target.lm_head.weight))
+    assert fused.fused_step(target).blocks and isinstance(fused.fused_step(target).head, fused.Weight)
+    draft = tiny_lm("llama", seed=7, vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    prompt_ids = torch.tensor([[3, 5, 3, 5, 3]])
+    joint = two_token_joint(target, prompt_ids, sampling)
+    exact = flashmm.wrap(target, DraftModel(draft, max_draft_tokens=2, adaptive=False), linear="onednn")
+    assert exact.target.unfused is None
+    assert chi_square_pvalue(two_token_histogram(exact, prompt_ids, sampling, 300, vocab), joint) > 1e-3
+    biased = flashmm.wrap(target, DraftModel(draft, max_draft_tokens=2, adaptive=False), linear="onednn",
+                          verifier="typical_lossy", typical_epsilon=0.05, typical_delta=0.05)
+    assert chi_square_pvalue(two_token_histogram(biased, prompt_ids, sampling, 300, vocab), joint) < 1e-3

@@ -8,7 +8,9 @@ each step, mask building, rotary embeddings computed per call, five ops per RMSN
 runs the same arithmetic as the model's own layers with the overhead taken out:
 
 - q, k and v are one oneDNN matmul (their weights concatenated and packed once), gate and up another;
-  o, down and the LM head multiply packed weights (flashmm.targets.onednn);
+  o, down and the LM head multiply packed weights (flashmm.targets.onednn); weights whose fp32 values are a
+  GGUF's Q4_1 / Q8_0 blocks multiply from their exact codes instead (flashmm.kernels.blocks), and the small
+  steps between the matmuls then run compiled there too;
 - RMSNorm is ``torch.rms_norm``; rotary embeddings come from the model's own ``rotary_emb`` (every rope
   type it implements) and are applied to q and k in one pass;
 - keys and values are written in place into room preallocated behind each cache layer's tensors
@@ -116,8 +118,8 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in] → [M, out]: ``weight`` a oneDNN-packed tensor, or a Weight (its 4-bit block codes for up to
-    block_kernel.MAX_ROWS rows, its packed tensor for more)."""
+    """x [M, in] → [M, out]: ``weight`` a oneDNN-packed tensor, or a Weight (its block codes for up to
+    ``block_kernel.max_rows`` rows, its packed tensor for more)."""
     if isinstance(weight, Weight):
         if weight.blocks is not None and x.shape[0] <= block_kernel.max_rows(weight.blocks):
             return block_kernel.linear(x, weight.blocks, bias)
