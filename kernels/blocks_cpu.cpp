@@ -198,6 +198,30 @@ constexpr std::array<GroupRows, sizeof...(MB)> table8(std::integer_sequence<int,
   return {&group_rows8<MB + 1>...};
 }
 
+// bias's data (checked: fp32 [N]) or nullptr
+const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
+  return bias->data_ptr<float>();
+}
+
+// y [M, N] = every group of 16 rows of W (in parallel) times every TILE rows of x, by kernels[rows - 1]
+template <size_t T>
+torch::Tensor run_groups(const std::array<GroupRows, T>& kernels, const torch::Tensor& x, const torch::Tensor& codes,
+                         const float* d, const float* m, int64_t groups, const float* bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = groups * GROUP;
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t i = 0; i < M; i += TILE)
+        kernels[std::min<int64_t>(TILE, M - i) - 1](xp, cp, d, m, g, i, K, N, bias, yp);
+  });
+  return y;
+}
+
 }  // namespace
 
 // x [M, K] times the 4-bit (codes uint8 [N / 16, K / 32, 16, 16], d and m) or 8-bit (codes int8
@@ -209,31 +233,15 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   TORCH_CHECK(codes.dim() == 4 && (eight || codes.scalar_type() == torch::kByte) && codes.is_contiguous() &&
               codes.size(2) == (eight ? 32 : 16) && codes.size(3) == GROUP,
               "codes: uint8 [N / 16, K / 32, 16, 16] or int8 [N / 16, K / 32, 32, 16]");
-  const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), N = groups * GROUP;
+  const int64_t K = x.size(1), groups = codes.size(0), N = groups * GROUP;
   TORCH_CHECK(codes.size(1) * BLOCK == K, "codes cover ", codes.size(1) * BLOCK, " columns, x has ", K);
   TORCH_CHECK(d.scalar_type() == torch::kFloat && d.is_contiguous() && d.numel() == N * K / BLOCK &&
               (eight || (m.scalar_type() == torch::kFloat && m.is_contiguous() && m.numel() == N * K / BLOCK)),
               "d, m: fp32 [N / 16, K / 32, 16]");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
-  auto y = torch::empty({M, N}, x.options());
   static const auto kernels4 = table(std::make_integer_sequence<int, TILE>{});
   static const auto kernels8 = table8(std::make_integer_sequence<int, TILE>{});
-  const auto& kernels = eight ? kernels8 : kernels4;
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* dp = d.data_ptr<float>();
-  const float* mp = eight ? nullptr : m.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t i = 0; i < M; i += TILE)
-        kernels[std::min<int64_t>(TILE, M - i) - 1](xp, cp, dp, mp, g, i, K, N, bias_ptr, yp);
-  });
-  return y;
+  return run_groups(eight ? kernels8 : kernels4, x, codes, d.data_ptr<float>(), eight ? nullptr : m.data_ptr<float>(),
+                    groups, bias_data(bias, N));
 }
 
 // x [M, K] fp32 times a bf16 weight [N, K] held as codes [N / 16, K, 16] int16 (its bf16 bits), plus bias: a few
@@ -242,23 +250,9 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor codes, c10::optional<to
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: a contiguous fp32 [M, K]");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kShort && codes.is_contiguous() && codes.size(2) == GROUP &&
               codes.size(1) == x.size(1), "codes: int16 [N / 16, K, 16] for x's K = ", x.size(1));
-  const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), N = groups * GROUP;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
-  auto y = torch::empty({M, N}, x.options());
+  const int64_t groups = codes.size(0), N = groups * GROUP;
   static const auto kernels = table_bf16(std::make_integer_sequence<int, TILE>{});
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t i = 0; i < M; i += TILE)
-        kernels[std::min<int64_t>(TILE, M - i) - 1](xp, cp, nullptr, nullptr, g, i, K, N, bias_ptr, yp);
-  });
-  return y;
+  return run_groups(kernels, x, codes, nullptr, nullptr, groups, bias_data(bias, N));
 }
 
 // The small steps between a decode step's matmuls, one pass each (torch's rms_norm runs as six ops on a CPU,

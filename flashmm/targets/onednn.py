@@ -29,6 +29,8 @@ from functools import lru_cache, partial
 
 import torch
 
+from ..kernels import blocks
+
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 #: weights are reordered once into oneDNN's blocked layout, a second copy kept while the model
 #: lives, when the routed weights total at most this many bytes (larger models multiply unpacked)
@@ -136,16 +138,12 @@ SMALL_ROWS, SMALL_WEIGHT = 4, 1 << 21
 
 @lru_cache(maxsize=1)
 def _small_kernel() -> bool:
-    from ..kernels import blocks  # noqa: PLC0415
-
     return blocks.unavailable() is None
 
 
 def _small_bf16_codes(layer: torch.nn.Linear) -> torch.Tensor | None:
     """``layer``'s bf16 weight in the compiled kernel's layout, made once and kept like ``packed_weight``'s; None
     when the kernel cannot run here or the layer's rows are not a multiple of 16."""
-    from ..kernels import blocks  # noqa: PLC0415
-
     if not _small_kernel() or layer.weight.shape[0] % blocks.GROUP:
         return None
     key = (layer.weight.data_ptr(), layer.weight._version)
@@ -167,8 +165,6 @@ def _onednn_bf16_linear(layer: torch.nn.Linear, weight: torch.Tensor, bias: torc
     if count == 1 or (count <= SMALL_ROWS and layer.weight.numel() <= SMALL_WEIGHT):
         codes = _small_bf16_codes(layer)
         if codes is not None:
-            from ..kernels import blocks  # noqa: PLC0415
-
             out = blocks.bf16_linear(x.reshape(count, x.shape[-1]), codes, layer.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
