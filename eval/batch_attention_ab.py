@@ -5,7 +5,7 @@
 
 One process, one wrapped model per drafter; each batch of Spec-Bench dev questions (round-robin over the
 categories, chat template, left-padded) is decoded by both configurations in alternating order, round
-after round. "off" sets ``flashmm.targets.fused.FOLD_MAX = 0`` (every query head attends on its own, as
+after round. "off" sets ``flashmm.targets.fused_attention.FOLD_MAX = 0`` (every query head attends on its own, as
 ``scaled_dot_product_attention(enable_gqa=True)``) and ``flashmm.targets.batch.COMPACT_HOLES = 1`` (the
 cache is never compacted); "on" is the shipped setting. Both emit the same tokens (checked), so the
 ratio is the step's speed alone.
@@ -27,16 +27,16 @@ from vllm_peer import batches, pick_questions  # noqa: E402
 
 import flashmm  # noqa: E402
 import flashmm.targets.batch as padded  # noqa: E402
-import flashmm.targets.fused as fused  # noqa: E402
+import flashmm.targets.fused_attention as fused_attention  # noqa: E402
 from flashmm.tree.cost import batch_bucket  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 
 SETTINGS = {"off": {"FOLD_MAX": 0, "COMPACT_HOLES": 1.0},
-            "on": {"FOLD_MAX": fused.FOLD_MAX, "COMPACT_HOLES": padded.COMPACT_HOLES}}
+            "on": {"FOLD_MAX": fused_attention.FOLD_MAX, "COMPACT_HOLES": padded.COMPACT_HOLES}}
 
 
 def use(setting: str) -> None:
-    fused.FOLD_MAX = SETTINGS[setting]["FOLD_MAX"]
+    fused_attention.FOLD_MAX = SETTINGS[setting]["FOLD_MAX"]
     padded.COMPACT_HOLES = SETTINGS[setting]["COMPACT_HOLES"]
 
 

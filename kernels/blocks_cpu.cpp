@@ -40,6 +40,12 @@ constexpr int chains() { return MB <= 8 ? 2 : 1; }
 
 #if defined(__AVX512F__)
 template <int MB, int CH>
+void zero_rows(__m512 (&acc)[MB][CH]) {
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
+}
+
+template <int MB, int CH>
 void store_rows(__m512 (&acc)[MB][CH], const float* bias, int64_t g, int64_t i0, int64_t N, float* y) {
   const __m512 add = bias ? _mm512_loadu_ps(bias + g * GROUP) : _mm512_setzero_ps();
   for (int i = 0; i < MB; ++i) {
@@ -61,8 +67,7 @@ void group_rows(const float* x, const uint8_t* codes, const float* d, const floa
 #if defined(__AVX512F__)
   constexpr int CH = chains<MB>();
   __m512 acc[MB][CH];
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
+  zero_rows<MB, CH>(acc);
   const __m512i nibble = _mm512_set1_epi32(15);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 scale = _mm512_loadu_ps(dg + b * GROUP), low = _mm512_loadu_ps(mg + b * GROUP);
@@ -115,8 +120,7 @@ void group_rows8(const float* x, const uint8_t* codes, const float* d, const flo
 #if defined(__AVX512F__)
   constexpr int CH = 1;
   __m512 acc[MB][CH];
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
+  zero_rows<MB, CH>(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 scale = _mm512_loadu_ps(dg + b * GROUP);
     const int8_t* cb = c + b * 512;
@@ -151,8 +155,7 @@ void group_rows_bf16(const float* x, const uint8_t* codes, const float*, const f
 #if defined(__AVX512F__)
   constexpr int CH = chains<MB>();
   __m512 acc[MB][CH];
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
+  zero_rows<MB, CH>(acc);
   int64_t k = 0;
   for (; k + CH <= K; k += CH)
     for (int u = 0; u < CH; ++u) {

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 import flashmm
 from flashmm.drafters import DraftModel, PromptLookup
-from flashmm.targets import fused
+from flashmm.targets import fused, fused_attention
 from flashmm.targets import cache as kv
 from flashmm.targets.layout import attention_layout
 from flashmm.targets.onednn import onednn_available
@@ -90,7 +90,7 @@ def test_the_cache_room_is_reused_and_readopted():
 
 
 def group_cost(groups, first, slots):
-    return sum(fused.CALL_SLOTS + (end - start) * (slots - low) for start, end, low in groups)
+    return sum(fused_attention.CALL_SLOTS + (end - start) * (slots - low) for start, end, low in groups)
 
 
 def test_row_groups_are_the_cheapest_runs_of_rows():
@@ -103,7 +103,7 @@ def test_row_groups_are_the_cheapest_runs_of_rows():
         bias = torch.zeros(len(first), 1, 2, slots)
         for b, f in enumerate(first):
             bias[b, :, :, :f] = torch.finfo(torch.float32).min
-        groups = fused.row_groups(bias)
+        groups = fused_attention.row_groups(bias)
         splits = []
         for cuts in itertools.product([False, True], repeat=len(first) - 1):
             edges = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [len(first)]
@@ -137,7 +137,7 @@ def test_rows_attending_from_different_slots_equal_the_models_own(arch):
                          tree.attention_bias(0, torch.float32, torch.device("cpu"))[0, 0].eq(0)[None].expand(4, -1, -1)], 2)
     bias = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[:, None]
     positions = attention.sum(1, keepdim=True) + tree.positions(0)[None]
-    assert fused.row_groups(bias) is not None
+    assert fused_attention.row_groups(bias) is not None
     close(step(nodes, positions, mine, bias)[0], own(model, nodes, theirs, attention_mask=bias, position_ids=positions)[0])
 
 
@@ -147,9 +147,9 @@ def test_rows_with_fewer_real_nodes_attend_with_their_own_queries(arch):
     how many queries they need (query_runs), and each row's real positions equal the model's own forward
     under the same mask; padding positions are zeros."""
     # a call costs CALL_SLOTS + rows x slots x (1 + QUERY_WEIGHT x (queries - 1)): long rows split, short ones not
-    assert fused.query_runs([(0, 4, 0)], [3, 1, 1, 2], 2000) == [(0, 1, 0, 3), (1, 3, 0, 1), (3, 4, 0, 2)]
-    assert fused.query_runs([(0, 4, 0)], [3, 1, 1, 2], 100) == [(0, 4, 0, 3)]
-    assert fused.query_runs([(0, 2, 5), (2, 4, 0)], [1, 1, 4, 2], 2000) == [(0, 2, 5, 1), (2, 4, 0, 4)]
+    assert fused_attention.query_runs([(0, 4, 0)], [3, 1, 1, 2], 2000) == [(0, 1, 0, 3), (1, 3, 0, 1), (3, 4, 0, 2)]
+    assert fused_attention.query_runs([(0, 4, 0)], [3, 1, 1, 2], 100) == [(0, 4, 0, 3)]
+    assert fused_attention.query_runs([(0, 2, 5), (2, 4, 0)], [1, 1, 4, 2], 2000) == [(0, 2, 5, 1), (2, 4, 0, 4)]
     model = tiny_lm(arch)
     step = fused.fused_step(model)
     lengths, nodes = (300, 12, 290, 20), [3, 1, 2, 1]
@@ -302,5 +302,5 @@ def test_folded_grouped_attention_is_attention():
             group = heads // kv_heads
             scores = q.double() @ keys.double().repeat_interleave(group, 1).transpose(-1, -2) * 0.25
             reference = (scores + mask.double()).softmax(-1) @ values.double().repeat_interleave(group, 1)
-            got = fused.attend(q, keys, values, mask, False, 0.25)
+            got = fused_attention.attend(q, keys, values, mask, False, 0.25)
             torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)

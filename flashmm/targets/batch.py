@@ -242,7 +242,7 @@ def holes_read(state: BatchState) -> float:
 
 def compact(state: BatchState) -> None:
     """Move each row's real slots, in order, to the end of the cache (its holes in front, where a step's
-    attention skips them, flashmm.targets.fused.row_groups) and drop the slots no row needs any more:
+    attention skips them, flashmm.targets.fused_attention.row_groups) and drop the slots no row needs any more:
     every row keeps its keys, values and positions, so it attends exactly what it did (the masks come
     from ``valid`` and ``slot_pos``); only the holes between its tokens are no longer read."""
     slots = int(state.valid.sum(1).max())
