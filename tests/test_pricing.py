@@ -298,3 +298,19 @@ def test_pricing_drafts_what_the_old_budget_spelling_drafted(name):
     assert sizes == OLD_BUDGET_DRAFTS[name]
     assert sm.drafter.cost_source == ("none" if name == "flash" else "constants")
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
+
+
+def test_forks_share_immutable_tuples_and_copy_mutable_state():
+    """fork shares a tuple of scalars (FLASH's draft vocabulary: thousands of ids, copied into every batch
+    row it was deep-copied for) and still copies lists, and tuples that hold something mutable."""
+    from flashmm.drafters import FlashDrafter
+
+    model = tiny_lm("llama", seed=0)
+    drafter = FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0,
+                                       draft_vocab=list(range(0, 64, 2)))
+    drafter.notes, drafter.pairs = [1, 2], ([3], 4)
+    fork = drafter.fork()
+    assert fork.draft_vocab is drafter.draft_vocab == tuple(range(0, 64, 2))
+    assert fork.notes == [1, 2] and fork.notes is not drafter.notes
+    assert fork.pairs == ([3], 4) and fork.pairs[0] is not drafter.pairs[0]
+    assert fork.net is drafter.net

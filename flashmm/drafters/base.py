@@ -140,8 +140,11 @@ class Drafter:
 
 #: what every fork of a drafter shares, never copies, at any depth of its state: weights (modules, the
 #: oneDNN routings holding packed copies of them, which cannot be copied) and the target it drafts for
-#: (the model and its caches: self-speculation drafts through them)
+#: (the model and its caches: self-speculation drafts through them); tuples and frozensets of scalars are
+#: shared too (fork_shared)
 FORK_SHARED = (torch.nn.Module, OneDNNLinears, Target)
+#: what a tuple or frozenset holds when fork_shared shares it: it is then immutable at every depth
+_SCALARS = (str, bytes, int, float, complex, bool, type(None))
 #: what fork_shared does not look inside
 _LEAVES = (torch.Tensor, str, bytes, int, float, complex, type, types.FunctionType, types.BuiltinFunctionType,
            types.ModuleType)
@@ -160,6 +163,8 @@ def fork_shared(drafter: Drafter) -> dict[int, object]:
             found[id(item)] = item
         elif isinstance(item, dict):
             pending += [*item.keys(), *item.values()]
+        elif isinstance(item, (tuple, frozenset)) and all(isinstance(x, _SCALARS) for x in item):
+            found[id(item)] = item  # immutable all through (a draft vocabulary): one copy for every fork
         elif isinstance(item, (list, tuple, set, frozenset)):
             pending += item
         elif isinstance(item, types.MethodType):

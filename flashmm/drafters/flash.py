@@ -111,11 +111,12 @@ class FlashDrafter(Drafter):
             raise TypeError(f"net must be a FlashNet, a checkpoint directory or None, got {type(net).__name__}")
         self._options = options = FlashOptions.build(type(self).__name__, given, options)
         self.net = net
-        # the options as the drafting code reads them: rank paths, draft_vocab and accept as lists
+        # the options as the drafting code reads them: rank paths and accept as lists, draft_vocab the
+        # options' tuple (which every fork shares: flashmm.drafters.base.fork_shared)
         self.tree = options.tree if isinstance(options.tree, str) else [list(p) for p in options.tree]
         self.compression, self.depth, self.top_k = options.compression, options.depth, options.top_k
         self.max_draft_tokens, self.min_path_prob = options.max_draft_tokens, options.min_path_prob
-        self.draft_vocab = None if options.draft_vocab is None else list(options.draft_vocab)
+        self.draft_vocab = options.draft_vocab
         self.lookup_tokens, self.pool_spans, self.lookup = options.lookup_tokens, options.pool_spans, options.lookup
         # the lookup chain (suffix: earlier outputs; its ChainCalibration), kept across calls
         self._branch = LookupBranch(self.lookup, self.lookup_tokens) if self.lookup_tokens else None
