@@ -23,11 +23,14 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from ..tree.token_tree import TokenTree, padded_trees
 from . import cache as kv
+from . import prefix
 from .base import select_hidden
 from .graphs import SlotCache, prompt_mask
+from .prefix import SharedPrefix
 
 #: a batch's cache is compacted (``compact``) once this share of the slots its rows attend over are holes:
 #: a row that keeps fewer tokens in a step than the longest leaves holes, which every later step would read
@@ -110,27 +113,39 @@ def _widened(tensor: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_hidden, model_inputs: dict,
-            want_attention: bool = False):
+            want_attention: bool = False, shared: SharedPrefix | None = None):
     """Run the padded prompts [B, T] as model.generate does: the model's own forward on the whole
     batch, its media (model_inputs: pixel_values, image_grid_thw, ...) and the positions generate
-    gives (target.batch_prompt: from the mask; M-RoPE from get_rope_index).
+    gives (target.batch_prompt: from the mask; M-RoPE from get_rope_index). Where the rows begin with
+    the same tokens (with each other, or with ``shared``: the call's earlier prefix), those run once
+    and the rest of every row after them (flashmm.targets.prefix).
 
     Returns (logits [B, V] of each row's last position, hidden [B, T, d] or None, the language
     model's input embeddings [B, T, d] (multimodal targets asked for hidden states) or None,
-    BatchState, and with want_attention the last position's attention over the prompt [B, T] (0 at
-    padding; flashmm.targets.last_attention), else None).
+    BatchState, with want_attention the last position's attention over the prompt [B, T] (0 at
+    padding; flashmm.targets.last_attention), else None, and the SharedPrefix for the call's later
+    prefills: the one run here, else ``shared``, else the first row's prompt, seen).
     """
-    from transformers import DynamicCache  # noqa: PLC0415
-
     mask = attention_mask.to(input_ids.device)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     full = bool((mask == 1).all())
     target.refresh_linears()
+    kwargs, offset = target.batch_prompt(input_ids, mask, dict(model_inputs))
+    padding = (mask == 0).long().cumprod(1).sum(1).tolist()
+    k = prefix.shared_length(target, [input_ids[b, pad:] for b, pad in enumerate(padding)], shared) \
+        if prefix.shareable(target, input_ids, mask, kwargs, offset, want_attention) else 0
+    if k:
+        if shared is None or not shared.ran_for(k, want_hidden):
+            shared = prefix.run_prefix(target, input_ids[:1, padding[0] : padding[0] + k], want_hidden)
+        logits, hidden, embeds, cache, valid, slot_pos = prefix.prefill_after(target, input_ids, mask, padding, kwargs,
+                                                                              want_hidden, shared.head(k))
+        state = BatchState(cache=cache, valid=valid, slot_pos=slot_pos, root_pos=mask.long().sum(-1),
+                           offset=offset.to(mask.device))
+        return logits, hidden, embeds, state, None, shared
     cache, attention = DynamicCache(), None if full else mask
     if getattr(target, "cuda_graphs", False):
         cache = target.batch_slots(*input_ids.shape)
         attention = prompt_mask(cache, mask, target.model.dtype)
-    kwargs, offset = target.batch_prompt(input_ids, mask, dict(model_inputs))
     if attention is not None:
         kwargs["attention_mask"] = attention
     with target.watching_prompt(input_ids, bool(want_hidden)) as embeds, \
@@ -142,7 +157,8 @@ def prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_
     state = BatchState(cache=cache, valid=mask.bool(), slot_pos=positions, root_pos=mask.long().sum(-1),
                        offset=offset.to(mask.device))
     attention = None if reading is None else reading.mean(input_ids.shape[1])
-    return logits[:, -1], hidden, (embeds[0] if embeds else None), state, attention
+    return (logits[:, -1], hidden, (embeds[0] if embeds else None), state, attention,
+            shared or SharedPrefix.seen(input_ids[0, padding[0]:]))
 
 
 def tree_masks(target, state: BatchState, trees: list[TokenTree], width: int, dtype) -> tuple[dict, torch.Tensor]:

@@ -23,6 +23,7 @@ from ..tree.draft import Draft
 from . import batch as padded
 from .collate import collate
 from .base import SequenceCache, SequenceStart, Target, TargetOutput
+from .prefix import SharedPrefix, common_prefix
 
 
 @dataclass
@@ -80,10 +81,12 @@ class SequenceSession:
 
 
 class BatchSession:
-    """B > 1 padded rows verified together (flashmm.targets.batch.BatchState holds their cache)."""
+    """B > 1 padded rows verified together (flashmm.targets.batch.BatchState holds their cache). ``shared``: the
+    prompt prefix the call's prefills ran once for every row (flashmm.targets.prefix), which rows that join
+    reuse as far as they begin with it."""
 
-    def __init__(self, target: Target, state: padded.BatchState):
-        self.target, self.state = target, state
+    def __init__(self, target: Target, state: padded.BatchState, shared: SharedPrefix | None = None):
+        self.target, self.state, self.shared = target, state, shared
 
     @property
     def packs(self) -> bool:
@@ -115,8 +118,8 @@ class BatchSession:
         """Prefill one more row, input_ids [1, T] (no padding) with its own media, and append it after the
         running rows (continuous batching). Returns (logits [1, V], start(0): its SequenceStart)."""
         mask = torch.ones_like(input_ids)
-        logits, hidden, embeds, state, attention = padded.prefill(self.target, input_ids, mask, want_hidden,
-                                                                  model_inputs, want_attention)
+        logits, hidden, embeds, state, attention, self.shared = padded.prefill(
+            self.target, input_ids, mask, want_hidden, model_inputs, want_attention, self.shared)
         self.state.extend(state)
         return logits, _batch_starts(self.target, input_ids, [0], hidden, embeds, want_hidden, attention)
 
@@ -132,8 +135,8 @@ class BatchSession:
         batch = collate([{"input_ids": ids, "attention_mask": torch.ones_like(ids), **media} for ids, media in rows],
                         pad_token_id=0)   # (padding is masked out: its id is never read)
         input_ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
-        logits, hidden, embeds, state, attention = padded.prefill(self.target, input_ids, mask, want_hidden, batch,
-                                                                  want_attention)
+        logits, hidden, embeds, state, attention, self.shared = padded.prefill(
+            self.target, input_ids, mask, want_hidden, batch, want_attention, self.shared)
         self.state.extend(state)
         padding = (mask == 0).long().cumprod(1).sum(1).tolist()
         return logits, _batch_starts(self.target, input_ids, padding, hidden, embeds, want_hidden, attention)
@@ -185,9 +188,9 @@ def open_session(target: Target, input_ids: torch.Tensor, attention_mask: torch.
     if not model_inputs and not getattr(target, "cuda_graphs", False) and input_ids.shape[0] > 1:
         return _ragged_session(target, [input_ids[b : b + 1, pad:] for b, pad in enumerate(padding)], want_hidden,
                                want_attention)
-    logits, hidden, embeds, state, attention = padded.prefill(target, input_ids, attention_mask, want_hidden,
-                                                              model_inputs, want_attention)
-    return BatchSession(target, state), logits, _batch_starts(target, input_ids, padding, hidden, embeds, want_hidden,
+    logits, hidden, embeds, state, attention, shared = padded.prefill(target, input_ids, attention_mask, want_hidden,
+                                                                      model_inputs, want_attention)
+    return BatchSession(target, state, shared), logits, _batch_starts(target, input_ids, padding, hidden, embeds, want_hidden,
                                                               attention)
 
 
@@ -196,11 +199,12 @@ def _ragged_session(target: Target, rows: list[torch.Tensor], want_hidden, want_
     slots after its own prompt are holes): the prefill forwards run on Σ T_b tokens, not B · max T_b, which on a
     CPU is most of a ragged batch's prefill (Spec-Bench prompts of 40 to 1,600 tokens)."""
     session, logits, starts = None, [], []
+    shared = common_prefix(target, rows, want_hidden, want_attention)  # (a system prompt: run once)
     for ids in rows:
         if session is None:
-            row_logits, hidden, embeds, state, attention = padded.prefill(target, ids, torch.ones_like(ids), want_hidden,
-                                                                          {}, want_attention)
-            session = BatchSession(target, state)
+            row_logits, hidden, embeds, state, attention, shared = padded.prefill(
+                target, ids, torch.ones_like(ids), want_hidden, {}, want_attention, shared)
+            session = BatchSession(target, state, shared)
             start = _batch_starts(target, ids, [0], hidden, embeds, want_hidden, attention)
         else:
             row_logits, start = session.admit(ids, want_hidden, {}, want_attention)
