@@ -107,7 +107,7 @@ def test_incremental_state_matches_full_forward_text(text_target, k):
     ids = prompt(9, seed=4)
     reference = text_target.generate(ids, max_new_tokens=24, do_sample=False)
     drafter = OracleFlash(drafter_for(text_target, k).net, depth=7).setup(reference, chain=4)
-    sm = flashmm.wrap(text_target, drafter)
+    sm = flashmm.wrap(text_target, drafter, draft_precision="fp32")  # (the net in fp32, as the recompute)
     assert torch.equal(sm.generate(ids, max_new_tokens=24), reference)
     stats = sm.last_stats
     assert stats.accepted_tokens == stats.drafted_tokens and stats.tau > 4  # oracle chains all accepted
@@ -139,7 +139,7 @@ def test_incremental_state_matches_full_forward_llava():
     media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     reference = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     drafter = OracleFlash(drafter_for(model, 5, compression="learned").net).setup(reference, chain=3)
-    sm = flashmm.wrap(model, drafter, processor=processor)
+    sm = flashmm.wrap(model, drafter, processor=processor, draft_precision="fp32")
     assert torch.equal(sm.generate(**inputs, max_new_tokens=16), reference)
     target = sm.target
     spans = target.visual_spans(ids)
@@ -370,7 +370,7 @@ def test_draft_vocab_is_lossless_and_only_drafts_its_tokens(text_target, k):
     head does, and the output stays identical to the target's own greedy generate."""
     vocab = list(range(0, 128, 3))
     full, sub = drafter_for(text_target, k), drafter_for(text_target, k, draft_vocab=vocab[::-1] + [0])
-    assert sub.draft_vocab == vocab  # sorted, deduplicated
+    assert sub.draft_vocab == tuple(vocab)  # sorted, deduplicated
     drafts = []
     original = sub.propose
     sub.propose = lambda *a, **kw: drafts.append(original(*a, **kw)) or drafts[-1]
