@@ -278,6 +278,37 @@ def test_a_vlm_verifies_on_the_fused_step_and_generate_keeps_its_media():
 
 
 @torch.no_grad()
+def test_a_vlm_prompt_runs_its_language_model_on_the_fused_step(monkeypatch):
+    """A padded batch of LLaVA prompts with images: the model's own forward (vision tower, projector, merge,
+    LM head) with its language model on the fused step gives the logits, the hidden states and the cache rows
+    of the model's own forward at every real position."""
+    from mm_models import make_inputs, tiny_llava  # noqa: PLC0415
+    from flashmm.serve.collate import collate  # noqa: PLC0415
+
+    model, processor = tiny_llava("llava")
+    rows = [make_inputs(processor, "llava", images=1, text=text) for text in ("Describe it.", "What colour is it?")]
+    batch = collate(rows, processor.tokenizer.pad_token_id)
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    calls, step = [], fused.FusedDecoder.__call__
+    monkeypatch.setattr(fused.FusedDecoder, "__call__",
+                        lambda self, *a, **k: calls.append(k.get("inputs_embeds") is not None) or step(self, *a, **k))
+    mine, theirs = DynamicCache(), DynamicCache()
+    with fused.FusedForward(model).language_model():
+        got = model(**batch, position_ids=positions, cache=mine, use_cache=True, output_hidden_states=True)
+    assert calls == [True]
+    ref = model(**batch, position_ids=positions, cache=theirs, use_cache=True, output_hidden_states=True)
+    real = mask.bool()
+    close(got.logits[real], ref.logits[real])
+    assert len(got.hidden_states) == len(ref.hidden_states)
+    for a, b in zip(got.hidden_states, ref.hidden_states):
+        close(a[real], b[real])
+    for a, b in zip(mine.layers, theirs.layers):
+        close(a.keys.transpose(1, 2)[real], b.keys.transpose(1, 2)[real])
+        close(a.values.transpose(1, 2)[real], b.values.transpose(1, 2)[real])
+
+
+@torch.no_grad()
 def test_transformers_own_output_recorders_do_not_unfuse():
     """transformers installs output-recording hooks for good when hidden states are first asked for; those
     are not a user's hooks, and the model stays fused."""

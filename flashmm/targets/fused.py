@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -254,9 +255,10 @@ class FusedDecoder:
                 _weight(mlp.down_proj.weight, packed_weight(mlp.down_proj), blocks))
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, attention_mask=None,
+    def __call__(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor, cache, attention_mask=None,
                  want_hidden=None, logits_to_keep: int = 0, nodes: list[int] | None = None,
-                 argmax_only: bool = False) -> tuple[torch.Tensor, tuple | None]:
+                 argmax_only: bool = False, inputs_embeds: torch.Tensor | None = None,
+                 head: bool = True) -> tuple[torch.Tensor, tuple | None]:
         """input_ids / position_ids [B, n] after the cache's rows; attention_mask: None (causal over the new
         rows, every cached row visible), [B, S + n] (1 = a real token, as ``generate`` passes it) or an
         additive [B or 1, 1, n, S + n] → (logits [B, n or logits_to_keep, V], the hidden states the
@@ -268,14 +270,17 @@ class FusedDecoder:
         values and attend (cheap), and their logits and hidden states are zeros.
         argmax_only: only each position's argmax will be read: the LM head is the screened one where oneDNN
         has bf16 kernels (flashmm.targets.head_screen), whose logits have the fp32 head's argmax and are
-        approximations elsewhere."""
-        batch, n = input_ids.shape
+        approximations elsewhere.
+        inputs_embeds: [B, n, d] the decoder's inputs instead of input_ids' embeddings (a VLM's prompt, its
+        visual features merged: ``FusedForward.language_model``). head: False returns the last normed hidden
+        state [B, n, d] in place of the logits (what the decoder module returns; its VLM applies the head)."""
+        batch, n = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
         real = None
         if nodes is not None and sum(nodes) < batch * n and not logits_to_keep:
             real = torch.tensor([b * n + i for b, count in enumerate(nodes) for i in range(count)],
-                                device=input_ids.device)
+                                device=position_ids.device)
         cached = cache.get_seq_length()
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         hidden = [x] if want_hidden else None
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos[:, :, None], sin[:, :, None]                        # [B, n, 1, D]
@@ -325,6 +330,8 @@ class FusedDecoder:
         x = normed if self.layers else F.rms_norm(x, (width,), *self.final_norm)
         if hidden is not None:
             hidden[-1] = _unpacked(x, real, batch * n).view(batch, n, width)
+        if not head:
+            return _unpacked(x, real, batch * n).view(batch, n, width), (tuple(hidden) if hidden is not None else None)
         if logits_to_keep:
             x = x.view(batch, n, width)[:, -logits_to_keep:].reshape(-1, width)
         screened = self.argmax_head if argmax_only and not self._head_blocks(x.shape[0]) else None
@@ -393,8 +400,9 @@ class FusedForward:
         unused = {k: v for k, v in kwargs.items() if v is not None and k not in ("return_dict", "cache_position")}
         cache = cache if cache is not None else past_key_values
         if input_ids is None or unused or torch.is_grad_enabled() or not use_cache or cache is None:
-            # a prompt with its media, embeddings given, autograd or no cache: the model's own forward
-            with OneDNNLinears(self.model):
+            # a prompt with its media, embeddings given, autograd or no cache: the model's own forward (a VLM's
+            # language model on the fused step, ``language_model``)
+            with OneDNNLinears(self.model), self.language_model():
                 return type(self.model).forward(self.model, input_ids=input_ids, attention_mask=attention_mask,
                                                 position_ids=position_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
                                                 output_hidden_states=output_hidden_states,
@@ -408,6 +416,47 @@ class FusedForward:
                                    argmax_only or self.argmax_only)
         named = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"  # < 5.24
         return CausalLMOutputWithPast(logits=logits, hidden_states=hidden, **{named: cache})
+
+    @contextmanager
+    def language_model(self):
+        """While entered, the model's decoder (a VLM's language model) runs on the fused step when the model's
+        own forward calls it with embeddings (a prompt whose media the model merged in: its vision tower,
+        projector and LM head stay its own) over a cache, positions that count real tokens and without
+        autograd; any other call runs the decoder's own forward."""
+        decoder = parts(self.model)[0]
+        own = decoder.forward
+
+        def forward(input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, use_cache=None,
+                    output_hidden_states=None, **kwargs):
+            from transformers.modeling_outputs import BaseModelOutputWithPast  # noqa: PLC0415
+
+            cache = kwargs.pop("cache", None)
+            cache = kwargs.pop("past_key_values", None) if cache is None else cache
+            kwargs.pop("cache_position", None)
+            kwargs.pop("return_dict", None)
+            plain = inputs_embeds is not None and cache is not None and use_cache is not False and \
+                not torch.is_grad_enabled() and not any(v is not None for v in kwargs.values()) and \
+                (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2))
+            if plain and position_ids is None:
+                plain = attention_mask is None or bool(attention_mask.all())
+                if plain:
+                    start = cache.get_seq_length()
+                    position_ids = torch.arange(start, start + inputs_embeds.shape[1], device=inputs_embeds.device)
+                    position_ids = position_ids[None].expand(inputs_embeds.shape[0], -1)
+            if not plain or position_ids.dim() != 2:
+                return own(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+                           **({"cache": cache} if cache is not None else {}), **kwargs)
+            last, hidden = self.step(None, position_ids, cache, attention_mask, output_hidden_states,
+                                     inputs_embeds=inputs_embeds, head=False)
+            named = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+            return BaseModelOutputWithPast(last_hidden_state=last, hidden_states=hidden, **{named: cache})
+
+        decoder.__dict__["forward"] = forward
+        try:
+            yield self
+        finally:
+            decoder.__dict__.pop("forward", None)
 
     def __enter__(self) -> "FusedForward":
         def forward(*args, **kwargs):

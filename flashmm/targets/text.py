@@ -134,7 +134,10 @@ class CausalLMTarget(Target):
             inputs["nodes"] = nodes
         if fuse and argmax_only:
             inputs["argmax_only"] = True
-        with (self._fused or fused.FusedForward(self.model)) if fuse else self._linears:
+        # a VLM's prompt with media: the model's own forward, its language model on the fused step
+        merged = self.unfused is None and not self.cuda_graphs and not text and reading is None
+        with (self._fused or fused.FusedForward(self.model)) if fuse else self._linears, \
+                (self._fused or fused.FusedForward(self.model)).language_model() if merged else nullcontext():
             out = self.model(use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=logits_to_keep,
                              **{self.cache_argument: cache}, **inputs)
         return out.logits, out.hidden_states
