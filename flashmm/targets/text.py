@@ -134,13 +134,19 @@ class CausalLMTarget(Target):
             inputs["nodes"] = nodes
         if fuse and argmax_only:
             inputs["argmax_only"] = True
-        # a VLM's prompt with media: the model's own forward, its language model on the fused step
-        merged = self.unfused is None and not self.cuda_graphs and not text and reading is None
         with (self._fused or fused.FusedForward(self.model)) if fuse else self._linears, \
-                (self._fused or fused.FusedForward(self.model)).language_model() if merged else nullcontext():
+                nullcontext() if fuse else self.fused_language_model(reading):
             out = self.model(use_cache=True, output_hidden_states=bool(want_hidden), logits_to_keep=logits_to_keep,
                              **{self.cache_argument: cache}, **inputs)
         return out.logits, out.hidden_states
+
+    def fused_language_model(self, reading=None):
+        """Around the model's own forward (a VLM's prompt with media): its language model runs on the fused step
+        (FusedForward.language_model) where the model has one, no attention is read off the forward and no
+        CUDA graph replays it; else nothing."""
+        if self.unfused is not None or self.cuda_graphs or reading is not None:
+            return nullcontext()
+        return (self._fused or fused.FusedForward(self.model)).language_model()
 
     # ------------------------------------------------------------------ lifecycle
     @property

@@ -99,7 +99,7 @@ class VisualTarget(CausalLMTarget):
         seq = self.new_sequence(input_ids.shape[1])
         attention_mask = self.prompt_attention(seq, input_ids, attention_mask)
         with (self.watching_prompt(input_ids, bool(want_hidden)) as captured, self._linears,
-              self.reading_attention(want_attention) as reading):
+              self.reading_attention(want_attention) as reading, self.fused_language_model(reading)):
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                              output_hidden_states=bool(want_hidden), logits_to_keep=1,
                              **{self.cache_argument: seq.kv}, **model_inputs, **(reading.kwargs if reading else {}))
