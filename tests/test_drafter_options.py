@@ -75,7 +75,7 @@ def test_budget_is_refused_naming_pricing_where_it_was_an_option():
                                          r"\(budget='fixed' is now pricing='none'\)"):
         FlashDrafter(None, pricing="fixed")
     assert DraftModel(lm, pricing="constants").pricing == "constants" and DraftModel(lm).pricing == "measured"
-    assert FlashDrafter(None).pricing == "none"
+    assert FlashDrafter(None).pricing == "measured" and FlashDrafter(None, pricing="none").pricing == "none"
 
 
 def test_flash_config_with_budget_is_refused_naming_pricing(tmp_path):

@@ -48,7 +48,7 @@ class FlashOptions(DrafterOptions):
     lookup_tokens: int = 0
     pool_spans: int = 1
     accept: Sequence[float] | None = None
-    pricing: str = "none"
+    pricing: str = "measured"
     calibration: float = 1.0
     lookup: str = "ngram"
     visual_keep: float | None = None
