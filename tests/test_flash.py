@@ -13,6 +13,7 @@ import torch
 
 import flashmm
 import flashmm.engine.loop
+import flashmm.engine.pricing
 from flashmm.drafters.flash import FlashDrafter
 from flashmm.drafters.prompt_lookup import NgramIndex, PromptLookup
 from flashmm.sampling import warp_logits
@@ -653,3 +654,28 @@ def test_a_batch_drafts_its_rows_together_as_each_row_would(monkeypatch, options
     apart, drafted_apart = run()
     assert torch.equal(together, reference) and torch.equal(apart, reference)
     assert drafted_together == drafted_apart and len(drafted_together) > 2
+
+
+def test_a_batch_whose_drafts_are_all_cut_pauses_the_nets_passes(monkeypatch):
+    """When the batch's cut leaves no row a drafted node, FLASH's net stops running for 1, 2, 4 .. steps (its rows'
+    units wait and join in one pass); decoding stays the model's own batched generate."""
+    model, processor = mm.tiny_vlm("llava")
+    rows = [mm.make_inputs(processor, "llava", images=1, text="Describe this picture in detail, please."),
+            mm.make_inputs(processor, "llava", images=0, text="Hi.")]
+    batch = collate(rows, processor.tokenizer.pad_token_id)
+    reference = model.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
+    passes, drafting = [], FlashDrafter._propose_rows.__func__
+    monkeypatch.setattr(FlashDrafter, "_propose_rows",
+                        classmethod(lambda cls, *a: passes.append(1) or drafting(cls, *a)))
+    fit = flashmm.engine.pricing.BatchPricing.fit
+    monkeypatch.setattr(flashmm.engine.pricing.BatchPricing, "fit", lambda self, drafters, drafts, critical=None: [
+        drafter.cut(d, 1) if d.tree.num_nodes > 1 else d for drafter, d in zip(drafters, drafts)])
+    sm = flashmm.wrap(model, drafter_for(model, 3), processor=processor)
+    assert torch.equal(sm.generate(**batch, max_new_tokens=MAX_NEW), reference)
+    steps = sm.last_stats.verify_steps // 2
+    assert sm.last_stats.drafted_tokens == 0 and steps >= 8
+    assert len(passes) <= 4 < steps  # the net's passes at steps 1, 3, 6, 11 (pauses of 1, 2, 4)
+    monkeypatch.setattr(flashmm.engine.pricing.BatchPricing, "fit", fit)
+    passes.clear()
+    assert torch.equal(sm.generate(**batch, max_new_tokens=MAX_NEW), reference)
+    assert len(passes) == sm.last_stats.verify_steps // 2  # drafts kept: a pass every step
