@@ -51,9 +51,9 @@ def test_places_are_refilled_as_rows_finish(model, monkeypatch):
         widths.append(len(drafts))
         return score(self, drafts, want_hidden, *rest)
 
-    def admitting(self, input_ids, want_hidden, model_inputs, **kwargs):
+    def admitting(self, input_ids, want_hidden, model_inputs, *args, **kwargs):
         admitted.append(len(widths))  # steps run before this row joined
-        return admit(self, input_ids, want_hidden, model_inputs, **kwargs)
+        return admit(self, input_ids, want_hidden, model_inputs, *args, **kwargs)
 
     monkeypatch.setattr(session.BatchSession, "score", scoring)
     monkeypatch.setattr(session.BatchSession, "admit", admitting)

@@ -14,6 +14,7 @@ from ..drafters.base import Drafter
 from ..drafters.files import refuse_renamed
 from ..drafters.resolve import resolve_drafter
 from ..targets import make_target
+from ..targets.collate import collate
 from ..targets.media_rows import holds_media_tensors, item_media
 from ..targets.onednn import resolve_draft_precision
 from ..targets.prune import check_prunable
@@ -165,11 +166,14 @@ class SpeculativeModel:
                     break
             return joining
 
-        first = admit(1)
+        first = admit(batch_size)  # the first places filled at once: one prefill (a shared prefix run once)
         if not first:
             return
-        rows = decode_rows(self.target, self.drafter, first[0].input_ids, [first[0].decoding], self.spec,
-                           generator, first[0].model_inputs, admit=admit, capacity=batch_size)
+        batch = collate([{"input_ids": new.input_ids, "attention_mask": torch.ones_like(new.input_ids),
+                          **new.model_inputs} for new in first], pad_token_id=0)  # (padding is masked out)
+        ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
+        rows = decode_rows(self.target, self.drafter, ids, [new.decoding for new in first], self.spec, generator,
+                           batch, attention_mask=None if len(first) == 1 else mask, admit=admit, capacity=batch_size)
         for r, out in rows:
             index, plan = plans[r]
             stats.merge(out.stats)
