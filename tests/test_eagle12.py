@@ -479,3 +479,22 @@ def test_a_draft_vocabulary_drafts_its_own_tokens_only_and_stays_exact(tmp_path,
     save_file({"ids": torch.tensor([0, config["vocab_size"]])}, str(head / "draft_vocab.safetensors"))
     with pytest.raises(ValueError, match=f"draft_vocab holds ids up to {config['vocab_size']}, outside"):
         flashmm.wrap(target, str(head))
+
+
+def test_a_batch_that_cuts_every_draft_pauses_the_head(folder, target, monkeypatch):
+    """When a batch's cut leaves a row's draft its root alone, that row's head stops drafting for 1, 2, 4 ..
+    steps (its features wait and join in one pass); the batch still decodes as the model's batched generate."""
+    import flashmm.engine.pricing as pricing
+
+    call = dict(max_new_tokens=14, do_sample=False)
+    ids, mask = ragged_batch((12, 7), seed=7)
+    want = target.generate(ids, attention_mask=mask, eos_token_id=None, **call)
+    monkeypatch.setattr(pricing.BatchPricing, "fit", lambda self, drafters, drafts, critical=None: [
+        drafter.cut(d, 1) if d.tree.num_nodes > 1 else d for drafter, d in zip(drafters, drafts)])
+    passes, grow = [], EagleDrafter.grow
+    monkeypatch.setattr(EagleDrafter, "grow", lambda self, *a: passes.append(1) or grow(self, *a))
+    sm = flashmm.wrap(target, load(folder))
+    assert torch.equal(sm.generate(ids, attention_mask=mask, eos_token_id=[], **call), want)
+    steps = sm.last_stats.verify_steps // 2
+    assert sm.last_stats.drafted_tokens == 0 and steps == 13  # (the prefill emits each row's first token)
+    assert len(passes) <= 2 * 4 < 2 * steps  # each row's head grew a tree at steps 1, 3, 6 and 11 at most

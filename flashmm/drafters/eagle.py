@@ -210,6 +210,7 @@ class EagleDrafter(Drafter):
         self._next = 0                          # first position without a unit
         self._root_out = None                   # [d] the last committed unit's output
         self._prompt_embeds = None              # [T, d] what the target consumed for the prompt
+        self._pause, self._backoff = 0, 0       # in a batch: steps left without drafting, the next pause (``cut``)
 
     def begin(self, start: SequenceStart) -> None:
         if self._embed is None:
@@ -226,6 +227,8 @@ class EagleDrafter(Drafter):
         if step.hidden_states is None:
             raise RuntimeError("EagleDrafter needs the target's features at the accepted nodes")
         self._pending = torch.cat([self._pending, step.hidden_states[0]], dim=0)
+        if step.accepted_len:
+            self._backoff = 0
         if self._predicted:
             self.evidence = [0.95 * self.evidence[0] + step.accepted_len, 0.95 * self.evidence[1] + self._predicted]
         else:
@@ -233,7 +236,13 @@ class EagleDrafter(Drafter):
         self._predicted = 0.0
 
     def cut(self, draft: Draft, nodes: int) -> Draft:
+        """A batch's cut (flashmm.engine.pricing). Cut to its root, the head's passes pause for 1, 2, 4, .. 32 steps
+        (its row's features wait and join in one pass), until a draft of its is accepted: at batch 8 on a CPU the
+        batch's pricing keeps few of its nodes, and each row's EAGLE-2 tree costs passes of its own."""
         self._predicted = sum(self._values[: nodes - 1]) / self._calibration
+        if nodes <= 1:
+            self._backoff = min(32, max(1, 2 * self._backoff))
+            self._pause = self._backoff
         return draft.head(nodes)
 
     @torch.no_grad()
@@ -241,6 +250,9 @@ class EagleDrafter(Drafter):
                 generator: torch.Generator | None) -> Draft:
         if committed.shape[0] != 1:
             raise NotImplementedError("EagleDrafter drafts one sequence at a time")
+        if self._pause > 0:  # (paused by a batch's cut: nothing drafted, the features wait)
+            self._pause -= 1
+            return root_only(committed)
         with self._linears:
             self._sync(committed)
             if self.max_draft_tokens is not None:

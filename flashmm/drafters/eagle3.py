@@ -235,6 +235,7 @@ class Eagle3Drafter(Drafter):
         self._head_nodes: list[bool] = []       # per drafted node (root first): drafted by the head
         self._row_ids = self.net.draft_to_target  # target id of each head logit (context_vocab: more rows)
         self._extra_weight = None               # [E, d] the target's LM head at the context's extra ids
+        self._cut_backoff = 0                   # the next pause a batch's cut to the root starts (``cut``)
 
     def begin(self, start: SequenceStart) -> None:
         if self._embed is None:
@@ -257,6 +258,8 @@ class Eagle3Drafter(Drafter):
         if step.hidden_states is None:
             raise RuntimeError("Eagle3Drafter needs the target's features at the accepted nodes")
         self._pending = torch.cat([self._pending, step.hidden_states[0]], dim=0)
+        if step.accepted_len:
+            self._cut_backoff = 0
         by_head = sum(self._head_nodes[i] for i in step.path[0, 1:].tolist()) if self._head_nodes and self._predicted \
             else step.accepted_len
         self.evidence, self._predicted = observed_evidence(self.evidence, by_head, self._predicted), 0.0
@@ -319,6 +322,14 @@ class Eagle3Drafter(Drafter):
             self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
             self._pause, self._predicted = self._backoff, sum(mine) / calibration
         return keep
+
+    def cut(self, draft: Draft, nodes: int) -> Draft:
+        """A batch's cut (flashmm.engine.pricing): cut to its root, the head pauses as when its own account finds
+        that its nodes do not repay its passes (1, 2, 4, .. 32 steps)."""
+        if nodes <= 1:
+            self._cut_backoff = min(32, max(1, 2 * self._cut_backoff))
+            self._pause = max(self._pause, self._cut_backoff)
+        return draft.head(nodes)
 
     def _sync(self, committed: torch.Tensor) -> None:
         """Add units next .. root-1 to the committed cache; keep the last one's output."""
