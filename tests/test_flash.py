@@ -638,6 +638,8 @@ def test_a_batch_drafts_its_rows_together_as_each_row_would(monkeypatch, options
     reference = model.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
     drafter = drafter_for(model, 3, **options)
     propose_rows = flashmm.engine.loop.propose_rows
+    # (the batch's pause, a batch-wide decision row-by-row drafting cannot take, is tested on its own below)
+    monkeypatch.setattr(FlashDrafter, "_batch_paused", staticmethod(lambda drafters: False))
 
     def run():
         drafts = []
