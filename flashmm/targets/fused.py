@@ -221,16 +221,8 @@ class FusedDecoder:
         #: ``blocks`` argument and a CPU the kernel runs on: flashmm.kernels.blocks)
         self.blocks = any(isinstance(weight, Weight) for layer in self.layers for weight in (*layer, self.head))
         self.head_rows = head.weight.shape[0]
-        self._head_weight = head.weight
-        self._argmax_head = None
-
-    @property
-    def argmax_head(self) -> "ArgmaxHead | None":
-        """The screened LM head (flashmm.targets.head_screen), made at its first use; None where oneDNN has no
-        bf16 kernels."""
-        if self._argmax_head is None and bf16_kernels():
-            self._argmax_head = ArgmaxHead(self._head_weight)
-        return self._argmax_head
+        #: the screened LM head (flashmm.targets.head_screen); None where oneDNN has no bf16 kernels
+        self.argmax_head = ArgmaxHead(head.weight) if bf16_kernels() else None
 
     def _head_blocks(self, rows: int) -> bool:
         """Whether the LM head multiplies ``rows`` rows from its block codes (exact, and cheaper than the screened
