@@ -149,6 +149,23 @@ def test_stopping_criteria_stop_strings_max_time(sm):
     assert ref.shape[1] == ids.shape[1] + 1
 
 
+def test_eos_ids_stop_where_generate_stops(sm_each):
+    """Several EOS ids (generate's own criteria alone: the plan reads the last token, not the criteria's tensors),
+    at the first of them in the unstopped output, for one row and a padded batch whose rows stop apart."""
+    ids = prompt(12, seed=3)
+    plain = sm_each.model.generate(ids, max_new_tokens=24)
+    new = plain[0, ids.shape[1]:].tolist()
+    eos = [new[6], new[9]]
+    ref = sm_each.model.generate(ids, max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(sm_each.generate(ids, max_new_tokens=24, eos_token_id=eos, pad_token_id=0), ref)
+    assert ref.shape[1] <= ids.shape[1] + 7
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt(9, seed=4)], 1), ids])
+    mask = (torch.arange(12) >= torch.tensor([[3], [0]])).long()
+    ref = sm_each.model.generate(batch, attention_mask=mask, max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+    out = sm_each.generate(batch, attention_mask=mask, max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
 class Recorder(TextStreamer):
     """A real TextStreamer that also records every put() and end()."""
 

@@ -107,8 +107,24 @@ def test_greedy_matches_brute_force_on_many_trees():
             assert res.accepted_len[b] == len(nodes) - 1
             assert res.path[b, : len(nodes)].tolist() == nodes
             assert res.next_token[b] == nxt
+            alone = verify_greedy(tokens[b:b + 1], tree, logits[b:b + 1])  # one row: the Python walk
+            assert alone.path.tolist() == res.path[b:b + 1].tolist()
+            assert alone.accepted_len.tolist() == [len(nodes) - 1] and alone.next_token.tolist() == [nxt]
         if tree.max_depth >= 3:  # the test exercises deep acceptances, not only rejections
             assert res.accepted_len.max() >= 2
+
+
+def test_argmax_is_torchs():
+    """The numpy reduction greedy verification picks with: torch's argmax on ties (the first), NaN (the first NaN),
+    all -inf, strided views and single rows."""
+    from flashmm.verify.greedy import argmax
+    x = torch.randn(3, 5, 100, generator=torch.Generator().manual_seed(0))
+    x[0, 1, 7] = x[0, 1, 9] = 50.0
+    x[1, 2, 3] = x[1, 2, 8] = float("nan")
+    x[2, 0] = 1.0
+    x[2, 1] = float("-inf")
+    for view in (x, x[:, ::2], x[:, :, 1:], x[0, 0], x[1, 2]):
+        assert argmax(view).dtype == torch.long and torch.equal(argmax(view), view.argmax(-1))
 
 
 def test_greedy_duplicate_siblings_take_first_match():

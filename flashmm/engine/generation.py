@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.generation import EosTokenCriteria, GenerateDecoderOnlyOutput, MaxLengthCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..sampling import PREFIX_DEPENDENT, PREFIX_FREE, SamplingParams
@@ -88,7 +88,23 @@ class GenerationPlan:
 
     def stop(self, ids: torch.Tensor) -> bool:
         """ids [1, T] (padding included) → True when model.generate would stop after its last token."""
+        eos = self._eos_only
+        if eos is not None:
+            return int(ids[0, -1]) in eos
         return bool(self.stopping(ids, None)[0])
+
+    @functools.cached_property
+    def _eos_only(self) -> frozenset | None:
+        """The EOS ids when ``stopping`` holds nothing but generate's own length and EOS criteria (the length one
+        is max_new_tokens, which every row keeps before asking ``stop``): ``stop`` then reads the last token
+        alone, 2 µs a token instead of 90 for the criteria's tensor calls. None for any other criterion."""
+        eos = None
+        for criterion in self.stopping:
+            if type(criterion) is EosTokenCriteria and eos is None:
+                eos = frozenset(criterion.eos_token_id.flatten().tolist())
+            elif not (type(criterion) is MaxLengthCriteria and criterion.max_length == self.config.max_length):
+                return None
+        return eos if eos is not None else frozenset()
 
 
 def prepare(model, inputs: torch.Tensor | None, generation_config: GenerationConfig | None,

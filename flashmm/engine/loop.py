@@ -20,6 +20,7 @@ from ..targets.base import Target
 from ..targets.prune import PruningSession
 from ..targets.session import open_session
 from ..verify import REGISTRY, drafting_scheme_of, needs_hidden_states, select_verifier
+from ..verify.greedy import argmax
 from .pricing import BatchPricing
 
 
@@ -120,7 +121,7 @@ class RowOutput:
 def _pick(scores: torch.Tensor, do_sample: bool, generator) -> int:
     """Processed scores [V] → one token (argmax, or a draw from their softmax)."""
     if not do_sample:
-        return int(scores.argmax(-1))
+        return int(argmax(scores))
     return int(sample(scores.softmax(-1), generator))
 
 
@@ -164,7 +165,8 @@ class RowWriter:
 
     def emit(self, tokens: list[int], logits: torch.Tensor, scores: torch.Tensor) -> None:
         """Commit tokens in order, stopping exactly where model.generate would (then streaming them).
-        logits / scores: [k, V], the raw / processed target scores each token was chosen from."""
+        logits / scores: [k, V], the raw / processed target scores each token was chosen from (None where the
+        decoding keeps neither)."""
         decoding, new = self.decoding, self.out.new_tokens
         kept = 0
         for j, token in enumerate(tokens):
@@ -213,8 +215,9 @@ def verify_row(verifier, spec: SpecConfig, draft, logits: torch.Tensor, row: Row
     accepted = int(result.accepted_len[0])
     path = result.path[:, : accepted + 1]
     record_step(row.out.stats, draft.tree, accepted)
+    kept = row.decoding.keep_scores or row.decoding.keep_logits   # (two [k, V] copies a step otherwise)
     nodes = path[0].to(logits.device)
-    row.emit(result.emitted(draft.tokens, 0), logits[0, nodes], scores[0, nodes])
+    row.emit(result.emitted(draft.tokens, 0), logits[0, nodes] if kept else None, scores[0, nodes] if kept else None)
     return path
 
 

@@ -133,8 +133,9 @@ def move_rows(tensors: list[torch.Tensor], prefix_len: int, path: torch.Tensor, 
 def crop(cache: DynamicCache, length: int) -> None:
     """Truncate every layer to its first ``length`` rows (layers without rows are left alone)."""
     for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or getattr(layer, "keys", None) is None \
-                or layer.keys.numel() == 0:
+        keys = getattr(layer, "keys", None)
+        if not getattr(layer, "is_initialized", True) or keys is None or keys.numel() == 0 \
+                or keys.shape[2] <= length:   # (nothing to drop: a step that kept every row it wrote)
             continue
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]

@@ -71,6 +71,14 @@ def walk(tree: TokenTree, accept: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return path, accepted_len, last_node
 
 
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(-1)`` (the first maximum; a NaN counts as the maximum), through numpy for fp32 on the CPU,
+    whose reduction is vectorised: 4 µs for one 49,152-token row on the 2-core EPYC against torch's 40-90."""
+    if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.requires_grad:
+        return scores.argmax(-1)
+    return torch.as_tensor(scores.numpy().argmax(-1), dtype=torch.long)
+
+
 def verify_greedy(tokens: torch.Tensor, tree: TokenTree, target_logits: torch.Tensor) -> VerifyResult:
     """Greedy verification (exact for greedy decoding).
 
@@ -86,9 +94,27 @@ def verify_greedy(tokens: torch.Tensor, tree: TokenTree, target_logits: torch.Te
     """
     check_inputs(tokens, tree, target_logits, "target_logits")
     tokens = tokens.to(target_logits.device)
+    best = argmax(target_logits)                            # [B, N]
+    if tokens.shape[0] == 1 and best.device.type == "cpu":
+        return _greedy_one(tokens[0].tolist(), tree, best[0].tolist())
     parents = walk_tables(tree, tokens.device)[0]
-    best = target_logits.argmax(-1)                         # [B, N]
     accept = tokens == best[:, parents]
     path, accepted_len, last_node = walk(tree, accept)
     next_token = best.gather(1, last_node[:, None]).squeeze(1)
     return VerifyResult(path=path, accepted_len=accepted_len, next_token=next_token)
+
+
+def _greedy_one(tokens: list[int], tree: TokenTree, best: list[int]) -> VerifyResult:
+    """verify_greedy for one row on the CPU, walked in Python: the same path as ``walk``'s (the first child whose
+    token is its parent's argmax, from the root down), at a fortieth of the tensor walk's cost for a small tree
+    (0.01 ms against 0.4 on the 2-core EPYC: a few percent of a small model's decoding step)."""
+    children, path, node = tree.children, [0], 0
+    while True:
+        node = next((child for child in children[node] if tokens[child] == best[node]), None)
+        if node is None:
+            break
+        path.append(node)
+    accepted = len(path) - 1
+    padded = path + [-1] * (tree.max_depth + 1 - len(path))
+    return VerifyResult(path=torch.tensor([padded]), accepted_len=torch.tensor([accepted]),
+                        next_token=torch.tensor([best[path[-1]]]))
