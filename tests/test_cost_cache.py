@@ -35,6 +35,8 @@ def measured(monkeypatch, tmp_path):
     """The batch sizes measured so far (one entry per measurement); the cache lives in tmp_path."""
     monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(verify_cost, "_unstored", {})
+    monkeypatch.setattr(verify_cost, "_checked", set())
+    monkeypatch.setattr(verify_cost, "_slower_than_now", lambda *args: False)   # (stand-in entries are not timings)
     monkeypatch.setattr(disk_cache, "_warned", set())
     calls = []
 
@@ -181,6 +183,38 @@ def test_an_invalid_entry_is_measured_again_and_overwritten(target, measured, tm
         warnings.simplefilter("error")                       # the rewritten entry is read with no warning
         flashmm.wrap(target, "prompt_lookup")
     assert measured == [1, 1]
+
+
+def test_an_entry_timed_under_load_is_measured_again_and_a_faster_one_stands(tmp_path, monkeypatch):
+    """A process spot-checks an entry once (its 1- and 8-node forwards timed now): one whose forwards took ten
+    times longer than they do now (timed while other work held the cores) is measured again and replaced; one
+    faster than now (this process is the loaded one) stands, and is not timed again in this process."""
+    monkeypatch.setenv("FLASHMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(verify_cost, "_unstored", {})
+    model = tiny_lm("llama", seed=0)
+    timers = []
+    real_timer = verify_cost._timer
+    monkeypatch.setattr(verify_cost, "_timer", lambda *args: timers.append(args[1]) or real_timer(*args))
+    monkeypatch.setattr(verify_cost, "_checked", set())
+    first = measure_verify_cost(model)
+    entry = the_entry(tmp_path)
+    data = json.loads(entry.read_text())
+    assert tuple(data["seconds"]) == first.seconds and len(timers) == 1
+
+    data["seconds"] = [10 * t for t in first.seconds]                           # timed under load
+    entry.write_text(json.dumps(data))
+    monkeypatch.setattr(verify_cost, "_checked", set())                         # (a new process)
+    again = measure_verify_cost(model)
+    assert timers[1:] == [(1, 8), tuple(first.nodes)]                           # spot check, then measured
+    assert again.seconds[0] < 5 * first.seconds[0] and json.loads(entry.read_text())["seconds"] == list(again.seconds)
+
+    data["seconds"] = [t / 10 for t in first.seconds]                           # faster than anything now
+    entry.write_text(json.dumps(data))
+    monkeypatch.setattr(verify_cost, "_checked", set())
+    kept = measure_verify_cost(model)
+    assert kept.seconds == tuple(data["seconds"]) and json.loads(entry.read_text()) == data
+    assert timers[3:] == [(1, 8)]
+    assert measure_verify_cost(model).seconds == kept.seconds and timers[4:] == []   # checked once a process
 
 
 def test_the_key_identifies_the_machine(target, measured, tmp_path, monkeypatch):

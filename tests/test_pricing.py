@@ -8,7 +8,7 @@ import torch
 import flashmm
 from flashmm.drafters import DraftModel
 from flashmm.targets.verify_cost import measure_verify_cost
-from flashmm.tree.cost import AdaptiveDraftLength, VerifyCost, best_paying_sequoia_tree
+from flashmm.tree.cost import PAUSE_CAP, AdaptiveDraftLength, VerifyCost, best_paying_sequoia_tree, next_pause
 from flashmm.tree.shapes import sequoia_tree
 
 from text_models import prompt, tiny_lm
@@ -314,3 +314,13 @@ def test_forks_share_immutable_tuples_and_copy_mutable_state():
     assert fork.notes == [1, 2] and fork.notes is not drafter.notes
     assert fork.pairs == ([3], 4) and fork.pairs[0] is not drafter.pairs[0]
     assert fork.net is drafter.net
+
+
+def test_a_drafter_that_does_not_pay_pauses_twice_as_long_each_time_up_to_the_cap():
+    """next_pause, the back-off every drafter with passes of its own shares (DFlash, EAGLE-1/-3 heads, FLASH)."""
+    pauses, last = [], 0
+    for _ in range(8):
+        last = next_pause(last, paid=False)
+        pauses.append(last)
+    assert pauses == [1, 2, 4, 8, 16, 32, 32, 32] and PAUSE_CAP == 32
+    assert next_pause(last, paid=True) == 0 and next_pause(0, paid=True) == 0

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from ..config import SamplingParams
-from ..tree.cost import AdaptiveDraftLength, calibration_of, observed_evidence, price_with_target
+from ..tree.cost import AdaptiveDraftLength, calibration_of, next_pause, observed_evidence, price_with_target
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_paying_prefix
@@ -191,7 +191,7 @@ class DFlash(Drafter):
         keep = best_paying_prefix(values, self.length.cost)
         spent = self._pass_cost * self.length.lone_forward
         paid = keep > 0 and (1.0 + sum(values[:keep])) / (self.length.cost(keep) + spent) > 1.0
-        self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
+        self._backoff = next_pause(self._backoff, paid)
         self._reach = reach.tolist()
         self._pause, self._predicted = self._backoff, sum(self._reach[:keep])
         if keep == 0:

@@ -61,7 +61,7 @@ from torch import nn
 
 from ..config import SamplingParams
 from ..targets.onednn import routed_like
-from ..tree.cost import AdaptiveDraftLength, price_with_target
+from ..tree.cost import AdaptiveDraftLength, next_pause, price_with_target
 from ..tree.draft import Draft
 from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.token_tree import TokenTree
@@ -241,7 +241,7 @@ class EagleDrafter(Drafter):
         batch's pricing keeps few of its nodes, and each row's EAGLE-2 tree costs passes of its own."""
         self._predicted = sum(self._values[: nodes - 1]) / self._calibration
         if nodes <= 1:
-            self._backoff = min(32, max(1, 2 * self._backoff))
+            self._backoff = next_pause(self._backoff, paid=False)
             self._pause = self._backoff
         return draft.head(nodes)
 

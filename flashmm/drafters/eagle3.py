@@ -44,7 +44,8 @@ from safetensors.torch import save_file
 
 from ..config import SamplingParams
 from ..targets.onednn import routed_like
-from ..tree.cost import AdaptiveDraftLength, calibration_of, observed_evidence, price_with_target, sequoia_rank_paths
+from ..tree.cost import (AdaptiveDraftLength, calibration_of, next_pause, observed_evidence, price_with_target,
+                         sequoia_rank_paths)
 from ..tree.draft import Draft
 from ..tree.dynamic import GrownTree, TreeUnits, grow, grow_static
 from ..tree.trie import DraftTrie, best_paying_prefix
@@ -319,7 +320,7 @@ class Eagle3Drafter(Drafter):
             # the root's output, then one pass per expanded depth, each a row's own work even in a batch
             spent = (1 + grown.levels) * self._pass_cost * self.length.lone_forward
             paid = bool(mine) and (1.0 + sum(mine)) / (self.length.cost(len(mine)) + spent) > 1.0
-            self._backoff = 0 if paid else min(32, max(1, 2 * self._backoff))
+            self._backoff = next_pause(self._backoff, paid)
             self._pause, self._predicted = self._backoff, sum(mine) / calibration
         return keep
 
@@ -327,7 +328,7 @@ class Eagle3Drafter(Drafter):
         """A batch's cut (flashmm.engine.pricing): cut to its root, the head pauses as when its own account finds
         that its nodes do not repay its passes (1, 2, 4, .. 32 steps)."""
         if nodes <= 1:
-            self._cut_backoff = min(32, max(1, 2 * self._cut_backoff))
+            self._cut_backoff = next_pause(self._cut_backoff, paid=False)
             self._pause = max(self._pause, self._cut_backoff)
         return draft.head(nodes)
 

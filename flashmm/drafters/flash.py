@@ -55,7 +55,7 @@ from safetensors.torch import save_file
 
 from ..config import SamplingParams
 from ..targets.onednn import routed_like
-from ..tree.cost import measured_verify_cost, sequoia_rank_paths
+from ..tree.cost import measured_verify_cost, next_pause, sequoia_rank_paths
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_first_paths, best_paying_prefix, chain_merged_draft
@@ -342,7 +342,7 @@ class FlashDrafter(Drafter):
                 d._pause -= 1
             return True
         if all(d._kept <= 1 for d in drafters):
-            backoff = min(32, max(1, 2 * max(d._backoff for d in drafters)))
+            backoff = next_pause(max(d._backoff for d in drafters), paid=False)
         else:
             backoff = 0
         for d in drafters:

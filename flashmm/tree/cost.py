@@ -91,6 +91,17 @@ def measured_verify_cost(target, batch: int = 1) -> tuple["VerifyCost | None", s
         return None, f"verify cost not measurable: {err}"
 
 
+#: the longest pause of a drafter's own passes (``next_pause``), in steps
+PAUSE_CAP = 32
+
+
+def next_pause(last: int, paid: bool) -> int:
+    """The steps a drafter's own passes (a head's, a block drafter's, FLASH's net) skip after a drafted step: none
+    when its drafting paid, else twice the pause before (1, 2, 4, .. PAUSE_CAP), so a drafter whose drafts keep
+    not repaying their passes tries again less and less often, and one that pays drafts every step."""
+    return 0 if paid else min(PAUSE_CAP, max(1, 2 * last))
+
+
 @dataclass
 class AdaptiveDraftLength:
     """Picks the draft length k from a running estimate of per-token acceptance α.
