@@ -77,10 +77,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """x · rsqrt(mean(x²) + eps) in fp32, times the weight: torch's one-kernel rms_norm (five ops in Python
+        cost a drafted step's head pass more than its matmuls)."""
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -95,10 +94,15 @@ class Attention(nn.Module):
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, H, T, hd], positions [B, T] → x rotated (Llama's rotate_half convention)."""
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, 1, T, hd] of positions [B, T] (Llama's rotate_half convention)."""
         angles = positions[:, None, :, None].float() * self.inv_freq                  # [B, 1, T, hd/2]
-        cos, sin = torch.cat([angles.cos()] * 2, -1).to(x.dtype), torch.cat([angles.sin()] * 2, -1).to(x.dtype)
+        angles = torch.cat([angles, angles], -1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, hd] rotated by ``rotation``'s (cos, sin)."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -108,14 +112,14 @@ class Attention(nn.Module):
         the P past keys then these T; past (keys, values) [B, Hkv, P, hd] or None.
         Returns (out [B, T, d], (keys, values) [B, Hkv, P + T, hd])."""
         b, t, _ = x.shape
-        q = self.rope(self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2), positions)
-        k = self.rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), positions)
+        cos, sin = self.rotation(positions, x.dtype)
+        q = self.rope(self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = self.rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        rep = self.heads // self.kv_heads
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                             attn_mask=mask[:, None])
+        # (grouped heads read their kv head in place: transformers' repeat_kv without the copies)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
