@@ -101,9 +101,16 @@ def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
     return process.returncode, err
 
 
+#: a record's counters that follow the drafter's pricing, which reads this machine's measured verify cost: a process
+#: that finds the cached cost timed under load measures again (flashmm.targets.verify_cost), and may draft otherwise
+PRICED = ("target_forwards", "verify_steps", "tau", "drafted_tokens", "accepted_tokens", "accepted_hist",
+          "position_acceptance")
+
+
 def comparable(record: dict) -> dict:
-    """A record without its timings (and shard index)."""
-    stats = {k: v for k, v in (record.get("stats") or {}).items() if "second" not in k}
+    """A record without its timings, its pricing-dependent counters (PRICED) and its shard index: what every
+    process writes alike (the caption and its token count are the model's greedy output)."""
+    stats = {k: v for k, v in (record.get("stats") or {}).items() if "second" not in k and k not in PRICED}
     return {k: v for k, v in record.items()
             if "second" not in k and k != INDEX_FIELD} | ({"stats": stats} if record.get("stats") else {})
 

@@ -204,8 +204,10 @@ def measure_verify_cost(model: torch.nn.Module, grid: Sequence[int] | None = Non
 
 
 #: how much faster than an entry a spot check must time a forward for the entry to be measured again
-#: (``_slower_than_now``); a forward's fastest of a few runs varies by a few percent on a quiet machine
-SPOT_MARGIN = 0.8
+#: (``_slower_than_now``): well past a quiet machine's noise (a few percent) and the slowdown of a run beside
+#: another, so that processes sharing a machine keep sharing one entry, and within reach of an entry timed
+#: while a test run held the cores (2.1x the quiet one-token forward)
+SPOT_MARGIN = 0.6
 #: the entries this process has spot-checked, or measured itself
 _checked: set[Path] = set()
 
