@@ -19,10 +19,8 @@ measures it). ``pricing="measured"`` sizes each step's tree by the target's meas
 (1 + Σ path probability ** calibration) / (t(n) / t(1)) — a node's estimated chance to be accepted;
 ``calibration`` (1: the draft's probabilities as they are) is fitted on held-out decoding by the same
 script —, a Sequoia tree the node count that maximises expected tokens per unit of verify time
-(flashmm.tree.cost.best_paying_sequoia_tree); it is the default: on the 2-core CPU with SmolLM2's block
-weights a verified node costs a fifth of a one-token step, and the reference LMM's drafter decodes at 1.04x
-plain_onednn priced, 0.87x drafting its 12-node cap every step. ``pricing="none"`` does not price the tree:
-every step drafts up to its cap.
+(flashmm.tree.cost.best_paying_sequoia_tree); it is the default (on a CPU a verified node costs a good part of a
+one-token step: README). ``pricing="none"`` does not price the tree: every step drafts up to its cap.
 Children are deterministic, so q_probs is None and sampling is verified by the multi-round tree
 rule in its deterministic-children form (lossless).
 
@@ -337,21 +335,16 @@ class FlashDrafter(Drafter):
         it drafts again; a step that keeps a drafted node ends the backing off. On the 2-core CPU a batch of 8
         verifies at the fp32 multiply-add rate, where drafts rarely repay their rows (the reference LMM's
         captions: τ 1.1) and the passes cost a sixth of a step."""
-        if all(d._pause > 0 for d in drafters):
+        if not all(d._pause > 0 for d in drafters):        # (a pause running: its next step)
+            cut_to_roots = all(d._kept <= 1 for d in drafters)
+            backoff = next_pause(max(d._backoff for d in drafters), paid=False) if cut_to_roots else 0
             for d in drafters:
-                d._pause -= 1
-            return True
-        if all(d._kept <= 1 for d in drafters):
-            backoff = next_pause(max(d._backoff for d in drafters), paid=False)
-        else:
-            backoff = 0
+                d._backoff = d._pause = backoff
+            if not backoff:
+                return False
         for d in drafters:
-            d._backoff = d._pause = backoff
-        if backoff:
-            for d in drafters:
-                d._pause -= 1
-            return True
-        return False
+            d._pause -= 1
+        return True
 
     @classmethod
     def _propose_rows(cls, drafters: list["FlashDrafter"], committed: list[torch.Tensor], max_tokens: int) -> list[Draft]:
