@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashmm
+import flashmm.drafters.flash_batch
 import flashmm.engine.loop
 import flashmm.engine.pricing
 from flashmm.drafters.flash import FlashDrafter
@@ -641,7 +642,7 @@ def test_a_batch_drafts_its_rows_together_as_each_row_would(monkeypatch, options
     drafter = drafter_for(model, 3, **options)
     propose_rows = flashmm.engine.loop.propose_rows
     # (the batch's pause, a batch-wide decision row-by-row drafting cannot take, is tested on its own below)
-    monkeypatch.setattr(FlashDrafter, "_batch_paused", staticmethod(lambda drafters: False))
+    monkeypatch.setattr(flashmm.drafters.flash_batch, "paused", lambda drafters: False)
 
     def run():
         drafts = []
@@ -668,9 +669,8 @@ def test_a_batch_whose_drafts_are_all_cut_pauses_the_nets_passes(monkeypatch):
             mm.make_inputs(processor, "llava", images=0, text="Hi.")]
     batch = collate(rows, processor.tokenizer.pad_token_id)
     reference = model.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
-    passes, drafting = [], FlashDrafter._propose_rows.__func__
-    monkeypatch.setattr(FlashDrafter, "_propose_rows",
-                        classmethod(lambda cls, *a: passes.append(1) or drafting(cls, *a)))
+    passes, drafting = [], flashmm.drafters.flash_batch.draft_rows
+    monkeypatch.setattr(flashmm.drafters.flash_batch, "draft_rows", lambda *a: passes.append(1) or drafting(*a))
     fit = flashmm.engine.pricing.BatchPricing.fit
     monkeypatch.setattr(flashmm.engine.pricing.BatchPricing, "fit", lambda self, drafters, drafts, critical=None: [
         drafter.cut(d, 1) if d.tree.num_nodes > 1 else d for drafter, d in zip(drafters, drafts)])

@@ -53,14 +53,15 @@ from safetensors.torch import save_file
 
 from ..config import SamplingParams
 from ..targets.onednn import routed_like
-from ..tree.cost import measured_verify_cost, next_pause, sequoia_rank_paths
+from ..tree.cost import measured_verify_cost, sequoia_rank_paths
 from ..tree.draft import Draft
 from ..tree.token_tree import TokenTree
 from ..tree.trie import best_first_paths, best_paying_prefix, chain_merged_draft
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import blamed_on, load_weights, read_safetensors, refuse_renamed
 from .flash_config import CONFIG_NAME, WEIGHTS_NAME, FlashOptions, read_config
-from .nets.flash_modules import FlashConfig, FlashNet, build_units, grow_eagle2, head_logits, top_attended
+from .nets.flash_modules import FlashConfig, FlashNet, build_units, grow_eagle2, top_attended
+from . import flash_batch
 from .suffix import LookupBranch
 
 
@@ -242,7 +243,7 @@ class FlashDrafter(Drafter):
         self._pending = None                   # [P, d] features f_t for t >= _next_pos without a unit
         self._next_pos = 0
         self._visual = None                    # [d] the prompt's global visual feature (net.global_visual)
-        # in a batch (propose_batch): nodes the last draft kept after the batch's cut, steps left without the
+        # in a batch (flash_batch): nodes the last draft kept after the batch's cut, steps left without the
         # net's passes, the next pause
         self._kept, self._pause, self._backoff = 2, 0, 0
 
@@ -315,67 +316,10 @@ class FlashDrafter(Drafter):
     @torch.no_grad()
     def propose_batch(cls, drafters: list["FlashDrafter"], committed: list[torch.Tensor], max_tokens: int,
                       samplings, generator) -> list[Draft]:
-        """``propose`` for the rows of a batch (their drafters, forks of one), the net's passes run for every
-        row at once (FlashNet.extend_rows) and the draft head once a depth pass: a row's draft is its own
-        ``propose``'s (to float rounding). EAGLE-2 trees grow row by row."""
+        """``propose`` for the rows of a batch (their drafters, forks of one): flash_batch.propose_batch."""
         if drafters[0].tree == "eagle2":
             return [d.propose(c, max_tokens, s, generator) for d, c, s in zip(drafters, committed, samplings)]
-        if cls._batch_paused(drafters):
-            return [root_only(c) for c in committed]
-        with drafters[0]._linears:
-            drafts = cls._propose_rows(drafters, committed, max_tokens)
-        for d, draft in zip(drafters, drafts):
-            d._kept = draft.tree.num_nodes
-        return drafts
-
-    @staticmethod
-    def _batch_paused(drafters: list["FlashDrafter"]) -> bool:
-        """Whether this batch step drafts nothing. When the batch's cut (``cut``) left no row a drafted node, the
-        net's passes pause for 1, 2, 4, .. 32 steps, every row's committed units waiting to join in one pass when
-        it drafts again; a step that keeps a drafted node ends the backing off. On the 2-core CPU a batch of 8
-        verifies at the fp32 multiply-add rate, where drafts rarely repay their rows (the reference LMM's
-        captions: τ 1.1) and the passes cost a sixth of a step."""
-        if not all(d._pause > 0 for d in drafters):        # (a pause running: its next step)
-            cut_to_roots = all(d._kept <= 1 for d in drafters)
-            backoff = next_pause(max(d._backoff for d in drafters), paid=False) if cut_to_roots else 0
-            for d in drafters:
-                d._backoff = d._pause = backoff
-            if not backoff:
-                return False
-        for d in drafters:
-            d._pause -= 1
-        return True
-
-    @classmethod
-    def _propose_rows(cls, drafters: list["FlashDrafter"], committed: list[torch.Tensor], max_tokens: int) -> list[Draft]:
-        first, roots = drafters[0], [c.shape[1] - 1 for c in committed]
-        units = [d._new_units(c, root) for d, c, root in zip(drafters, committed, roots)]
-        predicted, presents = first.net.extend_rows(units, [d._past for d in drafters])      # [B, K, d]
-        for d, root, row, past in zip(drafters, roots, units, presents):
-            d._advance(root, row.shape[0], past)
-        shapes = [d._shape_for(max_tokens) for d in drafters]
-        depth = max((shape[1] for shape in shapes if shape is not None), default=0)
-        dists = cls._rows_distributions(drafters, predicted, depth) if depth else None   # [B, depth, V']
-        return [root_only(c) if shape is None else d._finish(c, dists[b, : shape[1]], shape, max_tokens)
-                for b, (d, c, shape) in enumerate(zip(drafters, committed, shapes))]
-
-    @staticmethod
-    def _rows_distributions(drafters: list["FlashDrafter"], predicted: torch.Tensor, depth: int) -> torch.Tensor:
-        """Each row's draft probabilities for depths 1..depth after its root, predicted [B, K, d] (f̂_root ..)
-        → [B, depth, V']: while too shallow, the last K predicted features are fed back with the top-1 tokens
-        they predict as units, every row in one forward."""
-        first = drafters[0]
-        softcap = first.net.cfg.final_logit_softcapping
-        feats, probs = predicted, [head_logits(first._head, predicted, softcap).softmax(-1)]
-        pasts, have = [d._past for d in drafters], first.net.tokens_per_step
-        while have < depth:
-            tokens = first._token_ids(probs[-1].argmax(-1))                    # [B, K]
-            embeds = first._embed(tokens)
-            units = [first.net.text_units(embeds[b], feats[b], d._visual) for b, d in enumerate(drafters)]
-            feats, pasts = first.net.extend_rows(units, pasts)
-            probs.append(head_logits(first._head, feats, softcap).softmax(-1))
-            have += first.net.tokens_per_step
-        return torch.cat(probs, dim=1)[:, :depth]
+        return flash_batch.propose_batch(drafters, committed, max_tokens)
 
     def _finish(self, committed: torch.Tensor, dists: torch.Tensor, shape, max_tokens: int) -> Draft:
         """The step's draft from its draft distributions [depth, V'], the lookup chain merged in."""
@@ -387,7 +331,7 @@ class FlashDrafter(Drafter):
 
     def cut(self, draft: Draft, nodes: int) -> Draft:
         """The first ``nodes`` nodes of ``draft`` (a batch's cut, flashmm.engine.pricing), remembered for the
-        batch's pause (``_batch_paused``)."""
+        batch's pause (flash_batch.paused)."""
         self._kept = min(self._kept, nodes)
         return draft.head(nodes)
 
@@ -442,7 +386,7 @@ class FlashDrafter(Drafter):
     def _draft_distributions(self, predicted: torch.Tensor, depth: int) -> torch.Tensor:
         """Draft probabilities [depth, V'] for depths 1..depth after the root (float32; V' =
         len(draft_vocab) or V, indexed by draft-head row): a batch of this row alone."""
-        return self._rows_distributions([self], predicted[None], depth)[0]
+        return flash_batch.rows_distributions([self], predicted[None], depth)[0]
 
     def _shape_for(self, max_tokens: int):
         """(kind, depth, max_tokens or paths) for this step, or None when nothing can be drafted."""
