@@ -39,7 +39,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_gguf_lm("smollm2")
-    questions = load_questions(Path(args.questions), args.per_category)
+    questions = load_questions(Path(args.questions), args.per_category, args.categories)
     prompts = [prompt_ids(tokenizer, q["turns"][0]) for q in questions]
     results = {"flashmm": flashmm.__file__}
     for spec in args.drafters:
@@ -78,6 +78,7 @@ def main(argv=None) -> None:
     ap.add_argument("--drafters", nargs="+", default=["prompt_lookup"])
     ap.add_argument("--questions", default=str(QUESTIONS))
     ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--categories", nargs="+", help="only these Spec-Bench categories (default: every one)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-rounds", type=int, default=1,
@@ -90,6 +91,7 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args)
     child = ["--drafters", *args.drafters, "--questions", args.questions, "--per-category", str(args.per_category),
+             *(["--categories", *args.categories] if args.categories else []),
              "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--old", "unused"]
     runs = {"old": [], "new": []}
     for r in range(-args.warmup_rounds, args.rounds):
