@@ -382,6 +382,7 @@ class FusedForward:
         self.model = model
         self.step = fused_step(model, blocks)
         self.argmax_only = argmax_only
+        self._signature = None          # the model's forward's, read at the first __enter__ (~85 us each time)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
                 use_cache=True, logits_to_keep=0, output_hidden_states=False, nodes=None, argmax_only=False, **kwargs):
@@ -455,7 +456,9 @@ class FusedForward:
             return self.forward(*args, **kwargs)
 
         # generate reads the forward's signature (which inputs it takes, logits_to_keep, the cache's name)
-        forward.__signature__ = inspect.signature(self.model.forward)
+        if self._signature is None:
+            self._signature = inspect.signature(self.model.forward)
+        forward.__signature__ = self._signature
         self.model.__dict__["forward"] = forward
         return self
 
