@@ -28,7 +28,8 @@ MAX_NEW = 16
 
 
 def drafter_for(model, **options):
-    return FlashDrafter.from_target(model, num_queries=4, tokens_per_step=3, seed=0, **options)
+    """A random FLASH drafter, unpriced unless a test asks (see tests/test_flash.py's drafter_for)."""
+    return FlashDrafter.from_target(model, num_queries=4, tokens_per_step=3, seed=0, **{"pricing": "none", **options})
 
 
 def brute_force_kept(attention: torch.Tensor, spans, keep: float) -> list[list[int]]:

@@ -107,7 +107,7 @@ def test_rows_batch_equals_each_item_alone(kind, drafter):
     batch = collate(items, pad_id(processor))
     width = batch["input_ids"].shape[1]
     draft = PromptLookup() if drafter == "prompt_lookup" else \
-        FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0)
+        FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0, pricing="none")
     sm = flashmm.wrap(model, draft, processor=processor, batching="rows")
     with pytest.warns(UserWarning, match="row by row.*batching='rows'") as caught:
         out = sm.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
@@ -256,7 +256,7 @@ def test_slot_rows_batch_equals_each_item_alone(kind, drafter):
     model, processor, items, batch = slot_family(kind)
     width = batch["input_ids"].shape[1]
     draft = PromptLookup() if drafter == "prompt_lookup" else \
-        FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0)
+        FlashDrafter.from_target(model, num_queries=4, tokens_per_step=5, seed=0, pricing="none")
     sm = flashmm.wrap(model, draft, processor=processor, batching="rows")
     with pytest.warns(UserWarning, match="row by row.*batching='rows'"):
         out = sm.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)

@@ -53,7 +53,7 @@ from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import DrafterFileError, blamed_on, check_section, load_weights, parameters_of, read_safetensors
 from .options import DrafterOptions, check_at_least, check_choice
 from .head_base import feed_committed
-from .nets import eagle3_step
+from .nets import eagle3_step, kernel_layer
 from .nets.eagle3_net import Eagle3Config, Eagle3Net
 from .saved import read_info
 from .suffix import LookupBranch
@@ -213,8 +213,7 @@ class Eagle3Drafter(Drafter):
         device = self._embed.weight.device
         self.net = self.net.to(device)
         # a CPU target's drafters multiply in bf16: the head's pass then runs on the compiled kernels
-        fused = getattr(target, "linear_backend", "torch") == "onednn" and \
-            getattr(target, "draft_precision", "fp32") == "bf16" and eagle3_step.unavailable(self.net) is None
+        fused = kernel_layer.drafts_in_bf16(target) and eagle3_step.unavailable(self.net) is None
         self._pass = eagle3_step.Eagle3Step(self.net) if fused else self.net
         # the head multiplies as the target does (SmolLM2's head, 2 cores: an EAGLE-2 tree of 16 nodes
         # takes 17.7 ms to draft with packed oneDNN weights, 39.9 ms through torch's linear)

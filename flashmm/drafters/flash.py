@@ -60,6 +60,7 @@ from ..tree.trie import best_first_paths, best_paying_prefix, chain_merged_draft
 from .base import Drafter, SequenceStart, StepResult, register, root_only
 from .files import blamed_on, load_weights, read_safetensors, refuse_renamed
 from .flash_config import CONFIG_NAME, WEIGHTS_NAME, FlashOptions, read_config
+from .nets import flash_step, kernel_layer
 from .nets.flash_modules import FlashConfig, FlashNet, build_units, grow_eagle2, top_attended
 from . import flash_batch
 from .suffix import LookupBranch
@@ -114,6 +115,7 @@ class FlashDrafter(Drafter):
             raise TypeError(f"net must be a FlashNet, a checkpoint directory or None, got {type(net).__name__}")
         self._options = options = FlashOptions.build(type(self).__name__, given, options)
         self.net = net
+        self._pass = net                       # bind: the net's pass on the compiled kernels where they run
         # the options as the drafting code reads them: rank paths and accept as lists, draft_vocab the
         # options' tuple (which every fork shares: flashmm.drafters.base.fork_shared)
         self.tree = options.tree if isinstance(options.tree, str) else [list(p) for p in options.tree]
@@ -235,6 +237,9 @@ class FlashDrafter(Drafter):
         # the net and the draft head multiply as the target's drafters do (bf16 on oneDNN where the CPU has
         # bf16 kernels: a batch of 8 rows drafted in 11 ms a step through torch's fp32 linear)
         self._linears = routed_like(target, torch.nn.ModuleList([self.net, self._head]))
+        # where they multiply in bf16, the net's block runs on the compiled kernels (flash_step)
+        fused = kernel_layer.drafts_in_bf16(target) and flash_step.unavailable(self.net) is None
+        self._pass = flash_step.FlashStep(self.net) if fused else self.net
 
     def _reset_sequence(self) -> None:
         self._past = None                      # (keys, values) [1, Hkv, U, hd] of committed units
@@ -271,7 +276,7 @@ class FlashDrafter(Drafter):
                                visual_index=self.visual_index(start))
         self._visual = self.net.global_visual(feats, list(start.visual_spans))
         if units.shape[0]:
-            self._past = self.net.extend(units[None], None, predict=False)[1]
+            self._past = self._pass.extend(units[None], None, predict=False)[1]
             self._num_units = units.shape[0]
         self._prompt_embeds = embeds
         self._pending = feats[length - 1:]
@@ -358,7 +363,7 @@ class FlashDrafter(Drafter):
     def _sync(self, committed: torch.Tensor, root: int) -> torch.Tensor:
         """Add the text units n_pos .. root-1 to the committed cache; return f̂ [K, d] at unit root-1."""
         units = self._new_units(committed, root)
-        predicted, past = self.net.extend(units[None], self._past)
+        predicted, past = self._pass.extend(units[None], self._past)
         self._advance(root, units.shape[0], past)
         return predicted[0, -1]
 
