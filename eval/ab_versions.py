@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, write_results  # noqa: E402
+from common import freeze_heap, machine, markdown_table, write_results  # noqa: E402
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl"
 
@@ -45,6 +45,7 @@ def worker(args) -> None:
     for spec in args.drafters:
         sm = flashmm.wrap(model, parse_drafter(spec, tokenizer)[1])
         sm.generate(prompts[0], max_new_tokens=8, do_sample=False)  # warm-up, untimed
+        freeze_heap()
         seconds, tokens, steps, accepted, outputs = 0.0, 0, 0, 0, []
         for ids in prompts:
             start = time.perf_counter()

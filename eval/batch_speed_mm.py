@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (baseline_legend, machine, markdown_table, on_onednn, onednn_baseline_missing,  # noqa: E402
+from common import (baseline_legend, freeze_heap, machine, markdown_table, on_onednn, onednn_baseline_missing,  # noqa: E402
                     speedup_lines, summarize_batches, timed_with_cpu, write_results)
 
 import flashmm  # noqa: E402
@@ -124,6 +124,7 @@ def main(argv=None):
     for sm in {id(sm): sm for sm in wrapped.values()}.values():
         for rows in range(1, max(args.batch_sizes) + 1):
             sm.target.verify_cost(batch=batch_bucket(rows))
+    freeze_heap()
 
     records, cursor = [], 0
     for size in args.batch_sizes:

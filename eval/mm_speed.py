@@ -58,7 +58,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root: tools.reference
-from common import (baseline_legend, machine, markdown_table, median, on_onednn, onednn_baseline_missing,  # noqa: E402
+from common import (baseline_legend, freeze_heap, machine, markdown_table, median, on_onednn, onednn_baseline_missing,  # noqa: E402
                     over, parse_options, speedup_lines, timed, step_counters, write_results)
 
 import flashmm  # noqa: E402
@@ -166,6 +166,7 @@ def run_benchmark(model, processor, items: list[dict], methods: dict, wrapped: d
     warm = item_inputs(processor, items[0]["images"], items[0]["prompt"])
     for fn in methods.values():  # allocator and first-call overheads, not measured
         fn(warm, 4)
+    freeze_heap()
     records = []
     for index, item in enumerate(tqdm(items, desc="items", disable=not progress)):
         inputs = item_inputs(processor, item["images"], item["prompt"])

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root: tools.reference
 import flashmm  # noqa: E402
-from common import machine, median, markdown_table, on_onednn, timed, write_results  # noqa: E402
+from common import freeze_heap, machine, median, markdown_table, on_onednn, timed, write_results  # noqa: E402
 from flashmm.weights import load_gguf_lm  # noqa: E402
 from text_speed import load_questions, prompt_ids  # noqa: E402
 
@@ -45,6 +45,7 @@ def profile(methods: dict, wrapped: dict, inputs_list: list, max_new_tokens: int
     """{method: [per-prompt split]}; plain_onednn gets its milliseconds per new token."""
     for fn in methods.values():  # first-call overheads, not measured
         fn(inputs_list[0], 4)
+    freeze_heap()
     records = {name: [] for name in methods}
     for index, inputs in enumerate(inputs_list):
         names = list(methods)

@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (baseline_legend, machine, markdown_table, median, on_onednn, onednn_baseline_missing,  # noqa: E402
+from common import (baseline_legend, freeze_heap, machine, markdown_table, median, on_onednn, onednn_baseline_missing,  # noqa: E402
                     over, parse_options, speedup_lines, timed_with_cpu, write_results)
 
 import flashmm  # noqa: E402
@@ -198,6 +198,7 @@ def main(argv=None):
     warm = tokenizer("Hello", return_tensors="pt").input_ids
     for fn in methods.values():
         fn(warm, 4)
+    freeze_heap()
 
     records = earlier_records(args) if args.resume else []
     done = {r["id"] for r in records}

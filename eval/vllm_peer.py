@@ -57,7 +57,7 @@ from collections import defaultdict  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (baseline_legend, machine, markdown_table, median, on_onednn, onednn_baseline_missing,  # noqa: E402
+from common import (baseline_legend, freeze_heap, machine, markdown_table, median, on_onednn, onednn_baseline_missing,  # noqa: E402
                     over, timed_with_cpu, write_results)
 from text_speed import DEFAULT_QUESTIONS  # noqa: E402
 
@@ -350,6 +350,7 @@ def main(argv=None):
         for sm in wrapped.values():
             for rows in range(1, args.batch + 1):
                 sm.target.verify_cost(batch=batch_bucket(rows))
+    freeze_heap()
 
     info = {**machine(), "vllm": __import__("vllm").__version__ if engines else None,
             "LD_PRELOAD": os.environ.get("LD_PRELOAD"), "torch_threads_after_vllm": torch.get_num_threads()}
