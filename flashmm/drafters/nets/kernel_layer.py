@@ -5,7 +5,7 @@ forward. Shared by the EAGLE-3 head's pass (``eagle3_step``) and FLASH's (``flas
 layer's input its own way.
 
 On the 2-core EPYC an EAGLE-3 head pass over one to eight units took 1.4-1.9 ms through the net's own layers (routed
-to bf16 kernels one linear at a time), 0.2-0.6 ms here: q, k and v multiply as one weight, gate and up as one, the
+to bf16 kernels one linear at a time), 0.35-0.7 ms here: q, k and v multiply as one weight, gate and up as one, the
 norms, the SiLU gate and the rotary embeddings run in the kernels the target's fused step uses, and the new keys and
 values are written into room kept behind the cache (``room``) instead of concatenated onto it every pass. A pass is
 then mostly the time its bf16 weights take to read from memory.
