@@ -1,8 +1,7 @@
 """Where the shipped assets are: ``flashmm/assets`` inside an installed package (a wheel or a
 non-editable ``pip install .``), else ``assets/`` at the root of the repository checkout (an
 editable install or the source tree). pyproject.toml maps the top-level ``assets/`` folder to
-the ``flashmm.assets`` package, as it maps ``kernels/`` to ``flashmm.kernels``. And where per-user
-files go: ``cache_dir()``, ``work_dir(name)`` (the default work folders of the build tools)."""
+the ``flashmm.assets`` package. And where per-user files go: ``cache_dir()``, ``work_dir(name)`` (the default work folders of the build tools)."""
 from __future__ import annotations
 
 import os

@@ -1,11 +1,10 @@
-"""The installed package stands alone: nothing under flashmm/ (or kernels/, installed as
-flashmm.kernels) imports the repository's build tooling (tools/) or its tests/eval scripts, and
+"""The installed package stands alone: nothing under flashmm/ imports the repository's build tooling (tools/) or its tests/eval scripts, and
 the build tooling really lives outside the package."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = (ROOT / "flashmm", ROOT / "kernels")
+PACKAGE_DIRS = (ROOT / "flashmm",)
 REPOSITORY_ONLY = ("tools", "tests", "eval", "examples")
 
 
@@ -33,6 +32,20 @@ def test_walker_sees_absolute_and_lazy_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os\nfrom . import x\ndef f():\n    from tools.reference import build\n")
     assert imported_modules(module) == [(1, "os"), (4, "tools.reference")]
+
+
+def test_no_root_folder_shadows_an_installed_module():
+    """pytest puts the repository root on sys.path (pyproject: pythonpath), and so does ``python -c`` run there: a
+    root folder named like a dependency's module is imported in its place. A root ``kernels/`` did that to the PyPI
+    package ``kernels``, which transformers 5.25 imports, and the whole suite failed to collect."""
+    from importlib.metadata import packages_distributions
+
+    installed = set(packages_distributions())
+    assert "torch" in installed  # the lookup really sees the environment
+    root_modules = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    root_modules |= {p.stem for p in ROOT.glob("*.py")}
+    assert "tools" in root_modules
+    assert root_modules & installed - {"flashmm"} == set(), "rename these root folders or move them into flashmm/"
 
 
 def test_reference_build_tooling_lives_outside_the_package():
@@ -73,7 +86,6 @@ ALLOWED = {("flashmm.kernels.verification", "flashmm.verify.base"):
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    parts = ["flashmm", *parts] if parts[0] == "kernels" else parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 

@@ -4,11 +4,11 @@ Imported lazily: ``import flashmm.kernels`` does not import triton. Kernel modul
 first attribute access, so ``TRITON_INTERPRET=1`` (CPU testing) only has to be set before the
 first kernel is used.
 
-  tree_attention(q, k, v, tree_mask, prefix_len, ...)      kernels/attention.py
-  verify_tree_greedy(tokens, parents, target_logits, ...)  kernels/verification.py
-  verify_tree_sampling(tokens, parents, p, q, ...)         kernels/verification.py
-  kv_keep(kv, prefix_len, path)                            kernels/compaction.py
-  TreeAttentionSwitch(model), tree_attention_kwargs(...)   kernels/hf_attention.py
+  tree_attention(q, k, v, tree_mask, prefix_len, ...)      attention.py
+  verify_tree_greedy(tokens, parents, target_logits, ...)  verification.py
+  verify_tree_sampling(tokens, parents, p, q, ...)         verification.py
+  kv_keep(kv, prefix_len, path)                            compaction.py
+  TreeAttentionSwitch(model), tree_attention_kwargs(...)   hf_attention.py
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ transformers reads a GGUF by dequantising it: SmolLM2-135M-Instruct.Q4_1 becomes
 whose every block of 32 consecutive values in a row is ``d * q + m`` (q = 0..15; d, m per block). Those
 fp32 values are the model: flashmm keeps them exactly. ``encode`` recovers (q, d, m) from the fp32 tensor
 and accepts it only when ``d * q + m`` computed in fp32 gives back every value bit for bit; the kernel
-(kernels/blocks_cpu.cpp) rebuilds each weight that way, in registers, and multiplies in fp32. The products
+(blocks_cpu.cpp) rebuilds each weight that way, in registers, and multiplies in fp32. The products
 differ from oneDNN's as two fp32 summation orders do, and a step reads 5 bits a weight instead of 32:
 SmolLM2's 210 layer weights, measured on the 2-core EPYC, multiply one row in 3.9 ms against oneDNN's
 22 ms (``eval/results/blocks_linear.md``).
@@ -40,7 +40,7 @@ _SOURCE = Path(__file__).with_name("blocks_cpu.cpp")
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A weight [out, in] as its block codes (kernels/blocks_cpu.cpp's layout). 4-bit: codes uint8
+    """A weight [out, in] as its block codes (blocks_cpu.cpp's layout). 4-bit: codes uint8
     [out / 16, in / 32, 16, 16], scale and low fp32 [out / 16, in / 32, 16]; 8-bit: codes int8
     [out / 16, in / 32, 32, 16], scale, low None."""
     codes: torch.Tensor
