@@ -671,7 +671,6 @@ def test_a_batch_whose_drafts_are_all_cut_pauses_the_nets_passes(monkeypatch):
     reference = model.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
     passes, drafting = [], flashmm.drafters.flash_batch.draft_rows
     monkeypatch.setattr(flashmm.drafters.flash_batch, "draft_rows", lambda *a: passes.append(1) or drafting(*a))
-    fit = flashmm.engine.pricing.BatchPricing.fit
     monkeypatch.setattr(flashmm.engine.pricing.BatchPricing, "fit", lambda self, drafters, drafts, critical=None: [
         drafter.cut(d, 1) if d.tree.num_nodes > 1 else d for drafter, d in zip(drafters, drafts)])
     sm = flashmm.wrap(model, drafter_for(model, 3), processor=processor)
@@ -679,7 +678,8 @@ def test_a_batch_whose_drafts_are_all_cut_pauses_the_nets_passes(monkeypatch):
     steps = sm.last_stats.verify_steps // 2
     assert sm.last_stats.drafted_tokens == 0 and steps >= 8
     assert len(passes) <= 4 < steps  # the net's passes at steps 1, 3, 6, 11 (pauses of 1, 2, 4)
-    monkeypatch.setattr(flashmm.engine.pricing.BatchPricing, "fit", fit)
+    # every draft kept (whether the batch's measured pricing keeps a random net's drafts depends on the machine)
+    monkeypatch.setattr(flashmm.engine.pricing.BatchPricing, "fit", lambda self, drafters, drafts, critical=None: drafts)
     passes.clear()
     assert torch.equal(sm.generate(**batch, max_new_tokens=MAX_NEW), reference)
     assert len(passes) == sm.last_stats.verify_steps // 2  # drafts kept: a pass every step

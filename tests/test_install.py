@@ -103,9 +103,9 @@ REPOSITORY_ASSETS = ("judges",)
 
 
 def source_tree(dest: Path) -> Path:
-    """What a wheel is built from: pyproject, README, the package, its kernels and the demo's assets."""
+    """What a wheel is built from: pyproject, README, the package (its kernels inside) and the demo's assets."""
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
-    for name in ("flashmm", "kernels", *(f"assets/{folder}" for folder in DEMO_ASSETS)):
+    for name in ("flashmm", *(f"assets/{folder}" for folder in DEMO_ASSETS)):
         shutil.copytree(ROOT / name, dest / name, ignore=skip)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
