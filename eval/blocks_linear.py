@@ -65,7 +65,8 @@ def main() -> None:
                 rows_out.append({"weights": name, "rows": rows, "blocks_ms": medians["blocks"],
                                  "onednn_ms": medians["onednn"], "speedup": medians["onednn"] / medians["blocks"]})
                 print(rows_out[-1], flush=True)
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = (f"{platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
+               f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows_out}, indent=1))
     lines = ["# SmolLM2's weights from their exact block codes against oneDNN's fp32 matmul", "",

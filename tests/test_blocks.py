@@ -144,7 +144,7 @@ def test_the_small_steps_equal_torchs(rows):
 def test_the_bf16_product_is_the_float64_product_of_the_bf16_weight(rows):
     """A drafter's few-row bf16 product (flashmm.kernels.blocks.bf16_linear, routed by OneDNNLinears(bf16=True)):
     the bf16 weight's float64 product with the fp32 input, to fp32 rounding; the layer routes one row there."""
-    from flashmm.targets.onednn import OneDNNLinears  # noqa: PLC0415
+    from flashmm.targets.onednn import OneDNNLinears, bf16_kernels  # noqa: PLC0415
 
     torch.manual_seed(rows)
     layer = torch.nn.Linear(72, 48)
@@ -154,6 +154,8 @@ def test_the_bf16_product_is_the_float64_product_of_the_bf16_weight(rows):
     bound = (x.abs().double() @ weight.abs().T + layer.bias.detach().abs().double()) * 72 * 2.0 ** -24
     out = blocks.bf16_linear(x, blocks.bf16_codes(layer.weight), layer.bias.detach())
     assert bool(((out.double() - exact).abs() <= bound).all())
+    if not bf16_kernels():  # AVX2 without AVX-512: oneDNN packs no bf16 weight, drafters multiply in fp32
+        return
     with torch.no_grad(), OneDNNLinears(layer, bf16=True):
         routed = layer(x[:1])
     assert bool(((routed.double() - exact[:1]).abs() <= bound[:1]).all())  # oneDNN would round x to bf16 too

@@ -12,8 +12,8 @@ SmolLM2's 210 layer weights, measured on the 2-core EPYC, multiply one row in 3.
 22 ms (``eval/results/blocks_linear.md``).
 
 The kernel is C++ compiled on first use (torch.utils.cpp_extension, ~25 s) for this machine's CPU and kept
-under ``cache_dir()/kernels``; it needs AVX-512 (``unavailable`` says why it cannot run, and the fused step
-then multiplies with oneDNN as before).
+under ``cache_dir()/kernels``; it needs AVX2 or AVX-512 (``unavailable`` says why it cannot run, and the fused
+step then multiplies with oneDNN as before).
 """
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ import torch
 
 #: 32 consecutive weights of a row share a scale and a minimum (GGUF's Q4_1 block)
 BLOCK = 32
-#: rows of the weight the kernel expands together (16 fp32 lanes of AVX-512)
+#: rows of the weight the kernel expands together (16 fp32 lanes of AVX-512, two registers of AVX2)
 GROUP = 16
 #: the most rows of input the kernel multiplies: 4-bit weights; more go to oneDNN's fp32 matmul, which is as fast
-#: from about 90 rows on (SmolLM2's layer weights on the 2-core EPYC, eval/results/blocks_linear.md)
+#: from about 90 rows on with AVX-512 (SmolLM2's layer weights on the 2-core EPYC, eval/results/blocks_linear.md)
 MAX_ROWS = 64
+#: the same with AVX2 alone, whose kernel expands 6 rows at a time: oneDNN is as fast from about 32 rows on
+#: (SmolLM2's layer weights on a 2-core AVX2 EPYC, eval/results/blocks_linear_avx2.md)
+MAX_ROWS_AVX2 = 24
 #: the same for 8-bit weights (SmolLM2's Q8_0 LM head: 1.6 ms against oneDNN's 2.8 for 4 rows, 3.0 against 3.8 for 8)
 MAX_ROWS_8 = 8
 _SOURCE = Path(__file__).with_name("blocks_cpu.cpp")
@@ -56,8 +59,8 @@ def unavailable() -> str | None:
     """Why the block kernel cannot run here (a phrase), None when it can."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"it is written for x86-64 (this is {platform.machine()})"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-        return f"it needs AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_BF16", "AMX"):
+        return f"it needs AVX2 or AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
     if missing:
         return f"compiling it needs {' and '.join(missing)} on the PATH"
@@ -151,8 +154,13 @@ def _kernel():
 
 
 def max_rows(weight: BlockWeight) -> int:
-    """The most rows of input ``weight`` is multiplied for here (MAX_ROWS, MAX_ROWS_8)."""
-    return MAX_ROWS if weight.low is not None else MAX_ROWS_8
+    """The most rows of input ``weight`` is multiplied for here (MAX_ROWS or MAX_ROWS_AVX2, MAX_ROWS_8)."""
+    return _max_rows_4bit() if weight.low is not None else MAX_ROWS_8
+
+
+@lru_cache(maxsize=1)
+def _max_rows_4bit() -> int:
+    return MAX_ROWS_AVX2 if torch.backends.cpu.get_cpu_capability() == "AVX2" else MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,5 +1,5 @@
 // y = x W^T + bias for a weight W [N, K] held as 4-bit blocks that reconstruct its fp32 values exactly
-// (kernels/blocks.py): W[n, 32 b + t] = d[n, b] * q + m[n, b] in fp32, q = 0..15 and d with at most 11
+// (blocks.py): W[n, 32 b + t] = d[n, b] * q + m[n, b] in fp32, q = 0..15 and d with at most 11
 // significant bits (encode accepts no other), so d * q is exact and the sum is the only rounding: an fma gives
 // the same value. (The file is compiled with -ffp-contract=off all the same: no other sum may be fused.)
 //
@@ -15,6 +15,9 @@
 // 8-bit blocks (GGUF's Q8_0, as an LM head often is) are W[n, 32 b + t] = d[n, b] * q, q an int8, one
 // exact product: codes [N / 16, K / 32, 32, 16] int8 (codes[g, b, t, l] the q of column 32 b + t), d as
 // above; 8.5 bits a weight.
+//
+// With AVX-512 the 16 rows of a group are one register; with AVX2 (no AVX-512) two, each of 8 lanes, which leaves
+// room for fewer rows of x per expansion (TILE), in the same layout, with the same sums in the same order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,7 +32,11 @@ namespace {
 
 constexpr int64_t BLOCK = 32;
 constexpr int64_t GROUP = 16;
+#if defined(__AVX512F__)
 constexpr int TILE = 16;  // rows of x multiplied per expansion
+#else
+constexpr int TILE = 6;   // AVX2's 16 registers: 2 * TILE sums, the expanded weights and x's broadcasts
+#endif
 
 // Independent sums kept per row of x: an fma waits ~4 cycles for the one before it into the same register.
 // Measured on the 2-core EPYC over SmolLM2's layer weights: two sums a row for up to 8 rows, one row 5.05 ->
@@ -37,6 +44,10 @@ constexpr int TILE = 16;  // rows of x multiplied per expansion
 // two doubled its time (its 32-step inner loop then indexes the sums at run time).
 template <int MB>
 constexpr int chains() { return MB <= 8 ? 2 : 1; }
+// the same with AVX2, whose two registers a row already make two chains: two sums a row for 1 or 2 rows (on a
+// 2-core AVX2 EPYC over SmolLM2's layer weights, 3 rows took 13.3 ms with two and 9.1 with one)
+template <int MB>
+constexpr int chains2() { return MB <= 2 ? 2 : 1; }
 
 #if defined(__AVX512F__)
 template <int MB, int CH>
@@ -53,6 +64,34 @@ void store_rows(__m512 (&acc)[MB][CH], const float* bias, int64_t g, int64_t i0,
     for (int c = 1; c < CH; ++c) sum = _mm512_add_ps(sum, acc[i][c]);
     _mm512_storeu_ps(y + (i0 + i) * N + g * GROUP, _mm512_add_ps(sum, add));
   }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FLASHMM_AVX2 1
+// a group's 16 sums of a row as two registers: [half][lanes 8 h .. 8 h + 7]
+template <int MB, int CH>
+void zero_rows(__m256 (&acc)[MB][CH][2]) {
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < CH; ++c) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
+}
+
+template <int MB, int CH>
+void store_rows(__m256 (&acc)[MB][CH][2], const float* bias, int64_t g, int64_t i0, int64_t N, float* y) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256 add = bias ? _mm256_loadu_ps(bias + g * GROUP + 8 * h) : _mm256_setzero_ps();
+    for (int i = 0; i < MB; ++i) {
+      __m256 sum = acc[i][0][h];
+      for (int c = 1; c < CH; ++c) sum = _mm256_add_ps(sum, acc[i][c][h]);
+      _mm256_storeu_ps(y + (i0 + i) * N + g * GROUP + 8 * h, _mm256_add_ps(sum, add));
+    }
+  }
+}
+
+// 8 bytes widened to 8 int32 lanes, unsigned or signed
+inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i widen_i8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+// 8 bf16 values widened to fp32 (exact: the bits moved up 16)
+inline __m256 widen_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 #endif
 
@@ -84,6 +123,32 @@ void group_rows(const float* x, const uint8_t* codes, const float* d, const floa
         __m512& hi_sum = acc[i][(2 * j + 1) % CH];
         lo_sum = _mm512_fmadd_ps(w_lo, _mm512_set1_ps(xr[i * K + k0 + j]), lo_sum);
         hi_sum = _mm512_fmadd_ps(w_hi, _mm512_set1_ps(xr[i * K + k0 + 16 + j]), hi_sum);
+      }
+    }
+  }
+  store_rows<MB, CH>(acc, bias, g, i0, N, y);
+#elif defined(FLASHMM_AVX2)
+  constexpr int CH = chains2<MB>();
+  __m256 acc[MB][CH][2];
+  zero_rows<MB, CH>(acc);
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256 scale[2] = {_mm256_loadu_ps(dg + b * GROUP), _mm256_loadu_ps(dg + b * GROUP + 8)};
+    const __m256 low[2] = {_mm256_loadu_ps(mg + b * GROUP), _mm256_loadu_ps(mg + b * GROUP + 8)};
+    const uint8_t* cb = c + b * 256;
+    const int64_t k0 = b * BLOCK;
+    for (int j = 0; j < 16; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = widen_u8(cb + j * 16 + 8 * h);
+        // the same exact one-fma rebuild as above
+        const __m256 w_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, nibble)), scale[h], low[h]);
+        const __m256 w_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), scale[h], low[h]);
+        for (int i = 0; i < MB; ++i) {
+          __m256& lo_sum = acc[i][(2 * j) % CH][h];
+          __m256& hi_sum = acc[i][(2 * j + 1) % CH][h];
+          lo_sum = _mm256_fmadd_ps(w_lo, _mm256_set1_ps(xr[i * K + k0 + j]), lo_sum);
+          hi_sum = _mm256_fmadd_ps(w_hi, _mm256_set1_ps(xr[i * K + k0 + 16 + j]), hi_sum);
+        }
       }
     }
   }
@@ -132,6 +197,20 @@ void group_rows8(const float* x, const uint8_t* codes, const float* d, const flo
     }
   }
   store_rows<MB, CH>(acc, bias, g, i0, N, y);
+#elif defined(FLASHMM_AVX2)
+  __m256 acc[MB][1][2];
+  zero_rows<MB, 1>(acc);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256 scale[2] = {_mm256_loadu_ps(dg + b * GROUP), _mm256_loadu_ps(dg + b * GROUP + 8)};
+    const int8_t* cb = c + b * 512;
+    const int64_t k0 = b * BLOCK;
+    for (int t = 0; t < 32; ++t)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(cb + t * 16 + 8 * h)), scale[h]);
+        for (int i = 0; i < MB; ++i) acc[i][0][h] = _mm256_fmadd_ps(w, _mm256_set1_ps(xr[i * K + k0 + t]), acc[i][0][h]);
+      }
+  }
+  store_rows<MB, 1>(acc, bias, g, i0, N, y);
 #else
   float acc[MB][GROUP] = {};
   for (int64_t b = 0; b < blocks; ++b)
@@ -168,6 +247,23 @@ void group_rows_bf16(const float* x, const uint8_t* codes, const float*, const f
     const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
     for (int i = 0; i < MB; ++i) acc[i][0] = _mm512_fmadd_ps(w, _mm512_set1_ps(xr[i * K + k]), acc[i][0]);
   }
+  store_rows<MB, CH>(acc, bias, g, i0, N, y);
+#elif defined(FLASHMM_AVX2)
+  constexpr int CH = chains2<MB>();
+  __m256 acc[MB][CH][2];
+  zero_rows<MB, CH>(acc);
+  int64_t k = 0;
+  for (; k + CH <= K; k += CH)
+    for (int u = 0; u < CH; ++u)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 w = widen_bf16(c + (k + u) * GROUP + 8 * h);
+        for (int i = 0; i < MB; ++i) acc[i][u][h] = _mm256_fmadd_ps(w, _mm256_set1_ps(xr[i * K + k + u]), acc[i][u][h]);
+      }
+  for (; k < K; ++k)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 w = widen_bf16(c + k * GROUP + 8 * h);
+      for (int i = 0; i < MB; ++i) acc[i][0][h] = _mm256_fmadd_ps(w, _mm256_set1_ps(xr[i * K + k]), acc[i][0][h]);
+    }
   store_rows<MB, CH>(acc, bias, g, i0, N, y);
 #else
   float acc[MB][GROUP] = {};
