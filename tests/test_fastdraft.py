@@ -12,7 +12,7 @@ from flashmm.drafters import FastDraft, load
 from flashmm.drafters.fastdraft import save_reduced_lm
 from flashmm.drafters.nets.reduced_vocab import ReducedVocabLM, build_lm
 from flashmm.drafters.nets import distill
-from flashmm.targets.onednn import bf16_kernels, onednn_available
+from flashmm.targets.onednn import bf16_drafting, onednn_available
 from flashmm.train import draft_lm as T
 
 from stats_utils import chi_square_pvalue
@@ -134,7 +134,7 @@ def test_draft_lm_multiplies_as_the_target_does():
     for linear in ("onednn", "torch"):
         sm = flashmm.wrap(target, FastDraft(draft, max_draft_tokens=4, adaptive=False), linear=linear)
         assert torch.equal(sm.generate(ids, max_new_tokens=16, eos_token_id=[]), want)
-        assert sm.drafter.linear == ("onednn-bf16" if linear == "onednn" and bf16_kernels() else linear)
+        assert sm.drafter.linear == ("onednn-bf16" if linear == "onednn" and bf16_drafting() else linear)
     assert not any("forward" in layer.__dict__ for layer in draft.modules())  # routing undone after each call
 
 

@@ -109,8 +109,8 @@ def test_a_drafter_on_a_cpu_target_drafts_through_it_and_stays_exact(monkeypatch
     torch.manual_seed(0)
     net = Eagle3Net(Eagle3Config.for_target(target.config, 64, (0, 1, 1))).eval()
     net.set_vocab(torch.arange(64))
-    if flashmm.targets.onednn.bf16_kernels() is False:
-        pytest.skip("drafters multiply in fp32 here (no bf16 kernels in oneDNN)")
+    if not flashmm.targets.onednn.bf16_drafting():
+        pytest.skip("drafters multiply in fp32 here (neither oneDNN's bf16 kernels nor flashmm's run)")
     calls = []
     forward = eagle3_step.Eagle3Step.forward
     monkeypatch.setattr(eagle3_step.Eagle3Step, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
@@ -151,8 +151,8 @@ def test_flash_passes_equal_the_net_in_float64():
 
 
 def test_a_flash_drafter_on_a_cpu_target_drafts_through_it_and_stays_exact(monkeypatch):
-    if flashmm.targets.onednn.bf16_kernels() is False:
-        pytest.skip("drafters multiply in fp32 here (no bf16 kernels in oneDNN)")
+    if not flashmm.targets.onednn.bf16_drafting():
+        pytest.skip("drafters multiply in fp32 here (neither oneDNN's bf16 kernels nor flashmm's run)")
     target = tiny_lm("llama")
     calls = []
     extend = flash_step.FlashStep.extend

@@ -148,6 +148,25 @@ def test_a_drafters_bf16_product_is_the_bf16_rounded_product(bias):
 
 
 @needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_without_onednns_bf16_kernels_a_drafters_product_keeps_fp32_inputs(monkeypatch, bias):
+    """Where oneDNN has no bf16 kernels (AVX2) and flashmm's compiled kernel runs, a drafter still multiplies in bf16
+    (bf16_drafting): its few rows on that kernel, more rows as the bf16-rounded weights' fp32 product through oneDNN.
+    Both are the float64 product of the fp32 input and the bf16-rounded weight, to fp32 rounding."""
+    monkeypatch.setattr(onednn, "_onednn_bf16", lambda: False)
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(96, 160, bias=bias)
+    for rows in (1, 9):                       # the kernel's one row, oneDNN's fp32 product of nine
+        x = torch.randn(rows, 96)
+        exact = x.double() @ layer.weight.bfloat16().double().T + (layer.bias.double() if bias else 0)
+        bound = 96 * 2.0 ** -23 * (x.double().abs() @ layer.weight.double().abs().T) + 1e-6
+        with torch.no_grad(), OneDNNLinears(layer, bf16=True):
+            y = layer(x)
+        assert y.dtype == torch.float32 and ((y.double() - exact).abs() <= bound).all()
+        assert (y.double() - (x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0))).abs().max() > 1e-5
+
+
+@needs_onednn
 def test_an_eagle3_head_multiplies_as_the_target_does(monkeypatch):
     """On a target whose forwards run on oneDNN every linear of the EAGLE-3 head does too (on
     "torch" none does), its layers are their own again between drafts, and greedy output is generate's. Where

@@ -99,7 +99,7 @@ def bf16_kernels() -> bool:
     return onednn_available() and can_pack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-#: how a drafter multiplies its linear layers beside a target on oneDNN: "auto" (bf16 where ``bf16_kernels``),
+#: how a drafter multiplies its linear layers beside a target on oneDNN: "auto" (bf16 where ``bf16_drafting``),
 #: "fp32" (as the target does: its draft logits then equal a float64 forward's to fp32 rounding)
 DRAFT_PRECISIONS = ("auto", "fp32")
 
@@ -108,19 +108,38 @@ def resolve_draft_precision(precision: str, linear_backend: str) -> str:
     """"bf16" or "fp32": what a drafter of a target whose linears run on ``linear_backend`` multiplies in."""
     if precision not in DRAFT_PRECISIONS:
         raise ValueError(f"draft_precision must be one of {DRAFT_PRECISIONS}, got {precision!r}")
-    return "bf16" if precision == "auto" and linear_backend == "onednn" and bf16_kernels() else "fp32"
+    return "bf16" if precision == "auto" and linear_backend == "onednn" and bf16_drafting() else "fp32"
+
+
+def bf16_drafting() -> bool:
+    """Whether a drafter beside a target on oneDNN multiplies in bf16 here: with oneDNN's bf16 kernels
+    (``bf16_kernels``), or without them (AVX2) with flashmm's compiled kernel, which multiplies a drafting step's
+    few rows from bf16 weights; its many-row products (a prompt's pass) then multiply the bf16-rounded weights in
+    fp32, through oneDNN's fp32 kernels. Either way the weights are the bf16 rounding of the drafter's and the
+    inputs and sums stay fp32 (oneDNN's bf16 kernels round the inputs too)."""
+    return bf16_kernels() or (onednn_available() and can_pack() and _small_kernel())
 
 
 def packed_bf16_weight(layer: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(``layer``'s weight in bfloat16 in oneDNN's blocked layout, its bias in bfloat16 or None), made once and
-    kept like ``packed_weight``'s."""
+    kept like ``packed_weight``'s. Without oneDNN's bf16 kernels (``bf16_drafting``): the weight's bf16 rounding
+    held in fp32, and the bias as it is."""
     key = (layer.weight.data_ptr(), layer.weight._version)
     hit = _PACKED_BF16.get(layer)
     if hit is None or hit[0] != key:
-        bias = None if layer.bias is None else layer.bias.detach().bfloat16()
-        hit = (key, (torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().bfloat16(), PACK_ROWS), bias))
+        rounded = layer.weight.detach().bfloat16()
+        if _onednn_bf16():
+            bias = None if layer.bias is None else layer.bias.detach().bfloat16()
+        else:
+            rounded, bias = rounded.float(), None if layer.bias is None else layer.bias.detach()
+        hit = (key, (torch.ops.mkldnn._reorder_linear_weight(rounded, PACK_ROWS), bias))
         _PACKED_BF16[layer] = hit
     return hit[1]
+
+
+@lru_cache(maxsize=1)
+def _onednn_bf16() -> bool:
+    return bf16_kernels()
 
 
 def _own_linear(layer: torch.nn.Linear, x: torch.Tensor) -> bool:
@@ -167,8 +186,10 @@ def _onednn_bf16_linear(layer: torch.nn.Linear, weight: torch.Tensor, bias: torc
         if codes is not None:
             out = blocks.bf16_linear(x.reshape(count, x.shape[-1]), codes, layer.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    if not _onednn_bf16():  # the bf16-rounded weight in fp32 (packed_bf16_weight)
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "").reshape(*x.shape[:-1], -1)
+    out = torch.ops.mkldnn._linear_pointwise(rows.to(torch.bfloat16), weight, bias, "none", [], "")
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -210,7 +231,7 @@ class OneDNNLinears:
     ``OneDNNLinears`` is not routed again, so nesting is harmless. ``pack``: multiply with the
     weights in oneDNN's blocked layout (packed_weight; None: when torch can and the routed weights
     total at most PACK_LIMIT_BYTES); ``packed`` says whether they are. ``bf16``: multiply in bfloat16
-    (packed bf16 copies of the weights, fp32 in and out): for drafters only (``bf16_kernels``).
+    (packed bf16 copies of the weights, fp32 in and out): for drafters only (``bf16_drafting``).
     """
 
     def __init__(self, model: torch.nn.Module, pack: bool | None = None, bf16: bool = False):
