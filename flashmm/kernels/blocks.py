@@ -33,7 +33,7 @@ GROUP = 16
 #: the most rows of input the kernel multiplies: 4-bit weights; more go to oneDNN's fp32 matmul, which is as fast
 #: from about 90 rows on with AVX-512 (SmolLM2's layer weights on the 2-core EPYC, eval/results/blocks_linear.md)
 MAX_ROWS = 64
-#: the same with AVX2 alone, whose kernel expands 6 rows at a time: oneDNN is as fast from about 32 rows on
+#: the same with AVX2 alone, whose kernel expands 8 rows at a time: oneDNN is as fast from about 24-32 rows on
 #: (SmolLM2's layer weights on a 2-core AVX2 EPYC, eval/results/blocks_linear_avx2.md)
 MAX_ROWS_AVX2 = 24
 #: the same for 8-bit weights (SmolLM2's Q8_0 LM head: 1.6 ms against oneDNN's 2.8 for 4 rows, 3.0 against 3.8 for 8)
