@@ -154,11 +154,40 @@ def test_the_bf16_product_is_the_float64_product_of_the_bf16_weight(rows):
     bound = (x.abs().double() @ weight.abs().T + layer.bias.detach().abs().double()) * 72 * 2.0 ** -24
     out = blocks.bf16_linear(x, blocks.bf16_codes(layer.weight), layer.bias.detach())
     assert bool(((out.double() - exact).abs() <= bound).all())
-    if not bf16_kernels():  # AVX2 without AVX-512: oneDNN packs no bf16 weight, drafters multiply in fp32
+    if not bf16_kernels():  # AVX2 without AVX-512: oneDNN packs no bf16 weight (the routing: test_onednn.py)
         return
     with torch.no_grad(), OneDNNLinears(layer, bf16=True):
         routed = layer(x[:1])
     assert bool(((routed.double() - exact[:1]).abs() <= bound[:1]).all())  # oneDNN would round x to bf16 too
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "AVX2", reason="this machine runs the AVX2 path already")
+def test_the_avx2_build_multiplies_as_exactly():
+    """The kernel compiled without AVX-512 (two 8-lane halves a group; the path of AVX2-only CPUs, which an AVX-512
+    machine's own build never takes): its 4-bit, 8-bit and bf16 products at every row count its tiling splits
+    (one or both halves at a time, full and partial tiles) are the float64 products to fp32 rounding, equal to
+    the machine's own build's up to that bound."""
+    avx2 = blocks.build("-mno-avx512f")
+    assert avx2.isa() == "avx2" and blocks.build().isa() != "avx2"
+    torch.manual_seed(0)
+    q4, q8, bias = q4_1(torch.randn(48, 192)), q8_0(torch.randn(48, 192)), torch.randn(48)
+    layer = torch.nn.Linear(192, 48)
+    bf16 = layer.weight.detach().bfloat16().double()
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 24):
+        x = torch.randn(rows, 192)
+        for weight, products in ((q4, lambda kernel, w=blocks.encode(q4): kernel.block_linear(x, w.codes, w.scale, w.low, bias)),
+                                 (q8, lambda kernel, w=blocks.encode(q8): kernel.block_linear(x, w.codes, w.scale, w.scale.new_empty(0), bias)),
+                                 (bf16, lambda kernel: kernel.bf16_linear(x, blocks.bf16_codes(layer.weight), bias))):
+            exact = x.double() @ weight.double().T + bias.double()
+            bound = (x.abs().double() @ weight.abs().double().T + bias.abs().double()) * 192 * 2.0 ** -24
+            for kernel in (avx2, blocks.build()):
+                assert bool(((products(kernel).double() - exact).abs() <= bound).all()), (rows, kernel.isa())
+    wrong = blocks.encode(q4)
+    swapped = wrong.codes.clone()
+    swapped[..., :8] = wrong.codes[..., 8:]                   # a group's first 8 rows given the next 8's codes: caught
+    x = torch.randn(3, 192)
+    exact = x.double() @ q4.double().T
+    assert not torch.allclose(avx2.block_linear(x, swapped, wrong.scale, wrong.low, None).double(), exact, atol=1e-3)
 
 
 def test_sampling_on_block_weights_keeps_the_models_distribution():

@@ -139,17 +139,23 @@ def version() -> str:
                           + torch.backends.cpu.get_cpu_capability().encode()).hexdigest()[:16]
 
 
-@lru_cache(maxsize=1)
 def _kernel():
+    return build()
+
+
+@lru_cache(maxsize=None)
+def build(*extra_cflags: str):
+    """The kernel compiled for this machine (``-march=native``), ``extra_cflags`` appended: the tests build the
+    AVX2 path on an AVX-512 machine with ``-mno-avx512f``. Its ``isa()`` names the vector path it compiled."""
     from torch.utils.cpp_extension import load  # noqa: PLC0415 (imports setuptools; only when a model needs it)
 
     from flashmm.paths import cache_dir  # noqa: PLC0415
 
-    key = version()
-    build = cache_dir() / "kernels" / f"blocks-{key}"
-    build.mkdir(parents=True, exist_ok=True)
-    return load(f"flashmm_blocks_{key}", [str(_SOURCE)], build_directory=str(build),
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+    key = version() + "".join(f"_{flag.strip('-').replace('-', '_')}" for flag in extra_cflags)
+    build_dir = cache_dir() / "kernels" / f"blocks-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load(f"flashmm_blocks_{key}", [str(_SOURCE)], build_directory=str(build_dir),
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *extra_cflags],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 

@@ -496,7 +496,19 @@ torch::Tensor rope_append(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
   return q;
 }
 
+// the vector path this build compiled (the tests build the AVX2 one on AVX-512 machines too)
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(FLASHMM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("isa", &isa, "the vector path this build compiled: avx512, avx2 or scalar");
   module.def("rope_append", &rope_append, "rotary q and k of a step, its keys and values written into the cache");
   module.def("bf16_linear", &bf16_linear, "x [M, K] fp32 times a bf16 weight [N, K] (codes [N / 16, K, 16]), plus bias");
   module.def("rms_norm", &rms_norm, "RMSNorm of each row of x [M, D]");
