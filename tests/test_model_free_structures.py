@@ -86,38 +86,48 @@ def test_suffix_array_and_retrieval_match_brute_force():
     assert sorted(store.array[lo:hi].tolist()) == hits
 
 
-def test_datastore_tree_growth_matches_brute_force_counts():
+@pytest.mark.parametrize("size, depth, max_match", [(600, 3, 8), (6000, 5, 2)])
+def test_datastore_tree_growth_matches_brute_force_counts(size, depth, max_match):
     """Datastore.longest_match / grow against a scan of the corpus: the longest occurring context
     suffix, and every continuation prefix (up to max_depth, cut at separators) with score = its
-    share of the occurrences, best first; a sampled range counts every k-th occurrence."""
+    share of the occurrences, best first, each extending one before it; a sampled range counts every
+    k-th occurrence. The larger corpus's short matches have ranges of ~1,000 occurrences: grow reads them a
+    depth at a time, dropping runs that cannot reach the best max_nodes."""
     rng = np.random.default_rng(3)
-    tokens = rng.integers(0, 4, 600)
-    tokens[rng.integers(0, 600, 20)] = -1
+    tokens = rng.integers(0, 4, size)
+    tokens[rng.integers(0, size, size // 30)] = -1
     store = Datastore(tokens)
     for trial in range(20):
         context = rng.integers(0, 4, 12).tolist()
-        lo, hi, p = store.longest_match(context, max_match=8, min_match=1)
-        occurs = [n for n in range(1, 9) if any(tokens[i:i + n].tolist() == context[-n:] for i in range(600))]
+        lo, hi, p = store.longest_match(context, max_match=max_match, min_match=1)
+        occurs = [n for n in range(1, max_match + 1)
+                  if any(tokens[i:i + n].tolist() == context[-n:] for i in range(size))]
         assert p == max(occurs, default=0)
         if p == 0:
             continue
         hits = sorted(int(i) for i in store.array[lo:hi])
-        assert hits == [i for i in range(600) if tokens[i:i + p].tolist() == context[-p:]]
+        assert hits == [i for i in range(size) if tokens[i:i + p].tolist() == context[-p:]]
         counts = Counter()
         for i in hits:
-            follow = tokens[i + p:i + p + 3].tolist()
+            follow = tokens[i + p:i + p + depth].tolist()
             follow = follow[:follow.index(-1)] if -1 in follow else follow
             counts.update(tuple(follow[:d]) for d in range(1, len(follow) + 1))
-        grown = store.grow(lo, hi, p, max_nodes=10_000, max_depth=3)
+        grown = store.grow(lo, hi, p, max_nodes=10_000, max_depth=depth)
         assert {tuple(path): score for path, score in grown} == pytest.approx(
             {path: c / len(hits) for path, c in counts.items()})
         assert [score for _, score in grown] == sorted((score for _, score in grown), reverse=True)
-        top = store.grow(lo, hi, p, max_nodes=4, max_depth=3)
-        assert [score for _, score in top] == pytest.approx(
-            [c / len(hits) for c in sorted(counts.values(), reverse=True)[:4]])  # the 4 most frequent
+        for k in (4, 24):
+            top = store.grow(lo, hi, p, max_nodes=k, max_depth=depth)
+            assert [score for _, score in top] == pytest.approx(
+                [c / len(hits) for c in sorted(counts.values(), reverse=True)[:k]])  # the k most frequent
+            assert all(counts[tuple(path)] == round(score * len(hits)) for path, score in top)
+            before = set()
+            for path, _ in top:                                     # each path extends one returned before
+                assert len(path) == 1 or tuple(path[:-1]) in before
+                before.add(tuple(path))
         sampled = store.grow(lo, hi, p, max_nodes=10_000, max_depth=1, max_occurrences=max(1, len(hits) // 2))
         every = store.array[lo:hi:-(-len(hits) // max(1, len(hits) // 2))] + p
-        firsts = Counter(int(tokens[i]) for i in every if i < 600 and tokens[i] != -1)
+        firsts = Counter(int(tokens[i]) for i in every if i < size and tokens[i] != -1)
         assert {path: score for path, score in ((tuple(a), b) for a, b in sampled)} == pytest.approx(
             {(t,): c / len(every) for t, c in firsts.items()})
 

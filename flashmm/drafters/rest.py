@@ -15,7 +15,6 @@ the part that pays.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import lzma
 import os
@@ -76,10 +75,11 @@ class Datastore:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def _bound(self, pattern: list[int], upper: bool) -> int:
-        """First suffix-array index whose suffix's first len(pattern) tokens are >= pattern (> if upper)."""
+    def _bound(self, pattern: list[int], upper: bool, lo: int = 0) -> int:
+        """First suffix-array index from ``lo`` whose suffix's first len(pattern) tokens are >= pattern (> if
+        upper)."""
         p, data, array = len(pattern), self._list, self.array
-        lo, hi = 0, len(array)
+        hi = len(array)
         while lo < hi:
             mid = (lo + hi) // 2
             start = int(array[mid])
@@ -91,8 +91,12 @@ class Datastore:
         return lo
 
     def _range(self, pattern: list[int]) -> tuple[int, int]:
-        """[lo, hi): the suffix-array range of the suffixes that begin with pattern."""
-        return self._bound(pattern, upper=False), self._bound(pattern, upper=True)
+        """[lo, hi): the suffix-array range of the suffixes that begin with pattern (the upper end is searched
+        for only when the lower one begins with it: most lookups of a longer suffix find nothing)."""
+        lo = self._bound(pattern, upper=False)
+        if lo == len(self.array) or self._list[int(self.array[lo]):int(self.array[lo]) + len(pattern)] != pattern:
+            return lo, lo
+        return lo, self._bound(pattern, upper=True, lo=lo + 1)
 
     def occurrences(self, pattern: list[int]) -> np.ndarray:
         """Start positions (int64, suffix-array order) of every occurrence of pattern."""
@@ -119,37 +123,58 @@ class Datastore:
         """Best-first speculation after the match of length p whose suffix-array range is
         [lo, hi): up to max_nodes (path, score) pairs, each path extending one returned before,
         score = the fraction of the occurrences continuing with the path (a separator ends a
-        continuation). The range is sorted by continuation, so each child is a run of equal tokens
-        at its depth. Past ``max_occurrences`` occurrences an evenly spaced sample of the range
+        continuation). The range is sorted by continuation, so every path is a run of rows at its depth,
+        found for all paths of a depth at once; a run that cannot reach the best ``max_nodes`` (its count not
+        above the max_nodes-th found) is not read further. Past ``max_occurrences`` occurrences an evenly spaced sample of the range
         stands for it (the range is sorted, so the sample keeps each run's share)."""
+        if max_nodes <= 0 or max_depth <= 0 or hi <= lo:
+            return []
         if len(self._padded) < len(self.tokens) + max_depth:
             self._padded = np.concatenate([self.tokens, np.full(max_depth, SEPARATOR, dtype=np.int64)])
         step = 1 if max_occurrences is None else max(1, -(-(hi - lo) // max_occurrences))
-        starts = self.array[lo:hi:step] + p
-        out: list[tuple[list[int], float]] = []
-        heap = [(-1.0, 0, 0, len(starts), 0, [])]  # (-score, tick, sample lo, sample hi, depth, path)
-        tick = 1
-        while heap and len(out) < max_nodes:
-            neg, _, a, b, depth, path = heapq.heappop(heap)
-            if path:
-                out.append((path, -neg))
-            if depth >= max_depth:
-                continue
-            following = self._padded[starts[a:b] + depth]
-            edges = np.flatnonzero(following[1:] != following[:-1]) + 1
-            first = np.concatenate([[0], edges])
-            counts = np.diff(np.concatenate([first, [b - a]]))
-            room = max_nodes - len(out)
-            keep = np.argsort(-counts, kind="stable")[:room] if len(counts) > room else range(len(counts))
-            for k in keep:
-                token = int(following[first[k]])
-                if token == SEPARATOR:
-                    continue
-                start = a + int(first[k])
-                heapq.heappush(heap, (neg * int(counts[k]) / (b - a), tick, start, start + int(counts[k]),
-                                      depth + 1, path + [token]))
-                tick += 1
-        return out
+        rows = self.array[lo:hi:step] + p                                   # where each continuation starts
+        n, data = len(rows), self._list
+        begins = np.zeros(n, dtype=bool)                                    # a row beginning a path (a run)
+        begins[0] = True
+        found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []        # (counts, depths, starts) of paths
+        floor = 0  # once max_nodes paths are found, the count a deeper path must exceed to be among the best
+        for depth in range(max_depth):
+            if len(rows) * (max_depth - depth) <= 1024:                     # few rows left: every path at once
+                found.append(self._paths(rows, begins, depth, max_depth))
+                break
+            token = self._padded[rows + depth]
+            begins[1:] |= token[1:] != token[:-1]
+            first = np.flatnonzero(begins)
+            counts = np.diff(first, append=len(rows))
+            real = token[first] != SEPARATOR                                # a separator ends a continuation
+            found.append((counts[real], np.full(int(real.sum()), depth), rows[first[real]]))
+            if sum(len(part[0]) for part in found) >= max_nodes:
+                every = np.concatenate([part[0] for part in found])
+                floor = int(np.partition(every, len(every) - max_nodes)[len(every) - max_nodes])
+            # a path's count is at most its parent's: only runs counted above floor can have a child kept
+            keep = np.repeat(real & (counts > floor), counts)
+            rows, begins = rows[keep], begins[keep]
+            if not len(rows):
+                break
+        counts, depths, starts = (np.concatenate(parts) for parts in zip(*found))
+        best = np.lexsort((depths, -counts))[:max_nodes]     # stable: a parent before its child at equal counts
+        return [(data[start:start + depth + 1], count / n)
+                for start, depth, count in zip(starts[best].tolist(), depths[best].tolist(), counts[best].tolist())]
+
+    def _paths(self, rows: np.ndarray, begins: np.ndarray, depth: int, until: int):
+        """(counts, depths, starts) of every path at depths depth .. until - 1 of the runs of ``rows`` (sorted
+        continuation starts; ``begins``: the rows beginning a run before ``depth``), read as one matrix."""
+        follow = self._padded[rows[:, None] + np.arange(depth, until)]     # [rows, until - depth]
+        ended = np.logical_or.accumulate(follow == SEPARATOR, axis=1)
+        new = np.empty(follow.shape, dtype=bool)                            # row i begins a path at that depth
+        new[0] = True
+        new[1:] = np.logical_or.accumulate(follow[1:] != follow[:-1], axis=1)
+        new |= begins[:, None]
+        at, row = np.nonzero(new.T)                                         # each path: its depth and first row
+        following = np.append(row[1:], len(rows))
+        following[np.append(at[1:] != at[:-1], True)] = len(rows)          # a depth's last path runs to the end
+        real = ~ended[row, at]
+        return (following - row)[real], at[real] + depth, rows[row[real]]
 
     def save(self, path, compact: bool = False) -> None:
         """tokens and suffix array (int64); ``compact``: the tokens alone, as int32 (a quarter of the
