@@ -161,6 +161,18 @@ def test_the_bf16_product_is_the_float64_product_of_the_bf16_weight(rows):
     assert bool(((routed.double() - exact[:1]).abs() <= bound[:1]).all())  # oneDNN would round x to bf16 too
 
 
+def test_the_kernel_compiles_from_a_copy_in_its_cache_folder():
+    """The build names no path of this checkout: an editable checkout and a wheel installed elsewhere share one
+    build (ninja would recompile, ~30 s, each time the other one loaded it)."""
+    from flashmm.paths import cache_dir  # noqa: PLC0415
+
+    blocks.build()
+    folder = cache_dir() / "kernels" / f"blocks-{blocks.version()}"
+    ninja = (folder / "build.ninja").read_text()
+    assert str(folder / blocks._SOURCE.name) in ninja and str(blocks._SOURCE.parent) not in ninja
+    assert (folder / blocks._SOURCE.name).read_bytes() == blocks._SOURCE.read_bytes()
+
+
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "AVX2", reason="this machine runs the AVX2 path already")
 def test_the_avx2_build_multiplies_as_exactly():
     """The kernel compiled without AVX-512 (two 8-lane halves a group; the path of AVX2-only CPUs, which an AVX-512

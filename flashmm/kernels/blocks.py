@@ -18,6 +18,7 @@ step then multiplies with oneDNN as before).
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import shutil
 from dataclasses import dataclass
@@ -154,7 +155,15 @@ def build(*extra_cflags: str):
     key = version() + "".join(f"_{flag.strip('-').replace('-', '_')}" for flag in extra_cflags)
     build_dir = cache_dir() / "kernels" / f"blocks-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    return load(f"flashmm_blocks_{key}", [str(_SOURCE)], build_directory=str(build_dir),
+    # compiled from a copy inside its build folder: the build names no path outside it, so installs of the same
+    # source (an editable checkout, a wheel in a virtual environment) share one build instead of recompiling
+    # (~30 s) each time another one loads it
+    source = build_dir / _SOURCE.name
+    if not source.is_file():
+        partial = build_dir / f".{_SOURCE.name}.{os.getpid()}"
+        partial.write_bytes(_SOURCE.read_bytes())
+        os.replace(partial, source)
+    return load(f"flashmm_blocks_{key}", [str(source)], build_directory=str(build_dir),
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *extra_cflags],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
