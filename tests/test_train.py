@@ -4,6 +4,7 @@ the command line, JSONL records and media loading.
 Acceptance is measured as τ (tokens per target forward) of flashmm.wrap(target, drafter) on
 held-out prompts, with every output checked against the target's own greedy generate.
 """
+import dataclasses
 import json
 import shutil
 
@@ -28,6 +29,9 @@ def text_records(count, offset=0):
 
 
 def mean_tau(model, drafter, prompts, processor=None, max_new=NEW):
+    """τ with every step drafting up to its cap (pricing="none"): the drafter's acceptance, not a tree cut by a
+    verify cost timed on a machine that other tests load."""
+    drafter = FlashDrafter(drafter.net, options=dataclasses.replace(drafter.options, pricing="none"))
     sm = flashmm.wrap(model, drafter, processor=processor)
     taus = []
     for inputs in prompts:
