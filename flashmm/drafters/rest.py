@@ -94,7 +94,8 @@ class Datastore:
         """[lo, hi): the suffix-array range of the suffixes that begin with pattern (the upper end is searched
         for only when the lower one begins with it: most lookups of a longer suffix find nothing)."""
         lo = self._bound(pattern, upper=False)
-        if lo == len(self.array) or self._list[int(self.array[lo]):int(self.array[lo]) + len(pattern)] != pattern:
+        start = int(self.array[lo]) if lo < len(self.array) else len(self._list)
+        if self._list[start:start + len(pattern)] != pattern:
             return lo, lo
         return lo, self._bound(pattern, upper=True, lo=lo + 1)
 
@@ -123,10 +124,11 @@ class Datastore:
         """Best-first speculation after the match of length p whose suffix-array range is
         [lo, hi): up to max_nodes (path, score) pairs, each path extending one returned before,
         score = the fraction of the occurrences continuing with the path (a separator ends a
-        continuation). The range is sorted by continuation, so every path is a run of rows at its depth,
-        found for all paths of a depth at once; a run that cannot reach the best ``max_nodes`` (its count not
-        above the max_nodes-th found) is not read further. Past ``max_occurrences`` occurrences an evenly spaced sample of the range
-        stands for it (the range is sorted, so the sample keeps each run's share)."""
+        continuation). The range is sorted by continuation, so every path is a run of rows at its
+        depth, found for all paths of a depth at once; a run that cannot reach the best ``max_nodes``
+        (its count not above the max_nodes-th found) is not read further. Past ``max_occurrences``
+        occurrences an evenly spaced sample of the range stands for it (the range is sorted, so the
+        sample keeps each run's share)."""
         if max_nodes <= 0 or max_depth <= 0 or hi <= lo:
             return []
         if len(self._padded) < len(self.tokens) + max_depth:
