@@ -113,7 +113,7 @@ def test_generic_adapter_serves_the_family(kind):
 def test_flash_exact_and_spans_are_the_placeholders(kind, case, k):
     model = vlm(kind)
     inputs, reference = case_inputs(kind, case)
-    drafter = RecordingFlash.from_target(model, num_queries=4, tokens_per_step=k, seed=0)
+    drafter = RecordingFlash.from_target(model, num_queries=4, tokens_per_step=k, seed=0, pricing="none")
     sm = flashmm.wrap(model, drafter)
     assert torch.equal(sm.generate(**inputs, max_new_tokens=MAX_NEW), reference)
     assert sm.last_stats.drafted_tokens > 0
