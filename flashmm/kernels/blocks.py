@@ -140,10 +140,6 @@ def version() -> str:
                           + torch.backends.cpu.get_cpu_capability().encode()).hexdigest()[:16]
 
 
-def _kernel():
-    return build()
-
-
 @lru_cache(maxsize=None)
 def build(*extra_cflags: str):
     """The kernel compiled for this machine (``-march=native``), ``extra_cflags`` appended: the tests build the
@@ -181,7 +177,7 @@ def _max_rows_4bit() -> int:
 def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] fp32 → x Wᵀ + bias [M, out], W the fp32 weight ``weight`` encodes (its exact values)."""
     low = weight.low if weight.low is not None else weight.scale.new_empty(0)
-    return _kernel().block_linear(x.contiguous(), weight.codes, weight.scale, low, bias)
+    return build().block_linear(x.contiguous(), weight.codes, weight.scale, low, bias)
 
 
 def bf16_codes(weight: torch.Tensor) -> torch.Tensor | None:
@@ -197,22 +193,22 @@ def bf16_codes(weight: torch.Tensor) -> torch.Tensor | None:
 def bf16_linear(x: torch.Tensor, codes: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] fp32 → x Wᵀ + bias [M, out] for the bf16 weight ``codes`` (``bf16_codes``), x kept in fp32 and
     every product summed in fp32. For up to MAX_ROWS rows."""
-    return _kernel().bf16_linear(x.contiguous(), codes, bias)
+    return build().bf16_linear(x.contiguous(), codes, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, D] fp32 → its rows' RMSNorm (``torch.rms_norm``'s, to fp32 rounding), in one pass."""
-    return _kernel().rms_norm(x.contiguous(), weight, eps)
+    return build().rms_norm(x.contiguous(), weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, its rows' RMSNorm): a residual step and the norm after it, x and delta [M, D] fp32."""
-    return _kernel().add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
+    return build().add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
 
 
 def silu_mul(gated: torch.Tensor) -> torch.Tensor:
     """gated [M, 2F] = [gate | up] fp32 → silu(gate) * up [M, F]."""
-    return _kernel().silu_mul(gated.contiguous())
+    return build().silu_mul(gated.contiguous())
 
 
 def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
@@ -221,7 +217,7 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     turn), cos / sin [B, n, 1 or absent, D] (the model's rotary_emb's) → q [B, heads, n, D] rotated, the rotated
     keys and the values written into ``room`` (keys, values) [B, kv_heads, capacity, D] at rows length .. + n."""
     batch, n, dim = cos.shape[0], cos.shape[1], cos.shape[-1]
-    return _kernel().rope_append(qkv.contiguous(), cos.reshape(batch, n, dim), sin.reshape(batch, n, dim),
+    return build().rope_append(qkv.contiguous(), cos.reshape(batch, n, dim), sin.reshape(batch, n, dim),
                                  heads, kv_heads, room, length)
 
 
