@@ -71,6 +71,7 @@ def test_greedy_on_block_weights_is_generate(arch, monkeypatch):
     model, draft = quantised(tiny_lm(arch)), tiny_lm(arch, seed=5)
     step = fused.fused_step(model)
     assert step.blocks and isinstance(step.head, fused.Weight) and step._head_blocks(1) and not step._head_blocks(blocks.MAX_ROWS_8 + 1)
+    assert step.stack is not None                                  # its layers run as one compiled call
     calls = []
     original = blocks.linear
     monkeypatch.setattr(blocks, "linear", lambda *args: calls.append(args[0].shape[0]) or original(*args))
@@ -87,6 +88,41 @@ def test_greedy_on_block_weights_is_generate(arch, monkeypatch):
     with fused.FusedForward(model, blocks=False):
         assert not fused.fused_step(model, blocks=False).blocks
         assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=24), reference)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_layer_stack_sums_what_the_layer_loop_sums(arch):
+    """The fused step's layers as one compiled call (LayerStack) give the Python layer loop's logits, hidden states
+    and cache rows bit for bit: a prompt (causal), one token, a chain and a tree (additive masks, grouped heads
+    folded), a batch of two; qwen2's q / k / v carry biases."""
+    from flashmm.targets import cache as kv  # noqa: PLC0415
+    from flashmm.tree.token_tree import TokenTree  # noqa: PLC0415
+
+    model = quantised(tiny_lm(arch))
+    step = fused.fused_step(model)
+    assert step.stack is not None and step.stack_rows == blocks.max_rows(step.layers[0][2].blocks)
+    stack = step.stack
+    tree = TokenTree.from_parents([-1, 0, 0, 1, 2])
+    for batch in (1, 2):
+        ids = prompt(12 * batch, seed=batch).view(batch, 12)
+        outputs = {}
+        for name, which in (("stack", stack), ("loop", None)):
+            step.stack, cache, got = which, kv.new_cache(), []
+            positions = torch.arange(12)[None].expand(batch, -1)
+            got.append(step(ids, positions, cache, None, True))
+            got.append(step(ids[:, -1:], torch.full((batch, 1), 12), cache, None, (1, 2)))
+            got.append(step(ids[:, :4], torch.arange(13, 17)[None].expand(batch, -1), cache, None, False))
+            bias = tree.attention_bias(17, torch.float32, torch.device("cpu"))
+            got.append(step(ids[:, :5], tree.positions(17)[None].expand(batch, -1), cache, bias, True))
+            outputs[name] = (got, [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)])
+        step.stack = stack
+        (stacked, stacked_rows), (looped, looped_rows) = outputs["stack"], outputs["loop"]
+        for (logits_a, hidden_a), (logits_b, hidden_b) in zip(stacked, looped):
+            assert torch.equal(logits_a, logits_b)
+            assert (hidden_a is None) == (hidden_b is None)
+            if hidden_a is not None:
+                assert len(hidden_a) == len(hidden_b) and all(torch.equal(a, b) for a, b in zip(hidden_a, hidden_b))
+        assert all(torch.equal(a, b) for a, b in zip(stacked_rows, looped_rows))
 
 
 def q8_0(weight: torch.Tensor) -> torch.Tensor:

@@ -496,6 +496,87 @@ torch::Tensor rope_append(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
   return q;
 }
 
+// A decode step's decoder layers in one call (Llama-family layers whose four matmuls multiply from block codes, no
+// q / k norms), doing what FusedDecoder's layer loop does, in its order and with its kernels and attention call, so
+// its sums are the same bit for bit; the ~20 Python-level calls a layer costs (~1 ms of SmolLM2's ~6.5 ms
+// one-token step on the 2-core EPYC) become one call a step. Each layer's weights, per FIELDS entries: qkv
+// (codes, d, m, bias), o (codes, d, m, bias), the post-attention norm's weight, gate|up (codes, d, m), down
+// (codes, d, m), the next norm's weight (the next layer's input norm, the final norm after the last); an absent
+// bias or 8-bit m is an empty tensor. eps: each layer's post-attention and next norm's epsilon.
+namespace {
+
+constexpr size_t FIELDS = 16;
+
+c10::optional<torch::Tensor> present(const torch::Tensor& t) {
+  return t.defined() && t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& bias) {
+  return block_linear(x, w[0], w[1], w[2], present(bias));
+}
+
+// flashmm.targets.fused_attention.attend: q [B, H, n, D] over keys / values [B, KV, S, D] under an additive mask
+// [B or 1, 1, n, S] (or none), a verification step's grouped query heads folded onto their kv head
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                     const c10::optional<torch::Tensor>& mask, bool causal, double scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), n = q.size(2), dim = q.size(3), kv_heads = keys.size(1);
+  if (heads == kv_heads || causal || !mask.has_value() || n < 2 || n > 64)
+    return at::scaled_dot_product_attention(q, keys, values, mask, 0.0, causal, scale, heads != kv_heads);
+  const int64_t group = heads / kv_heads, slots = keys.size(2);
+  auto m = mask->reshape({-1, 1, n, slots});
+  const int64_t rows = m.size(0);
+  auto folded = q.reshape({batch, kv_heads, group * n, dim});
+  m = m.unsqueeze(2).expand({rows, 1, group, n, slots}).reshape({rows, 1, group * n, slots});
+  return at::scaled_dot_product_attention(folded, keys, values, m, 0.0, false, scale).view({batch, heads, n, dim});
+}
+
+}  // namespace
+
+struct LayerStack {
+  std::vector<torch::Tensor> weights;
+  std::vector<double> eps;
+  int64_t heads, kv_heads;
+  double scaling;
+
+  LayerStack(std::vector<torch::Tensor> weights, std::vector<double> eps, int64_t heads, int64_t kv_heads,
+             double scaling)
+      : weights(std::move(weights)), eps(std::move(eps)), heads(heads), kv_heads(kv_heads), scaling(scaling) {
+    TORCH_CHECK(this->weights.size() % FIELDS == 0 && this->eps.size() * FIELDS == 2 * this->weights.size(),
+                "weights: ", FIELDS, " tensors a layer, eps: 2 a layer");
+  }
+
+  // x, normed [B * n, width] (normed: x through the first layer's input norm); rooms: each layer's (keys, values)
+  // [B, KV, capacity, D], its first `length` rows cached; cos / sin [B, n, D] → [x, normed after the last layer
+  // (the final norm), each layer's keys and values (its room's first length + n rows), and with keep_hidden each
+  // layer's output x]
+  std::vector<torch::Tensor> run(torch::Tensor x, torch::Tensor normed, std::vector<torch::Tensor> rooms, int64_t length,
+                                 torch::Tensor cos, torch::Tensor sin, c10::optional<torch::Tensor> mask, bool causal,
+                                 bool keep_hidden) {
+    const size_t layers = weights.size() / FIELDS;
+    TORCH_CHECK(rooms.size() == 2 * layers, "rooms: keys and values for each of the ", layers, " layers");
+    const int64_t batch = cos.size(0), n = cos.size(1), dim = cos.size(2);
+    std::vector<torch::Tensor> out(2 + 2 * layers);
+    for (size_t l = 0; l < layers; ++l) {
+      const torch::Tensor* w = weights.data() + l * FIELDS;
+      auto qkv = product(normed, w, w[3]);
+      auto q = rope_append(qkv, cos, sin, heads, kv_heads, {rooms[2 * l], rooms[2 * l + 1]}, length);
+      auto keys = rooms[2 * l].narrow(2, 0, length + n), values = rooms[2 * l + 1].narrow(2, 0, length + n);
+      out[2 + 2 * l] = keys;
+      out[3 + 2 * l] = values;
+      auto attended = attend(q, keys, values, mask, causal, scaling).transpose(1, 2).reshape({batch * n, heads * dim});
+      auto after = add_rms_norm(x, product(attended, w + 4, w[7]), w[8], eps[2 * l]);
+      auto gated = silu_mul(product(std::get<1>(after), w + 9, torch::Tensor()));
+      auto next = add_rms_norm(std::get<0>(after), product(gated, w + 12, torch::Tensor()), w[15], eps[2 * l + 1]);
+      x = std::get<0>(next);
+      normed = std::get<1>(next);
+      if (keep_hidden) out.push_back(x);
+    }
+    out[0] = x;
+    out[1] = normed;
+    return out;
+  }
+};
+
 // the vector path this build compiled (the tests build the AVX2 one on AVX-512 machines too)
 std::string isa() {
 #if defined(__AVX512F__)
@@ -514,5 +595,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rms_norm", &rms_norm, "RMSNorm of each row of x [M, D]");
   module.def("add_rms_norm", &add_rms_norm, "(x + delta, its RMSNorm)");
   module.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] [M, 2F]");
+  // module_local: the AVX2 build the tests load beside this one registers its own
+  pybind11::class_<LayerStack>(module, "LayerStack", pybind11::module_local())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<double>, int64_t, int64_t, double>())
+      .def("run", &LayerStack::run, "a decode step's decoder layers: [x, normed, each layer's keys and values, each layer's x with keep_hidden]");
   module.def("block_linear", &block_linear, "x [M, K] fp32 times a 4-bit or 8-bit block weight [N, K], plus bias");
 }

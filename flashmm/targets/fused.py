@@ -176,8 +176,19 @@ def reserve(cache, index: int, keys: torch.Tensor) -> tuple[tuple[torch.Tensor, 
     """Make layer ``index``'s keys / values views of its first rows and n more, n new rows shaped as ``keys``
     [B, H, n, D] (only its shape, dtype and device are read): (the room (keys, values) [B, H, capacity, D],
     the cached row count the caller writes the new rows after). The rows live in room preallocated behind the
-    layer's tensors; when the layer's tensors are not that view (someone replaced them: the model's own
-    forward, a row selection) or the room is full, the room is allocated again and the rows copied once."""
+    layer's tensors (``room``)."""
+    room, length = _room(cache, index, keys)
+    layer, need = cache.layers[index], length + keys.shape[2]
+    layer.keys, layer.values = room[0][:, :, :need], room[1][:, :, :need]
+    layer.is_initialized = True
+    return room, length
+
+
+def _room(cache, index: int, keys: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """(layer ``index``'s room (keys, values) [B, H, capacity, D] with space for n more rows shaped as ``keys``, its
+    cached row count), the layer's tensors left as they are (``reserve`` makes them the room's first rows). When
+    the layer's tensors are not a view of its room (someone replaced them: the model's own forward, a row
+    selection) or the room is full, the room is allocated again and the rows copied once."""
     while len(cache.layers) <= index:
         cache.layers.append(cache.layer_class_to_replicate())
     layer = cache.layers[index]
@@ -195,8 +206,6 @@ def reserve(cache, index: int, keys: torch.Tensor) -> tuple[tuple[torch.Tensor, 
             room[0][:, :, :length] = held
             room[1][:, :, :length] = layer.values
         layer.room = room
-    layer.keys, layer.values = room[0][:, :, :need], room[1][:, :, :need]
-    layer.is_initialized = True
     return room, length
 
 
@@ -223,6 +232,31 @@ class FusedDecoder:
         self.head_rows = head.weight.shape[0]
         #: the screened LM head (flashmm.targets.head_screen); None where oneDNN has no bf16 kernels
         self.argmax_head = ArgmaxHead(head.weight) if bf16_kernels() else None
+        #: the layers as one compiled call (blocks_cpu.cpp's LayerStack) when every layer multiplies from block codes
+        #: and has no q / k norms; None otherwise. ``stack_rows``: the most rows it takes (its weights' kernel limit)
+        self.stack, self.stack_rows = self._stack()
+
+    def _stack(self):
+        """(LayerStack, the most rows its weights multiply from their codes) or (None, 0): the layer loop's fast path,
+        the same kernels and attention call in the same order (the same sums bit for bit), one call a step instead of
+        ~20 Python-level calls a layer."""
+        weights, eps = [], []
+        empty = torch.empty(0)
+        for index, (_, _, qkv_w, qkv_b, qk_norm, o_w, o_b, norm2, eps2, gate_up, down) in enumerate(self.layers):
+            matrices = (qkv_w, o_w, gate_up, down)
+            if qk_norm is not None or not all(isinstance(w, Weight) and w.blocks is not None for w in matrices):
+                return None, 0
+            following = self.layers[index + 1][:2] if index + 1 < len(self.layers) else self.final_norm
+            codes = [(w.blocks.codes, w.blocks.scale, w.blocks.low if w.blocks.low is not None else empty)
+                     for w in matrices]
+            weights += [*codes[0], empty if qkv_b is None else qkv_b.contiguous(), *codes[1],
+                        empty if o_b is None else o_b.detach().contiguous(), norm2.detach(), *codes[2], *codes[3],
+                        following[0].detach()]
+            eps += [eps2, following[1]]
+        if not self.layers:
+            return None, 0
+        rows = min(block_kernel.max_rows(layer[i].blocks) for layer in self.layers for i in (2, 5, 9, 10))
+        return block_kernel.build().LayerStack(weights, eps, self.heads, self.kv_heads, self.scaling), rows
 
     def _head_blocks(self, rows: int) -> bool:
         """Whether the LM head multiplies ``rows`` rows from its block codes (exact, and cheaper than the screened
@@ -290,7 +324,23 @@ class FusedDecoder:
             x = x[real]                                                    # [N, width]: the real positions
         norm, add_norm, silu_mul = _SMALL_STEPS[self.blocks]
         normed = norm(x, *self.layers[0][:2]) if self.layers else None
-        for index, (_, _, qkv_w, qkv_b, qk_norm, o_w, o_b, norm2, eps2, gate_up, down) in enumerate(self.layers):
+        stacked = self.stack is not None and real is None and groups is None and batch * n <= self.stack_rows
+        if stacked:
+            like = x.new_empty(1, 1, 1, 1).expand(batch, kv_heads, n, dim)
+            rooms, length = [], None
+            for index in range(len(self.layers)):
+                room, length = _room(cache, index, like)
+                rooms += room
+            out = self.stack.run(x.contiguous(), normed, rooms, length, cos.reshape(batch, n, dim),
+                                 sin.reshape(batch, n, dim), mask, causal, hidden is not None)
+            x, normed = out[0], out[1]
+            # each layer's tensors: its room's first rows, as views run returns (each ~3 us to make here)
+            for index, layer in enumerate(cache.layers[: len(self.layers)]):
+                layer.keys, layer.values, layer.is_initialized = out[2 + 2 * index], out[3 + 2 * index], True
+            if hidden is not None:
+                hidden += [layer_x.view(batch, n, width) for layer_x in out[2 + 2 * len(self.layers):]]
+        layers = () if stacked else self.layers
+        for index, (_, _, qkv_w, qkv_b, qk_norm, o_w, o_b, norm2, eps2, gate_up, down) in enumerate(layers):
             qkv = _unpacked(_linear(normed, qkv_w, qkv_b), real, batch * n)
             if self.blocks and qk_norm is None:  # rotary embeddings and the cache write in one compiled pass
                 room, length = reserve(cache, index, qkv.new_empty(1, 1, 1, 1).expand(batch, kv_heads, n, dim))
