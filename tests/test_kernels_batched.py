@@ -239,6 +239,9 @@ def test_llama_batch_matches_generate(name, monkeypatch):
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
     sm = flashmm.wrap(target, DRAFTERS[name](target), attention="triton")
     assert sm.target.backend == "triton"
+    # every draft kept: whether the batch's measured pricing keeps them (and rows get holes) depends on how loaded
+    # the machine was when this model's batch cost was timed (a cost timed during a full suite cut them all)
+    monkeypatch.setattr(flashmm.engine.pricing.BatchPricing, "fit", lambda self, drafters, drafts, critical=None: drafts)
     spy = KernelSpy(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # no fallback
