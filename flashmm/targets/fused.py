@@ -42,6 +42,7 @@ from ..kernels import blocks as block_kernel
 from . import cache as kv
 from .graphs import padded_causal
 from .fused_attention import attend, query_runs, row_groups
+from .fused_room import append, reserve, room_of
 from .head_screen import ArgmaxHead
 from .onednn import PACK_LIMIT_BYTES, PACK_ROWS, OneDNNLinears, bf16_kernels, can_pack, onednn_available, packed_weight
 
@@ -63,8 +64,6 @@ def parts(model: torch.nn.Module) -> tuple | None:
     if name in VLM_FAMILIES and type(getattr(model.model, "language_model", None)).__name__ in DECODERS:
         return model.model.language_model, model.lm_head, model.config.get_text_config()
     return None
-#: slots preallocated beyond what a layer needs when its room is (re)allocated
-ROOM_BLOCK = 256
 _STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -160,53 +159,6 @@ def _unpacked(packed: torch.Tensor, real: torch.Tensor | None, rows: int) -> tor
     if real is None:
         return packed
     return packed.new_zeros(rows, packed.shape[1]).index_copy_(0, real, packed)
-
-
-def append(cache, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write one forward's keys / values [B, H, n, D] after layer ``index``'s cached rows and return all of
-    its rows (``reserve``'s room)."""
-    room, length = reserve(cache, index, keys)
-    room[0][:, :, length:length + keys.shape[2]] = keys
-    room[1][:, :, length:length + keys.shape[2]] = values
-    layer = cache.layers[index]
-    return layer.keys, layer.values
-
-
-def reserve(cache, index: int, keys: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
-    """Make layer ``index``'s keys / values views of its first rows and n more, n new rows shaped as ``keys``
-    [B, H, n, D] (only its shape, dtype and device are read): (the room (keys, values) [B, H, capacity, D],
-    the cached row count the caller writes the new rows after). The rows live in room preallocated behind the
-    layer's tensors (``room``)."""
-    room, length = _room(cache, index, keys)
-    layer, need = cache.layers[index], length + keys.shape[2]
-    layer.keys, layer.values = room[0][:, :, :need], room[1][:, :, :need]
-    layer.is_initialized = True
-    return room, length
-
-
-def _room(cache, index: int, keys: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
-    """(layer ``index``'s room (keys, values) [B, H, capacity, D] with space for n more rows shaped as ``keys``, its
-    cached row count), the layer's tensors left as they are (``reserve`` makes them the room's first rows). When
-    the layer's tensors are not a view of its room (someone replaced them: the model's own forward, a row
-    selection) or the room is full, the room is allocated again and the rows copied once."""
-    while len(cache.layers) <= index:
-        cache.layers.append(cache.layer_class_to_replicate())
-    layer = cache.layers[index]
-    held = layer.keys if layer.is_initialized and layer.keys is not None and layer.keys.numel() else None
-    length = 0 if held is None else held.shape[2]
-    need = length + keys.shape[2]
-    room = layer.__dict__.get("room")
-    fits = room is not None and room[0].shape[2] >= need and room[0].shape[:2] == keys.shape[:2] and \
-        (held is None or (held.data_ptr() == room[0].data_ptr() and held.stride() == room[0].stride()))
-    if not fits:
-        capacity = -(-(need + ROOM_BLOCK) // ROOM_BLOCK) * ROOM_BLOCK
-        shape = (*keys.shape[:2], capacity, keys.shape[3])
-        room = (keys.new_empty(shape), keys.new_empty(shape))
-        if held is not None:
-            room[0][:, :, :length] = held
-            room[1][:, :, :length] = layer.values
-        layer.room = room
-    return room, length
 
 
 class FusedDecoder:
@@ -329,7 +281,7 @@ class FusedDecoder:
             like = x.new_empty(1, 1, 1, 1).expand(batch, kv_heads, n, dim)
             rooms, length = [], None
             for index in range(len(self.layers)):
-                room, length = _room(cache, index, like)
+                room, length = room_of(cache, index, like)
                 rooms += room
             out = self.stack.run(x.contiguous(), normed, rooms, length, cos.reshape(batch, n, dim),
                                  sin.reshape(batch, n, dim), mask, causal, hidden is not None)
