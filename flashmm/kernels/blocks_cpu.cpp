@@ -516,11 +516,12 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor* w, const torc
 }
 
 // flashmm.targets.fused_attention.attend: q [B, H, n, D] over keys / values [B, KV, S, D] under an additive mask
-// [B or 1, 1, n, S] (or none), a verification step's grouped query heads folded onto their kv head
+// [B or 1, 1, n, S] (or none), a verification step's grouped query heads folded onto their kv head for
+// 2 <= n <= fold_max (its FOLD_MAX)
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                     const c10::optional<torch::Tensor>& mask, bool causal, double scale) {
+                     const c10::optional<torch::Tensor>& mask, bool causal, double scale, int64_t fold_max) {
   const int64_t batch = q.size(0), heads = q.size(1), n = q.size(2), dim = q.size(3), kv_heads = keys.size(1);
-  if (heads == kv_heads || causal || !mask.has_value() || n < 2 || n > 64)
+  if (heads == kv_heads || causal || !mask.has_value() || n < 2 || n > fold_max)
     return at::scaled_dot_product_attention(q, keys, values, mask, 0.0, causal, scale, heads != kv_heads);
   const int64_t group = heads / kv_heads, slots = keys.size(2);
   auto m = mask->reshape({-1, 1, n, slots});
@@ -535,12 +536,13 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
 struct LayerStack {
   std::vector<torch::Tensor> weights;
   std::vector<double> eps;
-  int64_t heads, kv_heads;
+  int64_t heads, kv_heads, fold_max;
   double scaling;
 
   LayerStack(std::vector<torch::Tensor> weights, std::vector<double> eps, int64_t heads, int64_t kv_heads,
-             double scaling)
-      : weights(std::move(weights)), eps(std::move(eps)), heads(heads), kv_heads(kv_heads), scaling(scaling) {
+             double scaling, int64_t fold_max)
+      : weights(std::move(weights)), eps(std::move(eps)), heads(heads), kv_heads(kv_heads), fold_max(fold_max),
+        scaling(scaling) {
     TORCH_CHECK(this->weights.size() % FIELDS == 0 && this->eps.size() * FIELDS == 2 * this->weights.size(),
                 "weights: ", FIELDS, " tensors a layer, eps: 2 a layer");
   }
@@ -563,7 +565,7 @@ struct LayerStack {
       auto keys = rooms[2 * l].narrow(2, 0, length + n), values = rooms[2 * l + 1].narrow(2, 0, length + n);
       out[2 + 2 * l] = keys;
       out[3 + 2 * l] = values;
-      auto attended = attend(q, keys, values, mask, causal, scaling).transpose(1, 2).reshape({batch * n, heads * dim});
+      auto attended = attend(q, keys, values, mask, causal, scaling, fold_max).transpose(1, 2).reshape({batch * n, heads * dim});
       auto after = add_rms_norm(x, product(attended, w + 4, w[7]), w[8], eps[2 * l]);
       auto gated = silu_mul(product(std::get<1>(after), w + 9, torch::Tensor()));
       auto next = add_rms_norm(std::get<0>(after), product(gated, w + 12, torch::Tensor()), w[15], eps[2 * l + 1]);
@@ -597,7 +599,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] [M, 2F]");
   // module_local: the AVX2 build the tests load beside this one registers its own
   pybind11::class_<LayerStack>(module, "LayerStack", pybind11::module_local())
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<double>, int64_t, int64_t, double>())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<double>, int64_t, int64_t, double, int64_t>())
       .def("run", &LayerStack::run, "a decode step's decoder layers: [x, normed, each layer's keys and values, each layer's x with keep_hidden]");
   module.def("block_linear", &block_linear, "x [M, K] fp32 times a 4-bit or 8-bit block weight [N, K], plus bias");
 }

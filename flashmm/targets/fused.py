@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..kernels import blocks as block_kernel
 from . import cache as kv
 from .graphs import padded_causal
-from .fused_attention import attend, query_runs, row_groups
+from .fused_attention import FOLD_MAX, attend, query_runs, row_groups
 from .fused_room import append, reserve, room_of
 from .head_screen import ArgmaxHead
 from .onednn import PACK_LIMIT_BYTES, PACK_ROWS, OneDNNLinears, bf16_kernels, can_pack, onednn_available, packed_weight
@@ -208,7 +208,8 @@ class FusedDecoder:
         if not self.layers:
             return None, 0
         rows = min(block_kernel.max_rows(layer[i].blocks) for layer in self.layers for i in (2, 5, 9, 10))
-        return block_kernel.build().LayerStack(weights, eps, self.heads, self.kv_heads, self.scaling), rows
+        stack = block_kernel.build().LayerStack(weights, eps, self.heads, self.kv_heads, self.scaling, FOLD_MAX)
+        return stack, rows
 
     def _head_blocks(self, rows: int) -> bool:
         """Whether the LM head multiplies ``rows`` rows from its block codes (exact, and cheaper than the screened
